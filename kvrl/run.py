@@ -1,0 +1,66 @@
+"""The only entry point: `python -m kvrl.run recipe=NAME key=value ...`.
+
+The config is loaded and validated first, and only then is the job's module imported, so
+a typo costs milliseconds (exit status 2, a message on stderr), not a torch/Ray start-up.
+"""
+
+import difflib
+import importlib
+import sys
+from typing import Sequence
+
+from omegaconf import OmegaConf
+
+from kvrl.config import ConfigError, available_recipes, cli_value, load_config, recipes_dir, schema_keys
+
+# cfg.job -> "module:function" called with the typed Config; the single list of jobs
+JOBS = {
+    "eval_budgets": "kvrl.eval.budgets:main",
+    "pretrain_tiny": "kvrl.models.pretrain:main",
+}
+
+USAGE = "usage: python -m kvrl.run [recipe=NAME] [key=value ...]  (print_config=true shows the result)"
+
+
+def help_text() -> str:
+    """Usage, the recipes with their descriptions, the jobs, and every key with its default."""
+    recipes = available_recipes()
+    width = max(map(len, recipes), default=0)
+    lines = [USAGE, "", f"recipes ({recipes_dir()}):"]
+    lines += [f"  {name:<{width}}  {about}" for name, about in recipes.items()] or ["  (none)"]
+    lines += ["", "jobs (job=NAME): " + ", ".join(JOBS), "", "keys and defaults (??? = required):"]
+    section = ""
+    for key, (_, default) in schema_keys().items():
+        if "." in key and key.split(".")[0] != section:
+            section = key.split(".")[0]
+            lines.append(f"  {section}:")
+        indent = "    " if "." in key else "  "
+        lines.append(f"{indent}{key}={cli_value(default)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(help_text())
+        return 0
+    try:
+        cfg = load_config(args)
+        if cfg.job not in JOBS:
+            near = difflib.get_close_matches(cfg.job, JOBS, n=1)
+            hint = f"did you mean job={near[0]}? " if near else ""
+            raise ConfigError(f"unknown job {cfg.job!r}; {hint}available jobs: {', '.join(JOBS)}")
+    except ConfigError as err:
+        print(f"kvrl: error: {err}", file=sys.stderr)
+        return 2
+    if cfg.print_config:
+        print(OmegaConf.to_yaml(cfg), end="")
+        return 0
+    # heavy imports (torch, transformers, ray) start here, after the config is known good
+    module, _, function = JOBS[cfg.job].partition(":")
+    result = getattr(importlib.import_module(module), function)(cfg)
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Config loading and the `python -m kvrl.run` front door: every mistake exits 2 with the fix."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvrl.config import Config, ConfigError, available_recipes, load_config
+from kvrl.run import JOBS, main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def repo_recipes(monkeypatch):
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KVRL_RECIPES_DIR"}
+    return subprocess.run([sys.executable, "-m", "kvrl.run", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+# --- the real entry point (subprocess: exit status and output streams) ---
+
+def test_unknown_recipe_exits_2_and_lists_recipes():
+    proc = run_module("recipe=nope")
+    assert proc.returncode == 2
+    assert "unknown recipe 'nope'" in proc.stderr
+    assert "default" in proc.stderr and "tiny_pretrain" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_print_config_exits_0_with_yaml():
+    proc = run_module("recipe=tiny_pretrain", "print_config=true", "trainer.lr=1e-3")
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["trainer"]["lr"] == 1e-3 and printed["trainer"]["steps"] == 2400
+    assert printed["output_dir"] == "outputs/tiny_pretrain"  # interpolations are resolved
+
+
+def test_no_heavy_import_before_the_config_is_valid():
+    script = (
+        "import sys; from kvrl.run import main\n"
+        "assert main(['trainer.lrr=1']) == 2\n"
+        "assert main(['print_config=true']) == 0\n"
+        "heavy = {'torch', 'transformers', 'ray'} & set(sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- in-process ---
+
+def test_mistyped_key_names_the_nearest_valid_key(capsys):
+    assert main(["trainer.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key trainer.lrr" in err and "did you mean trainer.lr?" in err
+
+
+@pytest.mark.parametrize("arg, key, expected, given", [
+    ("trainer.lr=abc", "trainer.lr", "float", "'abc'"),
+    ("kv.budget=1.5", "kv.budget", "int", "1.5"),
+])
+def test_wrong_type_names_key_type_and_value(capsys, arg, key, expected, given):
+    assert main([arg]) == 2
+    err = capsys.readouterr().err
+    assert f"{key} expects {expected}, got {given}" in err
+
+
+def test_malformed_argument_shows_the_syntax(capsys):
+    assert main(["trainer.lr", "0.1"]) == 2
+    assert "key=value" in capsys.readouterr().err
+
+
+def test_unknown_job_lists_the_jobs(capsys):
+    assert main(["job=eval_budget"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean job=eval_budgets?" in err and all(job in err for job in JOBS)
+
+
+def test_help_lists_recipes_jobs_and_keys(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "default" in out and "tiny_pretrain" in out
+    assert "Train the embedded tiny reasoner from scratch" in out  # first comment line
+    assert "pretrain_tiny" in out and "trainer.lr=0.003" in out and "eval.budgets=[0.25,0.5]" in out
+
+
+def test_printed_config_round_trips_as_a_recipe(capsys, tmp_path, monkeypatch):
+    assert main(["print_config=true", "kv.budget=64", "env.kwargs.depth=3"]) == 0
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["kv"]["budget"] == 64
+    original = load_config(["kv.budget=64", "env.kwargs.depth=3"])
+    (tmp_path / "again.yaml").write_text(printed)
+    monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
+    again = load_config(["recipe=again", "print_config=false"])
+    assert dataclasses.replace(again, recipe="default") == original
+
+
+def test_unknown_key_in_a_recipe_names_file_and_key(capsys, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# a recipe with a typo\njob: eval_budgets\ntrainer:\n  lrr: 0.1\n")
+    monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
+    assert main(["recipe=bad"]) == 2
+    err = capsys.readouterr().err
+    assert str(bad) in err and "trainer.lrr" in err and "did you mean trainer.lr?" in err
+
+
+def test_validation_messages_say_the_fix():
+    with pytest.raises(ConfigError) as info:
+        load_config(["kv.interval=0", "model.dtype=float64"])
+    message = str(info.value)
+    assert "kv.interval must be >= 1 (got 0); set kv.interval=16" in message
+    assert "model.dtype must be one of float32 | bfloat16 | float16 (got 'float64')" in message
+
+
+@pytest.mark.parametrize("recipe", sorted(available_recipes()))
+def test_every_recipe_loads_and_names_a_known_job(recipe):
+    cfg = load_config([f"recipe={recipe}"])
+    assert isinstance(cfg, Config) and cfg.recipe == recipe and cfg.job in JOBS
+
+
+def test_recipe_values_and_cli_overrides():
+    cfg = load_config([])
+    assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("default", "eval_budgets", "streaming",
+                                                                       [0.25, 0.5])
+    cfg = load_config(["recipe=tiny_pretrain", "trainer.steps=10", "run_name=x"])
+    assert (cfg.trainer.steps, cfg.trainer.lr, cfg.output_dir) == (10, 3e-3, "outputs/x")
