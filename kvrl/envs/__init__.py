@@ -1,0 +1,37 @@
+"""Environments: tasks and rewards for text rollouts, and eviction MDPs over fixed traces.
+
+Public API::
+
+    from kvrl.envs import Task, Reward, Env, TextEnv, TraceEnv
+    from kvrl.envs import register, make, registered, check_env, EnvCheckError
+
+    env = make("kvrl/math-v0", path="aime24.jsonl")   # or make("my_pkg.envs:MyEnv")
+    task, info = env.reset(seed=0)
+    _, reward, terminated, truncated, info = env.step(completion)
+
+Built-in ids (entry points are imported only by ``make``):
+
+* ``kvrl/math-v0``   -> :class:`kvrl.envs.math.MathEnv` (JSONL/parquet math sets, math-verify reward)
+* ``kvrl/chains-v0`` -> :class:`kvrl.envs.chains.ChainsEnv` (the tiny reasoner's synthetic tasks)
+"""
+
+from kvrl.envs.base import Env, Reward, Task, TextEnv, TraceEnv
+from kvrl.envs.check import EnvCheckError, check_env
+from kvrl.envs.registry import EnvNotFoundError, make, register, registered
+
+register("kvrl/math-v0", "kvrl.envs.math:MathEnv")
+register("kvrl/chains-v0", "kvrl.envs.chains:ChainsEnv")
+
+__all__ = [
+    "Env",
+    "EnvCheckError",
+    "EnvNotFoundError",
+    "Reward",
+    "Task",
+    "TextEnv",
+    "TraceEnv",
+    "check_env",
+    "make",
+    "register",
+    "registered",
+]

@@ -1,0 +1,270 @@
+"""Environment API: tasks, weighted rewards, and Gymnasium-shaped, seeded environments.
+
+Contract
+--------
+An environment yields *what to roll out* and turns a finished episode into a reward plus an
+``info`` dict of metrics. The framework, not the environment, owns tokenization, logprobs
+and attention masks.
+
+* ``reset(*, seed=None, options=None) -> (obs, info)`` and
+  ``step(action) -> (obs, reward, terminated, truncated, info)``, as in Gymnasium.
+  ``reward`` is a finite Python ``float``; ``terminated`` / ``truncated`` are ``bool``.
+* All randomness comes from ``self.np_random`` (a ``numpy.random.Generator``).
+  ``reset(seed=s)`` reseeds it and rewinds the task stream, so two resets with the same
+  seed give the same observation.
+* ``state_dict()`` / ``load_state_dict()`` capture the data cursor and the RNG state, so a
+  resumed run sees exactly the tasks it would have seen.
+
+Two kinds:
+
+* :class:`TextEnv` (``kind="text"``, RLKV and G-KV): one step per episode. The observation
+  is a :class:`Task`; the action is the generated completion (a ``str``).
+* :class:`TraceEnv` (``kind="trace"``, ForesightKV): many steps over a fixed token trace;
+  the reward arrives at the end.
+
+``kvrl.envs.check.check_env`` validates a subclass against this contract.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem to roll out.
+
+    Attributes
+    ----------
+    id : str
+        Stable, unique identifier (used for logging, grouping and resume checks).
+    prompt : str
+        Text given to the model (already formatted; chat templates are the framework's job).
+    answer : str | None
+        Reference answer for verifiable rewards; ``None`` when there is none.
+    meta : dict
+        Anything else a reward function needs (source, difficulty, ...).
+    """
+
+    id: str
+    prompt: str
+    answer: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Reward:
+    """A named reward function with a weight.
+
+    ``fn(task, completion)`` returns a number, or ``(number, extra_info)`` to report
+    diagnostics (``extra_info`` is merged into the step's ``info``). The episode reward is
+    ``Σ weight · fn``; ``weight == 0`` makes the function a metric only: it is reported in
+    ``info[name]`` but never added to the reward.
+    """
+
+    fn: Callable[[Task, str], Any]
+    weight: float = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = getattr(self.fn, "__name__", "") or "reward"
+
+
+class Env(abc.ABC):
+    """Base class: seeding, RNG state and the Gymnasium call signatures.
+
+    Subclasses set ``kind`` and implement ``reset`` / ``step``; ``reset`` calls
+    ``super().reset(seed=seed)`` first, which reseeds ``np_random`` as in Gymnasium.
+    :func:`kvrl.envs.make` sets ``id`` to the registered id or the dotted path.
+    """
+
+    id: str | None = None
+    kind: str = ""
+
+    _np_random: np.random.Generator | None = None
+
+    @property
+    def np_random(self) -> np.random.Generator:
+        """The environment's generator; seeded from OS entropy until ``reset(seed=...)``."""
+        if self._np_random is None:
+            self._np_random = np.random.default_rng()
+        return self._np_random
+
+    @np_random.setter
+    def np_random(self, rng: np.random.Generator) -> None:
+        self._np_random = rng
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        """Start an episode. The base implementation only reseeds ``np_random``."""
+        if seed is not None:
+            self._np_random = np.random.default_rng(seed)
+        return None, {}
+
+    @abc.abstractmethod
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        """Advance the episode: ``(obs, reward, terminated, truncated, info)``."""
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue the task stream exactly (here: the RNG state)."""
+        return {"rng": self.np_random.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        self._np_random = rng
+
+    def close(self) -> None:
+        """Release resources (files, worker processes). Idempotent."""
+
+
+class TextEnv(Env):
+    """Single-step text episodes: ``reset`` yields a :class:`Task`, ``step(completion)`` scores it.
+
+    Tasks come either from a dataset (pass ``data=[Task, ...]``; shuffled per epoch with
+    ``np_random`` unless ``shuffle=False``) or procedurally (leave ``data=None`` and override
+    :meth:`sample_task`). Both go through one cursor, shared by :meth:`reset` and
+    :meth:`tasks`, which is what :meth:`state_dict` saves.
+
+    ``step`` returns ``(None, reward, True, False, info)`` with ``info[name]`` for every
+    reward function and ``info["reward"]``. Batch callers (the RL controller scores many
+    completions per task) call :meth:`score` directly; it is stateless and thread-safe as
+    long as the reward functions are.
+    """
+
+    kind = "text"
+
+    def __init__(
+        self,
+        data: Sequence[Task] | None = None,
+        rewards: Sequence[Reward] | None = None,
+        *,
+        shuffle: bool = True,
+    ) -> None:
+        self.data = list(data) if data is not None else None
+        self.rewards = list(rewards or [])
+        self.shuffle = shuffle
+        self._order: list[int] | None = None  # dataset permutation for the current epoch
+        self._pos = 0  # position in _order
+        self._epoch = 0
+        self._task: Task | None = None  # the task awaiting step()
+
+    # ---- task stream -------------------------------------------------------------------
+
+    def sample_task(self, rng: np.random.Generator) -> Task:
+        """Draw one task (procedural environments override this; use only ``rng``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no dataset: pass data=[Task, ...] to "
+            "TextEnv.__init__ or override sample_task(rng)"
+        )
+
+    @property
+    def num_tasks(self) -> int | None:
+        """Dataset size, or ``None`` for a procedural (unbounded) environment."""
+        return None if self.data is None else len(self.data)
+
+    def _next_task(self) -> Task:
+        if self.data is None:
+            return self.sample_task(self.np_random)
+        if not self.data:
+            raise ValueError(f"{type(self).__name__} has an empty dataset")
+        if self._order is None or self._pos >= len(self._order):
+            if self._order is not None:
+                self._epoch += 1
+            n = len(self.data)
+            self._order = (self.np_random.permutation(n) if self.shuffle else np.arange(n)).tolist()
+            self._pos = 0
+        task = self.data[self._order[self._pos]]
+        self._pos += 1
+        return task
+
+    def tasks(self, n: int) -> list[Task]:
+        """The next ``n`` tasks from the cursor (advances it, like ``n`` resets)."""
+        return [self._next_task() for _ in range(n)]
+
+    # ---- Gymnasium API -----------------------------------------------------------------
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Task, dict]:
+        """Next task. With ``seed``, reseed and rewind to the start of a fresh epoch first."""
+        super().reset(seed=seed)
+        if seed is not None:
+            self._order, self._pos, self._epoch = None, 0, 0
+        self._task = self._next_task()
+        return self._task, {}
+
+    def step(self, action: str) -> tuple[None, float, bool, bool, dict]:
+        """Score the completion ``action`` for the task from the last ``reset``."""
+        if self._task is None:
+            raise RuntimeError("call reset() before step(): each episode is one task")
+        task, self._task = self._task, None
+        reward, info = self.score(task, action)
+        return None, reward, True, False, info
+
+    def score(self, task: Task, completion: str) -> tuple[float, dict]:
+        """``(Σ weight·fn(task, completion), info)``; info has every reward's value by name."""
+        info: dict[str, Any] = {}
+        total = 0.0
+        for r in self.rewards:
+            out = r.fn(task, completion)
+            if isinstance(out, tuple):
+                out, extra = out
+                info.update(extra)
+            value = float(out)
+            info[r.name] = value
+            if r.weight != 0:
+                total += r.weight * value
+        info["reward"] = total
+        return total, info
+
+    # ---- resume ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            **super().state_dict(),
+            "order": None if self._order is None else list(self._order),
+            "pos": self._pos,
+            "epoch": self._epoch,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self._order = None if state["order"] is None else list(state["order"])
+        self._pos = state["pos"]
+        self._epoch = state["epoch"]
+        self._task = None
+
+
+class TraceEnv(Env):
+    """Multi-step episodes over a fixed token trace (ForesightKV's eviction MDP).
+
+    In ForesightKV an episode is one teacher-forced pass over a stored reasoning trace:
+
+    * **obs** (from ``reset`` and each ``step``): the cache state at an eviction step:
+      which positions are cached per (layer, KV head), their scorer features, the step
+      index and the budget.
+    * **action**: the indices to keep at that step (e.g. ``[layers, kv_heads, budget]``
+      positions sampled Top-K from the scorer's distribution).
+    * **reward**: ``0.0`` on every step but the last; the last step returns the episode
+      reward (``−Σ Δloss²`` over the tokens that the evictions hurt) with
+      ``terminated=True``.
+
+    Subclasses implement ``reset`` / ``step``, set ``max_steps`` (an upper bound on steps
+    per episode) and, for :func:`kvrl.envs.check_env`, may provide
+    ``sample_action(obs, rng)`` returning a valid random action.
+    """
+
+    kind = "trace"
+    max_steps: int = 0
+
+    @abc.abstractmethod
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[Any, dict]:
+        """First observation of an episode; call ``super().reset(seed=seed)`` to reseed."""
+        return super().reset(seed=seed, options=options)
+
+    @abc.abstractmethod
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        """Apply one eviction decision; the last step carries the episode reward."""

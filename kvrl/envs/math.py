@@ -1,0 +1,180 @@
+"""``kvrl/math-v0``: verifiable math problems from one local JSONL or parquet file.
+
+Each row becomes a :class:`~kvrl.envs.Task`; the column layout is recognised per row:
+
+=============  =============================  ==========================================
+layout         question column                answer column
+=============  =============================  ==========================================
+generic        ``question``                   ``answer``
+GSM8K          ``question``                   ``answer``, final answer after ``####``
+MATH-500       ``problem``                    ``answer``, else last ``\\boxed{}`` of ``solution``
+AIME           ``problem`` / ``Problem``      ``answer`` / ``Answer``
+DeepScaleR     ``problem``                    ``answer`` (``solution`` ignored)
+=============  =============================  ==========================================
+
+The id comes from ``id`` / ``ID`` / ``unique_id``, else ``{file stem}-{row}``. A malformed
+row raises ``ValueError`` naming ``file:line`` and what is missing.
+
+Rewards: ``correct`` (weight 1): math-verify equality of the gold answer and the last
+``\\boxed{}`` of the completion (0 without one; ``info["verify_timeout"]`` says whether
+checking timed out); ``has_boxed`` (weight 0, a metric only).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvrl.envs.base import Reward, Task, TextEnv
+from kvrl.envs.verify import check_answer, extract_boxed
+
+FIXTURE = Path(__file__).parent / "data" / "math_fixture.jsonl"
+DEFAULT_TEMPLATE = "{question}\nPut the final answer in \\boxed{}."
+
+QUESTION_KEYS = ("question", "problem", "Problem", "Question")
+ANSWER_KEYS = ("answer", "Answer")
+ID_KEYS = ("id", "ID", "unique_id")
+ACCEPTED = (
+    f"question: one of {list(QUESTION_KEYS)}; answer: one of {list(ANSWER_KEYS)} "
+    "(GSM8K: after '####') or a 'solution' containing \\boxed{...}; id (optional): "
+    f"one of {list(ID_KEYS)}"
+)
+
+
+class MathEnv(TextEnv):
+    """Math word problems with a math-verify reward.
+
+    Parameters
+    ----------
+    path : str | Path, optional
+        A ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file. Defaults to the
+        12-problem fixture shipped with kvrl (smoke tests only).
+    template : str
+        Prompt template; ``{question}`` is replaced by the question (other braces are literal).
+    shuffle : bool
+        Shuffle the order each epoch with ``np_random``.
+    limit : int, optional
+        Keep only the first ``limit`` rows.
+    timeout : float
+        Hard per-answer verification timeout in seconds.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        *,
+        template: str = DEFAULT_TEMPLATE,
+        shuffle: bool = True,
+        limit: int | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        if "{question}" not in template:
+            raise ValueError(f"template {template!r} must contain '{{question}}'")
+        self.path = Path(path) if path is not None else FIXTURE
+        self.template = template
+        self.timeout = timeout
+        tasks = load_math_tasks(self.path, template)
+        super().__init__(
+            tasks[:limit] if limit is not None else tasks,
+            rewards=[Reward(self.correct, 1.0, "correct"), Reward(has_boxed, 0.0, "has_boxed")],
+            shuffle=shuffle,
+        )
+
+    def correct(self, task: Task, completion: str) -> tuple[float, dict]:
+        """1.0 when the completion's last ``\\boxed{}`` equals ``task.answer``."""
+        pred = extract_boxed(completion)
+        if pred is None or task.answer is None:
+            return 0.0, {"verify_timeout": False}
+        verdict = check_answer(task.answer, pred, self.timeout)
+        return float(verdict.equal), {"verify_timeout": verdict.timed_out}
+
+
+def has_boxed(task: Task, completion: str) -> float:
+    """1.0 when the completion contains a complete ``\\boxed{...}``."""
+    return float(extract_boxed(completion) is not None)
+
+
+# ---- loading ---------------------------------------------------------------------------
+
+
+def load_math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE) -> list[Task]:
+    """Read ``path`` and turn each row into a Task (see the module docstring for layouts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"math dataset {str(path)!r} not found (give one .jsonl or .parquet file)")
+    tasks = []
+    for where, index, row in _rows(path):
+        tasks.append(row_to_task(row, where, f"{path.stem}-{index}", template))
+    if not tasks:
+        raise ValueError(f"{path}: no rows")
+    return tasks
+
+
+def _rows(path: Path):
+    """Yield ``(file:line, row index, dict)``; JSON errors name the line."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path}:{i + 1}", i, row
+        return
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    index = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield f"{path}:{lineno}", index, row
+            index += 1
+
+
+def row_to_task(row: dict, where: str, default_id: str, template: str = DEFAULT_TEMPLATE) -> Task:
+    """One row -> Task. ``where`` (``file:line``) prefixes every error."""
+    question = _first(row, QUESTION_KEYS)
+    if question is None:
+        raise ValueError(f"{where}: missing question field (columns: {sorted(row)}); accepted: {ACCEPTED}")
+    answer = _first(row, ANSWER_KEYS)
+    if answer is not None:
+        answer = str(answer).strip()
+        if "####" in answer:  # GSM8K: reasoning, then "#### 72"
+            answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    elif isinstance(row.get("solution"), str):  # MATH: the answer is boxed in the solution
+        answer = extract_boxed(row["solution"])
+        if answer is None:
+            raise ValueError(f"{where}: missing answer field and no \\boxed{{}} in 'solution'; accepted: {ACCEPTED}")
+    else:
+        raise ValueError(f"{where}: missing answer field (columns: {sorted(row)}); accepted: {ACCEPTED}")
+    if not answer:
+        raise ValueError(f"{where}: empty answer")
+    task_id = _first(row, ID_KEYS)
+    used = {*QUESTION_KEYS, *ANSWER_KEYS, *ID_KEYS, "solution"}
+    meta = {k: v for k, v in row.items() if k not in used and _is_small(v)}
+    meta["source"] = where
+    return Task(
+        id=str(task_id) if task_id is not None else default_id,
+        prompt=template.replace("{question}", str(question).strip()),
+        answer=answer,
+        meta=meta,
+    )
+
+
+def _first(row: dict, keys: tuple[str, ...]) -> Any:
+    """The first present, non-null, non-empty value among ``keys``."""
+    for k in keys:
+        v = row.get(k)
+        if v is not None and v != "":
+            return v
+    return None
+
+
+def _is_small(v: Any) -> bool:
+    """Scalars worth keeping in Task.meta (level, subject, year, ...)."""
+    return isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 200)

@@ -1,0 +1,111 @@
+"""Versioned environment ids: ``register`` / ``make`` / ``registered``.
+
+Ids look like ``namespace/name-vN`` (``kvrl/math-v0``); bump ``N`` whenever the tasks or the
+reward change, so that numbers from different versions are never compared. Entry points
+are given as strings ``"pkg.module:Class"`` and imported only by :func:`make`, so
+registering an environment costs nothing.
+
+A recipe may also name an unregistered class directly: ``env.id=my_pkg.envs:MyEnv``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvrl.envs.base import Env
+
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+/[A-Za-z0-9_.\-]+-v\d+$")
+ID_FORMAT = "namespace/name-vN (e.g. 'kvrl/math-v0', 'my_lab/needle-v2')"
+
+
+class EnvNotFoundError(KeyError):
+    """Unknown environment id; ``str()`` gives the plain message (KeyError would quote it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass
+class EnvSpec:
+    id: str
+    entry_point: str | Callable[..., Env]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+
+
+def register(id: str, entry_point: str | Callable[..., Env], **default_kwargs: Any) -> None:
+    """Register ``entry_point`` (``"pkg.mod:Class"`` or a callable) under ``id``.
+
+    ``default_kwargs`` are passed to the constructor; ``make(id, **kw)`` overrides them.
+    Re-registering an id with the same entry point replaces it; with a different one it is
+    an error (publish a new version instead).
+    """
+    if not isinstance(id, str) or not ID_PATTERN.match(id):
+        raise ValueError(f"invalid environment id {id!r}: ids must look like {ID_FORMAT}")
+    if isinstance(entry_point, str) and ":" not in entry_point:
+        raise ValueError(f"entry point {entry_point!r} must look like 'pkg.module:Class'")
+    old = _REGISTRY.get(id)
+    if old is not None and old.entry_point != entry_point:
+        raise ValueError(
+            f"{id!r} is already registered to {old.entry_point!r}; register "
+            f"{entry_point!r} under a new id or version"
+        )
+    _REGISTRY[id] = EnvSpec(id, entry_point, dict(default_kwargs))
+
+
+def registered() -> list[str]:
+    """All registered ids, sorted."""
+    return sorted(_REGISTRY)
+
+
+def load_entry_point(path: str) -> Callable[..., Any]:
+    """Import ``"pkg.module:Attr"`` and return the attribute."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"dotted path {path!r} must look like 'pkg.module:Class'")
+    module = importlib.import_module(module_name)
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from None
+    return obj
+
+
+def make(id_or_path: str, **kwargs: Any) -> Env:
+    """Build an environment from a registered id or a dotted path ``pkg.mod:Class``.
+
+    Keyword arguments override the registered defaults. The instance's ``id`` attribute is
+    set to the registered id (or to the dotted path when the class declares none).
+    """
+    if id_or_path in _REGISTRY:
+        spec = _REGISTRY[id_or_path]
+        factory = spec.entry_point
+        kwargs = {**spec.kwargs, **kwargs}
+    elif ":" in id_or_path:
+        factory = load_entry_point(id_or_path)
+    else:
+        near = difflib.get_close_matches(id_or_path, registered(), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+        raise EnvNotFoundError(
+            f"no environment registered as {id_or_path!r}.{hint} Registered: {registered()}. "
+            "A dotted path to a class also works, e.g. env.id=my_pkg.envs:MyEnv."
+        )
+    if isinstance(factory, str):
+        factory = load_entry_point(factory)
+    env = factory(**kwargs)
+    if not isinstance(env, Env):
+        raise TypeError(
+            f"{id_or_path!r} built a {type(env).__name__}, not a kvrl.envs.Env: subclass "
+            "kvrl.envs.TextEnv or kvrl.envs.TraceEnv"
+        )
+    if id_or_path in _REGISTRY or getattr(env, "id", None) is None:
+        env.id = id_or_path
+    return env

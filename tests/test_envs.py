@@ -1,0 +1,249 @@
+"""Env API, check_env and the registry, on small environments defined here."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvrl.envs import (
+    EnvCheckError,
+    EnvNotFoundError,
+    Reward,
+    Task,
+    TextEnv,
+    TraceEnv,
+    check_env,
+    make,
+    register,
+    registered,
+)
+
+# ---- a minimal procedural text env and a minimal trace env -----------------------------
+
+
+def exact(task: Task, completion: str) -> float:
+    return float(f"\\boxed{{{task.answer}}}" in completion)
+
+
+def length(task: Task, completion: str) -> float:
+    return float(len(completion))
+
+
+class AddEnv(TextEnv):
+    """a + b = ? with a, b drawn from np_random."""
+
+    def __init__(self, high: int = 100):
+        super().__init__(rewards=[Reward(exact, 1.0, "exact"), Reward(length, 0.0, "length")])
+        self.high = high
+
+    def sample_task(self, rng: np.random.Generator) -> Task:
+        a, b = (int(x) for x in rng.integers(0, self.high, size=2))
+        return Task(id=f"add-{a}-{b}", prompt=f"What is {a} + {b}?", answer=str(a + b))
+
+
+class DropEnv(TraceEnv):
+    """Toy eviction MDP over a fixed trace of per-token losses.
+
+    obs: the losses of the tokens still cached; action: which cached index to drop; the
+    episode drops ``n_drop`` tokens and its reward (at the end) is -sum(dropped losses).
+    """
+
+    num_tasks = 1  # one fixed trace: the first observation cannot depend on the seed
+
+    def __init__(self, losses=(0.5, 0.1, 2.0, 0.3, 1.2), n_drop: int = 3):
+        self.losses = list(losses)
+        self.max_steps = n_drop
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.cached = list(range(len(self.losses)))
+        self.dropped: list[int] = []
+        return self._obs(), {}
+
+    def _obs(self):
+        return {"losses": np.array([self.losses[i] for i in self.cached]), "step": len(self.dropped)}
+
+    def step(self, action):
+        self.dropped.append(self.cached.pop(int(action)))
+        done = len(self.dropped) == self.max_steps
+        reward = -float(sum(self.losses[i] for i in self.dropped)) if done else 0.0
+        return self._obs(), reward, done, False, {"dropped": list(self.dropped)}
+
+    def sample_action(self, obs, rng):
+        return int(rng.integers(len(obs["losses"])))
+
+
+def test_check_env_passes_minimal_envs():
+    check_env(AddEnv())
+    check_env(DropEnv())
+    check_env(DropEnv(), action_fn=lambda obs, rng: int(np.argmin(obs["losses"])))
+
+
+def test_text_env_step_and_weights():
+    env = AddEnv()
+    task, info = env.reset(seed=3)
+    assert info == {}
+    obs, reward, terminated, truncated, info = env.step(f"so \\boxed{{{task.answer}}}")
+    assert (obs, reward, terminated, truncated) == (None, 1.0, True, False)
+    assert info["length"] > 0 and info["reward"] == 1.0  # weight-0 metric is not added
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("again")  # one step per episode
+    assert env.score(task, "no idea") == (0.0, {"exact": 0.0, "length": 7.0, "reward": 0.0})
+
+
+def test_trace_episode_reward_at_end():
+    env = DropEnv()
+    obs, _ = env.reset(seed=0)
+    rewards = []
+    for _ in range(env.max_steps):
+        obs, r, term, trunc, _ = env.step(int(np.argmin(obs["losses"])))
+        rewards.append(r)
+    assert term and rewards[:-1] == [0.0, 0.0] and rewards[-1] == pytest.approx(-0.9)
+
+
+# ---- resume ----------------------------------------------------------------------------
+
+
+def _dataset_env(n: int = 3) -> TextEnv:
+    data = [Task(id=f"t{i}", prompt=f"p{i}", answer=str(i)) for i in range(n)]
+    return TextEnv(data, rewards=[Reward(exact, name="exact")])
+
+
+@pytest.mark.parametrize("consumed", [0, 2, 3, 4])  # 3 = exactly at the epoch boundary
+def test_state_dict_resume_gives_same_next_tasks(consumed):
+    env = _dataset_env()
+    env.reset(seed=7)
+    env.tasks(consumed)
+    state = env.state_dict()
+    expected = [t.id for t in env.tasks(5)]
+    fresh = _dataset_env()
+    fresh.load_state_dict(state)
+    assert [t.id for t in fresh.tasks(5)] == expected
+
+
+def test_dataset_epochs_cover_every_task():
+    env = _dataset_env(5)
+    env.reset(seed=0)
+    ids = [t.id for t in env.tasks(9)]  # reset drew one: 10 tasks = 2 epochs
+    ids.insert(0, None)
+    assert sorted(ids[5:]) == [f"t{i}" for i in range(5)]
+
+
+def test_procedural_resume():
+    env = AddEnv()
+    env.reset(seed=1)
+    state = env.state_dict()
+    expected = env.tasks(3)
+    env.tasks(10)
+    env.load_state_dict(state)
+    assert env.tasks(3) == expected
+
+
+# ---- check_env rejects broken subclasses -----------------------------------------------
+
+
+class UnseededEnv(AddEnv):
+    def sample_task(self, rng):
+        a = random.randrange(10**9)  # ignores rng
+        return Task(id=f"u{a}", prompt=f"{a}?", answer=str(a))
+
+
+class NoIdEnv(AddEnv):
+    def sample_task(self, rng):
+        return Task(id="", prompt="1 + 1?", answer="2")
+
+
+def _bad_reward_env(value):
+    class BadReward(AddEnv):
+        def score(self, task, completion):
+            _, info = super().score(task, completion)
+            return value, info
+
+    return BadReward()
+
+
+class IgnoresSeedEnv(AddEnv):
+    def sample_task(self, rng):
+        return Task(id="same", prompt="1 + 1?", answer="2")
+
+
+class ForgetfulStateEnv(AddEnv):
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+class NeverEndsEnv(DropEnv):
+    def step(self, action):
+        obs, r, _, trunc, info = super().step(0)
+        return obs, r, False, trunc, info
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        (UnseededEnv(), "reset\\(seed=0\\) twice gave different observations"),
+        (_bad_reward_env(np.float32(1.0)), "numpy.float32.*finite Python float"),
+        (_bad_reward_env(torch.tensor(1.0)), "torch.*Tensor.*finite Python float"),
+        (_bad_reward_env(float("nan")), "nan.*finite Python float"),
+        (_bad_reward_env(True), "bool.*finite Python float"),
+        (NoIdEnv(), "id is ''; id must be a non-empty str"),
+        (IgnoresSeedEnv(), "the seed is ignored"),
+        (ForgetfulStateEnv(), "load_state_dict"),
+        (NeverEndsEnv(), "did not end within max_steps"),
+    ],
+    ids=["unseeded", "numpy", "torch", "nan", "bool", "no_id", "seed_ignored", "state", "never_ends"],
+)
+def test_check_env_rejects(env, match):
+    with pytest.raises(EnvCheckError, match=match):
+        check_env(env)
+
+
+def test_check_env_needs_an_action_fn_for_trace_envs():
+    env = DropEnv()
+    env.sample_action = None
+    with pytest.raises(EnvCheckError, match="action_fn"):
+        check_env(env)
+
+
+# ---- registry --------------------------------------------------------------------------
+
+
+def test_register_rejects_bad_ids():
+    for bad in ["math", "kvrl/math", "kvrl/math-v", "kvrl/math_v0", "a/b/c-v0"]:
+        with pytest.raises(ValueError, match="namespace/name-vN"):
+            register(bad, "kvrl.envs.math:MathEnv")
+
+
+def test_unknown_id_suggests_nearest():
+    with pytest.raises(EnvNotFoundError) as e:
+        make("kvrl/maths-v0")
+    assert isinstance(e.value, KeyError)
+    assert "Did you mean 'kvrl/math-v0'" in str(e.value) and "dotted path" in str(e.value)
+
+
+def test_make_by_id_and_dotted_path():
+    register("test/add-v0", f"{__name__}:AddEnv", high=5)
+    assert "test/add-v0" in registered()
+    env = make("test/add-v0")
+    assert env.id == "test/add-v0" and env.high == 5
+    assert make("test/add-v0", high=7).high == 7  # kwargs override registered defaults
+    env = make(f"{__name__}:AddEnv", high=3)
+    assert isinstance(env, AddEnv) and env.id == f"{__name__}:AddEnv"
+    with pytest.raises(ValueError, match="already registered"):
+        register("test/add-v0", f"{__name__}:DropEnv")
+    with pytest.raises(TypeError, match="not a kvrl.envs.Env"):
+        make("collections:OrderedDict")
+
+
+def test_builtin_entry_points_are_lazy():
+    code = "import sys, kvrl.envs as e; print(e.registered()); print('kvrl.envs.chains' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "'kvrl/chains-v0'" in out and "'kvrl/math-v0'" in out and out.strip().endswith("False")
