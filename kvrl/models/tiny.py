@@ -1,0 +1,62 @@
+"""The tiny reasoner: a 0.8 M-parameter Llama (GQA, 4 layers x 2 KV heads) with a local
+word-level tokenizer, shipped in ``kvrl/models/weights/tiny_reasoner`` and trained by
+``python -m kvrl.run recipe=tiny_pretrain`` on the chains task (``kvrl.envs.chains``).
+
+Everything here builds locally: no hub access. ``load_model("tiny")`` gives the shipped
+weights; any other path is handed to transformers (a local folder, or a hub id for users
+who have a network).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from kvrl.envs.chains import VOCAB
+
+TINY_PATH = Path(__file__).parent / "weights" / "tiny_reasoner"
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Whitespace-split word-level tokenizer over the chains vocabulary; adds <bos>."""
+    vocab = {tok: i for i, tok in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<pad>", padding_side="left")
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    """The architecture of tiny_reasoner.md's attempt 4: Llama, hidden 128, 4 query / 2 KV
+    heads of size 32 (a head size vLLM's CPU kernels support), tied embeddings."""
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def resolve_path(path: str) -> str:
+    """``"tiny"`` names the shipped weights; anything else is passed through."""
+    if path == "tiny":
+        if not (TINY_PATH / "config.json").exists():
+            raise FileNotFoundError(
+                f"the tiny reasoner's weights are missing from {TINY_PATH}; reinstall kvrl, or "
+                "train them with `python -m kvrl.run recipe=tiny_pretrain`")
+        return str(TINY_PATH)
+    return path
+
+
+def load_model(path: str = "tiny", dtype: str = "float32", device: str = "cpu",
+               attn_implementation: str = "sdpa"):
+    """(model in eval mode, tokenizer with left padding) from a local path or "tiny"."""
+    path = resolve_path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,127 @@
+"""The tiny reasoner: task family, tokenizer, reference decoding, replay, shipped weights."""
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.envs.chains import ChainSpec, make_chain_task, needed_prompt_tokens
+from kvrl.eval.budgets import window_death
+from kvrl.kernels.replay import Replay
+from kvrl.models.tiny import TINY_PATH, build_tokenizer, load_model, tiny_config
+
+
+def test_chain_task_is_consistent():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        t = make_chain_task(rng)
+        defs = dict(t["statements"])
+        assert len(defs) == len(t["statements"]), "every variable is defined once"
+        seen = set()
+        for lhs, rhs in t["statements"]:  # defined before use
+            assert rhs.isdigit() or rhs in seen
+            seen.add(lhs)
+
+        def value(v):
+            return int(defs[v]) if defs[v].isdigit() else (value(defs[v]) + 1) % 10
+
+        assert t["answer"] == str(value(t["chain"][0]))
+        assert t["completion"].endswith(f"\\boxed{{ {t['answer']} }}")
+        toks = t["prompt"].split()
+        needed = [toks[i] for i in needed_prompt_tokens(t)]
+        assert needed[-3:] == ["?", t["chain"][0], ":"]
+        assert set(needed[:-3:3]) == set(t["chain"])
+
+
+def test_chain_spec_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="max_depth < min_statements"):
+        ChainSpec(min_statements=5, max_statements=10, min_depth=2, max_depth=5)
+
+
+def test_tokenizer_roundtrip_is_lossless():
+    tok = build_tokenizer()
+    t = make_chain_task(np.random.default_rng(1))
+    ids = tok(t["prompt"] + " " + t["completion"])["input_ids"]
+    assert ids[0] == tok.bos_token_id and tok.unk_token_id not in ids[1:]
+    assert tok.decode(ids[1:]) == t["prompt"] + " " + t["completion"]
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    return LlamaForCausalLM(tiny_config(tok)).eval(), tok
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    spec = ChainSpec(min_statements=4, max_statements=12, min_depth=1, max_depth=3)
+    return [make_chain_task(rng, spec)["prompt"] for _ in range(n)]
+
+
+def test_engine_full_cache_equals_transformers_generate(random_model):
+    model, tok = random_model
+    prompts = _prompts(5)
+    out = HFEngine(model, tok).generate(prompts, Sampling(max_new_tokens=12))
+    model.set_attn_implementation("sdpa")
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    assert len(set(enc["attention_mask"].sum(-1).tolist())) > 1, "prompts of different lengths"
+    ref = model.generate(**enc, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:]
+    assert out.tokens == ref.tolist()
+    assert out.finish_reasons == ["length"] * 5
+
+
+def test_decode_under_a_window_is_replayed_by_one_forward(random_model):
+    """Logprobs of an evicting decode == a teacher-forced forward under the same pattern."""
+    model, tok = random_model
+    prompts = _prompts(4, seed=3)
+    engine = HFEngine(model, tok)
+    n_new = 20
+    ids, pos = engine.encode(prompts)
+    T = int(pos.max()) + 1 + n_new
+    death = window_death(model, len(prompts), T, sink=2, recent=6)
+    out = engine.generate(prompts, Sampling(max_new_tokens=n_new, temperature=1.0, seed=7), death=death)
+    full = torch.cat([ids, torch.tensor(out.tokens)], 1)
+    fpos = torch.cat([pos, pos[:, -1:] + torch.arange(1, n_new + 1)], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full, position_ids=fpos.clamp(min=0), kvrl_replay=Replay(death, fpos)).logits
+    logp = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float(), -1)
+    replayed = logp.gather(-1, torch.tensor(out.tokens)[..., None]).squeeze(-1)
+    torch.testing.assert_close(replayed, torch.tensor(out.logprobs), atol=1e-5, rtol=0)
+    # and the window really bites: the full-cache forward disagrees
+    with torch.no_grad():
+        dense = model(input_ids=full, position_ids=fpos.clamp(min=0),
+                      kvrl_replay=Replay(window_death(model, len(prompts), T, 2, 10**6), fpos)).logits
+    assert (dense - logits).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not (TINY_PATH / "config.json").exists(), reason="shipped weights missing")
+def test_shipped_tiny_reasoner_solves_its_tasks():
+    from kvrl.envs import make
+    from kvrl.eval.budgets import evaluate
+
+    model, tok = load_model("tiny")
+    env = make("kvrl/chains-v0")
+    env.reset(seed=99)
+    tasks = env.tasks(32)
+    full = evaluate(HFEngine(model, tok), env, tasks, 160)
+    assert full["acc"] >= 0.9
+    small = evaluate(HFEngine(model, tok), env, tasks, 160,
+                     death_fn=lambda b, T: window_death(model, len(b), T, 4, 40))
+    assert small["acc"] <= 0.6 * full["acc"], "a 44-token window must hurt"
+
+
+def test_pretraining_loss_falls(tmp_path):
+    from kvrl.models.pretrain import main
+
+    cfg = NS(seed=0, device="cpu", output_dir=str(tmp_path),
+             trainer=NS(lr=3e-3, steps=40, batch_size=8, warmup_steps=5, weight_decay=0.0, log_every=39))
+    torch.set_num_threads(2)
+    first = main(NS(**{**vars(cfg), "trainer": NS(**{**vars(cfg.trainer), "steps": 1})}))["loss"]
+    last = main(cfg)["loss"]
+    assert last < 0.7 * first
+    assert (tmp_path / "model" / "model.safetensors").exists()
