@@ -1,0 +1,10 @@
+"""Kernels: torch reference ops (the specification) and, later, Triton versions of them.
+
+``kvrl.kernels.scores``: attention/redundancy scores and the compaction gather used by the
+KV policies. ``kvrl.kernels.replay``: attention under an eviction trace; it registers a
+transformers attention function on import, so it is not imported here.
+"""
+
+from kvrl.kernels.scores import gather_slots, key_redundancy, pool_slots, window_attention
+
+__all__ = ["gather_slots", "key_redundancy", "pool_slots", "window_attention"]

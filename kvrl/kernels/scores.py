@@ -1,0 +1,179 @@
+"""Scoring ops shared by the KV policies (torch reference implementations).
+
+Each function here is the specification for a later Triton kernel with the same signature,
+which is tested against it. Everything is computed in float32, like the references' fp32
+softmax, whatever the dtype of the inputs.
+
+Shapes: B batch, H KV heads, Hq = H·G query heads, W observation queries, N cache slots,
+D head dim. Query heads ``h·G … h·G+G−1`` belong to KV head ``h`` (consecutive grouping,
+as in transformers' ``repeat_kv`` and vLLM).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_GQA = ("max", "mean")
+_ORDERS = ("softmax_then_pool", "pool_then_softmax")
+
+
+def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+                     query_pos: torch.Tensor, scaling: float, *, gqa: str = "max",
+                     order: str = "softmax_then_pool", candidates_only: bool = False) -> torch.Tensor:
+    """Attention probabilities of the observation queries over the cache, pooled per KV head.
+
+    Parameters
+    ----------
+    queries : Tensor [B, Hq, W, D]
+        Post-RoPE observation queries (the last W tokens).
+    keys : Tensor [B, H, N, D]
+        Post-RoPE cached keys.
+    key_pos : Tensor [B, H, N] int
+        True position of each slot's key, −1 for an invalid (padding/empty) slot.
+    query_pos : Tensor [B, W] int
+        True position of each query, −1 for a padding query.
+    scaling : float
+        Logit scale, normally 1/√D.
+    gqa : {"max", "mean"}
+        How the G query heads of a group are pooled into their KV head.
+    order : {"softmax_then_pool", "pool_then_softmax"}
+        ``"softmax_then_pool"``: softmax per query head, then pool the probabilities over the
+        group (G-KV, SnapKV, H2O). ``"pool_then_softmax"``: pool the logits over the group,
+        then one softmax (R-KV's ``compute_attention_scores``).
+    candidates_only : bool
+        Leave the keys of the observation queries themselves (key position ≥ the row's
+        first valid query position, i.e. the last W positions) out of the softmax
+        denominator: R-KV's ``softmax(attn[..., -w:, :-w])``. Their columns are then 0.
+
+    Returns
+    -------
+    Tensor [B, H, W, N] float32
+        Probabilities; causal by true positions (query q sees key k iff 0 ≤ k ≤ q); invalid
+        slots, and rows of queries that see no key at all, are 0.
+    """
+    if gqa not in _GQA:
+        raise ValueError(f"gqa={gqa!r} is not one of {_GQA}")
+    if order not in _ORDERS:
+        raise ValueError(f"order={order!r} is not one of {_ORDERS}")
+    b, hq, w, d = queries.shape
+    h, n = keys.shape[1], keys.shape[2]
+    if hq % h:
+        raise ValueError(f"queries have {hq} heads, not a multiple of the {h} KV heads of keys")
+    q = queries.float().view(b, h, hq // h, w, d)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) * scaling
+    kp = key_pos[:, :, None, None, :]
+    qp = query_pos[:, None, None, :, None]
+    visible = (kp >= 0) & (kp <= qp) & (qp >= 0)  # [B, H, 1, W, N]
+    if candidates_only:
+        first = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max).amin(-1)
+        visible = visible & (kp < first[:, None, None, None, None])
+    # A finite fill instead of -inf: a row with nothing visible becomes uniform instead of
+    # NaN and is zeroed below, so no NaN can reach a gradient through torch.where. The fill
+    # comes after pooling the logits (a mean of fills would overflow to -inf).
+    low = torch.finfo(torch.float32).min
+    pool = (lambda x: x.amax(2)) if gqa == "max" else (lambda x: x.mean(2))
+    visible = visible[:, :, 0]  # the mask is the same for every head of a group
+    if order == "softmax_then_pool":
+        probs = pool(logits.masked_fill(~visible[:, :, None], low).softmax(-1))
+    else:
+        probs = pool(logits).masked_fill(~visible, low).softmax(-1)
+    return probs * visible
+
+
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5, *,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` (methods.md §8 step 7).
+
+    1. cosine similarity of the keys (norm + ``eps``), diagonal set to 0, invalid rows and
+       columns set to 0;
+    2. for every column n, the entry in the **latest** row m (largest slot) with
+       ``cos(m, n) > threshold`` is zeroed — each token's most recent near-duplicate does not
+       count it, so with copies at slots 10 < 30 < 45, slot 10 is penalised by 30 and 45,
+       slot 30 by 10 only, slot 45 by neither (the newest copy survives);
+    3. row sums ÷ number of valid tokens; invalid slots −inf; softmax over the N slots.
+
+    Every sample uses its own keys (R-KV reads ``key_states[0]`` for the whole batch; that
+    bug is not reproduced). Slot order must be position order among valid slots, so that
+    "latest row" means "most recent token".
+
+    Parameters
+    ----------
+    keys : Tensor [B, H, N, D]
+    valid : Tensor [B, H, N] bool
+    threshold : float
+        Near-duplicate cosine threshold (0.5, hard-coded in both references).
+    eps : float
+        Added to the key norms (G-KV: 1e-6; R-KV: 1e-8).
+
+    Returns
+    -------
+    Tensor [B, H, N] float32
+        Redundancy, a distribution over the valid slots (0 at invalid slots).
+    """
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + eps)
+    cos = k @ k.transpose(-1, -2)  # [B, H, N(rows m), N(columns n)]
+    n = cos.shape[-1]
+    slots = torch.arange(n, device=keys.device)
+    pair = valid[..., :, None] & valid[..., None, :] & (slots[:, None] != slots[None, :])
+    cos = cos.masked_fill(~pair, 0.0)
+    latest = torch.where((cos > threshold) & pair, slots[:, None], -1).amax(-2)  # per column
+    cos = cos.masked_fill(slots[:, None] == latest[..., None, :], 0.0)
+    score = cos.sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)
+    # A head without any valid slot would be all -inf (NaN after softmax); make it 0.
+    return score.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str) -> torch.Tensor:
+    """1-D pooling along the cache, over the valid slots only (SnapKV/R-KV/G-KV smoothing).
+
+    Neighbours are the previous/next *valid* slots, so an invalid slot in the middle of a
+    cache does not change the result (batch rows with different padding score alike).
+    Stride 1, padding ``kernel_size // 2``: ``"max"`` pads with −inf (``max_pool1d``),
+    ``"avg"`` with zeros that count in the mean (``avg_pool1d``'s default, as SnapKV).
+
+    Parameters
+    ----------
+    x : Tensor [B, H, N]
+    valid : Tensor [B, H, N] bool
+    kernel_size : int
+        Odd.
+    mode : {"max", "avg"}
+
+    Returns
+    -------
+    Tensor [B, H, N]; 0 at invalid slots.
+    """
+    # Move the valid slots to the front (stable, so in order), pool, and move them back.
+    order = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)
+    packed = x.gather(-1, order)
+    packed_valid = valid.gather(-1, order)
+    pad = kernel_size // 2
+    if mode == "max":
+        packed = F.max_pool1d(packed.masked_fill(~packed_valid, float("-inf")), kernel_size, 1, pad)
+    elif mode == "avg":
+        packed = F.avg_pool1d(packed.masked_fill(~packed_valid, 0.0), kernel_size, 1, pad)
+    else:
+        raise ValueError(f"mode={mode!r} is not one of ('max', 'avg')")
+    out = torch.empty_like(packed).scatter_(-1, order, packed)
+    return out.masked_fill(~valid, 0.0)
+
+
+def gather_slots(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per-head compaction gather: ``out[b, h, j, ...] = x[b, h, idx[b, h, j], ...]``.
+
+    Parameters
+    ----------
+    x : Tensor [B, H, N, ...]
+        Keys, values, positions or per-token state.
+    idx : Tensor [B, H, K] int64
+        Slot indices to keep (``Selection.keep``).
+
+    Returns
+    -------
+    Tensor [B, H, K, ...]
+    """
+    trailing = x.shape[3:]
+    index = idx.reshape(*idx.shape, *(1,) * len(trailing)).expand(*idx.shape, *trailing)
+    return x.gather(2, index)

@@ -1,0 +1,36 @@
+"""KV policies: what to keep in a per-(layer, KV head) cache.
+
+Every policy is a small dataclass with one ``score()``; selection, sampling and the
+eviction schedule are shared (:mod:`kvrl.policies.base`). Build one by name::
+
+    from kvrl.policies import make_policy
+    policy = make_policy("gkv", budget=2048)
+
+``HeadAllocation`` (RLKV / DuoAttention) is not a token policy: it fixes which heads keep
+sink + recent only, as an eviction trace.
+"""
+
+from kvrl.policies.base import (KVPolicy, Observation, Selection, plackett_luce_logprob,
+                                should_evict)
+from kvrl.policies.gkv import GKV
+from kvrl.policies.h2o import H2O
+from kvrl.policies.heads import HeadAllocation
+from kvrl.policies.learned import LearnedScorer, ScorerMLP
+from kvrl.policies.rkv import RKV
+from kvrl.policies.snapkv import SnapKV
+from kvrl.policies.streaming import StreamingLLM
+
+POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "rkv": RKV, "gkv": GKV,
+            "learned": LearnedScorer}
+
+
+def make_policy(name: str, **kwargs) -> KVPolicy:
+    """Instantiate the policy registered as ``name`` with keyword arguments."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown KV policy {name!r}; known policies: {', '.join(POLICIES)}")
+    return POLICIES[name](**kwargs)
+
+
+__all__ = ["GKV", "H2O", "POLICIES", "RKV", "HeadAllocation", "KVPolicy", "LearnedScorer",
+           "Observation", "ScorerMLP", "Selection", "SnapKV", "StreamingLLM", "make_policy",
+           "plackett_luce_logprob", "should_evict"]

@@ -1,0 +1,248 @@
+"""The KV-policy contract: what an engine hands a policy, and what the policy hands back.
+
+A policy scores the tokens of a per-(layer, KV head) cache (:meth:`KVPolicy.score`, the
+only method a policy writes) and :meth:`KVPolicy.select` turns the scores into the slots to
+keep, deterministically or by sampling with the log-probability of the action. Engines
+call both every ``interval`` generated tokens (:func:`should_evict`), then compact keys,
+values, positions and state with :func:`kvrl.kernels.scores.gather_slots`.
+
+Shapes: B batch, H KV heads, Hq query heads, N cache slots, W observation queries,
+D head dim, S per-token state size, K = min(budget, N) kept slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Observation:
+    """What an engine hands a policy at an eviction step, for one layer.
+
+    Attributes
+    ----------
+    keys : Tensor [B, H, N, D]
+        Post-RoPE cached keys in slot order: ascending true position among valid slots;
+        invalid slots may sit anywhere.
+    values : Tensor [B, H, N, D]
+    queries : Tensor [B, Hq, W, D]
+        The last W post-RoPE queries, W ≤ ``policy.observe`` (fewer right after a short
+        prompt); query head h·G+g belongs to KV head h.
+    key_pos : Tensor [B, H, N] int
+        True position of each slot, −1 for padding or empty slots.
+    query_pos : Tensor [B, W] int
+        True positions of the queries (−1 for a padding query).
+    state : Tensor [B, H, N, S] or None
+        Per-token policy state, compacted along with the cache. Slots whose tokens have no
+        state yet hold NaN (the engine appends NaN for new tokens); each policy applies its
+        own rule to them. None for policies with ``state_size == 0``.
+    layer : int
+    scaling : float
+        Attention logit scale, 1/√D.
+    """
+
+    keys: Tensor
+    values: Tensor
+    queries: Tensor
+    key_pos: Tensor
+    query_pos: Tensor
+    state: Tensor | None
+    layer: int
+    scaling: float
+
+
+@dataclass
+class Selection:
+    """The slots a policy keeps.
+
+    Attributes
+    ----------
+    keep : Tensor [B, H, K] int64
+        Slot indices, sorted ascending by true position (invalid slots, kept only when
+        fewer than K valid slots exist, first).
+    logprob : Tensor [B, H] float32 or None
+        Sampled selections only: log-probability of the ordered eviction draw ``evicted``.
+    evicted : Tensor [B, H, E] int64 or None
+        Sampled selections only: the evicted candidate slots in the order they were drawn,
+        padded with −1 where a row evicted fewer than E. With the candidate mask this is
+        what :func:`plackett_luce_logprob` needs to recompute ``logprob`` under new scores.
+    """
+
+    keep: Tensor
+    logprob: Tensor | None = None
+    evicted: Tensor | None = None
+
+
+def should_evict(generated: int, cache_len: int, policy: KVPolicy) -> bool:
+    """Whether the engine evicts after the forward that just wrote to the cache.
+
+    G-KV's rule (methods.md §1): evict when the number of generated tokens written to the
+    cache is a multiple of ``interval`` — including 0, right after prefill — and the cache
+    holds more than ``budget`` entries. The cache then oscillates between ``budget`` and
+    ``budget + interval``, and a prompt longer than the budget is compressed right after
+    prefill. (R-KV also compresses at ``cache_len == budget``, which only reorders.)
+    """
+    return generated % policy.interval == 0 and cache_len > policy.budget
+
+
+def plackett_luce_logprob(scores: Tensor, candidates: Tensor, evicted: Tensor) -> Tensor:
+    """Log-probability of an ordered eviction draw.
+
+    The draw takes slots one at a time without replacement from ``softmax(−scores)`` over
+    the remaining candidates (Plackett–Luce): ``Σ_i [−s_{e_i} − logsumexp_{j ∉ e_<i} −s_j]``.
+
+    Parameters
+    ----------
+    scores : Tensor [B, H, N]
+        Keep-scores (higher = keep); differentiable.
+    candidates : Tensor [B, H, N] bool
+        Slots the draw could take.
+    evicted : Tensor [B, H, E] int64
+        Drawn slots in draw order, −1 padded.
+
+    Returns
+    -------
+    Tensor [B, H] float32
+    """
+    x = (-scores.float()).masked_fill(~candidates, torch.finfo(torch.float32).min)
+    n, e = x.shape[-1], evicted.shape[-1]
+    drawn = evicted >= 0
+    # Order each row as [drawn slots in draw order, everything else]; the i-th draw's
+    # denominator is then the logsumexp over positions i.. of that order. Undrawn slots get
+    # rank e; an extra column absorbs the scatter of the −1 padding.
+    rank = torch.full((*x.shape[:-1], n + 1), e, dtype=torch.long, device=x.device)
+    steps = torch.arange(e, device=x.device).expand_as(evicted)
+    rank.scatter_(-1, torch.where(drawn, evicted, n), torch.where(drawn, steps, e))
+    xs = x.gather(-1, rank[..., :n].argsort(dim=-1, stable=True))
+    tail_lse = xs.flip(-1).logcumsumexp(-1).flip(-1)
+    # Multiply rather than torch.where: x is finite, so masked terms carry no NaN gradient.
+    return ((xs - tail_lse)[..., :e] * drawn).sum(-1)
+
+
+@dataclass(kw_only=True)
+class KVPolicy:
+    """Base KV policy: budget, eviction schedule, protected tokens, and selection.
+
+    Subclasses write only :meth:`score`. Caches stay in position order.
+
+    Parameters
+    ----------
+    budget : int
+        B, cache entries per KV head kept after an eviction. Must be ≥ window + sink + 1.
+    interval : int, default 128
+        L, evict every L generated tokens (:func:`should_evict`).
+    window : int, default 8
+        w, the last w valid tokens are always kept (and are the observation window of the
+        attention-based policies).
+    sink : int, default 0
+        The first ``sink`` valid tokens are always kept.
+    """
+
+    budget: int
+    interval: int = 128
+    window: int = 8
+    sink: int = 0
+    state_size: ClassVar[int] = 0
+
+    def __post_init__(self):
+        if self.window < 1:
+            raise ValueError(f"window={self.window}: must be ≥ 1 (the newest token is always kept)")
+        if self.sink < 0:
+            raise ValueError(f"sink={self.sink}: must be ≥ 0")
+        if self.interval < 1:
+            raise ValueError(f"interval={self.interval}: must be ≥ 1 (evict every `interval` tokens)")
+        if self.budget < self.window + self.sink + 1:
+            raise ValueError(
+                f"budget={self.budget}: must be ≥ window + sink + 1 = {self.window + self.sink + 1} "
+                f"so that at least one slot is chosen by score; raise budget or lower window/sink")
+
+    @property
+    def observe(self) -> int:
+        """Number of recent queries the policy needs in ``Observation.queries``."""
+        return self.window
+
+    def score(self, obs: Observation) -> tuple[Tensor, Tensor | None]:
+        """Keep-scores [B, H, N] (higher = keep; any value at invalid slots) and the updated
+        per-token state [B, H, N, S] (None when ``state_size == 0``)."""
+        raise NotImplementedError
+
+    def always_kept(self, key_pos: Tensor) -> Tensor:
+        """Bool [B, H, N]: the first ``sink`` and the last ``window`` valid slots.
+
+        Slot order is position order among valid slots, so the rank of a valid slot among
+        the valid slots of its head is its rank by position.
+        """
+        valid = key_pos >= 0
+        rank = valid.cumsum(-1) - 1
+        count = valid.sum(-1, keepdim=True)
+        return valid & ((rank < self.sink) | (rank >= count - self.window))
+
+    def previous_state(self, obs: Observation) -> Tensor:
+        """``obs.state``, or all-NaN ("no state yet") when the engine passed None."""
+        if obs.state is not None:
+            return obs.state
+        return obs.keys.new_full((*obs.key_pos.shape, self.state_size), float("nan"), dtype=torch.float32)
+
+    def select(self, obs: Observation, scores: Tensor, *, sample: bool = False,
+               generator: torch.Generator | None = None) -> Selection:
+        """Choose K = min(budget, N) slots per (batch, KV head).
+
+        Always kept: the first ``sink`` and the last ``window`` valid slots. The rest is
+        filled from the other valid slots (the candidates); invalid slots are kept only
+        when fewer than K valid slots exist.
+
+        Deterministic (``sample=False``): ``torch.topk`` of the scores among candidates.
+        Scores of candidates must be finite; among equal scores the choice is whatever
+        ``torch.topk`` returns (unspecified but repeatable on one device).
+
+        Sampled (``sample=True``): the E = (valid slots − K) evicted candidates are drawn
+        sequentially without replacement from ``softmax(−scores)`` over the remaining
+        candidates (Plackett–Luce), implemented as Gumbel-top-k: the E largest of
+        ``−scores + Gumbel noise``. ``logprob`` is the log-probability of that *ordered*
+        draw (:func:`plackett_luce_logprob`) — an exact, unbiased REINFORCE likelihood for
+        the action "this ordered draw"; it is not the probability of the evicted *set*
+        (which sums over all E! orders). ForesightKV instead samples among the top-2E and
+        scores with a plain log-softmax, which is not the sampling probability
+        (methods.md §4).
+
+        Parameters
+        ----------
+        obs : Observation
+        scores : Tensor [B, H, N]
+            From :meth:`score`.
+        sample : bool
+        generator : torch.Generator, optional
+            Source of the Gumbel noise (on the scores' device).
+
+        Returns
+        -------
+        Selection
+        """
+        key_pos = obs.key_pos
+        valid = key_pos >= 0
+        k = min(self.budget, key_pos.shape[-1])
+        kept = self.always_kept(key_pos)
+        candidates = valid & ~kept
+        scores = scores.float()
+        logprob = evicted = None
+        priority = scores
+        if sample:
+            gumbel = -torch.empty_like(scores).exponential_(generator=generator).log()
+            evict_key = torch.where(candidates, gumbel - scores.detach(), float("-inf"))
+            n_evict = (valid.sum(-1) - k).clamp(min=0)  # [B, H]
+            order = evict_key.topk(int(n_evict.max()) if n_evict.numel() else 0, dim=-1).indices
+            steps = torch.arange(order.shape[-1], device=order.device)
+            evicted = order.masked_fill(steps >= n_evict[..., None], -1)
+            logprob = plackett_luce_logprob(scores, candidates, evicted)
+            priority = -evict_key  # kept candidates = those not among the E largest keys
+        inf = torch.tensor(float("inf"), device=scores.device)
+        priority = torch.where(kept, inf, torch.where(candidates, priority, -inf))
+        keep = priority.topk(k, dim=-1).indices.sort(-1).values
+        # Valid slots are already in position order; a stable sort by position moves the
+        # invalid ones (position −1) to the front.
+        keep = keep.gather(-1, key_pos.gather(-1, keep).argsort(dim=-1, stable=True))
+        return Selection(keep=keep, logprob=logprob, evicted=evicted)

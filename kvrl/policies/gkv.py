@@ -1,0 +1,96 @@
+"""G-KV: a global score smoothed across evictions, minus key redundancy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from kvrl.kernels.scores import key_redundancy, pool_slots, window_attention
+from kvrl.policies.base import KVPolicy, Observation
+
+_MODES = ("max", "mean", "sum")
+
+
+@dataclass(kw_only=True)
+class GKV(KVPolicy):
+    """G-KV (Liao et al. 2025, microsoft/G-KV ``ScoreBasedKV``; methods.md §1 and §8).
+
+    Per eviction, per (batch, KV head), with the candidates = valid slots outside the sink
+    and the last ``window``:
+
+    1. local score S: softmax of each observation query over all visible keys (window
+       included, causal), max over the GQA group, non-candidate columns dropped, mean over
+       the queries; then ``S ÷ max_candidates S``;
+    2. global score F from the previous F (state, S = 1) with decay ``alpha``:
+       ``max``: ``max(α·F_old, S)``; ``mean``: ``α·F_old + (1−α)·S``; ``sum`` (H2O mode):
+       ``α·F_old + S``. Tokens without a stored F (NaN) use ``F_old = S`` in max/mean and
+       ``0`` in sum, as the reference;
+    3. optional ``max_pool1d(F, kernel_size)`` over the candidates (off by default;
+       :func:`kvrl.kernels.scores.pool_slots`);
+    4. redundancy R (:func:`kvrl.kernels.scores.key_redundancy`) ÷ its max over candidates;
+    5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
+
+    The new state is the pre-pooling F of every candidate. Always-kept slots get NaN, like
+    the reference, which stores F only for the kept candidates: the window tokens start
+    from a fresh S when they become candidates. Unlike the reference, finished rows and
+    ``q_len != window`` need no special case (methods.md §8 quirks 5, 6).
+
+    Defaults follow the paper's "G-KV" recipe (``scripts/inference.sh``): budget 2048,
+    window 16, interval 128, mix_lambda 0.5, alpha 0.8, max smoothing, no pooling. The CLI
+    defaults differ (window 64, mix_lambda 0.1). ``mix_lambda=1`` turns redundancy off.
+
+    Parameters
+    ----------
+    mix_lambda : float, default 0.5
+    alpha : float, default 0.8
+        Memory decay rate α; 0 gives F = S.
+    mode : {"max", "mean", "sum"}, default "max"
+    kernel_size : int, default 0
+        0 = no pooling; the reference's ``enable_pooling`` uses 5 (odd values only).
+    """
+
+    window: int = 16
+    mix_lambda: float = 0.5
+    alpha: float = 0.8
+    mode: str = "max"
+    kernel_size: int = 0
+    state_size: ClassVar[int] = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.mix_lambda <= 1.0:
+            raise ValueError(f"mix_lambda={self.mix_lambda}: must be in [0, 1]")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha={self.alpha}: must be in [0, 1] (the paper recommends 0.8)")
+        if self.mode not in _MODES:
+            raise ValueError(f"mode={self.mode!r}: must be one of {_MODES}")
+        if self.kernel_size < 0 or (self.kernel_size and self.kernel_size % 2 == 0):
+            raise ValueError(f"kernel_size={self.kernel_size}: must be 0 (no pooling) or odd, e.g. 5")
+
+    def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
+        """Keep-scores [B, H, N] and state [B, H, N, 1] (F; NaN outside the candidates)."""
+        attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
+                                gqa="max", order="softmax_then_pool")
+        valid = obs.key_pos >= 0
+        candidates = valid & ~self.always_kept(obs.key_pos)
+        tiny = torch.finfo(torch.float32).tiny  # guards a head whose candidates all have 0
+        n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
+        local = attn.sum(2) / n_queries * candidates
+        local = local / local.amax(-1, keepdim=True).clamp(min=tiny)
+        old = self.previous_state(obs)[..., 0]
+        a = self.alpha
+        if self.mode == "sum":
+            glob = a * old.nan_to_num(0.0) + local
+        else:
+            old = torch.where(old.isnan(), local, old)
+            glob = torch.maximum(a * old, local) if self.mode == "max" else a * old + (1 - a) * local
+        pooled = pool_slots(glob, candidates, self.kernel_size, "max") if self.kernel_size else glob
+        score = self.mix_lambda * pooled
+        if self.mix_lambda < 1:
+            red = key_redundancy(obs.keys, valid) * candidates
+            red = red / red.amax(-1, keepdim=True).clamp(min=tiny)
+            score = score - (1 - self.mix_lambda) * red
+        return score, glob.masked_fill(~candidates, float("nan"))[..., None]

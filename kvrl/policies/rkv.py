@@ -1,0 +1,64 @@
+"""R-KV: importance from the observation window minus key redundancy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from kvrl.kernels.scores import key_redundancy, pool_slots, window_attention
+from kvrl.policies.base import KVPolicy, Observation
+
+
+@dataclass(kw_only=True)
+class RKV(KVPolicy):
+    """R-KV (Cai et al. 2025, https://arxiv.org/abs/2505.24133), ``R1KV`` in Zefan-Cai/R-KV.
+
+    ``score = λ·importance − (1−λ)·redundancy`` (methods.md §2 and §8):
+
+    * importance: the query logits are max-pooled over the GQA group *before* one softmax
+      over the candidate keys only (the window's own keys are out of the denominator),
+      meaned over the observation queries, then ``max_pool1d(kernel_size, padding=k//2)``
+      along the candidate slots (:func:`kvrl.kernels.scores.pool_slots`; the reference
+      pools ``[:-window]``);
+    * redundancy: :func:`kvrl.kernels.scores.key_redundancy`, not normalised.
+
+    Departures from the reference, on purpose: every sample uses its own keys (the
+    reference reads ``key_states[0]`` for the whole batch, issue #20); R-KV's column-0
+    fallback (a row with no near-duplicate zeroes its cosine with token 0, ≤ 0.6 % of
+    token 0's redundancy) is not reproduced — G-KV's padding-aware similarity (÷ valid
+    length, eps 1e-6) is used, which equals R-KV's ÷ N without padding; caches stay in
+    position order (the reference keeps them in score order, so its later pooling mixes
+    score neighbours, not position neighbours); eviction follows :func:`should_evict`
+    (R-KV also fires at N == budget, which only reorders).
+
+    Parameters
+    ----------
+    mix_lambda : float, default 0.1
+        λ. The class/CLI default is 0.07 but the README, SGLang and HF evaluations use 0.1,
+        and the later vLLM port measured 0.07 losing accuracy at tight buffers.
+    kernel_size : int, default 7
+    window : int, default 8
+    interval : int, default 128
+    """
+
+    mix_lambda: float = 0.1
+    kernel_size: int = 7
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.mix_lambda <= 1.0:
+            raise ValueError(f"mix_lambda={self.mix_lambda}: must be in [0, 1]")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size={self.kernel_size}: must be odd and ≥ 1 (1 = no pooling)")
+
+    def score(self, obs: Observation) -> tuple[Tensor, None]:
+        """Keep-scores [B, H, N]."""
+        attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
+                                gqa="max", order="pool_then_softmax", candidates_only=True)
+        valid = obs.key_pos >= 0
+        candidates = valid & ~self.always_kept(obs.key_pos)
+        n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
+        importance = pool_slots(attn.sum(2) / n_queries, candidates, self.kernel_size, "max")
+        redundancy = key_redundancy(obs.keys, valid)
+        return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, None

@@ -1,0 +1,135 @@
+"""Torch reference kernels against naive per-element loops."""
+
+import math
+
+import pytest
+import torch
+
+from kvrl.kernels.scores import gather_slots, key_redundancy, pool_slots, window_attention
+
+
+def naive_window_attention(queries, keys, key_pos, query_pos, scaling, gqa, order, candidates_only):
+    b_, hq, w_, _ = queries.shape
+    h_, n_ = keys.shape[1], keys.shape[2]
+    g_ = hq // h_
+    out = torch.zeros(b_, h_, w_, n_, dtype=torch.float64)
+    pool = max if gqa == "max" else (lambda xs: sum(xs) / len(xs))
+    for b in range(b_):
+        valid_q = [int(p) for p in query_pos[b] if p >= 0]
+        first = min(valid_q) if valid_q else None
+        for h in range(h_):
+            for w in range(w_):
+                qp = int(query_pos[b, w])
+                seen = [n for n in range(n_) if 0 <= key_pos[b, h, n] <= qp and qp >= 0
+                        and not (candidates_only and key_pos[b, h, n] >= first)]
+                if not seen:
+                    continue
+                logits = {g: {n: float(queries[b, h * g_ + g, w].double() @ keys[b, h, n].double()) * scaling
+                              for n in seen} for g in range(g_)}
+                if order == "softmax_then_pool":
+                    probs = {}
+                    for g in range(g_):
+                        z = sum(math.exp(v) for v in logits[g].values())
+                        probs[g] = {n: math.exp(v) / z for n, v in logits[g].items()}
+                    for n in seen:
+                        out[b, h, w, n] = pool([probs[g][n] for g in range(g_)])
+                else:
+                    pooled = {n: pool([logits[g][n] for g in range(g_)]) for n in seen}
+                    z = sum(math.exp(v) for v in pooled.values())
+                    for n in seen:
+                        out[b, h, w, n] = math.exp(pooled[n]) / z
+    return out
+
+
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+@pytest.mark.parametrize("order", ["softmax_then_pool", "pool_then_softmax"])
+@pytest.mark.parametrize("candidates_only", [False, True])
+def test_window_attention_matches_loop(gqa, order, candidates_only):
+    torch.manual_seed(0)
+    b, h, g, n, w, d = 2, 2, 3, 9, 3, 4
+    queries, keys = torch.randn(b, h * g, w, d), torch.randn(b, h, n, d)
+    key_pos = torch.arange(n).expand(b, h, n).clone()
+    key_pos[1, :, :2] = -1  # left padding
+    key_pos[1, 1, 4] = -1  # an empty slot in the middle of one head
+    key_pos[0, 0] = torch.tensor([0, 2, 3, 5, 6, 7, 8, 9, 10])  # a compacted head: gaps
+    query_pos = torch.tensor([[8, 9, 10], [-1, 7, 8]])  # row 1: a padding query (short prompt)
+    key_pos[0, 1] = torch.tensor([0, 1, 4, 5, 6, 7, 8, 9, 10])
+    got = window_attention(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order,
+                           candidates_only=candidates_only)
+    want = naive_window_attention(queries, keys, key_pos, query_pos, 0.5, gqa, order, candidates_only)
+    assert got.shape == (b, h, w, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert (got[1, :, 0] == 0).all()  # the padding query sees nothing
+
+
+def test_window_attention_rejects_bad_options():
+    q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4)
+    pos, qpos = torch.arange(3).view(1, 1, 3), torch.tensor([[2]])
+    with pytest.raises(ValueError, match="gqa"):
+        window_attention(q, k, pos, qpos, 1.0, gqa="min")
+    with pytest.raises(ValueError, match="order"):
+        window_attention(q, k, pos, qpos, 1.0, order="pool")
+
+
+def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6):
+    b_, h_, n_, _ = keys.shape
+    out = torch.zeros(b_, h_, n_, dtype=torch.float64)
+    for b in range(b_):
+        for h in range(h_):
+            k = keys[b, h].double()
+            k = k / (k.norm(dim=-1, keepdim=True) + eps)
+            ok = [n for n in range(n_) if valid[b, h, n]]
+            cos = {(m, n): float(k[m] @ k[n]) for m in ok for n in ok if m != n}
+            for n in ok:  # zero the latest row similar to column n
+                rows = [m for m in ok if m != n and cos[m, n] > threshold]
+                if rows:
+                    cos[max(rows), n] = 0.0
+            rowsum = {m: sum(v for (mm, _), v in cos.items() if mm == m) / len(ok) for m in ok}
+            z = sum(math.exp(v) for v in rowsum.values())
+            for m in ok:
+                out[b, h, m] = math.exp(rowsum[m]) / z
+    return out
+
+
+def test_key_redundancy_matches_loop():
+    torch.manual_seed(1)
+    b, h, n, d = 2, 2, 10, 4
+    base = torch.randn(b, h, 3, d)
+    keys = base[:, :, torch.randint(0, 3, (n,))] + 0.4 * torch.randn(b, h, n, d)  # many near-duplicates
+    valid = torch.ones(b, h, n, dtype=torch.bool)
+    valid[1, :, :3] = False
+    valid[0, 1, 5] = False
+    got = key_redundancy(keys, valid)
+    torch.testing.assert_close(got.double(), naive_redundancy(keys, valid), rtol=1e-5, atol=1e-7)
+    assert (got[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["max", "avg"])
+def test_pool_slots_skips_invalid_slots(mode):
+    torch.manual_seed(2)
+    x = torch.rand(2, 2, 9)
+    valid = torch.ones(2, 2, 9, dtype=torch.bool)
+    valid[0, 0, [0, 1, 5]] = False
+    valid[1, 1, 8] = False
+    got = pool_slots(x, valid, 3, mode)
+    for b in range(2):
+        for h in range(2):
+            ok = [n for n in range(9) if valid[b, h, n]]
+            for i, n in enumerate(ok):  # neighbours are the adjacent *valid* slots
+                near = [float(x[b, h, m]) for m in ok[max(0, i - 1):i + 2]]
+                want = max(near) if mode == "max" else sum(near) / 3  # zero padding counts
+                assert got[b, h, n].item() == pytest.approx(want, rel=1e-6)
+    assert (got[~valid] == 0).all()
+
+
+def test_gather_slots():
+    x = torch.arange(2 * 3 * 5 * 2).view(2, 3, 5, 2)
+    idx = torch.tensor([[[0, 4], [1, 2], [3, 3]], [[4, 0], [2, 2], [1, 0]]])
+    got = gather_slots(x, idx)
+    assert got.shape == (2, 3, 2, 2)
+    for b in range(2):
+        for h in range(3):
+            for j in range(2):
+                assert torch.equal(got[b, h, j], x[b, h, idx[b, h, j]])
+    pos = torch.arange(30).view(2, 3, 5)  # no trailing dims: positions
+    assert torch.equal(gather_slots(pos, idx), pos.gather(2, idx))

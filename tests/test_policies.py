@@ -1,0 +1,480 @@
+"""KV policies: one contract matrix over every policy, then hand-computed cases.
+
+Expected values in the hand-computed cases are worked out here with NumPy from the
+formulas in reference/methods.md, never by calling the code under test.
+"""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kvrl.kernels.scores import gather_slots, key_redundancy, window_attention
+from kvrl.policies import (GKV, H2O, POLICIES, RKV, HeadAllocation, KVPolicy, LearnedScorer,
+                           Observation, StreamingLLM, make_policy, plackett_luce_logprob,
+                           should_evict)
+
+B, H, G, D, N, T = 3, 2, 2, 8, 28, 40  # cache of N slots; the newest token is at position T-1
+INVALID = ([], [0, 1, 2], [0, 1, 2, 3, 4, 12])  # per row: padding, and a hole mid-cache in row 2
+
+# One small configuration per policy (kvpress `default_presses` style); every contract test
+# runs on all of them.
+POLICY_KWARGS = {
+    "streaming": dict(budget=12, window=3, sink=2, interval=6),
+    "h2o": dict(budget=12, window=3, interval=6),
+    "snapkv": dict(budget=12, window=4),
+    "rkv": dict(budget=12, window=4),
+    "gkv": dict(budget=12, window=4, sink=1, kernel_size=3),
+    "learned": dict(budget=12, window=4, interval=6, group=G, head_dim=D, layers=2, kv_heads=H),
+}
+assert set(POLICY_KWARGS) == set(POLICIES)
+
+
+@pytest.fixture(params=sorted(POLICY_KWARGS))
+def policy(request) -> KVPolicy:
+    return make_policy(request.param, **POLICY_KWARGS[request.param])
+
+
+def make_obs(policy: KVPolicy, seed: int = 0, invalid=INVALID) -> Observation:
+    """A mid-generation cache: compacted older positions (per-head sets), the last `observe`
+    tokens contiguous (they are the observation queries), padding, near-duplicate keys, and
+    a state whose newest tokens hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    w = policy.observe
+    key_pos = torch.full((B, H, N), -1)
+    for b, bad in enumerate(invalid):
+        slots = [n for n in range(N) if n not in bad]
+        n_old = len(slots) - w
+        for h in range(H):
+            old = torch.randperm(T - w, generator=gen)[:n_old].sort().values
+            key_pos[b, h, slots] = torch.cat([old, torch.arange(T - w, T)])
+    keys = torch.randn(B, H, N, D, generator=gen)
+    keys[:, :, 9] = keys[:, :, 6] + 0.1 * torch.randn(B, H, D, generator=gen)  # near-duplicates
+    keys[:, :, 20] = keys[:, :, 6]
+    state = None
+    if policy.state_size:
+        state = torch.rand(B, H, N, policy.state_size, generator=gen)
+        state[:, :, -w:] = float("nan")  # tokens decoded since the last eviction
+    return Observation(keys=keys, values=torch.randn(B, H, N, D, generator=gen),
+                       queries=2 * torch.randn(B, H * G, w, D, generator=gen), key_pos=key_pos,
+                       query_pos=torch.arange(T - w, T).expand(B, w), state=state, layer=1,
+                       scaling=D ** -0.5)
+
+
+def protected_slots(policy, key_pos_row):
+    """Slots of the first `sink` and last `window` valid positions of one (b, h) row."""
+    valid = [n for n in range(key_pos_row.shape[0]) if key_pos_row[n] >= 0]
+    return set(valid[:policy.sink]) | set(valid[len(valid) - policy.window:])
+
+
+# --- the contract, on every policy ---
+
+def test_scores_and_state_shapes(policy):
+    obs = make_obs(policy)
+    scores, state = policy.score(obs)
+    valid = obs.key_pos >= 0
+    assert scores.shape == (B, H, N)
+    assert torch.isfinite(scores[valid]).all()
+    if policy.state_size == 0:
+        assert state is None
+        return
+    assert state.shape == (B, H, N, policy.state_size)
+    candidates = valid & ~policy.always_kept(obs.key_pos)
+    assert torch.isfinite(state[candidates]).all()  # NaN inputs were resolved
+    # no state at all means "no token has state yet"
+    fresh = Observation(**{**vars(obs), "state": None})
+    all_nan = Observation(**{**vars(obs), "state": torch.full_like(obs.state, float("nan"))})
+    torch.testing.assert_close(policy.score(fresh)[0], policy.score(all_nan)[0])
+
+
+def check_selection(policy, obs, keep, scores=None):
+    k = min(policy.budget, N)
+    assert keep.shape == (B, H, k) and keep.dtype == torch.long
+    for b in range(B):
+        for h in range(H):
+            row, pos = keep[b, h].tolist(), obs.key_pos[b, h]
+            assert len(set(row)) == k
+            kept_pos = pos[row]
+            assert (kept_pos >= 0).all()  # enough valid slots exist
+            assert (kept_pos[1:] > kept_pos[:-1]).all()  # ascending true position
+            assert protected_slots(policy, pos) <= set(row)
+            if scores is not None:  # deterministic: the best candidates
+                cand = [n for n in range(N) if pos[n] >= 0 and n not in protected_slots(policy, pos)]
+                kept_c = [n for n in cand if n in row]
+                dropped = [n for n in cand if n not in row]
+                assert min(scores[b, h, kept_c]) >= max(scores[b, h, dropped])
+
+
+def test_select_contract(policy):
+    obs = make_obs(policy)
+    scores, _ = policy.score(obs)
+    check_selection(policy, obs, policy.select(obs, scores).keep, scores)
+
+
+def test_select_fills_with_invalid_slots_only_when_short(policy):
+    obs = make_obs(policy, invalid=([], list(range(20)), [0, 1]))  # row 1: 8 valid < K = 12
+    keep = policy.select(obs, policy.score(obs)[0]).keep
+    for h in range(H):
+        pos = obs.key_pos[1, h, keep[1, h]]
+        assert (pos[:4] == -1).all()  # invalid slots sort first
+        assert torch.equal(pos[4:], obs.key_pos[1, h, 20:])  # every valid slot, in order
+    assert (obs.key_pos[0].gather(-1, keep[0]) >= 0).all()
+
+
+def test_batch_independence(policy):
+    """Each row scored and selected in a padded batch = that row alone without padding."""
+    obs = make_obs(policy)
+    scores, state = policy.score(obs)
+    keep = policy.select(obs, scores).keep
+    for b in range(B):
+        slots = [n for n in range(N) if n not in INVALID[b]]
+        alone = Observation(
+            keys=obs.keys[b:b + 1, :, slots], values=obs.values[b:b + 1, :, slots],
+            queries=obs.queries[b:b + 1], key_pos=obs.key_pos[b:b + 1, :, slots],
+            query_pos=obs.query_pos[b:b + 1], layer=obs.layer, scaling=obs.scaling,
+            state=None if obs.state is None else obs.state[b:b + 1, :, slots])
+        s1, st1 = policy.score(alone)
+        torch.testing.assert_close(s1[0], scores[b, :, slots], rtol=1e-5, atol=1e-6)
+        if state is not None:
+            torch.testing.assert_close(st1[0], state[b, :, slots], rtol=1e-5, atol=1e-6, equal_nan=True)
+        k1 = policy.select(alone, s1).keep
+        assert torch.equal(alone.key_pos[0].gather(-1, k1[0]), obs.key_pos[b].gather(-1, keep[b]))
+
+
+def sequential_logprob(scores, candidates, evicted):
+    """Draw by draw: log softmax(-scores) over the candidates not drawn yet."""
+    remaining = set(candidates)
+    total = 0.0
+    for e in evicted:
+        x = {n: -float(scores[n]) for n in remaining}
+        total += x[e] - math.log(sum(math.exp(v) for v in x.values()))
+        remaining.remove(e)
+    return total
+
+
+def test_sampled_selection(policy):
+    obs = make_obs(policy)
+    scores, _ = policy.score(obs)
+    sel = policy.select(obs, scores, sample=True, generator=torch.Generator().manual_seed(3))
+    check_selection(policy, obs, sel.keep)
+    assert sel.logprob.shape == (B, H) and torch.isfinite(sel.logprob).all()
+    for b in range(B):
+        for h in range(H):
+            pos = obs.key_pos[b, h]
+            valid = {n for n in range(N) if pos[n] >= 0}
+            cand = valid - protected_slots(policy, pos)
+            ev = [e for e in sel.evicted[b, h].tolist() if e >= 0]
+            assert len(ev) == len(valid) - policy.budget
+            assert set(ev) <= cand and set(ev).isdisjoint(sel.keep[b, h].tolist())
+            assert set(ev) | set(sel.keep[b, h].tolist()) == valid
+            want = sequential_logprob(scores[b, h].detach(), cand, ev)
+            assert sel.logprob[b, h].item() == pytest.approx(want, rel=1e-5, abs=1e-4)
+
+
+def test_determinism(policy):
+    obs = make_obs(policy)
+    s1, st1 = policy.score(obs)
+    s2, st2 = policy.score(obs)
+    assert torch.equal(s1, s2)
+    if st1 is not None:
+        torch.testing.assert_close(st1, st2, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(policy.select(obs, s1).keep, policy.select(obs, s2).keep)
+    draw = [policy.select(obs, s1, sample=True, generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(draw[0].keep, draw[1].keep) and torch.equal(draw[0].logprob, draw[1].logprob)
+
+
+def test_learned_scorer_logprob_has_gradients():
+    policy = make_policy("learned", **POLICY_KWARGS["learned"])
+    obs = make_obs(policy)
+    sel = policy.select(obs, policy.score(obs)[0], sample=True, generator=torch.Generator().manual_seed(0))
+    sel.logprob.sum().backward()
+    grads = [p.grad for p in policy.scorer.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert policy.scorer.w1.grad[obs.layer].abs().sum() > 0 and policy.scorer.w1.grad[0].abs().sum() == 0
+
+
+# --- hand-computed cases ---
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_gqa_pooling_order():
+    """One KV head, two query heads with opposite preferences, keys k0 = 2, k1 = 0."""
+    q = torch.tensor([[1.0], [-1.0]]).view(1, 2, 1, 1)  # [B, Hq, W, D]
+    k = torch.tensor([[2.0], [0.0]]).view(1, 1, 2, 1)
+    pos, qpos = torch.tensor([[[0, 1]]]), torch.tensor([[1]])
+    hi, lo = math.exp(2) / (math.exp(2) + 1), 1 / (math.exp(2) + 1)  # 0.8808, 0.1192
+    # G-KV: softmax per head [hi, lo] and [lo, hi], then max -> [hi, hi]
+    got = window_attention(q, k, pos, qpos, 1.0, gqa="max", order="softmax_then_pool")
+    torch.testing.assert_close(got.flatten(), torch.tensor([hi, hi]))
+    # R-KV: max of logits [2, 0] and [-2, 0] -> [2, 0], then softmax -> [hi, lo]
+    got = window_attention(q, k, pos, qpos, 1.0, gqa="max", order="pool_then_softmax")
+    torch.testing.assert_close(got.flatten(), torch.tensor([hi, lo]))
+    got = window_attention(q, k, pos, qpos, 1.0, gqa="mean", order="softmax_then_pool")
+    torch.testing.assert_close(got.flatten(), torch.tensor([0.5, 0.5]))
+
+
+@pytest.mark.parametrize("mode", ["max", "mean", "sum"])
+def test_gkv_global_score_two_steps(mode):
+    alpha, scale = 0.8, 1 / math.sqrt(2)
+    policy = GKV(budget=3, window=1, interval=2, mix_lambda=1.0, alpha=alpha, mode=mode)
+    qh = np.array([[1.0, 0.5], [-0.5, 1.0]])  # two query heads of one KV head
+
+    def local_score(keys, q, n_cand):
+        # softmax per query head over all keys (window included), max over the group,
+        # window column dropped, mean over the single query, / max over candidates
+        a = np.max([softmax(keys @ qh_g * scale) for qh_g in q], axis=0)[:n_cand]
+        return a / a.max()
+
+    # step 1: prompt positions 0..4, query at 4; no state -> F = S in every mode
+    k1 = np.array([[1, 0], [0, 1], [1, 1], [-1, 0], [0.5, 0.5]])
+    s1 = local_score(k1, qh, 4)
+    obs1 = Observation(keys=torch.tensor(k1, dtype=torch.float32).view(1, 1, 5, 2), values=torch.zeros(1, 1, 5, 2),
+                       queries=torch.tensor(qh, dtype=torch.float32).view(1, 2, 1, 2),
+                       key_pos=torch.arange(5).view(1, 1, 5), query_pos=torch.tensor([[4]]),
+                       state=None, layer=0, scaling=scale)
+    score1, state1 = policy.score(obs1)
+    np.testing.assert_allclose(score1[0, 0, :4].numpy(), s1, rtol=1e-6)
+    np.testing.assert_allclose(state1[0, 0, :4, 0].numpy(), s1, rtol=1e-6)
+    assert state1[0, 0, 4].isnan().all()  # the window token keeps no F
+    keep = policy.select(obs1, score1).keep  # best two candidates + the window slot 4
+    top2 = sorted(np.argsort(-s1)[:2].tolist())
+    assert keep[0, 0].tolist() == top2 + [4]
+
+    # step 2: two new tokens (positions 5, 6) appended with NaN state; query at 6
+    k_new = np.array([[0.0, -1.0], [1.0, -1.0]])
+    k2 = np.concatenate([k1[top2 + [4]], k_new])
+    q2 = qh[::-1].copy()
+    state2 = torch.cat([gather_slots(state1, keep), torch.full((1, 1, 2, 1), float("nan"))], 2)
+    obs2 = Observation(keys=torch.tensor(k2, dtype=torch.float32).view(1, 1, 5, 2), values=torch.zeros(1, 1, 5, 2),
+                       queries=torch.tensor(q2, dtype=torch.float32).view(1, 2, 1, 2),
+                       key_pos=torch.tensor([top2 + [4, 5, 6]]).view(1, 1, 5), query_pos=torch.tensor([[6]]),
+                       state=state2, layer=0, scaling=scale)
+    s2 = local_score(k2, q2, 4)
+    old = np.array([s1[top2[0]], s1[top2[1]], np.nan, np.nan])  # positions 4, 5: no F yet
+    if mode == "max":
+        want = np.maximum(alpha * np.where(np.isnan(old), s2, old), s2)
+    elif mode == "mean":
+        want = alpha * np.where(np.isnan(old), s2, old) + (1 - alpha) * s2
+    else:
+        want = alpha * np.nan_to_num(old) + s2
+    score2, new_state = policy.score(obs2)
+    np.testing.assert_allclose(score2[0, 0, :4].numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(new_state[0, 0, :4, 0].numpy(), want, rtol=1e-6)
+
+
+def duplicate_keys():
+    """Copies of e0 at slots 0, 2, 5; slot 3 is padding; slot 6 has cos 0.4 with e0."""
+    e = np.eye(4)
+    keys = np.stack([e[0], e[1], e[0], e[0], e[2], e[0], 0.4 * e[0] + math.sqrt(0.84) * e[3]])
+    valid = np.array([1, 1, 1, 0, 1, 1, 1], dtype=bool)
+    # Column 0's latest similar row is 5, column 2's is 5, column 5's is 2: zero (5,0),
+    # (5,2), (2,5). cos 0.4 is under the threshold: counted, never exempted.
+    # Row sums: slot 0: 1+1+0.4, slot 2: 1+0+0.4, slot 5: 0+0+0.4, slot 6: 3*0.4; / 6 valid.
+    rowsum = np.array([2.4, 0, 1.4, 0, 0, 0.4, 1.2]) / 6
+    red = np.zeros(7)
+    red[valid] = softmax(rowsum[valid])
+    return keys, valid, red
+
+
+def test_redundancy_most_recent_duplicate_exemption():
+    keys, valid, red = duplicate_keys()
+    got = key_redundancy(torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
+                         torch.tensor(valid).view(1, 1, 7))
+    np.testing.assert_allclose(got[0, 0].numpy(), red, rtol=1e-5, atol=1e-7)
+    assert got[0, 0, 0] > got[0, 0, 2] > got[0, 0, 5]  # the oldest copy is the most redundant
+
+
+@pytest.mark.parametrize("cls", [RKV, GKV])
+def test_redundancy_term_in_scores(cls):
+    """mix_lambda = 0 leaves only the redundancy: R-KV uses it raw, G-KV ÷ its max."""
+    keys, valid, red = duplicate_keys()
+    key_pos = torch.tensor([0, 1, 2, -1, 3, 4, 5]).view(1, 1, 7)
+    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), values=torch.zeros(1, 1, 7, 4),
+                      queries=torch.ones(1, 1, 1, 4), key_pos=key_pos, query_pos=torch.tensor([[5]]),
+                      state=None, layer=0, scaling=0.5)
+    scores, _ = cls(budget=3, window=1, mix_lambda=0.0).score(obs)
+    candidates = [0, 1, 2, 4, 5]  # valid slots except the window (slot 6)
+    want = -red if cls is RKV else -red / red[candidates].max()
+    np.testing.assert_allclose(scores[0, 0, candidates].numpy(), want[candidates], rtol=1e-5, atol=1e-7)
+
+
+def test_rkv_importance():
+    """Logits max over the group, softmax over the candidates only, mean over queries, max-pool 7."""
+    rng = np.random.default_rng(0)
+    n, w, d = 12, 2, 4
+    keys, queries = rng.standard_normal((n, d)), rng.standard_normal((2, w, d))
+    logits = np.max(queries @ keys[:n - w].T * 0.5, axis=0)  # [w, candidates]
+    attn = np.mean([softmax(row) for row in logits], axis=0)
+    pooled = np.array([attn[max(0, i - 3):i + 4].max() for i in range(n - w)])
+    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, n, d), values=torch.zeros(1, 1, n, d),
+                      queries=torch.tensor(queries, dtype=torch.float32).view(1, 2, w, d),
+                      key_pos=torch.arange(n).view(1, 1, n), query_pos=torch.arange(n - w, n).view(1, w),
+                      state=None, layer=0, scaling=0.5)
+    scores, _ = RKV(budget=6, window=w, mix_lambda=1.0).score(obs)
+    np.testing.assert_allclose(scores[0, 0, :n - w].numpy(), pooled, rtol=1e-5)
+
+
+def test_h2o_accumulates_across_two_evictions():
+    rng = np.random.default_rng(1)
+    g, d, prompt, interval = 2, 4, 10, 4
+    policy = H2O(budget=6, window=2, interval=interval)
+    keys, queries = rng.standard_normal((prompt + interval, d)), rng.standard_normal((g, prompt + interval, d))
+
+    def observation(pos, state, q_from):
+        qpos = np.arange(q_from, q_from + interval)
+        return Observation(keys=torch.tensor(keys[pos], dtype=torch.float32).view(1, 1, -1, d),
+                           values=torch.zeros(1, 1, len(pos), d),
+                           queries=torch.tensor(queries[:, qpos], dtype=torch.float32).view(1, g, interval, d),
+                           key_pos=torch.tensor(pos).view(1, 1, -1), query_pos=torch.tensor(qpos).view(1, -1),
+                           state=state, layer=0, scaling=d ** -0.5)
+
+    # eviction 1 right after prefill (generated = 0): the last `interval` prompt queries
+    assert should_evict(0, prompt, policy)
+    pos1 = list(range(prompt))
+    obs1 = observation(pos1, None, prompt - interval)
+    scores1, state1 = policy.score(obs1)
+    keep = policy.select(obs1, scores1).keep[0, 0].tolist()
+    kept = [pos1[i] for i in keep]
+    # decode `interval` tokens, then eviction 2 sees the compacted cache + the new tokens
+    assert not should_evict(interval - 1, len(kept) + interval - 1, policy)
+    assert should_evict(interval, len(kept) + interval, policy)
+    pos2 = kept + list(range(prompt, prompt + interval))
+    state2 = torch.cat([state1[:, :, keep], torch.full((1, 1, interval, 1), float("nan"))], 2)
+    scores2, _ = policy.score(observation(pos2, state2, prompt))
+
+    # brute force: every observed query's attention over the cache it saw when decoded
+    acc = {p: 0.0 for p in range(prompt + interval)}
+    for qp in range(prompt - interval, prompt + interval):
+        cache = pos1 if qp < prompt else pos2
+        seen = [p for p in cache if p <= qp]
+        probs = np.mean([softmax(keys[seen] @ queries[h, qp] * d ** -0.5) for h in range(g)], axis=0)
+        for p, a in zip(seen, probs):
+            acc[p] += a
+    np.testing.assert_allclose(scores2[0, 0].numpy(), [acc[p] for p in pos2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("feature,block", [("max", 0), ("min", 1), ("sum", 2), ("last16", 3), ("last8", 4),
+                                           ("last32", 5), ("cumsum", 6), ("decayed", 7)])
+def test_learned_scorer_features(feature, block):
+    """ForesightKV's feature layout [k ‖ v ‖ 8 blocks of G]: wire one feature of query head
+    g = 1 straight through the MLP (eviction = GELU(feature)) and compare with NumPy."""
+    rng = np.random.default_rng(2)
+    g, d, n, w = 2, 4, 40, 36  # 36 observed queries: the last-8/16/32 sums differ from the sum
+    policy = LearnedScorer(budget=12, window=4, interval=w, group=g, head_dim=d, layers=1, kv_heads=1)
+    with torch.no_grad():
+        for p in policy.scorer.parameters():
+            p.zero_()
+        policy.scorer.w1[0, 0, 2 * d + block * g + 1, 0] = 1.0
+        policy.scorer.w2[0, 0, 0] = 1.0
+    keys, queries = rng.standard_normal((n, d)), rng.standard_normal((g, w, d))
+    state = rng.random((n, 2 * g))
+    state[-5:] = np.nan  # new tokens: no accumulated attention yet
+    qpos = np.arange(n - w, n)
+    attn = np.zeros((w, n))  # query head 1, causal softmax over the whole cache
+    for i, qp in enumerate(qpos):
+        attn[i, :qp + 1] = softmax(keys[:qp + 1] @ queries[1, i] * 0.5)
+    old = np.nan_to_num(state)
+    want = {"max": attn.max(0), "min": attn.min(0), "sum": attn.sum(0), "last16": attn[-16:].sum(0),
+            "last8": attn[-8:].sum(0), "last32": attn[-32:].sum(0), "cumsum": old[:, 1] + attn.sum(0),
+            "decayed": 0.9 * old[:, g + 1] + attn.sum(0)}[feature]
+    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, n, d), values=torch.zeros(1, 1, n, d),
+                      queries=torch.tensor(queries, dtype=torch.float32).view(1, g, w, d),
+                      key_pos=torch.arange(n).view(1, 1, n), query_pos=torch.tensor(qpos).view(1, w),
+                      state=torch.tensor(state, dtype=torch.float32).view(1, 1, n, 2 * g), layer=0, scaling=0.5)
+    scores, new_state = policy.score(obs)
+    gelu = 0.5 * want * (1 + np.vectorize(math.erf)(want / math.sqrt(2)))
+    np.testing.assert_allclose(-scores[0, 0].detach().numpy(), gelu, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(new_state[0, 0, :, 1].numpy(), old[:, 1] + attn.sum(0), rtol=1e-5)
+    np.testing.assert_allclose(new_state[0, 0, :, g + 1].numpy(), 0.9 * old[:, g + 1] + attn.sum(0), rtol=1e-5)
+
+
+def test_streaming_keeps_sink_and_recent():
+    policy = StreamingLLM(budget=8, sink=4, window=2)
+    key_pos = torch.tensor([-1, -1] + list(range(18))).view(1, 1, 20)
+    obs = Observation(keys=torch.randn(1, 1, 20, 4), values=torch.randn(1, 1, 20, 4),
+                      queries=torch.randn(1, 1, 2, 4), key_pos=key_pos, query_pos=torch.tensor([[16, 17]]),
+                      state=None, layer=0, scaling=0.5)
+    keep = policy.select(obs, policy.score(obs)[0]).keep
+    assert key_pos[0, 0, keep[0, 0]].tolist() == [0, 1, 2, 3, 14, 15, 16, 17]
+
+
+def test_should_evict_schedule():
+    policy = StreamingLLM(budget=8, interval=4, window=2)
+    assert should_evict(0, 9, policy)  # a long prompt is compressed right after prefill
+    assert not should_evict(0, 8, policy)  # ... only when it exceeds the budget
+    assert not should_evict(3, 11, policy)
+    assert should_evict(8, 12, policy)
+
+
+@pytest.mark.parametrize("sparsity,count", [(0.0, 0), (0.1, 1), (0.25, 3), (0.5, 6), (0.55, 7), (1.0, 12)])
+def test_head_allocation_count_and_global_ranking(sparsity, count):
+    gates = torch.tensor([[0.9, 0.1, 0.5], [0.3, 0.8, 0.05], [0.7, 0.2, 0.6], [0.95, 0.4, 0.35]])
+    mask = HeadAllocation(gates=gates, sparsity=sparsity, layers=4, kv_heads=3).compressed_mask()
+    assert mask.shape == (4, 3) and mask.dtype == torch.bool
+    assert int(mask.sum()) == count  # round(s·L·H), e.g. 0.55·12 = 6.6 -> 7
+    if 0 < count < 12:  # a global threshold, not per layer
+        assert gates[mask].max() < gates[~mask].min()
+
+
+def test_head_allocation_ties_and_death():
+    alloc = HeadAllocation(gates=torch.ones(2, 2), sparsity=0.5, layers=2, kv_heads=2, sink=2, recent=3)
+    mask = alloc.compressed_mask()
+    assert mask.tolist() == [[True, True], [False, False]]  # equal gates: lower index first
+    death = alloc.death(8)
+    never = torch.iinfo(torch.int32).max
+    assert death.shape == (2, 2, 8) and death.dtype == torch.int32
+    assert death[0, 0].tolist() == [never, never, 5, 6, 7, 8, 9, 10]  # k + recent for k >= sink
+    assert (death[1] == never).all()
+
+
+@pytest.mark.parametrize("build,param", [
+    (lambda: H2O(budget=8, window=8), "budget"),
+    (lambda: GKV(budget=20, window=16, sink=4), "budget"),
+    (lambda: RKV(budget=64, interval=0), "interval"),
+    (lambda: GKV(budget=64, mode="median"), "mode"),
+    (lambda: make_policy("snapkv", budget=64, kernel_size=4), "kernel_size"),
+    (lambda: make_policy("learned", budget=200, group=0, head_dim=8, layers=1, kv_heads=1), "group"),
+    (lambda: HeadAllocation(gates=torch.ones(2, 4), sparsity=1.5, layers=2, kv_heads=4), "sparsity"),
+    (lambda: make_policy("lru", budget=64), "streaming, h2o, snapkv, rkv, gkv, learned"),
+])
+def test_bad_parameters_name_the_parameter(build, param):
+    with pytest.raises(ValueError, match=param):
+        build()
+
+
+def test_head_allocation_gates_shape_error_names_both_shapes():
+    with pytest.raises(ValueError, match=r"gates.*\(3, 4\).*\(2, 4\)"):
+        HeadAllocation(gates=torch.ones(3, 4), sparsity=0.5, layers=2, kv_heads=4)
+
+
+def test_plackett_luce_logprob_brute_force():
+    """4 candidates, 2 evicted: the logprob of each ordered draw, and the sampler's frequencies."""
+    scores = torch.tensor([0.0, 0.3, -0.5, 1.2, 0.7, 0.0])  # slots 0 (sink) and 5 (window) protected
+    x = -scores.numpy()[1:5].astype(np.float64)
+    prob = {}
+    for i, j in itertools.permutations(range(4), 2):
+        p_i = math.exp(x[i]) / np.exp(x).sum()
+        prob[i + 1, j + 1] = p_i * math.exp(x[j]) / (np.exp(x).sum() - math.exp(x[i]))
+    assert sum(prob.values()) == pytest.approx(1.0)
+    candidates = torch.tensor([False, True, True, True, True, False])
+    for (i, j), p in prob.items():
+        got = plackett_luce_logprob(scores.view(1, 1, 6), candidates.view(1, 1, 6), torch.tensor([[[i, j]]]))
+        assert got.item() == pytest.approx(math.log(p), rel=1e-6)
+
+    rows = 4000
+    policy = StreamingLLM(budget=4, sink=1, window=1)
+    obs = Observation(keys=torch.zeros(rows, 1, 6, 1), values=torch.zeros(rows, 1, 6, 1),
+                      queries=torch.zeros(rows, 1, 1, 1), key_pos=torch.arange(6).expand(rows, 1, 6),
+                      query_pos=torch.full((rows, 1), 5), state=None, layer=0, scaling=1.0)
+    sel = policy.select(obs, scores.expand(rows, 1, 6), sample=True, generator=torch.Generator().manual_seed(0))
+    drawn = [tuple(r) for r in sel.evicted[:, 0].tolist()]
+    for pair, p in prob.items():
+        freq = drawn.count(pair) / rows
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / rows) + 1e-3
+    lp = {pair: math.log(p) for pair, p in prob.items()}
+    np.testing.assert_allclose(sel.logprob[:, 0].numpy(), [lp[d] for d in drawn], rtol=1e-5)
