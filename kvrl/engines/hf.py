@@ -1,43 +1,81 @@
 """The reference engine: batched decoding with transformers models on any device.
 
-Contract: ``generate(prompts, sampling, death=None) -> Rollouts`` decodes a left-padded
-batch with a KV cache and attention restricted by an eviction pattern ``death`` (see
-``kvrl.kernels.replay``); ``death=None`` is the full cache. Every other engine is checked
-against this one.
+Contract:
 
-It runs its own decode loop rather than ``model.generate``: generate() refuses extra model
-keyword arguments (the replay pattern) and grows a 2-D padding mask that no longer
-describes a cache once keys are evicted (reference/stack.md §2).
+* ``generate(prompts, sampling, policy=None) -> Rollouts`` decodes a left-padded batch
+  with a :class:`kvrl.cache.KVCache`. ``policy`` is None (full cache), a
+  :class:`kvrl.policies.KVPolicy` (dynamic eviction; the rollouts carry the recorded
+  :class:`kvrl.cache.EvictionTrace`), or a static pattern with ``death(T)`` such as
+  :class:`kvrl.policies.HeadAllocation` (the older ``death=`` keyword takes the tensor).
+* ``score(sequences, prompt_lens, trace=None) -> Scores`` gives teacher-forced per-token
+  logprobs, losses and entropies of the generated tokens in one forward, under the
+  replayed trace (``"kvrl_replay"``) or under full attention.
+
+Every other engine is checked against this one. It runs its own decode loop rather than
+``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
+the attention function) and grows a 2-D padding mask that no longer describes a cache
+once keys are evicted (reference/stack.md §2). Positions are always passed explicitly:
+they are true RoPE positions, which the cache length stops being after an eviction.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
-from kvrl.kernels.replay import NEVER, Replay
+from kvrl.cache import EvictionTrace, KVCache
+from kvrl.kernels.replay import NEVER
+from kvrl.policies.base import KVPolicy
 
 
 @dataclass
 class Sampling:
-    """Decoding settings: greedy when temperature == 0."""
+    """Decoding settings: greedy when temperature == 0.
+
+    sample_evictions: draw evictions (``policy.select(sample=True)``) and record their
+    logprobs in the trace. ignore_eos: keep decoding after EOS (benchmarks).
+    """
 
     max_new_tokens: int = 160
     temperature: float = 0.0
     seed: int = 0
+    sample_evictions: bool = False
+    ignore_eos: bool = False
 
 
 @dataclass
 class Rollouts:
     """Per sequence: generated token ids (without padding or EOS), their behaviour
-    logprobs, ``"stop"`` (EOS) or ``"length"``, and the decoded text."""
+    logprobs, ``"stop"`` (EOS) or ``"length"``, the decoded text, and the prompt ids; for
+    the batch: the eviction trace (None with the full cache) and timings in seconds
+    (``decode``: the whole loop, ``evict``: scoring, selection and compaction)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     finish_reasons: list[str]
     texts: list[str] = field(default_factory=list)
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    traces: EvictionTrace | None = None
+    timing: dict = field(default_factory=dict)
+
+    def trace(self, b: int) -> EvictionTrace:
+        """Sequence b's trace, trimmed to its length (:meth:`EvictionTrace.for_sequence`)."""
+        if self.traces is None:
+            raise ValueError("these rollouts used the full cache; they have no trace")
+        return self.traces.for_sequence(b)
+
+
+@dataclass
+class Scores:
+    """Teacher-forced scores of the generated tokens, [B, G] float32, left-aligned
+    (column j = generated token j) and zero beyond each sequence (``mask``)."""
+
+    logprobs: torch.Tensor
+    losses: torch.Tensor
+    entropies: torch.Tensor
+    mask: torch.Tensor
 
 
 class HFEngine:
@@ -55,52 +93,116 @@ class HFEngine:
         mask = enc["attention_mask"].to(self.device)
         return enc["input_ids"].to(self.device), mask.cumsum(-1) * mask - 1
 
+    def static_death(self, pattern, batch: int, length: int) -> torch.Tensor:
+        """[layers, B, H_kv, T] int32 from a pattern's ``death(T)`` ([layers, H_kv, T] or
+        with the batch axis)."""
+        death = pattern.death(length).to(self.device, torch.int32)
+        return death[:, None].expand(-1, batch, -1, -1) if death.dim() == 3 else death
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: Sampling, death: torch.Tensor | None = None) -> Rollouts:
-        """death: [layers, B, H_kv, T] (T >= longest prompt + max_new_tokens) or None."""
+    def generate(self, prompts: list[str], sampling: Sampling, policy=None,
+                 death: torch.Tensor | None = None) -> Rollouts:
+        """policy: None, a KVPolicy, or a static pattern with ``death(T)``; death: a static
+        [layers, B, H_kv, T] pattern (T >= longest prompt + max_new_tokens) instead."""
         ids, pos = self.encode(prompts)
-        B, P = ids.shape
+        B = ids.shape[0]
         cfg = self.model.config
         T = int(pos.max()) + 1 + sampling.max_new_tokens
-        if death is None:
-            death = torch.full((cfg.num_hidden_layers, B, cfg.num_key_value_heads, T), NEVER,
-                               dtype=torch.int32, device=self.device)
-        elif death.shape[-1] < T:
+        if policy is not None and not isinstance(policy, KVPolicy):
+            death = self.static_death(policy, B, T)
+            policy = None
+        if death is not None and death.shape[-1] < T:
             raise ValueError(f"death covers {death.shape[-1]} positions, decoding needs {T}")
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        cache = KVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, policy, death,
+                        sample=sampling.sample_evictions, device=self.device,
+                        generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
         eos = self.tokenizer.eos_token_id
-        key_pos = pos
-        cache = DynamicCache(config=cfg)
         step_ids, step_pos = ids, pos
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         tokens, logps = [], []
-        for _ in range(sampling.max_new_tokens):
-            logits = self.model(input_ids=step_ids, position_ids=step_pos.clamp(min=0),
-                                past_key_values=cache, use_cache=True,
-                                kvrl_replay=Replay(death, key_pos)).logits[:, -1].float()
-            if sampling.temperature > 0:
-                logp = torch.log_softmax(logits / sampling.temperature, -1)
-                nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-            else:
-                logp = torch.log_softmax(logits, -1)
-                nxt = logits.argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
-            tokens.append(nxt)
-            logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
-            done |= nxt == eos
-            if bool(done.all()):
-                break
-            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
-            key_pos = torch.cat([key_pos, step_pos], dim=1)
-        return self._collect(torch.stack(tokens, 1), torch.stack(logps, 1))
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation("kvrl_evict")
+        start = time.perf_counter()
+        try:
+            for step in range(sampling.max_new_tokens):
+                cache.begin(step_pos, generated=step)  # this forward writes generated token step-1
+                logits = self.model(input_ids=step_ids, position_ids=step_pos.clamp(min=0),
+                                    past_key_values=cache, use_cache=True, kvrl_cache=cache).logits[:, -1].float()
+                if sampling.temperature > 0:
+                    logp = torch.log_softmax(logits / sampling.temperature, -1)
+                    nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+                else:
+                    logp = torch.log_softmax(logits, -1)
+                    nxt = logits.argmax(-1)
+                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+                tokens.append(nxt)
+                logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
+                if not sampling.ignore_eos:
+                    done |= nxt == eos
+                if bool(done.all()):
+                    break
+                step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+        finally:
+            self.model.set_attn_implementation(previous)
+        out = self._collect(torch.stack(tokens, 1), torch.stack(logps, 1), sampling.ignore_eos)
+        out.prompt_ids = [row[row >= 0].tolist() for row in torch.where(pos >= 0, ids, -1).cpu()]
+        lengths = torch.tensor([len(p) + len(t) for p, t in zip(out.prompt_ids, out.tokens)])
+        if policy is not None or death is not None:
+            out.traces = cache.trace(lengths)
+        out.timing = {"decode": time.perf_counter() - start, "evict": cache.evict_seconds}
+        return out
 
-    def _collect(self, toks: torch.Tensor, logps: torch.Tensor) -> Rollouts:
+    def _collect(self, toks: torch.Tensor, logps: torch.Tensor, ignore_eos: bool = False) -> Rollouts:
         eos = self.tokenizer.eos_token_id
         out = Rollouts([], [], [])
         for row, lp in zip(toks.tolist(), logps.tolist()):
-            n = row.index(eos) if eos in row else len(row)
+            n = row.index(eos) if eos in row and not ignore_eos else len(row)
             out.tokens.append(row[:n])
             out.logprobs.append(lp[:n])
             out.finish_reasons.append("stop" if n < len(row) else "length")
             out.texts.append(self.tokenizer.decode(row[:n]))
         return out
+
+    def score(self, sequences, prompt_lens: list[int] | None = None, *, policy=None,
+              trace: EvictionTrace | None = None, temperature: float = 1.0) -> Scores:
+        """Teacher-forced scores of the generated part of each sequence, in one forward.
+
+        sequences: token ids (prompt + generated) per sequence, with ``prompt_lens``; or
+        :class:`Rollouts` (its prompts and generated tokens). Attention replays ``trace``
+        (the batch's trace, in the same order), or a static ``policy``'s pattern, or is
+        full when both are None. A dynamic policy needs its recorded trace. Logprobs are
+        of ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
+        ``torch.no_grad()`` unless training).
+        """
+        if isinstance(sequences, Rollouts):
+            prompt_lens = [len(p) for p in sequences.prompt_ids]
+            sequences = [p + t for p, t in zip(sequences.prompt_ids, sequences.tokens)]
+        lens = torch.tensor([len(s) for s in sequences], device=self.device)
+        n_gen = lens - torch.tensor(prompt_lens, device=self.device)
+        B, S = len(sequences), int(lens.max())
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (S - len(s)) + list(s) for s in sequences], device=self.device)
+        pos = torch.arange(S, device=self.device) - (S - lens)[:, None]
+        pos = pos.masked_fill(pos < 0, -1)
+        if isinstance(policy, KVPolicy) and trace is None:
+            raise ValueError("a dynamic KV policy is replayed from its recorded trace: pass trace=rollouts.traces")
+        cfg = self.model.config
+        if trace is None:
+            death = (self.static_death(policy, B, S) if policy is not None else torch.full(
+                (cfg.num_hidden_layers, B, cfg.num_key_value_heads, S), NEVER, dtype=torch.int32, device=self.device))
+            trace = EvictionTrace.from_death(death, lens)
+        if trace.death.shape[1] != B:
+            raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
+        self.model.set_attn_implementation("kvrl_replay")
+        logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0),
+                            kvrl_replay=trace.replay(pos)).logits.float()
+        logp = torch.log_softmax(logits / temperature, -1)
+        G = int(n_gen.max())
+        j = torch.arange(G, device=self.device)
+        mask = j < n_gen[:, None]
+        col = (S - n_gen[:, None] + j).clamp(max=S - 1)  # column of generated token j
+        lp = logp.gather(1, (col - 1)[..., None].expand(-1, -1, logp.shape[-1]))  # [B, G, V]
+        token_lp = lp.gather(-1, ids.gather(1, col)[..., None]).squeeze(-1) * mask
+        entropy = -(lp.exp() * lp).sum(-1) * mask
+        return Scores(token_lp, -token_lp, entropy, mask)

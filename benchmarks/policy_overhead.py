@@ -1,0 +1,115 @@
+"""What eviction costs in the reference engine, for every policy on the tiny reasoner.
+
+Prints one JSON line, all measured side by side in this run (greedy, CPU by default):
+
+  evict_fraction   per policy: time spent scoring, selecting and compacting, as a fraction
+                   of the whole decode loop, on the tiny reasoner's tasks (budget = half
+                   the mean full-cache sequence, interval 16, window 8, sink 4)
+  long_context     decode-step time at a ~2k-token context (prompts built by repeating
+                   tasks, batch 4, 64 new tokens, EOS ignored): full cache vs each policy
+                   at budget 256; ``ratio`` = compressed / full (< 1: eviction pays off).
+                   A step's time is (t(1 + n steps) − t(1 step)) / n, so the prefill and
+                   the eviction right after it are excluded and later evictions amortised.
+
+The tiny model is latency-bound (per-layer Python overhead dominates a 0.8 M-parameter
+forward), so ratios here say little about large models; they are the reference numbers
+the vLLM plugin and Triton kernels are compared with.
+
+    python benchmarks/policy_overhead.py [--tasks 32] [--context 2048] [--model tiny]
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+from transformers import LlamaForCausalLM
+
+from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.envs import make
+from kvrl.models.tiny import build_tokenizer, load_model, tiny_config
+from kvrl.policies import POLICIES, make_policy
+
+INTERVAL, WINDOW, SINK = 16, 8, 4
+
+
+def load(path):
+    """(model, tokenizer, note): the shipped weights, or a random-init tiny model."""
+    try:
+        model, tok = load_model(path)
+        return model, tok, None
+    except FileNotFoundError as err:
+        torch.manual_seed(0)
+        tok = build_tokenizer()
+        return LlamaForCausalLM(tiny_config(tok)).eval(), tok, f"random-init tiny model ({err})"
+
+
+def policy(name, model, budget):
+    cfg = model.config
+    extra = dict(group=cfg.num_attention_heads // cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                 layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads) if name == "learned" else {}
+    return make_policy(name, budget=budget, interval=INTERVAL, window=WINDOW, sink=SINK, **extra)
+
+
+def step_time(engine, prompts, kv_policy, steps, repeats):
+    """Seconds per decode step after the prefill (best of ``repeats``)."""
+    def run(n):
+        start = time.perf_counter()
+        engine.generate(prompts, Sampling(max_new_tokens=n, ignore_eos=True), policy=kv_policy)
+        return time.perf_counter() - start
+    return min(run(steps + 1) - run(1) for _ in range(repeats)) / steps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", type=int, default=32)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=777)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok, note = load(args.model)
+    engine = HFEngine(model, tok)
+    env = make("kvrl/chains-v0")
+    env.reset(seed=args.seed)
+    tasks = env.tasks(args.tasks)
+    prompts = [t.prompt for t in tasks]
+
+    full = engine.generate(prompts, Sampling(max_new_tokens=160))
+    mean_len = float(np.mean([len(p) + len(g) + 1 for p, g in zip(full.prompt_ids, full.tokens)]))
+    budget = round(mean_len / 2)
+    fraction = {}
+    for name in POLICIES:
+        out = engine.generate(prompts, Sampling(max_new_tokens=160), policy=policy(name, model, budget))
+        fraction[name] = out.timing["evict"] / out.timing["decode"]
+
+    # ~context-token prompts: each row repeats the tasks' prompts, in its own order
+    rng = np.random.default_rng(args.seed)
+    long_prompts = []
+    for _ in range(4):
+        parts, n = [], 0
+        while n < args.context:
+            p = prompts[int(rng.integers(len(prompts)))]
+            parts.append(p)
+            n += len(p.split())
+        long_prompts.append(" ".join(parts))
+    context = max(len(ids) for ids in tok(long_prompts)["input_ids"])
+    full_step = step_time(engine, long_prompts, None, args.steps, args.repeats)
+    long = {"full_step_ms": 1e3 * full_step}
+    for name in POLICIES:
+        t = step_time(engine, long_prompts, policy(name, model, args.budget), args.steps, args.repeats)
+        long[name] = {"step_ms": 1e3 * t, "ratio": t / full_step}
+    print(json.dumps({"model": args.model, "note": note, "device": str(engine.device), "threads": args.threads,
+                      "tasks": len(tasks), "mean_seq_len": mean_len, "budget": budget,
+                      "interval": INTERVAL, "window": WINDOW, "sink": SINK, "evict_fraction": fraction,
+                      "long_context": {"context": context, "budget": args.budget, "batch": len(long_prompts),
+                                       "steps": args.steps, **long}}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Per-head compacting KV cache for transformers, and the eviction trace it records.
+
+Every kvrl compression method is a KV policy acting on a per-(layer, KV head) cache, and
+every rollout leaves an **eviction trace** (``../shared/DESIGN.md``):
+
+* :class:`EvictionTrace` — ``death[layer, b, kv_head, k]`` = the first query position
+  that no longer sees key position k. Query q sees key k iff ``k <= q < death[k]``.
+* :class:`KVCache` — a ``transformers.cache_utils.Cache`` whose layers (:class:`KVLayer`)
+  hold, per KV head, their own kept tokens with their true positions and per-token policy
+  state, plus the last post-RoPE queries the policy observes.
+
+Eviction happens inside the registered attention function ``"kvrl_evict"``, because only
+the attention function sees the queries. The engine passes the cache twice,
+``model(..., past_key_values=cache, kvrl_cache=cache)``: transformers hands the first to
+the layers' ``update`` and forwards the second, an unknown keyword, to the attention
+function (``generate()`` refuses unknown keywords, hence the engine's own decode loop).
+Before each forward the engine calls :meth:`KVCache.begin` with the true positions of the
+new tokens and the number of generated tokens they bring into the cache; the schedule
+(:func:`kvrl.policies.should_evict`) decides whether this forward ends with an eviction.
+
+Without a policy the cache only appends (the full cache); with a static ``death`` pattern
+(head allocation, sink+recent) it masks instead of evicting, which is equivalent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvrl.kernels.replay import NEVER, Replay, visibility
+from kvrl.kernels.scores import gather_slots
+from kvrl.policies.base import KVPolicy, Observation, should_evict
+
+
+@dataclass
+class EvictionTrace:
+    """Which key each KV head stopped seeing when, for a batch of sequences.
+
+    Attributes
+    ----------
+    death : Tensor [layers, B, H_kv, T] int16 or int32
+        Indexed by true key position: the first query position that no longer sees the
+        key. Stored compactly: int16 when T < 32767, else int32, with "never evicted" as
+        the dtype's max (:attr:`never`; ``NEVER`` for int32). :meth:`full` gives int32
+        with ``NEVER`` for ops. Deaths ≥ T (no query of the trace is affected) are
+        stored as never, so equal behaviour gives equal traces.
+    lengths : Tensor [B] int64
+        Positions ``0 … lengths[b]−1`` belong to sequence b (prompt + generated tokens,
+        without EOS); the rest of T is padding of the batch.
+    logprob : Tensor [events, layers, B, H_kv] float32 or None
+        Sampled evictions only: log-probability of each eviction's action (0 where a row
+        evicted nothing). Events are in decoding order.
+    """
+
+    death: Tensor
+    lengths: Tensor
+    logprob: Tensor | None = None
+
+    @classmethod
+    def from_death(cls, death: Tensor, lengths: Tensor, logprob: Tensor | None = None) -> EvictionTrace:
+        """Canonical compact trace from an int death tensor [layers, B, H_kv, T] whose
+        never-evicted keys hold any value ≥ T (``NEVER``, or a smaller dtype's max)."""
+        T = death.shape[-1]
+        dtype = torch.int16 if T < torch.iinfo(torch.int16).max else torch.int32
+        never = death.long() >= T
+        death = death.masked_fill(never, 0).to(dtype).masked_fill(never, torch.iinfo(dtype).max)
+        return cls(death, torch.as_tensor(lengths, dtype=torch.int64, device=death.device), logprob)
+
+    @property
+    def never(self) -> int:
+        return torch.iinfo(self.death.dtype).max
+
+    def full(self) -> Tensor:
+        """[layers, B, H_kv, T] int32 with ``NEVER`` for never-evicted keys."""
+        return self.death.int().masked_fill(self.death == self.never, NEVER)
+
+    def for_sequence(self, b: int) -> EvictionTrace:
+        """Sequence b alone, trimmed to its length: [layers, 1, H_kv, lengths[b]]."""
+        n = int(self.lengths[b])
+        lp = None if self.logprob is None else self.logprob[:, :, b:b + 1]
+        return EvictionTrace.from_death(self.full()[:, b:b + 1, :, :n], self.lengths[b:b + 1], lp)
+
+    def retention(self) -> Tensor:
+        """[layers, B, H_kv] float: the fraction of causal (query, key) pairs of each
+        sequence that the trace leaves visible (1 = full cache). Key k is seen by the
+        queries ``k … min(death[k], length) − 1``."""
+        T = self.death.shape[-1]
+        k = torch.arange(T, device=self.death.device)
+        n = self.lengths.to(self.death.device)[None, :, None, None]
+        seen = (torch.minimum(self.full().long(), n) - k).clamp(min=0)
+        return seen.sum(-1).float() / (n * (n + 1) / 2).squeeze(-1).float()
+
+    def replay(self, key_pos: Tensor, flex: bool | None = None) -> Replay:
+        """The attention pattern for a full-sequence forward over slots with true
+        positions ``key_pos [B, S]`` (-1 = padding). ``flex`` (default: on CUDA) uses a
+        flex-attention BlockMask instead of dense per-layer masks."""
+        if int(key_pos.max()) >= self.death.shape[-1]:
+            raise ValueError(f"the trace covers {self.death.shape[-1]} positions, the sequences need "
+                             f"{int(key_pos.max()) + 1}")
+        return Replay(self.full().to(key_pos.device), key_pos, flex=key_pos.is_cuda if flex is None else flex)
+
+    def save(self, path: str | Path) -> None:
+        tensors = {"death": self.death, "lengths": self.lengths}
+        if self.logprob is not None:
+            tensors["logprob"] = self.logprob
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path))
+
+    @classmethod
+    def load(cls, path: str | Path) -> EvictionTrace:
+        t = load_file(str(path))
+        return cls(t["death"], t["lengths"], t.get("logprob"))
+
+
+class KVLayer(DynamicLayer):
+    """One layer of :class:`KVCache`.
+
+    keys, values: [B, H, N, D] (post-RoPE); key_pos: [B, H, N] true positions, −1 for
+    padding; state: [B, H, N, S] float32 per-token policy state, NaN for tokens that have
+    none yet (None when S = 0); queries: [B, Hq, W, D] the last W ≤ ``observe`` post-RoPE
+    queries and query_pos: [B, W] their positions (−1 = padding). Every head holds N slots;
+    a head that keeps fewer real tokens holds padding slots.
+    """
+
+    def __init__(self, state_size: int = 0, observe: int = 0):
+        super().__init__()
+        self.state_size, self.observe = state_size, observe
+        self.key_pos = self.state = self.queries = self.query_pos = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Append new keys/values [B, H, Q, D] at true positions pos [B, Q]."""
+        keys, values = super().update(key_states, value_states)
+        new = pos[:, None, :].expand(-1, key_states.shape[1], -1)
+        self.key_pos = new if self.key_pos is None else torch.cat([self.key_pos, new], -1)
+        if self.state_size:
+            nan = torch.full((*new.shape, self.state_size), float("nan"), device=new.device)
+            self.state = nan if self.state is None else torch.cat([self.state, nan], 2)
+        return keys, values
+
+    def observe_queries(self, query: Tensor, pos: Tensor) -> None:
+        """Keep the last ``observe`` queries [B, Hq, W, D] and positions [B, W]."""
+        if not self.observe:
+            return
+        if self.queries is not None:
+            query, pos = torch.cat([self.queries, query], 2), torch.cat([self.query_pos, pos], 1)
+        self.queries, self.query_pos = query[:, :, -self.observe:], pos[:, -self.observe:]
+
+    def compact(self, keep: Tensor, state: Tensor | None) -> None:
+        """Keep slots keep [B, H, K] of every per-token tensor (state: the policy's new one)."""
+        self.keys, self.values = gather_slots(self.keys, keep), gather_slots(self.values, keep)
+        self.key_pos = gather_slots(self.key_pos, keep)
+        self.state = None if state is None else gather_slots(state, keep)
+
+    def _unsupported(self, *args, **kwargs):
+        # DynamicLayer's versions would leave key_pos, state and queries out of step.
+        raise NotImplementedError("a KVCache layer cannot be cropped or reordered; decode the batch as a whole")
+
+    is_croppable = False
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+class KVCache(Cache):
+    """Per-(layer, KV head) compacting cache; records its :class:`EvictionTrace`.
+
+    Parameters
+    ----------
+    layers, batch, kv_heads : int
+        Model geometry and batch size.
+    length : int
+        T, positions the trace covers (longest prompt + max new tokens).
+    policy : KVPolicy, optional
+        Evicts on its schedule; None never evicts.
+    death : Tensor [layers, B, H_kv, T] int, optional
+        A static pattern (no policy): masks keys instead of evicting them.
+    sample : bool
+        Sample evictions (``policy.select(sample=True)``) and record their logprobs.
+    generator : torch.Generator, optional
+        For sampled evictions.
+    """
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, policy: KVPolicy | None = None,
+                 death: Tensor | None = None, *, sample: bool = False, generator: torch.Generator | None = None,
+                 device=None):
+        if policy is not None and death is not None:
+            raise ValueError("KVCache takes a policy or a static death pattern, not both")
+        state, observe = (policy.state_size, policy.observe) if policy is not None else (0, 0)
+        super().__init__(layers=[KVLayer(state, observe) for _ in range(layers)])
+        self.policy, self.static = policy, death is not None
+        if death is None and policy is not None:  # record in the trace's compact dtype
+            dtype = torch.int16 if length < torch.iinfo(torch.int16).max else torch.int32
+            death = torch.full((layers, batch, kv_heads, length), torch.iinfo(dtype).max, dtype=dtype, device=device)
+        self.death = death
+        self.sample, self.generator = sample, generator
+        self.step_pos, self.evict_now = None, False
+        self.logprobs: list[Tensor] = []  # per sampled eviction event: [layers, B, H]
+        self.evict_seconds = 0.0  # wall time spent scoring, selecting and compacting
+
+    def begin(self, pos: Tensor, generated: int) -> None:
+        """Announce the next forward: true positions pos [B, Q] (−1 = padding) of its
+        tokens, after which ``generated`` generated tokens are in the cache."""
+        self.step_pos = pos
+        self.evict_now = self.policy is not None and should_evict(
+            generated, self.get_seq_length() + pos.shape[1], self.policy)
+        if self.evict_now and self.sample:
+            self.logprobs.append(torch.zeros(len(self.layers), *self.death.shape[1:3], device=pos.device))
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states, self.step_pos)
+
+    def evict(self, layer_idx: int, scaling: float) -> None:
+        """Score, select and compact one layer; record the deaths of the evicted keys."""
+        start = time.perf_counter()
+        layer, policy = self.layers[layer_idx], self.policy
+        obs = Observation(layer.keys, layer.values, layer.queries, layer.key_pos, layer.query_pos,
+                          layer.state, layer_idx, scaling)
+        scores, state = policy.score(obs)
+        sel = policy.select(obs, scores, sample=self.sample, generator=self.generator)
+        valid = layer.key_pos >= 0
+        kept = torch.zeros_like(valid).scatter_(-1, sel.keep, True)
+        b, h, n = (valid & ~kept).nonzero(as_tuple=True)
+        # The last query of row b in this forward saw the key; the next one does not.
+        self.death[layer_idx, b, h, layer.key_pos[b, h, n]] = (self.step_pos[b, -1] + 1).to(self.death.dtype)
+        layer.compact(sel.keep, state)
+        if sel.logprob is not None:
+            self.logprobs[-1][layer_idx] = sel.logprob
+        self.evict_seconds += time.perf_counter() - start
+
+    def trace(self, lengths: Tensor) -> EvictionTrace:
+        """The recorded trace; lengths [B] = prompt + generated tokens of each row."""
+        logprob = torch.stack(self.logprobs) if self.logprobs else None
+        return EvictionTrace.from_death(self.death, lengths, logprob)
+
+
+def evict_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0,
+                    kvrl_cache: KVCache | None = None, **kwargs):
+    """transformers attention function ``"kvrl_evict"``: attend over the compacting cache,
+    then evict if this forward is an eviction step.
+
+    query [B, Hq, Q, D] post-RoPE; key/value [B, H, N, D] = the layer's cache after
+    ``update`` -> (out [B, Q, Hq, D], None). The mask comes from the cache's per-head true
+    positions (causal, padding excluded, and the static pattern if any); transformers'
+    2-D padding mask no longer describes a compacted cache and is ignored.
+    """
+    if kvrl_cache is None:
+        raise ValueError("attn_implementation='kvrl_evict' needs model(..., kvrl_cache=KVCache(...))")
+    cache, idx = kvrl_cache, module.layer_idx
+    layer = cache.layers[idx]
+    layer.observe_queries(query, cache.step_pos)
+    if cache.static:
+        death = cache.death[idx]
+        death_slots = death.gather(-1, layer.key_pos.clamp(min=0))
+    else:
+        death_slots = torch.full((1, 1, 1), NEVER, device=key.device)
+    allowed = visibility(death_slots, layer.key_pos, cache.step_pos)
+    # Padding queries see nothing; give them their whole row so softmax stays finite.
+    allowed = allowed | ~allowed.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed.repeat_interleave(query.shape[1] // key.shape[1], dim=1),
+        scale=scaling, enable_gqa=True)
+    if cache.evict_now:
+        cache.evict(idx, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("kvrl_evict", evict_attention)

@@ -1,0 +1,188 @@
+"""The compacting cache and the eviction trace it records."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import kvrl.engines.hf as hf
+from kvrl.cache import EvictionTrace, KVCache
+from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.envs.chains import ChainSpec, make_chain_task
+from kvrl.kernels.replay import NEVER
+from kvrl.models.tiny import build_tokenizer, tiny_config
+from kvrl.policies import make_policy
+
+torch.set_num_threads(1)  # the tiny model is latency-bound; two threads fight over shared cores
+
+BUDGET, INTERVAL, WINDOW, SINK, NEW = 20, 4, 4, 2, 30
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    cfg = tiny_config(tok)
+    cfg.initializer_range = 0.05  # peakier attention than the default 0.02: scores far from ties
+    return HFEngine(LlamaForCausalLM(cfg).eval(), tok)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.default_rng(0)
+    spec = ChainSpec(min_statements=4, max_statements=12, min_depth=1, max_depth=3)
+    return [make_chain_task(rng, spec)["prompt"] for _ in range(4)]
+
+
+def make(name, model, **kw):
+    cfg = model.config
+    extra = dict(group=2, head_dim=cfg.head_dim, layers=cfg.num_hidden_layers,
+                 kv_heads=cfg.num_key_value_heads) if name == "learned" else {}
+    return make_policy(name, **{"budget": BUDGET, "interval": INTERVAL, "window": WINDOW, "sink": SINK, **kw},
+                       **extra)
+
+
+def generate_keeping_cache(engine, batch, policy, monkeypatch):
+    """generate(), also returning the KVCache it decoded with."""
+    caches = []
+
+    class Keep(KVCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            caches.append(self)
+
+    monkeypatch.setattr(hf, "KVCache", Keep)
+    out = engine.generate(batch, Sampling(max_new_tokens=NEW, ignore_eos=True), policy=policy)
+    return out, caches[0]
+
+
+def test_trace_dtype_save_load_and_slicing(tmp_path):
+    death = torch.full((2, 2, 2, 10), NEVER, dtype=torch.int32)
+    death[0, 0, 1, 3] = 5
+    death[1, 1, 0, 0] = 8
+    death[1, 1, 1, 2] = 12  # beyond T: no query of the trace is affected -> never
+    trace = EvictionTrace.from_death(death, [10, 7], logprob=torch.randn(3, 2, 2, 2))
+    assert trace.death.dtype == torch.int16 and trace.never == 32767
+    expected = death.clone()
+    expected[1, 1, 1, 2] = NEVER
+    assert torch.equal(trace.full(), expected) and trace.full().dtype == torch.int32
+    trace.save(tmp_path / "t.safetensors")
+    back = EvictionTrace.load(tmp_path / "t.safetensors")
+    assert back.death.dtype == torch.int16
+    for a, b in [(back.death, trace.death), (back.lengths, trace.lengths), (back.logprob, trace.logprob)]:
+        assert torch.equal(a, b)
+    one = trace.for_sequence(1)  # length 7: the death at 8 affects no query of it
+    assert one.death.shape == (2, 1, 2, 7) and (one.full() == NEVER).all()
+    assert one.logprob.shape == (3, 2, 1, 2)
+    long = EvictionTrace.from_death(torch.full((1, 1, 1, 40_000), NEVER, dtype=torch.int32), [40_000])
+    assert long.death.dtype == torch.int32 and long.never == NEVER
+
+
+def test_retention_counts_visible_query_key_pairs():
+    death = torch.full((1, 1, 1, 4), NEVER, dtype=torch.int32)
+    death[..., 0] = 2  # key 0 seen by queries 0, 1 only
+    trace = EvictionTrace.from_death(death, [4])
+    # causal pairs: 4 + 3 + 2 + 1 = 10, visible: 2 + 3 + 2 + 1 = 8
+    assert trace.retention().shape == (1, 1, 1) and abs(float(trace.retention()) - 0.8) < 1e-6
+
+
+def test_flex_block_mask_equals_dense_replay(engine, batch):
+    """The flex-attention BlockMask replays a trace exactly like the dense reference."""
+    out = engine.generate(batch, Sampling(max_new_tokens=12), policy=make("gkv", engine.model))
+    seqs = [p + t for p, t in zip(out.prompt_ids, out.tokens)]
+    S = max(map(len, seqs))
+    ids = torch.tensor([[0] * (S - len(s)) + s for s in seqs])
+    pos = torch.tensor([[-1] * (S - len(s)) + list(range(len(s))) for s in seqs])
+    logits = {}
+    with torch.no_grad():
+        for flex in (False, True):
+            logits[flex] = engine.model(input_ids=ids, position_ids=pos.clamp(min=0),
+                                        kvrl_replay=out.traces.replay(pos, flex=flex)).logits
+    real = pos >= 0
+    torch.testing.assert_close(logits[True][real], logits[False][real], atol=1e-5, rtol=0)
+
+
+def test_cache_holds_exactly_the_never_evicted_keys(engine, batch, monkeypatch):
+    out, cache = generate_keeping_cache(engine, batch, make("gkv", engine.model), monkeypatch)
+    death = out.traces.full()
+    fed = cache.step_pos[:, -1] + 1  # positions written to the cache
+    assert (out.traces.lengths == fed + 1).all(), "the last generated token is never fed"
+    for layer, lay in enumerate(cache.layers):
+        assert lay.keys.shape[2] <= BUDGET + INTERVAL
+        for b in range(len(batch)):
+            for h in range(lay.keys.shape[1]):
+                held = set(lay.key_pos[b, h][lay.key_pos[b, h] >= 0].tolist())
+                alive = set(torch.nonzero(death[layer, b, h, :fed[b]] == NEVER).flatten().tolist())
+                assert held == alive, (layer, b, h)
+
+
+def test_eviction_counts_and_visible_keys_follow_the_schedule(engine, batch):
+    """Each eviction leaves exactly BUDGET keys; between evictions a query sees at most
+    BUDGET + INTERVAL; evictions happen only after prefill and every INTERVAL tokens."""
+    out = engine.generate(batch, Sampling(max_new_tokens=NEW, ignore_eos=True), policy=make("snapkv", engine.model))
+    death = out.traces.full().long()
+    prompt = [len(p) for p in out.prompt_ids]
+    assert max(prompt) > BUDGET
+    n_events = 0
+    for b, n in enumerate(out.traces.lengths.tolist()):
+        d = death[:, b, :, :n]  # [L, H, n]
+        k = torch.arange(n)
+        q = torch.arange(n)[:, None, None, None]
+        visible = ((k <= q) & (q < d)).sum(-1)  # [n(queries), L, H]
+        times = sorted(set(d[d != NEVER].tolist()))
+        assert all((t - prompt[b]) % INTERVAL == 0 for t in times), "evictions off schedule"
+        if prompt[b] > BUDGET:
+            assert times[0] == prompt[b], "a prompt longer than the budget is compressed right after prefill"
+        for t in times:
+            before = visible[t - 1]
+            assert (before > BUDGET).all() and ((d == t).sum(-1) == before - BUDGET).all()
+            assert (visible[t] == BUDGET + 1).all()  # the next query sees the kept keys and itself
+        if times:
+            assert (visible[times[0]:] <= BUDGET + INTERVAL).all()
+            ret = out.traces.retention()[:, b]
+            assert (ret < 1).all() and (ret > BUDGET / n).all()
+        n_events += len(times)
+    assert n_events >= 4 * len(batch) - 2
+
+
+def test_heads_keep_different_sets(engine, batch, monkeypatch):
+    out, cache = generate_keeping_cache(engine, batch, make("gkv", engine.model), monkeypatch)
+    kp = torch.stack([lay.key_pos for lay in cache.layers])  # [L, B, H, N]
+    assert not torch.equal(kp[:, :, 0], kp[:, :, 1])
+    assert (out.traces.full()[:, :, 0] != out.traces.full()[:, :, 1]).any()
+
+
+@pytest.mark.parametrize("name", ["gkv", "learned", "h2o"])
+def test_policy_state_is_compacted_with_the_cache(engine, batch, monkeypatch, name):
+    """The state a policy sees at an eviction is, for every surviving token, the state it
+    returned for that token at the previous eviction (matched by true position), and NaN
+    for tokens that arrived since."""
+    policy = make(name, engine.model)
+    calls = []
+    score = policy.score
+
+    def recording(obs):
+        scores, state = score(obs)
+        calls.append((obs.layer, obs.key_pos.clone(), None if obs.state is None else obs.state.clone(), state.clone()))
+        return scores, state
+
+    monkeypatch.setattr(policy, "score", recording)
+    out, cache = generate_keeping_cache(engine, batch, policy, monkeypatch)
+    L = len(cache.layers)
+    assert len(calls) >= 3 * L
+    final = [(layer, lay.key_pos, lay.state, None) for layer, lay in enumerate(cache.layers)]
+    checked = 0
+    for (layer, pos0, _, new0), (layer1, pos1, state1, _) in zip(calls, calls[L:] + final):
+        assert layer == layer1
+        for b in range(pos0.shape[0]):
+            for h in range(pos0.shape[1]):
+                before = {p: new0[b, h, j] for j, p in enumerate(pos0[b, h].tolist()) if p >= 0}
+                for j, p in enumerate(pos1[b, h].tolist()):
+                    if p < 0:
+                        continue
+                    if p in before:
+                        torch.testing.assert_close(state1[b, h, j], before[p], equal_nan=True, atol=0, rtol=0)
+                        checked += int(not before[p].isnan().all())
+                    else:
+                        assert state1[b, h, j].isnan().all()
+    assert checked > 100

@@ -1,0 +1,127 @@
+"""The reference HF engine: generation under every KV policy, and exact replay of it."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.envs.chains import ChainSpec, make_chain_task
+from kvrl.kernels.replay import NEVER
+from kvrl.models.tiny import build_tokenizer, tiny_config
+from kvrl.policies import POLICIES, HeadAllocation, make_policy
+
+torch.set_num_threads(1)  # the tiny model is latency-bound; two threads fight over shared cores
+
+BUDGET, INTERVAL, WINDOW, SINK, NEW = 24, 4, 4, 2, 28
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    cfg = tiny_config(tok)
+    cfg.initializer_range = 0.05  # peakier attention than the default 0.02: scores far from ties
+    return HFEngine(LlamaForCausalLM(cfg).eval(), tok)
+
+
+def prompts(n, seed=0):
+    """Chains prompts of 16-40 tokens; the first has more than BUDGET tokens."""
+    rng = np.random.default_rng(seed)
+    spec = ChainSpec(min_statements=4, max_statements=12, min_depth=1, max_depth=3)
+    out = [make_chain_task(rng, spec)["prompt"] for _ in range(n)]
+    return sorted(out, key=len, reverse=True)
+
+
+def policies(model):
+    cfg = model.config
+    common = dict(budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    extra = {"learned": dict(group=cfg.num_attention_heads // cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads)}
+    out = {name: make_policy(name, **common, **extra.get(name, {})) for name in POLICIES}
+    gates = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=torch.Generator().manual_seed(0))
+    for s in (0.25, 0.75):
+        out[f"heads{s}"] = HeadAllocation(gates=gates, sparsity=s, layers=cfg.num_hidden_layers,
+                                          kv_heads=cfg.num_key_value_heads, sink=SINK, recent=8)
+    return out
+
+
+def test_unlimited_budget_equals_transformers_generate(engine):
+    model, tok = engine.model, engine.tokenizer
+    batch = prompts(5, seed=1)
+    for name in ("gkv", "snapkv"):
+        policy = make_policy(name, budget=10_000, interval=INTERVAL, window=WINDOW, sink=SINK)
+        out = engine.generate(batch, Sampling(max_new_tokens=NEW), policy=policy)
+        assert (out.traces.full() == NEVER).all(), "nothing evicted"
+    enc = tok(batch, return_tensors="pt", padding=True)
+    assert len(set(enc["attention_mask"].sum(-1).tolist())) > 1, "prompts of different lengths"
+    model.set_attn_implementation("sdpa")
+    try:
+        ref = model.generate(**enc, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:]
+    finally:
+        model.set_attn_implementation("kvrl_replay")
+    assert out.tokens == ref.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_score_replays_generate_for_every_policy(engine, temperature):
+    """score() under the recorded trace reproduces the behaviour logprobs (fp32, CPU)."""
+    batch = prompts(5)
+    n_prompt = [len(p) for p in engine.tokenizer(batch)["input_ids"]]
+    assert max(n_prompt) > BUDGET and len(set(n_prompt)) > 2
+    worst = {}
+    for name, policy in policies(engine.model).items():
+        out = engine.generate(batch, Sampling(max_new_tokens=NEW, temperature=temperature, seed=3), policy=policy)
+        with torch.no_grad():
+            scores = engine.score(out, trace=out.traces, temperature=max(temperature, 1.0))
+            full = engine.score(out, temperature=max(temperature, 1.0))
+        behaviour = torch.zeros_like(scores.logprobs)
+        for b, lp in enumerate(out.logprobs):
+            behaviour[b, :len(lp)] = torch.tensor(lp)
+        assert scores.mask.sum() == sum(len(t) for t in out.tokens) > 0
+        worst[name] = float((scores.logprobs - behaviour).abs().max())
+        # the eviction really bites: full attention scores the same tokens differently
+        assert (full.logprobs - behaviour).abs().max() > 1e-3, name
+        assert torch.equal(scores.losses, -scores.logprobs) and (scores.entropies[scores.mask] > 0).all()
+        if isinstance(policy, HeadAllocation):  # a static pattern replays without its trace too
+            with torch.no_grad():
+                static = engine.score(out, policy=policy, temperature=max(temperature, 1.0))
+            torch.testing.assert_close(static.logprobs, scores.logprobs, atol=1e-6, rtol=0)
+    assert max(worst.values()) < 1e-5, worst
+
+
+def test_sampled_evictions_record_their_logprobs(engine):
+    batch = prompts(4, seed=2)
+    policy = policies(engine.model)["learned"]
+    out = engine.generate(batch, Sampling(max_new_tokens=NEW, temperature=1.0, sample_evictions=True), policy=policy)
+    lp = out.traces.logprob
+    L, H = engine.model.config.num_hidden_layers, engine.model.config.num_key_value_heads
+    assert lp is not None and lp.shape[1:] == (L, len(batch), H) and lp.shape[0] >= 3
+    assert (lp <= 0).all() and (lp < 0).any()
+    with torch.no_grad():
+        scores = engine.score(out, trace=out.traces)
+    for b, row in enumerate(out.logprobs):
+        torch.testing.assert_close(scores.logprobs[b, :len(row)], torch.tensor(row), atol=1e-5, rtol=0)
+    # a different eviction seed draws different actions
+    other = engine.generate(batch, Sampling(max_new_tokens=NEW, temperature=1.0, seed=5, sample_evictions=True),
+                            policy=policy)
+    assert not torch.equal(other.traces.death, out.traces.death)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_batch_rows_are_independent(engine, name):
+    """Per row, the batch gives the tokens and trace of decoding that row alone."""
+    batch = prompts(4, seed=4)
+    policy = policies(engine.model)[name]
+    out = engine.generate(batch, Sampling(max_new_tokens=NEW), policy=policy)
+    for b, prompt in enumerate(batch):
+        alone = engine.generate([prompt], Sampling(max_new_tokens=NEW), policy=policy)
+        assert alone.tokens[0] == out.tokens[b]
+        np.testing.assert_allclose(alone.logprobs[0], out.logprobs[b], atol=1e-5)
+        assert torch.equal(alone.trace(0).death, out.trace(b).death), (name, b)
+
+
+def test_dynamic_policy_needs_its_trace(engine):
+    with pytest.raises(ValueError, match="trace"):
+        engine.score([[1, 5, 6]], [2], policy=make_policy("h2o", budget=16, window=4))
