@@ -4,7 +4,7 @@ Prints one JSON line, all measured in this run on the same held-out tasks (greed
   full_acc        full-cache accuracy                                  (want >= 0.95)
   window25_acc    sink+recent at 25 % of the mean sequence             (want <= 0.5 x full)
   window50_acc    sink+recent at 50 %
-  oracle25_acc    sink + the query's chain statements + recent, 25 %
+  oracle25_acc    sink + the prompt digits not yet copied + recent, 25 %
   oracle50_acc    same oracle at 50 %                                  (want >= 0.9)
   cot_fraction    generated tokens / sequence, averaged                (want >= 1/3)
   window_full_equal  sink+recent with a budget larger than any sequence gives exactly the
@@ -21,7 +21,6 @@ import torch
 
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
-from kvrl.envs.chains import needed_prompt_tokens
 from kvrl.eval.budgets import evaluate, window_death
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
@@ -30,17 +29,19 @@ SINK = 4
 
 
 def oracle_death(model, tasks, T: int, budget: int) -> torch.Tensor:
-    """Keep the sink, the statements of the query's chain and the query forever, and a
-    recent window filling the rest of the budget (at least 8 tokens)."""
+    """Keep the sink and every prompt digit until the query that copies it (digit j, at
+    position 2j-1, is copied by the query at 2N+2j-1); a recent window fills the rest of
+    the budget (at least 4 tokens)."""
     cfg = model.config
     k = torch.arange(T)
     rows = []
     for t in tasks:
-        needed = torch.tensor(needed_prompt_tokens(t.meta)) + 1  # + BOS
-        recent = max(8, budget - SINK - len(needed))
+        n = len(t.meta["digits"])
+        recent = max(4, budget - SINK - n)
         d = k + recent
         d[:SINK] = NEVER
-        d[needed] = NEVER
+        j = torch.arange(1, n + 1)
+        d[2 * j - 1] = torch.maximum(d[2 * j - 1], 2 * n + 2 * j)
         rows.append(d)
     death = torch.stack(rows).to(torch.int32)[None, :, None, :]
     return death.expand(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, -1).contiguous()
@@ -55,7 +56,7 @@ def main():
     torch.manual_seed(0)
     model, tok = load_model(args.model)
     engine = HFEngine(model, tok)
-    env = make("kvrl/chains-v0")
+    env = make("kvrl/counts-v0")
     env.reset(seed=args.seed)
     tasks = env.tasks(args.tasks)
     max_new = 160

@@ -36,6 +36,18 @@ def test_chain_task_is_consistent():
         assert set(needed[:-3:3]) == set(t["chain"])
 
 
+def test_sum_task_is_consistent():
+    from kvrl.envs.counts import make_count_task
+
+    t = make_count_task(np.random.default_rng(0), n_digits=5)
+    digits = [int(x) for x in t["prompt"].split()[0:-1:2]]
+    cot = t["completion"].split()
+    assert t["prompt"].split()[1::2][:5] == [";"] * 5 and t["prompt"].endswith("?")
+    assert [int(x) for x in cot[0:10:2]] == digits
+    assert [int(x) for x in cot[1:10:2]] == [sum(digits[:i + 1]) % 10 for i in range(5)]
+    assert cot[10:] == ["\\boxed{", t["answer"], "}"] and t["answer"] == cot[9]
+
+
 def test_chain_spec_rejects_bad_sizes():
     with pytest.raises(ValueError, match="max_depth < min_statements"):
         ChainSpec(min_statements=5, max_statements=10, min_depth=2, max_depth=5)
@@ -105,14 +117,14 @@ def test_shipped_tiny_reasoner_solves_its_tasks():
     from kvrl.eval.budgets import evaluate
 
     model, tok = load_model("tiny")
-    env = make("kvrl/chains-v0")
+    env = make("kvrl/counts-v0")
     env.reset(seed=99)
     tasks = env.tasks(32)
     full = evaluate(HFEngine(model, tok), env, tasks, 160)
     assert full["acc"] >= 0.9
     small = evaluate(HFEngine(model, tok), env, tasks, 160,
                      death_fn=lambda b, T: window_death(model, len(b), T, 4, 40))
-    assert small["acc"] <= 0.6 * full["acc"], "a 44-token window must hurt"
+    assert small["acc"] <= 0.5 * full["acc"], "a 44-token window cannot see the digits 48 tokens back"
 
 
 def test_pretraining_loss_falls(tmp_path):
@@ -125,3 +137,16 @@ def test_pretraining_loss_falls(tmp_path):
     last = main(cfg)["loss"]
     assert last < 0.7 * first
     assert (tmp_path / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.skipif(not (TINY_PATH / "config.json").exists(), reason="shipped weights missing")
+def test_default_job_prints_the_budget_table(tmp_path, capsys):
+    from kvrl.run import main
+
+    assert main(["env.num_eval_tasks=16", f"output_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "full" in out and "sink4+recent" in out
+    import json
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["full", "sink4+recent", "sink4+recent"]
+    assert rows[0]["acc"] > rows[1]["acc"]

@@ -21,6 +21,7 @@ from kvrl.envs.registry import EnvNotFoundError, make, register, registered
 
 register("kvrl/math-v0", "kvrl.envs.math:MathEnv")
 register("kvrl/chains-v0", "kvrl.envs.chains:ChainsEnv")
+register("kvrl/counts-v0", "kvrl.envs.counts:CountsEnv")
 
 __all__ = [
     "Env",
