@@ -1,0 +1,1 @@
+"""Rollout engines: hf (the reference decode loop) and vllm (the production plugin)."""

@@ -1,0 +1,282 @@
+"""The vLLM rollout engine, with the HF engine's ``generate()`` contract.
+
+::
+
+    engine = VLLMEngine("path/to/model")            # one engine, many calls
+    out = engine.generate(prompts, Sampling(max_new_tokens=256), policy=make_policy("gkv", budget=512))
+    out.tokens, out.logprobs, out.finish_reasons, out.traces     # as kvrl.engines.hf.HFEngine
+
+``policy`` is None (full cache: vLLM untouched), a :class:`kvrl.policies.KVPolicy`
+(per-head eviction inside vLLM; the rollouts carry the :class:`kvrl.cache.EvictionTrace`),
+a static pattern with ``death(T)`` such as :class:`kvrl.policies.HeadAllocation`, or
+:class:`kvrl.kernels.mixed.MixedGates` (RLKV's mixed-gate attention); ``death=`` takes a
+static ``[layers, B, H_kv, T]`` tensor as in the HF engine.
+
+Behaviour worth knowing:
+
+* Each prompt is an independent vLLM request, so a row's eviction schedule is its own
+  (:func:`kvrl.engines.vllm.runtime.cache_len_after`); the HF engine decodes the batch in
+  lock-step with the same per-row result (its ``test_batch_rows_are_independent``).
+* Greedy decoding matches the HF engine; sampled tokens use vLLM's sampler (seed
+  ``sampling.seed + i`` for prompt i) and sampled evictions one generator per request
+  (seed ``sampling.seed + 1 + i``), so they are reproducible but not the HF engine's draws.
+* A policy is installed on the workers when a different object, or a modified one, is
+  passed; :meth:`push_gates` / :meth:`push_scorer` update the installed copy, and passing
+  the same unmodified object again keeps those pushes.
+* Refused with a clear error when a policy is active: prefix caching, speculative
+  decoding, KV connectors, async scheduling, TP/PP > 1, sliding-window models, full CUDA
+  graphs and fused RoPE+KV-cache passes (``runtime.check_config``), and preemption (a
+  recompute cannot replay incremental evictions: ``EvictionRefused`` is raised mid-run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import time
+import uuid
+
+import torch
+
+from kvrl.cache import EvictionTrace
+from kvrl.engines.hf import Rollouts, Sampling
+from kvrl.engines.vllm import plugin
+from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
+from kvrl.engines.vllm.patches import apply_patches
+from kvrl.engines.vllm.runtime import NEVER
+from kvrl.policies.base import KVPolicy
+
+WORKER_EXTENSION = "kvrl.engines.vllm.worker_ext.KVRLWorkerExtension"
+
+
+def _fingerprint(obj) -> str:
+    return hashlib.sha1(pickle.dumps(obj)).hexdigest()
+
+
+class VLLMEngine:
+    """kvrl's rollout engine on vLLM.
+
+    Parameters
+    ----------
+    model : str
+        A local model folder (or anything vLLM loads).
+    tokenizer : optional
+        A transformers tokenizer; default: the model folder's, left padding.
+    dtype : str, default "float32"
+    kv_cache_gib : float, optional
+        KV cache memory; default ``VLLM_CPU_KVCACHE_SPACE`` or 1 GiB on CPU, vLLM's own
+        sizing on GPU.
+    seed : int
+    **llm_kwargs
+        Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``max_num_seqs``,
+        ``block_size``). ``enforce_eager`` defaults to True, prefix caching and async
+        scheduling to off.
+    """
+
+    def __init__(self, model: str, tokenizer=None, *, dtype: str = "float32", kv_cache_gib: float | None = None,
+                 seed: int = 0, **llm_kwargs):
+        os.environ[plugin.ENV] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        plugin.register()
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        kwargs = dict(enforce_eager=True, enable_prefix_caching=False, async_scheduling=False,
+                      logprobs_mode="processed_logprobs")
+        if current_platform.is_cpu():
+            gib = kv_cache_gib if kv_cache_gib is not None else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
+            kwargs["kv_cache_memory_bytes"] = int(gib * 2 ** 30)
+        elif kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2 ** 30)
+        if current_platform.is_cuda():
+            kwargs["attention_config"] = {"backend": "CUSTOM"}
+        kwargs.update(llm_kwargs)
+        with apply_patches():
+            self.llm = LLM(model=model, dtype=dtype, seed=seed, worker_extension_cls=WORKER_EXTENSION, **kwargs)
+        self._rpc("kvrl_attach")
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
+        self.tokenizer = tokenizer
+        cfg = self.llm.llm_engine.vllm_config.model_config
+        self.layers = cfg.get_num_layers(self.llm.llm_engine.vllm_config.parallel_config)
+        self.kv_heads = cfg.get_num_kv_heads(self.llm.llm_engine.vllm_config.parallel_config)
+        self._installed: tuple | None = None  # (fingerprint, sample) of the installed policy
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.block_size, self.num_blocks = cache.block_size, cache.num_gpu_blocks
+        # "policy": admit requests under a policy only while their peak blocks fit, so vLLM
+        # never preempts them (the full cache keeps vLLM's own overcommit + exact recompute);
+        # "always": the same for every request; "never": vLLM decides (preemption is refused).
+        self.admission = "policy"
+
+    # ---- RPC ----
+
+    def _rpc(self, method: str, *args, **kwargs):
+        """Call a worker-extension method; arguments and results travel pickled (bytes pass
+        vLLM's multi-process serialisation where tensors do not). Returns worker 0's result."""
+        blob = pickle.dumps((args, kwargs))
+        out = self.llm.collective_rpc("kvrl_call", args=(method, blob))
+        return pickle.loads(out[0])
+
+    # ---- generation ----
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids per prompt, as the HF engine encodes them (without its padding)."""
+        enc = self.tokenizer(prompts)
+        return [list(ids) for ids in enc["input_ids"]]
+
+    def _install(self, policy, sample: bool, pattern_rows: dict | None) -> None:
+        if pattern_rows is not None:
+            self._rpc("kvrl_set_policy", None, sample=sample, pattern_rows=pattern_rows)
+            self._installed = None
+            return
+        key = (None if policy is None else _fingerprint(policy), sample)
+        if key != self._installed:
+            self._rpc("kvrl_set_policy", policy, sample=sample)
+            self._installed = key
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], sampling: Sampling, policy=None,
+                 death: torch.Tensor | None = None) -> Rollouts:
+        """Decode ``prompts``; see the module docstring and ``HFEngine.generate``."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = self.encode(prompts)
+        B = len(ids)
+        T = max(len(p) for p in ids) + sampling.max_new_tokens
+        tag0 = uuid.uuid4().hex[:12]
+        tags = [f"{tag0}-{i}" for i in range(B)]
+        pattern_rows = None
+        static = death is not None or (policy is not None and not isinstance(policy, KVPolicy)
+                                       and hasattr(policy, "death"))
+        if static:
+            if death is None:
+                death = policy.death(T)
+                death = death[:, None].expand(-1, B, -1, -1) if death.dim() == 3 else death
+            if death.shape[-1] < T:
+                raise ValueError(f"death covers {death.shape[-1]} positions, decoding needs {T}")
+            death = death.to(torch.int32).cpu()
+            pattern_rows = {tag: death[:, b].contiguous() for b, tag in enumerate(tags)}
+        self._install(None if static else policy, sampling.sample_evictions, pattern_rows)
+        params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                 seed=sampling.seed + i, logprobs=0, ignore_eos=sampling.ignore_eos,
+                                 extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
+                                             "kvrl_seed": sampling.seed + 1 + i})
+                  for i in range(B)]
+        keep = policy.budget + policy.interval if isinstance(policy, KVPolicy) else None
+        rids = [kv_request_id(tags[i], len(ids[i]), keep) for i in range(B)]
+        start = time.perf_counter()
+        bs = self.block_size
+        peaks = [-(-(max(len(p), keep) if keep is not None else len(p) + sampling.max_new_tokens) // bs)
+                 for p in ids]
+        admit = self.admission == "always" or (self.admission == "policy" and (policy is not None or static))
+        try:
+            outs = self._run(rids, [TokensPrompt(prompt_token_ids=p) for p in ids], params, peaks if admit else None)
+        except BaseException:
+            self._installed = None  # the next call re-installs, clearing the workers' request state
+            raise
+        decode = time.perf_counter() - start
+        eos = self.tokenizer.eos_token_id
+        out = Rollouts([], [], [], prompt_ids=ids)
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            lps = [float(d[t].logprob) for t, d in zip(toks, c.logprobs)]
+            n = toks.index(eos) if (eos in toks and not sampling.ignore_eos) else len(toks)
+            out.tokens.append(toks[:n])
+            out.logprobs.append(lps[:n])
+            out.finish_reasons.append("stop" if n < len(toks) else "length")
+            out.texts.append(self.tokenizer.decode(toks[:n]))
+        evict = 0.0
+        if policy is not None or death is not None:
+            lengths = torch.tensor([len(p) + len(t) for p, t in zip(ids, out.tokens)])
+            if static:
+                out.traces = EvictionTrace.from_death(death[..., :T], lengths)
+            elif isinstance(policy, KVPolicy):
+                out.traces, evict = self._collect_traces(tags, T, lengths)
+        if policy is not None and not isinstance(policy, KVPolicy) or static:
+            self._rpc("kvrl_pop", tags)  # forget the requests' worker state
+        out.timing = {"decode": decode, "evict": evict}
+        return out
+
+    def _run(self, rids: list[str], prompts: list, params: list, peaks: list[int] | None = None) -> list:
+        """Add the requests under our ids and step the engine until all have finished.
+
+        With ``peaks`` (blocks each request can hold at most), requests are admitted only
+        while the sum of the admitted peaks fits the KV cache, so vLLM never preempts
+        (a preempted request would be recomputed, which eviction cannot replay). On an
+        error the outstanding requests are aborted."""
+        eng = self.llm.llm_engine
+        capacity = self.num_blocks - 1  # block 0 is vLLM's null block
+        if peaks is not None and max(peaks) > capacity:
+            raise ValueError(f"a request needs {max(peaks)} KV blocks, the cache has {capacity}: raise kv_cache_gib")
+        pending = list(range(len(rids)))
+        admitted: dict[str, int] = {}
+        used = 0
+        done = {}
+        try:
+            while pending or eng.has_unfinished_requests():
+                while pending and (peaks is None or used + peaks[pending[0]] <= capacity):
+                    i = pending.pop(0)
+                    eng.add_request(rids[i], prompts[i], params[i])
+                    admitted[rids[i]] = 0 if peaks is None else peaks[i]
+                    used += admitted[rids[i]]
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                        used -= admitted.pop(o.request_id, 0)
+        except BaseException:
+            if admitted:
+                eng.abort_request(list(admitted), internal=False)
+            raise
+        missing = [r for r in rids if r not in done]
+        if missing:
+            raise RuntimeError(f"vLLM returned no output for {missing}")
+        return [done[r] for r in rids]
+
+    def _collect_traces(self, tags: list[str], T: int, lengths: torch.Tensor) -> tuple[EvictionTrace, float]:
+        rows = self._rpc("kvrl_pop", tags)
+        B = len(tags)
+        death = torch.full((self.layers, B, self.kv_heads, T), NEVER, dtype=torch.int32)
+        events: dict[int, torch.Tensor] = {}
+        evict = 0.0
+        for b, row in enumerate(rows):
+            if row is None:
+                raise RuntimeError(f"the vLLM worker holds no trace for request {tags[b]}")
+            d = row["death"]
+            n = min(T, d.shape[-1])
+            death[:, b, :, :n] = d[..., :n]
+            evict += row["evict_seconds"]
+            for g, lp in row["events"].items():
+                events.setdefault(g, torch.zeros(self.layers, B, self.kv_heads))[:, b] = lp
+        logprob = torch.stack([events[g] for g in sorted(events)]) if events else None
+        return EvictionTrace.from_death(death, lengths, logprob), evict
+
+    # ---- pushes ----
+
+    def push_weights(self, weights, verify: bool = True) -> dict:
+        """Full weights (a state dict / (name, tensor) pairs with checkpoint names, or a
+        safetensors file/folder path) through vLLM's reload path; verified on the worker."""
+        if not isinstance(weights, (str, os.PathLike)):
+            weights = {k: v.detach().cpu().contiguous() for k, v in dict(weights).items()}
+        return self._rpc("kvrl_push_weights", weights, verify=verify)
+
+    def push_gates(self, gates) -> None:
+        """New gates [layers, kv_heads] for the installed MixedGates/HeadAllocation policy."""
+        gates = torch.as_tensor(gates, dtype=torch.float32).detach().cpu()
+        got = self._rpc("kvrl_push_gates", gates)
+        if got != float(gates.double().sum()):
+            raise RuntimeError(f"gate push not verified: worker holds sum {got}, sent {float(gates.double().sum())}")
+
+    def push_scorer(self, state_dict: dict) -> None:
+        """A state dict for the installed learned scorer (``LearnedScorer.scorer``)."""
+        sd = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
+        if self._rpc("kvrl_push_scorer", sd) != len(sd):
+            raise RuntimeError("scorer push not verified")
+
+    def close(self) -> None:
+        """Drop the vLLM engine (frees its KV cache)."""
+        self.llm = None

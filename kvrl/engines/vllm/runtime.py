@@ -1,0 +1,591 @@
+"""Worker-side state and steps of kvrl's vLLM plugin, shared by the CPU and CUDA backends.
+
+Everything here is layout-agnostic: the backends (``cpu_backend``, ``cuda_backend``) only
+say how a layer's paged cache tensor stores K and V (a :class:`PagedLayout`) and call the
+hooks below from their metadata builder and attention implementation.
+
+How a request's cache is laid out
+---------------------------------
+vLLM keeps allocating blocks and computing positions, ``num_computed_tokens`` and block
+tables for the *true* sequence; only the attention metadata is remapped. Per (layer, KV
+head) the kept tokens are packed, in position order, into the request's first logical
+slots (logical slot j = block ``block_table[j // bs]``, offset ``j % bs``). Next to K/V, two
+side tensors indexed by the same (block, head, offset) hold each slot's true position and
+the policy's per-token state; they are compacted together with K/V. The last ``observe``
+post-RoPE queries of each request and layer sit in a ring buffer.
+
+Three modes, set per engine call with :meth:`WorkerContext.set_policy`:
+
+* ``"token"`` — a :class:`kvrl.policies.KVPolicy`. All heads hold the same number of
+  slots, a deterministic function of the true length and the prompt length
+  (:func:`cache_len_after`), so the builder rewrites ``seq_lens`` and ``slot_mapping`` and
+  vLLM's own attention kernel runs unchanged. After the attention of the forward that
+  :func:`kvrl.policies.should_evict` names, the policy scores the cache (the same policy
+  object as in the HF engine), selects, and the layer is compacted; deaths are recorded as
+  in :class:`kvrl.cache.KVCache` (the last query position of the forward + 1).
+* ``"static"`` — a death pattern (:class:`kvrl.policies.HeadAllocation` or an explicit
+  ``death`` tensor): heads have their own lengths; keys are dropped once no later query can
+  see them (full heads keep everything, compressed heads sink + recent), attention over
+  the packed per-head caches uses the pattern's mask (torch).
+* ``"mixed"`` — RLKV's mixed-gate attention (:class:`kvrl.kernels.mixed.MixedGates`) over
+  the full cache, through :func:`kvrl.kernels.mixed.mixed_gate_attention` (torch).
+
+Refusals: a request seen for the first time with computed tokens (prefix caching, a KV
+connector) and a request whose computed tokens went back (preemption/recompute) raise
+:class:`EvictionRefused` — a recompute would not replay the incremental evictions.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvrl.policies.base import KVPolicy, Observation
+
+NEVER = torch.iinfo(torch.int32).max
+
+
+class EvictionRefused(RuntimeError):
+    """A vLLM feature or event that would silently corrupt a compacted cache."""
+
+
+def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
+    """Cache entries per KV head after the forward that brings the true length to ``m``.
+
+    The HF cache's schedule (:func:`kvrl.policies.should_evict`): after the forward that
+    brings the generated count g = m − P to a multiple of ``interval`` (prefill included),
+    the cache is cut to ``budget`` if it holds more. Once it has been cut it is cut at
+    every multiple, so with e the last multiple ≤ g: ``budget + (g − e)`` if ``P + e >
+    budget``, else ``m``. Chunked prefill (m < P) never evicts.
+    """
+    if m < prompt_len:
+        return m
+    g = m - prompt_len
+    e = g - g % policy.interval
+    return policy.budget + (g - e) if prompt_len + e > policy.budget else m
+
+
+class PagedLayout:
+    """How one attention layer's paged cache tensor stores K and V.
+
+    A request's logical slot j of KV head h lives in block ``blocks[j // bs]`` at offset
+    ``j % bs``. Subclasses implement :meth:`read` and :meth:`write`.
+    """
+
+    def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """K, V [H, n, D] of logical slots 0..n−1 of every head."""
+        raise NotImplementedError
+
+    def write(self, kv_cache: Tensor, blocks: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
+              values: Tensor) -> None:
+        """Store keys/values [M, D] at (head ``heads[i]``, logical slot ``slots[i]``)."""
+        raise NotImplementedError
+
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor | None = None,
+                values: Tensor | None = None) -> None:
+        """In place, per head h: slot j ← slot ``keep[h, j]`` (keep [H, K] ascending).
+        ``keys``/``values`` [H, N, D], when given, are the slots already read."""
+        h, k = keep.shape
+        if keys is None:
+            keys, values = self.read(kv_cache, blocks, int(keep.max()) + 1)
+        heads = torch.arange(h, device=keep.device).repeat_interleave(k)
+        flat = keep.reshape(-1)
+        self.write(kv_cache, blocks, heads, torch.arange(k, device=keep.device).repeat(h),
+                   keys[heads, flat], values[heads, flat])
+
+
+def _address(blocks: Tensor, slots: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    return blocks[slots // block_size].long(), slots % block_size
+
+
+@dataclass
+class SideStore:
+    """Per-layer tensors indexed like the cache: true position [nb, H, bs] (int32) and the
+    policy's per-token state [nb, H, bs, S] (float32, NaN = none yet)."""
+
+    pos: Tensor
+    state: Tensor | None
+
+    @classmethod
+    def like(cls, kv_cache: Tensor, state_size: int) -> SideStore:
+        nb, h, bs = kv_cache.shape[:3]
+        pos = torch.full((nb, h, bs), -1, dtype=torch.int32, device=kv_cache.device)
+        state = (torch.full((nb, h, bs, state_size), float("nan"), device=kv_cache.device)
+                 if state_size else None)
+        return cls(pos, state)
+
+    def read(self, blocks: Tensor, n: int) -> tuple[Tensor, Tensor | None]:
+        """pos [H, n] int64 and state [H, n, S] of logical slots 0..n−1."""
+        h, bs = self.pos.shape[1:]
+        nblk = -(-n // bs)
+        b = blocks[:nblk].long()
+        pos = self.pos[b].permute(1, 0, 2).reshape(h, nblk * bs)[:, :n].long()
+        state = None
+        if self.state is not None:
+            state = self.state[b].permute(1, 0, 2, 3).reshape(h, nblk * bs, -1)[:, :n]
+        return pos, state
+
+    def write(self, blocks: Tensor, heads: Tensor, slots: Tensor, pos: Tensor, state: Tensor | None) -> None:
+        blk, off = _address(blocks, slots, self.pos.shape[2])
+        self.pos[blk, heads, off] = pos.to(torch.int32)
+        if self.state is not None:
+            self.state[blk, heads, off] = float("nan") if state is None else state
+
+
+@dataclass
+class ReqState:
+    """One request's kvrl state on a worker."""
+
+    tag: str
+    index: int
+    prompt_len: int
+    death: Tensor  # [L, H, T] int32 (NEVER = not evicted); the pattern itself in static mode
+    lens: Tensor  # [L, H] int64 cache entries after the last forward
+    done: int = 0  # true length after the last planned forward
+    qslot: int = -1
+    generator: torch.Generator | None = None
+    events: dict = field(default_factory=dict)  # generated count -> [L, H] sampled-eviction logprobs
+    evict_seconds: float = 0.0
+
+
+@dataclass
+class RowPlan:
+    req: ReqState
+    start: int  # first token of the row in the batch
+    q: int  # tokens of the row in this forward
+    done: int  # true length before the forward
+    lens: Tensor  # [L, H] cache entries before the forward
+    blocks: Tensor  # the row's block table (physical ids), on the cache's device
+    evict: bool = False  # token mode: this forward ends with an eviction
+
+    @property
+    def m(self) -> int:
+        return self.done + self.q
+
+
+@dataclass
+class StepPlan:
+    """What the builder decided for one forward, read by every layer."""
+
+    mode: str
+    rows: list[RowPlan]
+    positions: Tensor  # [T] true positions of the forward's tokens (cache device)
+    q_tok: Tensor  # queries to keep: token indices, ring slots and ring indices
+    q_slot: Tensor
+    q_ring: Tensor
+    slot_addr: tuple | None = None  # token mode: (block, offset, position) of the new tokens
+    fresh: Tensor | None = None  # ring slots of requests new in this forward (their rows are cleared)
+
+
+class WorkerContext:
+    """The per-process kvrl state of a vLLM worker (one per process: :data:`CONTEXT`)."""
+
+    def __init__(self):
+        self.runner = None
+        self.vllm_config = None
+        self.mode: str | None = None
+        self.policy: KVPolicy | None = None
+        self.pattern = None  # static mode: object with death(T), or dict tag -> [L, H, T]
+        self.mixed = None  # mixed mode: MixedGates
+        self.sample = False
+        self.active: dict[str, ReqState] = {}  # vLLM request id -> state
+        self.finished: dict[str, ReqState] = {}  # tag -> state, until popped
+        self.side: dict[str, SideStore] = {}
+        self.rings: dict[int, tuple[Tensor, Tensor]] = {}
+        self.free_slots: list[int] = []
+        self.n_slots = 0
+        self.geometry: tuple[int, int] | None = None  # (layers, kv heads)
+        self.device = torch.device("cpu")
+        self.evict_seconds = 0.0
+
+    # ---- control (called through the worker extension) ----
+
+    def attach(self, runner, vllm_config) -> None:
+        self.runner, self.vllm_config = runner, vllm_config
+        self.device = torch.device(getattr(runner, "device", "cpu"))
+        cfg = vllm_config.model_config
+        self.geometry = (cfg.get_num_layers(vllm_config.parallel_config),
+                         cfg.get_num_kv_heads(vllm_config.parallel_config))
+
+    def set_policy(self, policy=None, *, sample: bool = False, pattern_rows: dict | None = None) -> None:
+        """Install a policy for the next requests (None = full cache, vLLM untouched)."""
+        from kvrl.kernels.mixed import MixedGates
+
+        # Engines call this between synchronous generate() calls: whatever is still listed
+        # as active has finished (vLLM's runner forgets requests one step late).
+        self.active.clear()
+        self.finished.clear()
+        self.free_slots, self.n_slots = [], 0
+        if policy is not None or pattern_rows is not None:
+            check_config(self.vllm_config)
+        self.policy = self.pattern = self.mixed = None
+        self.sample = sample
+        if pattern_rows is not None:
+            self.mode, self.pattern = "static", pattern_rows
+        elif policy is None:
+            self.mode = None
+        elif isinstance(policy, KVPolicy):
+            self.mode, self.policy = "token", copy.deepcopy(policy)
+            if isinstance(getattr(self.policy, "scorer", None), torch.nn.Module):
+                self.policy.scorer.to(self.device)
+        elif isinstance(policy, MixedGates):
+            self.mode, self.mixed = "mixed", copy.deepcopy(policy)
+        elif hasattr(policy, "death"):
+            self.mode, self.pattern = "static", copy.deepcopy(policy)
+        else:
+            raise TypeError(f"unsupported policy {type(policy).__name__}: a KVPolicy, a static pattern with "
+                            "death(T) (HeadAllocation), or MixedGates")
+        state_size = self.policy.state_size if self.policy is not None else 0
+        for name, side in list(self.side.items()):
+            if (side.state.shape[-1] if side.state is not None else 0) != state_size:
+                del self.side[name]  # reallocated at the next write with the new state size
+        self.evict_seconds = 0.0
+
+    def pop(self, tags: list[str]) -> list[dict | None]:
+        """Traces of finished requests: death [L, H, T] int32, sampled-eviction events
+        {generated count: [L, H]}, eviction seconds. None for an unknown tag."""
+        out = []
+        by_tag = {s.tag: rid for rid, s in self.active.items()}
+        for tag in tags:
+            st = self.finished.pop(tag, None)
+            if st is None and tag in by_tag:  # finished, but vLLM's runner has not said so yet
+                st = self.active.pop(by_tag[tag])
+                if st.qslot >= 0:
+                    self.free_slots.append(st.qslot)
+            out.append(None if st is None else {"death": st.death, "events": st.events,
+                                                 "evict_seconds": st.evict_seconds})
+        return out
+
+    # ---- builder side ----
+
+    def _release_finished(self) -> None:
+        live = self.runner.requests
+        for rid in [r for r in self.active if r not in live]:
+            st = self.active.pop(rid)
+            if st.qslot >= 0:
+                self.free_slots.append(st.qslot)
+            self.finished[st.tag] = st
+
+    def _new_request(self, rid: str, prompt_len: int) -> ReqState:
+        params = self.runner.requests[rid].sampling_params
+        extra = (params.extra_args or {}) if params is not None else {}
+        tag = str(extra.get("kvrl_tag", rid))
+        index = int(extra.get("kvrl_index", 0))
+        length = prompt_len + (params.max_tokens if params is not None and params.max_tokens else 0) + 1
+        layers, heads = self.geometry
+        if self.mode == "static":
+            if isinstance(self.pattern, dict):
+                if tag not in self.pattern:
+                    raise KeyError(f"no death pattern for request tag {tag!r}")
+                death = self.pattern[tag].to(torch.int32)
+            else:
+                death = self.pattern.death(length).to(torch.int32)
+                death = death[:, 0] if death.dim() == 4 else death
+            if death.shape[:2] != (layers, heads):
+                raise ValueError(f"death pattern of shape {tuple(death.shape)}, the model has "
+                                 f"(layers, kv_heads) = {(layers, heads)}")
+        else:
+            death = torch.full((layers, heads, length), NEVER, dtype=torch.int32)
+        gen = None
+        if self.sample:
+            gen = torch.Generator(device=self.device).manual_seed(int(extra.get("kvrl_seed", 0)))
+        if self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot, self.n_slots = self.n_slots, self.n_slots + 1
+        return ReqState(tag, index, prompt_len, death, torch.zeros(layers, heads, dtype=torch.long),
+                        qslot=slot, generator=gen)
+
+    def plan_step(self, cm, block_size: int) -> StepPlan | None:
+        """Plan one forward from the common attention metadata; in token mode rewrite
+        ``cm.slot_mapping`` in place (the forward context holds the same tensor) and return
+        the new per-row kernel lengths through ``plan.kernel_seq_lens``."""
+        if self.mode is None or self.runner is None:
+            return None
+        ib = self.runner.input_batch
+        n = ib.num_reqs
+        if n == 0:
+            return None
+        self._release_finished()
+        req_ids = ib.req_ids[:n]
+        ncomp = ib.num_computed_tokens_cpu[:n]
+        nprompt = ib.num_prompt_tokens[:n]
+        qsl = cm.query_start_loc_cpu[:n + 1].tolist()
+        bt = ib.block_table[0].block_table.cpu[:n]  # the same rows as cm.block_table_tensor, on the host
+        bt_dev = cm.block_table_tensor
+        rows: list[RowPlan] = []
+        fresh: list[int] = []
+        for i, rid in enumerate(req_ids):
+            done = int(ncomp[i])
+            st = self.active.get(rid)
+            if st is None:
+                if done != 0:
+                    raise EvictionRefused(
+                        f"request {rid} starts with {done} computed tokens (prefix caching or a KV "
+                        "connector): kvrl's compacted cache must see every token from the start")
+                st = self.active[rid] = self._new_request(rid, int(nprompt[i]))
+                fresh.append(st.qslot)
+            elif done != st.done:
+                raise EvictionRefused(
+                    f"request {rid} was preempted and is being recomputed ({st.done} -> {done} computed "
+                    "tokens); a recompute does not replay the evictions. Give vLLM more KV cache "
+                    "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
+            q = qsl[i + 1] - qsl[i]
+            row = RowPlan(st, qsl[i], q, done, st.lens.clone(), bt_dev[i])
+            if self.mode == "token":
+                p = self.policy
+                c_prev = cache_len_after(done, st.prompt_len, p)
+                if int(st.lens[0, 0]) != c_prev:
+                    raise RuntimeError(f"kvrl cache length out of step for request {rid}: "
+                                       f"{int(st.lens[0, 0])} vs {c_prev}")
+                m = done + q
+                row.evict = (m >= st.prompt_len and (m - st.prompt_len) % p.interval == 0
+                             and c_prev + q > p.budget)
+                st.lens.fill_(cache_len_after(m, st.prompt_len, p))
+            elif self.mode == "mixed":
+                st.lens.fill_(done + q)
+            # static: lens are updated by the layers (appends, then drops)
+            st.done = done + q
+            rows.append(row)
+
+        total = qsl[n]
+        tok_row = np.repeat(np.arange(n), [r.q for r in rows])
+        offs = np.arange(total) - np.repeat(np.asarray(qsl[:n]), [r.q for r in rows])
+        done_arr = np.asarray([r.done for r in rows])
+        positions = torch.from_numpy(done_arr[tok_row] + offs)
+        # queries to keep: the last `observe` of each row (ring index = position % W)
+        q_tok = q_slot = q_ring = torch.zeros(0, dtype=torch.long)
+        if self.mode == "token":
+            w = self.policy.observe
+            m_arr = np.asarray([r.m for r in rows])
+            keep = positions.numpy() >= (m_arr[tok_row] - w)
+            q_tok = torch.from_numpy(np.nonzero(keep)[0])
+            q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
+            q_ring = positions[q_tok] % w
+            # remap: token j of a row goes to logical slot c_prev + j
+            c_prev = np.asarray([int(r.lens[0, 0]) for r in rows])
+            logical = torch.from_numpy(c_prev[tok_row] + offs)
+            rowt = torch.from_numpy(tok_row)
+            phys = bt[rowt, logical // block_size].long() * block_size + logical % block_size
+            cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
+        dev = cm.slot_mapping.device
+        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), q_tok.to(dev), q_slot.to(dev), q_ring.to(dev),
+                        fresh=torch.tensor(fresh, dtype=torch.long, device=dev) if fresh else None)
+        if self.mode == "token":
+            plan.kernel_seq_lens = torch.tensor([int(r.lens[0, 0]) + r.q for r in rows],
+                                                dtype=cm.seq_lens.dtype).to(cm.seq_lens.device)
+        return plan
+
+    # ---- layer side ----
+
+    def side_for(self, layer_name: str, kv_cache: Tensor) -> SideStore:
+        side = self.side.get(layer_name)
+        state_size = self.policy.state_size if self.policy is not None else 0
+        if side is None or side.pos.shape != kv_cache.shape[:3]:
+            side = self.side[layer_name] = SideStore.like(kv_cache, state_size)
+        return side
+
+    def ring_for(self, layer: int, query: Tensor) -> tuple[Tensor, Tensor]:
+        w = self.policy.observe
+        ring = self.rings.get(layer)
+        need = max(self.n_slots, 1)
+        if ring is None or ring[0].shape[0] < need or ring[0].shape[1:] != (query.shape[1], w, query.shape[2]):
+            cap = max(need, 2 * (ring[0].shape[0] if ring is not None else 4))
+            q = query.new_zeros(cap, query.shape[1], w, query.shape[2])
+            p = torch.full((cap, w), -1, dtype=torch.long, device=query.device)
+            if ring is not None and ring[0].shape[1:] == q.shape[1:]:
+                q[:ring[0].shape[0]] = ring[0]
+                p[:ring[1].shape[0]] = ring[1]
+            ring = self.rings[layer] = (q, p)
+        return ring
+
+    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
+                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+        """Write the forward's new keys/values (and their positions/state) to the cache."""
+        if plan.mode == "mixed":
+            stock_write()
+            return
+        side = self.side_for(layer_name, kv_cache)
+        bs = kv_cache.shape[2]
+        total = plan.positions.shape[0]
+        if plan.mode == "token":
+            stock_write()  # with the remapped slot_mapping
+            if plan.slot_addr is None:  # the same for every layer of the forward
+                slots = slot_mapping[:total].long()
+                plan.slot_addr = (slots // bs, slots % bs, plan.positions[:, None].to(torch.int32))
+            blk, off, pos = plan.slot_addr
+            side.pos[blk, :, off] = pos
+            if side.state is not None:
+                side.state[blk, :, off] = float("nan")
+            return
+        # static: every head appends at its own length
+        h, dev = kv_cache.shape[1], kv_cache.device
+        for row in plan.rows:
+            lens = row.lens[layer_idx].to(dev)  # [H]
+            j = torch.arange(row.q, device=dev)
+            slots = (lens[:, None] + j[None, :]).reshape(-1)
+            heads = torch.arange(h, device=dev).repeat_interleave(row.q)
+            toks = j.repeat(h) + row.start
+            layout.write(kv_cache, row.blocks, heads, slots, key[toks, heads], value[toks, heads])
+            side.write(row.blocks, heads, slots, plan.positions[toks], None)
+
+    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
+                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward) -> None:
+        """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction."""
+        if plan.mode == "token":
+            stock_forward()
+            self._observe(plan, layer_idx, query)
+            for row in plan.rows:
+                if row.evict:
+                    self._evict_token(row, layer_idx, layer_name, layout, kv_cache, scale)
+            return
+        if plan.mode == "mixed":
+            from kvrl.kernels.mixed import mixed_gate_attention
+
+            mg = self.mixed
+            for row in plan.rows:
+                k, v = layout.read(kv_cache, row.blocks, row.m)
+                qpos = plan.positions[row.start:row.start + row.q]
+                q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+                out = mixed_gate_attention(q, k[None], v[None], qpos[None], torch.arange(row.m, device=q.device)[None],
+                                           mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
+                output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            return
+        self._static_attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output)
+
+    def _observe(self, plan: StepPlan, layer_idx: int, query: Tensor) -> None:
+        if plan.q_tok.numel() == 0:
+            return
+        q, p = self.ring_for(layer_idx, query)
+        if plan.fresh is not None:  # slots are reused: forget the previous request's queries
+            p[plan.fresh] = -1
+        q[plan.q_slot, :, plan.q_ring] = query[plan.q_tok].to(q.dtype)
+        p[plan.q_slot, plan.q_ring] = plan.positions[plan.q_tok]
+
+    def _evict_token(self, row: RowPlan, layer_idx: int, layer_name: str, layout: PagedLayout, kv_cache: Tensor,
+                     scale: float) -> None:
+        start = time.perf_counter()
+        st, policy = row.req, self.policy
+        n = int(row.lens[layer_idx, 0]) + row.q
+        side = self.side[layer_name]
+        keys, values = layout.read(kv_cache, row.blocks, n)
+        pos, state = side.read(row.blocks, n)
+        qbuf, qpos = self.rings[layer_idx]
+        qp = qpos[st.qslot]
+        order = torch.nonzero(qp >= 0).squeeze(-1)
+        order = order[qp[order].argsort()]
+        obs = Observation(keys[None], values[None], qbuf[st.qslot][:, order][None], pos[None], qp[order][None],
+                          None if state is None else state[None], layer_idx, scale)
+        scores, new_state = policy.score(obs)
+        sel = policy.select(obs, scores, sample=self.sample, generator=st.generator)
+        keep = sel.keep[0]  # [H, K]
+        h, k = keep.shape
+        kept = torch.zeros(h, n, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
+        eh, en = (~kept & (pos >= 0)).nonzero(as_tuple=True)
+        st.death[layer_idx, eh.cpu(), pos[eh, en].cpu()] = row.m  # the last query of the forward saw it
+        layout.compact(kv_cache, row.blocks, keep, keys, values)
+        heads = torch.arange(h, device=keep.device).repeat_interleave(k)
+        slots = torch.arange(k, device=keep.device).repeat(h)
+        flat = keep.reshape(-1)
+        side.write(row.blocks, heads, slots, pos[heads, flat],
+                   None if new_state is None else new_state[0][heads, flat].float())
+        if sel.logprob is not None:
+            g = row.m - st.prompt_len
+            ev = st.events.setdefault(g, torch.zeros(*st.lens.shape))
+            ev[layer_idx] = sel.logprob[0].float().cpu()
+        dt = time.perf_counter() - start
+        st.evict_seconds += dt
+        self.evict_seconds += dt
+
+    def _static_attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout,
+                          query: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:
+        side = self.side[layer_name]
+        h = kv_cache.shape[1]
+        group = query.shape[1] // h
+        for row in plan.rows:
+            st = row.req
+            dev = kv_cache.device
+            lens = (row.lens[layer_idx] + row.q).to(dev)  # [H] after this forward's appends
+            n = int(lens.max())
+            keys, values = layout.read(kv_cache, row.blocks, n)
+            pos, _ = side.read(row.blocks, n)
+            pos = pos.masked_fill(torch.arange(n, device=dev)[None, :] >= lens[:, None], -1)
+            death = st.death[layer_idx].to(dev).gather(-1, pos.clamp(min=0)).long()  # [H, N]
+            qpos = plan.positions[row.start:row.start + row.q]
+            k = pos[:, None, :]
+            qq = qpos[None, :, None]
+            allowed = (k >= 0) & (k <= qq) & (qq < death[:, None, :])  # [H, Q, N]
+            q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(q, keys[None], values[None],
+                                                 attn_mask=allowed.repeat_interleave(group, dim=0)[None],
+                                                 scale=scale, enable_gqa=True)
+            output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            # drop the keys no later query can see (death <= m), per head, keeping order
+            alive = (pos >= 0) & (death > row.m)
+            new_lens = alive.sum(-1)
+            st.lens[layer_idx] = new_lens.cpu()
+            changed = (new_lens != lens).nonzero().squeeze(-1)
+            for hh in changed.tolist():
+                idx = alive[hh].nonzero().squeeze(-1)
+                heads = torch.full_like(idx, hh)
+                slots = torch.arange(idx.numel(), device=dev)
+                layout.write(kv_cache, row.blocks, heads, slots, keys[hh, idx], values[hh, idx])
+                side.write(row.blocks, heads, slots, pos[hh, idx], None)
+
+
+def check_config(vllm_config) -> None:
+    """Refuse vLLM features that would corrupt a compacted cache (raises ValueError)."""
+    if vllm_config is None:
+        raise RuntimeError("the kvrl worker context is not attached: create engines with VLLMEngine")
+    problems = []
+    cc = vllm_config.cache_config
+    if cc.enable_prefix_caching:
+        problems.append("prefix caching (enable_prefix_caching=False): compaction rewrites blocks other "
+                        "requests would share")
+    if str(getattr(cc, "cache_dtype", "auto")) != "auto":
+        problems.append(f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype}): policies read K/V as stored")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding: rejected drafts roll back computed tokens the eviction "
+                        "schedule has already counted")
+    if vllm_config.kv_transfer_config is not None:
+        problems.append("KV transfer/connectors: transferred blocks are not packed")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        problems.append("async scheduling (async_scheduling=False)")
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        problems.append("tensor/pipeline parallelism: eviction traces are gathered from a single worker")
+    if getattr(vllm_config.model_config, "get_sliding_window", lambda: None)():
+        problems.append("sliding-window models: the kernel's window is on packed slots, not positions")
+    comp = vllm_config.compilation_config
+    mode = getattr(comp, "cudagraph_mode", None)
+    if mode is not None and "FULL" in str(mode).upper() and "NONE" not in str(mode).upper():
+        problems.append(f"full CUDA graphs (cudagraph_mode={mode}); use PIECEWISE or enforce_eager=True")
+    pass_config = getattr(comp, "pass_config", None)
+    for flag in ("fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache", "fuse_rope_kvcache_cat_mla"):
+        if getattr(pass_config, flag, False):
+            problems.append(f"compilation pass {flag}: it writes the KV cache without the kvrl backend")
+    if problems:
+        raise ValueError("kvrl KV policies cannot run with: " + "; ".join(problems))
+
+
+CONTEXT = WorkerContext()
+
+
+def context() -> WorkerContext:
+    return CONTEXT
+
+
+def layer_index(layer_name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+__all__ = ["CONTEXT", "NEVER", "EvictionRefused", "PagedLayout", "ReqState", "RowPlan", "SideStore", "StepPlan",
+           "WorkerContext", "cache_len_after", "check_config", "context", "layer_index"]

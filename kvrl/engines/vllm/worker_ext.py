@@ -1,0 +1,157 @@
+"""Worker extension for kvrl's vLLM engines (``LLM(worker_extension_cls=...)``).
+
+Methods are called through ``llm.collective_rpc("kvrl_...")``. In multi-process mode
+arguments are pickled (tensors inside plain containers travel; vllm.md §2f), so full
+weights can also be pushed by file path. Every push is verified on the worker and returns
+a small report; a failed check raises.
+
+* ``kvrl_attach`` — hand the model runner to the worker context (:mod:`.runtime`).
+* ``kvrl_set_policy`` / ``kvrl_pop`` — install a policy; collect finished requests' traces.
+* ``kvrl_push_weights`` — full weights through vLLM's in-place reload path
+  (``Worker.reload_weights``; ``model.load_weights`` after start-up breaks on CPU, where
+  linear weights are repacked and the parameters emptied). Verified by comparing every
+  readable parameter bitwise and every repacked linear layer functionally (its forward on
+  a probe input vs ``x @ Wᵀ`` from the pushed tensors, stacked as vLLM stacks them).
+* ``kvrl_push_gates`` — new gates for the installed mixed-gate or head-allocation policy.
+* ``kvrl_push_scorer`` — a state dict for the installed learned scorer.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+
+from kvrl.engines.vllm.runtime import context
+
+
+def _weights_from(source) -> dict[str, torch.Tensor]:
+    if isinstance(source, (str, Path)):
+        from safetensors.torch import load_file
+
+        path = Path(source)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        out = {}
+        for f in files:
+            out.update(load_file(str(f)))
+        return out
+    return dict(source)
+
+
+def verify_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
+                   stacked: dict[str, list[str]], atol: float = 1e-4) -> dict:
+    """Check the model holds ``weights`` (checkpoint names): plain parameters bitwise,
+    repacked linear layers by their forward on a probe input. Raises ValueError."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    checked = functional = 0
+    worst = 0.0
+    seen = set()
+    for name, param in model.named_parameters():
+        w = weights.get(name)
+        if w is None or param.numel() == 0 or param.dim() != w.dim() or param.shape[1:] != w.shape[1:] \
+                or param.shape[0] < w.shape[0]:
+            continue  # absent, repacked (checked below) or stacked under another name
+        # vocabulary-parallel embeddings are padded: compare the real rows
+        if not torch.equal(param.detach()[:w.shape[0]].cpu(), w.to(param.dtype)):
+            raise ValueError(f"pushed weight {name} did not arrive")
+        seen.add(name)
+        checked += 1
+    gen = torch.Generator().manual_seed(0)
+    for mod_name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or f"{mod_name}.weight" in seen:
+            continue
+        leaf = mod_name.rpartition(".")
+        parts = stacked.get(leaf[2])
+        names = [f"{leaf[0]}.{p}.weight" for p in parts] if parts else [f"{mod_name}.weight"]
+        if not all(n in weights for n in names):
+            continue
+        w = torch.cat([weights[n] for n in names], 0).float()
+        bias = getattr(module, "bias", None)
+        dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+        x = torch.randn(3, w.shape[1], generator=gen).to(dtype)
+        got = module.quant_method.apply(module, x, bias=bias).float()
+        want = x.float() @ w.T + (0 if bias is None else bias.float())
+        err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+        worst = max(worst, err)
+        if err > atol:
+            raise ValueError(f"pushed weights of {mod_name} did not arrive (relative error {err:.2e})")
+        seen.update(names)
+        functional += 1
+    return {"checked": checked, "functional": functional, "max_rel_err": worst}
+
+
+class KVRLWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def kvrl_call(self, method: str, blob: bytes) -> bytes:
+        """Dispatch ``method`` with pickled (args, kwargs); return its pickled result.
+
+        Pickled bytes cross vLLM's multi-process RPC where tensor arguments do not."""
+        if not method.startswith("kvrl_") or method == "kvrl_call":
+            raise ValueError(f"not a kvrl worker method: {method}")
+        args, kwargs = pickle.loads(blob)
+        return pickle.dumps(getattr(self, method)(*args, **kwargs))
+
+    def kvrl_attach(self) -> bool:
+        context().attach(self.model_runner, self.vllm_config)
+        return True
+
+    def kvrl_set_policy(self, policy=None, sample: bool = False, pattern_rows: dict | None = None) -> bool:
+        context().set_policy(policy, sample=sample, pattern_rows=pattern_rows)
+        return True
+
+    def kvrl_pop(self, tags: list[str]) -> list:
+        ctx = context()
+        ctx._release_finished()
+        return ctx.pop(tags)
+
+    def kvrl_evict_seconds(self) -> float:
+        return context().evict_seconds
+
+    def kvrl_push_weights(self, source, verify: bool = True) -> dict:
+        """Reload full weights (checkpoint names) from a dict/list of tensors or a
+        safetensors file/folder, then verify them."""
+        weights = _weights_from(source)
+        if getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+            # tied: the embedding is the one weight (vLLM would load lm_head.weight over it)
+            weights.pop("lm_head.weight", None)
+        self.reload_weights(weights_iterator=iter(list(weights.items())), is_checkpoint_format=True)
+        if not verify:
+            return {"checked": 0}
+        model = self.model_runner.get_model()
+        stacked = getattr(model, "packed_modules_mapping", {}) or {}
+        report = verify_weights(model, weights, stacked)
+        if report["checked"] + report["functional"] == 0:
+            raise ValueError("no pushed weight could be matched to a model parameter: check the names "
+                             "(checkpoint names, e.g. model.layers.0.self_attn.q_proj.weight)")
+        return report
+
+    def kvrl_push_gates(self, gates) -> float:
+        """New gates [layers, kv_heads] for the installed MixedGates or HeadAllocation;
+        returns their sum as stored (the caller compares)."""
+        ctx = context()
+        gates = torch.as_tensor(gates, dtype=torch.float32).clone()
+        target = ctx.mixed if ctx.mixed is not None else ctx.pattern
+        if target is None or not hasattr(target, "gates"):
+            raise ValueError("no gated policy installed: generate once with MixedGates or HeadAllocation first")
+        if tuple(target.gates.shape) != tuple(gates.shape):
+            raise ValueError(f"gates of shape {tuple(gates.shape)}, the policy has {tuple(target.gates.shape)}")
+        target.gates = gates.to(target.gates.dtype)
+        if not torch.equal(target.gates.float(), gates):
+            raise ValueError("pushed gates did not arrive")
+        return float(target.gates.double().sum())
+
+    def kvrl_push_scorer(self, state_dict: dict) -> int:
+        """Load a state dict into the installed learned scorer; returns tensors checked."""
+        ctx = context()
+        scorer = getattr(ctx.policy, "scorer", None)
+        if scorer is None:
+            raise ValueError("no learned-scorer policy installed: generate once with LearnedScorer first")
+        scorer.load_state_dict(state_dict)
+        mine = scorer.state_dict()
+        for k, v in state_dict.items():
+            if not torch.equal(mine[k].cpu(), torch.as_tensor(v).to(mine[k].dtype).cpu()):
+                raise ValueError(f"pushed scorer tensor {k} did not arrive")
+        return len(state_dict)

@@ -1,0 +1,1 @@
+"""Evaluation jobs: accuracy under KV budgets."""

@@ -1,0 +1,97 @@
+"""RLKV's mixed-gate attention: ``α·full + (1−α)·(sink+recent)`` per KV head (torch reference).
+
+RLKV trains one gate α ∈ [0, 1] per (layer, KV head) and, during its rollouts, each head
+attends with the gate-weighted mix of two attentions over the same cache: the full causal
+attention and the sink+recent (streaming) attention, where a query at position q sees key k
+iff ``k ≤ q`` and (``k < sink`` or ``q < k + recent``) — exactly what
+:meth:`kvrl.policies.HeadAllocation.death` gives a compressed head. Both engines call
+:func:`mixed_gate_attention`, so their outputs agree to rounding.
+
+``"kvrl_mixed"`` is registered with transformers' attention interface for un-padded batches
+(one prompt, or prompts of equal length) with a plain ``DynamicCache``: the model call
+passes ``kvrl_mixed=MixedGates(...)`` and explicit ``position_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+
+
+@dataclass
+class MixedGates:
+    """Gates [layers, kv_heads] (α; 1 = full attention, 0 = sink+recent only) and the window."""
+
+    gates: Tensor
+    sink: int = 16
+    recent: int = 64
+
+    def __post_init__(self):
+        self.gates = torch.as_tensor(self.gates, dtype=torch.float32)
+        if self.gates.dim() != 2:
+            raise ValueError(f"gates has shape {tuple(self.gates.shape)}: pass one gate per (layer, KV head)")
+        if self.sink < 0 or self.recent < 1:
+            raise ValueError(f"sink={self.sink}, recent={self.recent}: need sink ≥ 0 and recent ≥ 1")
+
+
+def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: Tensor, key_pos: Tensor,
+                         gates: Tensor, *, sink: int, recent: int, scaling: float) -> Tensor:
+    """Per KV head ``α·softmax-attention(causal) + (1−α)·softmax-attention(sink+recent)``.
+
+    Parameters
+    ----------
+    query : Tensor [B, Hq, Q, D]
+        Post-RoPE queries; query head h·G+g belongs to KV head h.
+    key, value : Tensor [B, H, N, D]
+    query_pos : Tensor [B, Q] int
+        True positions (every query must see at least itself).
+    key_pos : Tensor [B, N] or [B, H, N] int
+        True positions of the key slots, −1 for empty slots.
+    gates : Tensor [H] or [B, H]
+        α per KV head.
+    sink, recent : int
+        The window of the compressed branch.
+    scaling : float
+
+    Returns
+    -------
+    Tensor [B, Hq, Q, D] in the dtype of ``query``.
+    """
+    b, hq, _, _ = query.shape
+    h = key.shape[1]
+    k = (key_pos[:, None] if key_pos.dim() == 2 else key_pos)[:, :, None, :]  # [B, H|1, 1, N]
+    q = query_pos[:, None, :, None]  # [B, 1, Q, 1]
+    causal = (k >= 0) & (k <= q)
+    window = causal & ((k < sink) | (q < k + recent))
+    group = hq // h
+
+    def attend(mask):
+        mask = mask.expand(b, h, -1, -1).repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+    alpha = gates.to(query.device, torch.float32)
+    alpha = (alpha[None] if alpha.dim() == 1 else alpha).expand(b, h).repeat_interleave(group, dim=1)
+    alpha = alpha[:, :, None, None]
+    out = alpha * attend(causal).float() + (1 - alpha) * attend(window).float()
+    return out.to(query.dtype)
+
+
+def mixed_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, position_ids=None,
+                    kvrl_mixed: MixedGates | None = None, **kwargs):
+    """transformers attention function ``"kvrl_mixed"``: query [B, Hq, Q, D], key/value
+    [B, H, N, D] (the whole un-padded cache) -> (out [B, Q, Hq, D], None)."""
+    if kvrl_mixed is None or position_ids is None:
+        raise ValueError("attn_implementation='kvrl_mixed' needs model(..., position_ids=..., "
+                         "kvrl_mixed=MixedGates(...))")
+    n = key.shape[2]
+    key_pos = torch.arange(n, device=key.device).expand(key.shape[0], n)
+    out = mixed_gate_attention(query, key, value, position_ids, key_pos, kvrl_mixed.gates[module.layer_idx],
+                               sink=kvrl_mixed.sink, recent=kvrl_mixed.recent, scaling=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("kvrl_mixed", mixed_attention)

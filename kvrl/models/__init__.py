@@ -1,0 +1,1 @@
+"""The tiny reasoner: builder, pretraining job and shipped weights."""
