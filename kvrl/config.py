@@ -41,7 +41,7 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    id: str = "kvrl/chains-v0"  # registered environment id, or a dotted path pkg.mod:Class
+    id: str = "kvrl/counts-v0"  # registered environment id, or a dotted path pkg.mod:Class
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
     num_eval_tasks: int = 256  # tasks drawn for evaluation
 
@@ -70,6 +70,44 @@ class TrainerConfig:
     warmup_steps: int = 100  # linear learning-rate warmup length
     weight_decay: float = 0.0  # AdamW weight decay
     log_every: int = 50  # steps between metric log lines
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping)
+
+
+@dataclass
+class RLConfig:
+    # RL jobs (job=rl): trainer.batch_size samples per step = batch_size / group_size tasks x group_size
+    algo: str = "rl_full"  # algorithm in kvrl.algos: what is trained, the loss, what is pushed to rollouts
+    group_size: int = 8  # samples per task (G); advantages are normalised within each task's group
+    scale: str = "group"  # advantage scaling: group (divide by the group's std, GRPO) | none (Dr. GRPO)
+    truncated: str = "zero"  # advantage of samples cut at max_new_tokens: zero | clip (min(A, 0)) | keep
+    aggregation: str = "token"  # loss: token (sum / all tokens, DAPO) | sequence (mean per sample, then mean)
+    eps_low: float = 0.2  # PPO clip range below 1: ratio floor 1 - eps_low
+    eps_high: float = 0.2  # PPO clip range above 1: ratio ceiling 1 + eps_high (DAPO's clip-higher: 0.28)
+    beta: float = 0.0  # weight of the k3 KL to the initial model; 0 = no reference model is kept
+    async_steps: int = 0  # 0 = on-policy; 1 = generate step t+1 while training on step t (staleness <= 1)
+    checkpoint_every: int = 0  # steps between checkpoints in output_dir/checkpoints; 0 = only the last step
+
+
+@dataclass
+class WorkersConfig:
+    # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port
+    address: str = ""
+    num_cpus: int = 0  # CPUs a private local Ray may use; 0 = all of this machine
+    rollout: int = 2  # RolloutWorker actors, each wrapping an engine; a step's samples are split across them
+    rollout_cpus: float = 0.5  # CPUs reserved per rollout actor (fractions pack several actors on a core)
+    rollout_gpus: float = 0.0  # GPUs per rollout actor (set device=cuda too)
+    learners: int = 1  # Learner actors; > 1 = data parallel, gradients all-reduced (gloo on CPU, nccl on GPU)
+    learner_cpus: float = 0.5  # CPUs reserved per learner actor
+    learner_gpus: float = 0.0  # GPUs per learner actor
+    backend: str = "ddp"  # learner optimizer: ddp (torch AdamW, all-reduced grads) | deepspeed (ZeRO)
+    zero_stage: int = 2  # DeepSpeed ZeRO stage for backend=deepspeed: 1 | 2
+    max_restarts: int = 3  # times a dead rollout actor is restarted (its shard redone) before the run fails
+    timeout_s: float = 900.0  # longest any single Ray call may take before the run fails with the actor's name
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard (`pip install tensorboard`)
 
 
 @dataclass
@@ -94,6 +132,9 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -184,11 +225,22 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("trainer.lr", lambda v: v > 0, "must be > 0"),
     ("eval.budgets", lambda v: len(v) > 0 and all(0 < b <= 1 for b in v), "must be fractions in (0, 1]"),
     ("resume", lambda v: v in ("auto", "never") or Path(v).exists(), "must be auto, never or a path"),
+    ("rl.scale", lambda v: v in ("group", "none"), "must be group | none"),
+    ("rl.truncated", lambda v: v in ("zero", "clip", "keep"), "must be zero | clip | keep"),
+    ("rl.aggregation", lambda v: v in ("token", "sequence"), "must be token | sequence"),
+    ("rl.async_steps", lambda v: v in (0, 1), "must be 0 (on-policy) or 1 (one step ahead)"),
+    ("workers.backend", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed"),
+    ("workers.zero_stage", lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not "
+     "gathered for the push yet)"),
 ] + [(key, lambda v, low=low: v >= low, f"must be >= {low}") for key, low in {
     "env.num_eval_tasks": 1, "kv.budget": 0, "kv.interval": 1, "kv.window": 1, "kv.sink": 0,
     "sampling.max_new_tokens": 1, "sampling.temperature": 0, "sampling.batch_size": 1,
     "trainer.steps": 0, "trainer.batch_size": 1, "trainer.warmup_steps": 0,
-    "trainer.weight_decay": 0, "trainer.log_every": 1,
+    "trainer.weight_decay": 0, "trainer.log_every": 1, "trainer.max_grad_norm": 0,
+    "rl.group_size": 2, "rl.eps_low": 0, "rl.eps_high": 0, "rl.beta": 0, "rl.checkpoint_every": 0,
+    "workers.num_cpus": 0, "workers.rollout": 1, "workers.rollout_cpus": 0, "workers.rollout_gpus": 0,
+    "workers.learners": 1, "workers.learner_cpus": 0, "workers.learner_gpus": 0, "workers.max_restarts": 0,
+    "workers.timeout_s": 1,
 }.items()]
 
 
@@ -200,8 +252,35 @@ def validate(cfg: Config) -> None:
         for key, check, rule in _RULES
         if not check(value := operator.attrgetter(key)(cfg))
     ]
+    if cfg.job == "rl":
+        problems += _rl_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "\n".join(problems))
+
+
+def _rl_problems(cfg: Config) -> list[str]:
+    """Cross-field checks of RL jobs; each message names the key and a value that works."""
+    problems = []
+    g, n = cfg.rl.group_size, cfg.trainer.batch_size
+    if n % g or n < g:
+        problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): it is the number "
+                        f"of samples per step; set trainer.batch_size={max(1, round(n / g)) * g}")
+    if cfg.sampling.temperature <= 0:
+        problems.append("sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
+                        "group the same text, hence zero advantages; set sampling.temperature=1.0")
+    parts = max(cfg.workers.rollout, cfg.workers.learners)
+    if n < parts:
+        problems.append(f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "
+                        f"({parts}), each takes a share of the samples; set trainer.batch_size={parts * g}")
+    from kvrl.algos import ALGOS  # a table of names; importing it loads no algorithm
+
+    if cfg.rl.algo not in ALGOS:
+        near = difflib.get_close_matches(cfg.rl.algo, ALGOS, n=1)
+        problems.append(f"unknown rl.algo {cfg.rl.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
+                        f"(available: {', '.join(ALGOS)})")
+    if cfg.trainer.steps < 1:
+        problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")
+    return problems
 
 
 def load_config(argv: Sequence[str]) -> Config:

@@ -17,6 +17,7 @@ from kvrl.config import ConfigError, available_recipes, cli_value, load_config, 
 JOBS = {
     "eval_budgets": "kvrl.eval.budgets:main",
     "pretrain_tiny": "kvrl.models.pretrain:main",
+    "rl": "kvrl.workers.controller:main",
 }
 
 USAGE = "usage: python -m kvrl.run [recipe=NAME] [key=value ...]  (print_config=true shows the result)"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvrl.config import Config, ConfigError, available_recipes, load_config
+from kvrl.config import Config, ConfigError, available_recipes, load_config, recipes_dir
 from kvrl.run import JOBS, main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,7 +40,9 @@ def test_print_config_exits_0_with_yaml():
     proc = run_module("recipe=tiny_pretrain", "print_config=true", "trainer.lr=1e-3")
     assert proc.returncode == 0, proc.stderr
     printed = yaml.safe_load(proc.stdout)
-    assert printed["trainer"]["lr"] == 1e-3 and printed["trainer"]["steps"] == 2400
+    recipe = yaml.safe_load((recipes_dir() / "tiny_pretrain.yaml").read_text())
+    assert printed["trainer"]["lr"] == 1e-3  # the command line wins over the recipe
+    assert printed["trainer"]["steps"] == recipe["trainer"]["steps"]  # the recipe wins over the schema
     assert printed["output_dir"] == "outputs/tiny_pretrain"  # interpolations are resolved
 
 

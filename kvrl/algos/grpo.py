@@ -1,0 +1,140 @@
+"""The shared GRPO core: group-normalised advantages and the clipped policy-gradient loss.
+
+Every kvrl algorithm that learns from rewards (RL-Full, G-KV RL-Sparse, RLKV's gates,
+ForesightKV stage 2) calls these functions; the algorithms differ only in what the
+logprobs are *of* (generated tokens, or eviction actions) and in what else they add to
+the loss. The formulas are TRL 1.16's (``GRPOTrainer``), checked numerically against
+its own code in ``tests/test_grpo.py``:
+
+    A_i     = (r_i − mean_g r) / (std_g r + eps)        per group g of G samples of one task;
+                                                        std with Bessel's correction (TRL's nanstd)
+    ρ_t     = exp(logp_t − logp_old_t)                  logp_old: the behaviour policy's logprob
+    loss_t  = −min(ρ_t·A, clip(ρ_t, 1−ε_low, 1+ε_high)·A) + β·KL_t
+    KL_t    = exp(ref_t − logp_t) − (ref_t − logp_t) − 1   (the k3 estimator of KL(π‖π_ref))
+
+    aggregation "token"    (DAPO, TRL loss_type="dapo"): Σ_{i,t} loss_it / num_items,
+                           num_items = the number of tokens in the whole batch
+    aggregation "sequence" (GRPO paper, TRL loss_type="grpo"): mean_i (Σ_t loss_it / T_i)
+
+``num_items`` is passed explicitly when a batch is split across learners or micro-batches:
+each part divides its sum by the count of the *whole* batch, so summing the parts' gradients
+gives exactly the gradient of the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SCALES = ("group", "none")
+TRUNCATED = ("zero", "clip", "keep")
+AGGREGATIONS = ("token", "sequence")
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """[N·G] rewards, the G samples of each task adjacent (task-major) -> [N·G] advantages.
+
+    scale="group" divides by the group's std (GRPO); "none" only subtracts the mean
+    (Dr. GRPO: the std division over-weights groups that are almost all right or wrong).
+    A group whose rewards are all equal carries no signal: its advantages are exactly 0
+    (without the explicit zero, rounding in the mean would leave ~1e-13 / eps residues).
+    """
+    from trl.trainer.utils import nanstd  # here, not above: only the controller needs it, and importing
+    # trl would add ~2 s to the start of every actor that imports this module for grpo_loss
+
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"need group_size >= 2 dividing {rewards.numel()} rewards, got {group_size}")
+    r = rewards.double().view(-1, group_size)  # float64: rewards are few, and exact ties stay exact
+    std = nanstd(r, dim=1, keepdim=True)
+    adv = r - r.mean(1, keepdim=True)
+    if scale == "group":
+        adv = adv / (std + eps)
+    adv = adv.masked_fill(r.eq(r[:, :1]).all(1, keepdim=True), 0.0)
+    return adv.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def mask_truncated(advantages: Tensor, truncated: Tensor, mode: str = "zero") -> Tensor:
+    """Advantages of samples cut off at max_new_tokens (finish reason "length").
+
+    A truncated sample's reward says little about its text (the answer never came), so
+    G-KV gives it advantage 0 ("zero"); "clip" keeps only a negative advantage, min(A, 0),
+    so running out of tokens can be discouraged but never rewarded; "keep" is plain GRPO.
+    """
+    if mode == "zero":
+        return advantages.masked_fill(truncated, 0.0)
+    if mode == "clip":
+        return torch.where(truncated, advantages.clamp(max=0.0), advantages)
+    if mode == "keep":
+        return advantages
+    raise ValueError(f"mode must be one of {TRUNCATED}, got {mode!r}")
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.0,
+    aggregation: str = "token",
+    num_items: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped surrogate loss and its metrics.
+
+    logprobs [B, T] (differentiable, the current policy), old_logprobs [B, T] (behaviour
+    policy, no grad), advantages [B], mask [B, T] (1 on the sample's tokens). ref_logprobs
+    [B, T] is needed when beta > 0. num_items: the normaliser (tokens for "token", sequences
+    for "sequence") of the whole batch this part belongs to; default: this part's own.
+
+    Metrics (plain floats, means over this part's tokens unless named otherwise):
+    ``clip_low`` / ``clip_high`` / ``clip_frac`` — fraction of tokens where the clip is
+    active (ratio below 1−ε_low with A<0, above 1+ε_high with A>0, either), ``ratio_mean``,
+    ``ratio_min``, ``ratio_max``, ``kl`` (when beta > 0), ``tokens`` (this part's count).
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    mask = mask.to(logprobs.dtype)
+    old_logprobs = old_logprobs.to(logprobs.dtype).detach()
+    A = advantages.to(logprobs.dtype)[:, None]
+
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * A, clipped * A)
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("beta > 0 needs ref_logprobs (the reference policy's logprobs)")
+        d = ref_logprobs.detach() - logprobs
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + beta * kl
+
+    if aggregation == "token":
+        n = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask.dtype)
+        loss = (per_token * mask).sum() / n.clamp(min=1.0)
+    else:
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        n = mask.new_tensor(float(mask.shape[0] if num_items is None else num_items))
+        loss = per_seq.sum() / n.clamp(min=1.0)
+
+    with torch.no_grad():
+        on = mask.bool()
+        tokens = int(on.sum())
+        low = ((ratio < 1 - eps_low) & (A < 0))[on].float()
+        high = ((ratio > 1 + eps_high) & (A > 0))[on].float()
+        r = ratio[on] if tokens else ratio.new_ones(1)
+        metrics = {
+            "clip_low": low.mean().item() if tokens else 0.0,
+            "clip_high": high.mean().item() if tokens else 0.0,
+            "clip_frac": (low + high).mean().item() if tokens else 0.0,
+            "ratio_mean": r.mean().item(),
+            "ratio_min": r.min().item(),
+            "ratio_max": r.max().item(),
+            "tokens": tokens,
+        }
+        if beta != 0.0:
+            metrics["kl"] = kl[on].mean().item() if tokens else 0.0
+    return loss, metrics

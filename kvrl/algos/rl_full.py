@@ -1,0 +1,57 @@
+"""RL-Full: GRPO fine-tuning of the whole model with the full KV cache (G-KV's baseline).
+
+G-KV (seed 003) compares its sparse-cache training against this: the same GRPO, the same
+rewards, but rollouts and learner both attend to every token. What the loop needs from it:
+
+* rollouts run with the full cache (no KV policy, no eviction trace);
+* every parameter is trainable;
+* the loss is the shared GRPO core on logprobs recomputed by ``engine.score`` under full
+  attention, at the sampling temperature (so they are the behaviour logprobs' equals);
+  with ``rl.beta > 0`` a frozen copy of the initial model gives the reference logprobs;
+* the full state_dict is pushed to the rollout workers after each update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from kvrl.algos.grpo import grpo_loss
+from kvrl.engines.hf import HFEngine
+
+
+class RLFull:
+    def __init__(self, cfg):
+        if cfg.kv.policy != "full":
+            raise ValueError(f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; "
+                             "set kv.policy=full (a compressed-cache algorithm trains under its policy)")
+        self.rl, self.temperature = cfg.rl, cfg.sampling.temperature
+        self.ref = None  # the reference engine, on learners when rl.beta > 0
+
+    def rollout_policy(self, model):
+        return None
+
+    def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
+        if self.rl.beta > 0:
+            # the initial weights, taken before a checkpoint is loaded into `model`
+            self.ref = HFEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer)
+        return list(model.parameters())
+
+    def loss(self, engine, batch):
+        scores = engine.score(batch.sequences, batch.prompt_lens, trace=batch.trace, temperature=self.temperature)
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref = self.ref.score(batch.sequences, batch.prompt_lens, temperature=self.temperature).logprobs
+        rl = self.rl
+        loss, metrics = grpo_loss(scores.logprobs, batch.old_logprobs, batch.advantages, scores.mask,
+                                  eps_low=rl.eps_low, eps_high=rl.eps_high, ref_logprobs=ref, beta=rl.beta,
+                                  aggregation=rl.aggregation, num_items=batch.num_items)
+        return loss, scores, metrics
+
+    def state(self, model) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def load(self, model, state: dict[str, torch.Tensor]) -> None:
+        model.load_state_dict(state)

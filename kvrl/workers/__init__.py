@@ -1,0 +1,1 @@
+"""Ray actors and the single controller that drives them (see controller.py for the loop)."""

@@ -1,0 +1,403 @@
+"""The RL loop: a single controller on Ray driving rollout workers and learners (job=rl).
+
+    python -m kvrl.run recipe=tiny_rl_full
+
+One step, top to bottom (:meth:`Controller.run`):
+
+1. tasks       the controller owns the environment and its cursor: batch_size / G tasks
+2. rollouts    G samples per task, split into one shard per RolloutWorker; every sample
+               is stamped with the policy version of the weights that generated it
+3. rewards     ``env.score(task, completion)``, here in the controller
+4. advantages  normalised within each task's group; truncated samples zeroed (grpo.py)
+5. update      the samples split across the learners, which recompute logprobs (the
+               train/inference mismatch is measured before the update) and step
+6. push        the trainable state through the object store to every worker, which
+               checks it against the learner's checksum
+7. log         one JSONL line per step, a progress bar, optional TensorBoard;
+               checkpoints every rl.checkpoint_every steps and at the end
+
+On-policy by default. ``rl.async_steps=1`` starts step t+1's generation (with the weights
+of version t) before training on step t, as slime's train_async does: samples are then
+at most one version stale, which is asserted. A rollout worker that dies is restarted by
+Ray (``workers.max_restarts``), given the current weights, and its whole shard is redone
+with the same seed; a shard's samples replace, never add to, the step's, and the
+learners' sample ids are checked against the step's, so each sample counts exactly once.
+
+Resume (``resume=auto``) reloads trainables, optimizer, environment cursor and RNG, and
+the step; seeds are derived from (seed, step, shard), so an on-policy run resumed at
+step k repeats the uninterrupted run exactly. With ``rl.async_steps=1`` the first step
+after a resume regenerates its samples with the resumed weights (staleness 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from tqdm import tqdm
+
+from kvrl.algos import make_algo
+from kvrl.algos.grpo import group_advantages, mask_truncated
+from kvrl.envs import make
+from kvrl.workers.learner import Learner
+from kvrl.workers.rollout import RolloutWorker, Sample
+
+TIMINGS = ("rollout_s", "learn_s", "step_s", "gen_tokens_per_s")  # metrics that vary between identical runs
+
+
+@dataclass
+class Pending:
+    """One step's generation, in flight on the rollout workers."""
+
+    step: int
+    tasks: list  # the step's tasks; sample k belongs to tasks[k // G]
+    env_state: dict  # the environment before these tasks were drawn: what a checkpoint saves
+    args: dict[int, tuple]  # worker -> its generate() arguments (to redo the shard)
+    refs: dict[int, ray.ObjectRef]
+    start: float
+
+
+def connect(cfg) -> bool:
+    """Join or start Ray; True when this process started it (and so shuts it down)."""
+    if ray.is_initialized():  # a test or a notebook brought its own
+        return False
+    address = cfg.workers.address or os.environ.get("RAY_ADDRESS", "")
+    if address:  # under `ray job submit` RAY_ADDRESS names the job's cluster
+        ray.init(address=address)
+    else:  # "local", never a stale cluster that a file in the temp dir points at (reference/stack.md §1)
+        ray.init(address="local", num_cpus=cfg.workers.num_cpus or None, include_dashboard=False)
+    return True
+
+
+class Controller:
+    def __init__(self, cfg, on_dispatch=None):
+        """on_dispatch(controller, step): called right after a step's shards are sent (tests
+        kill a worker there)."""
+        self.cfg, self.on_dispatch = cfg, on_dispatch
+        self.algo = make_algo(cfg)  # a bad algorithm setting fails here, before any actor starts
+        self.env = make(cfg.env.id, **cfg.env.kwargs)
+        self.env.reset(seed=cfg.seed)
+        self.out = Path(cfg.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.own_ray = connect(cfg)
+        w = cfg.workers
+        for kind, need in (("CPU", w.rollout * w.rollout_cpus + w.learners * w.learner_cpus),
+                           ("GPU", w.rollout * w.rollout_gpus + w.learners * w.learner_gpus)):
+            have = ray.cluster_resources().get(kind, 0)
+            if need > have:  # Ray would otherwise leave the actors pending forever
+                raise ValueError(f"the actors ask for {need:g} {kind}s, the Ray cluster has {have:g}: lower "
+                                 f"workers.rollout_{kind.lower()}s / workers.learner_{kind.lower()}s (fractions "
+                                 "share a device) or workers.rollout / workers.learners")
+        self.workers = [RolloutWorker.options(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus,
+                                              max_restarts=w.max_restarts, max_task_retries=0).remote(cfg, i)
+                        for i in range(w.rollout)]
+        self.learners = [Learner.options(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus).remote(cfg, r, w.learners)
+                         for r in range(w.learners)]
+        self.step = 0  # updates done
+        self.version = 0  # policy version of the learners' weights (= updates applied)
+        self.samples_total = 0
+        self.restarts = [0] * w.rollout
+        self.writer = None
+        try:
+            if w.learners > 1 or w.backend == "deepspeed":
+                endpoint = self.get(self.learners[0].endpoint.remote(), "learner 0")
+                self.get([learner.join.remote(endpoint) for learner in self.learners], "the learners' process group")
+            self.resume()
+            self.push()
+        except BaseException:
+            self.close()  # actors would otherwise hold their CPUs in a Ray that outlives us
+            raise
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        cfg, steps, G = self.cfg, self.cfg.trainer.steps, self.cfg.rl.group_size
+        if cfg.logging.tensorboard:
+            self.writer = tensorboard_writer(self.out / "tensorboard")
+        record: dict = {}
+        bar = tqdm(total=steps, initial=self.step, desc=f"rl {cfg.rl.algo}", unit="step")
+        pending = self.dispatch(self.step) if self.step < steps else None
+        if pending is None:
+            tqdm.write(f"nothing to train: the checkpoint is at step {self.step} of trainer.steps={steps}")
+        while self.step < steps:
+            start = time.perf_counter()
+            # ---- 1-2. this step's rollouts (dispatched by the previous step, or just above)
+            step, tasks = pending.step, pending.tasks
+            samples, gen = self.collect(pending)
+            # ---- one step ahead: the next generation starts now, with the weights the
+            # workers hold (version t), and runs while the learners train on this step
+            pending = self.dispatch(step + 1) if cfg.rl.async_steps and step + 1 < steps else None
+            # ---- 3. rewards
+            infos = []
+            for k, s in enumerate(samples):
+                s.reward, info = self.env.score(tasks[k // G], s.text)
+                infos.append(info)
+            # ---- 4. advantages
+            rewards = torch.tensor([s.reward for s in samples])
+            truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+            adv = mask_truncated(group_advantages(rewards, G, scale=cfg.rl.scale), truncated, cfg.rl.truncated)
+            for s, a in zip(samples, adv.tolist()):
+                s.advantage = a
+            # ---- 5. learner update, on samples at most rl.async_steps versions old
+            staleness = self.version - min(s.version for s in samples)
+            assert 0 <= staleness <= cfg.rl.async_steps, f"samples {staleness} versions old"
+            learn_start = time.perf_counter()
+            learned = self.learn(samples)
+            learn_s = time.perf_counter() - learn_start
+            # ---- 6. push the new weights; on-policy, the next generation starts only now
+            self.version += 1
+            self.push()
+            if not cfg.rl.async_steps and step + 1 < steps:
+                pending = self.dispatch(step + 1)
+            # ---- 7. log, checkpoint
+            self.step += 1
+            self.samples_total += len(samples)
+            groups = rewards.view(-1, G)
+            record = {
+                "step": self.step, "policy_version": self.version,
+                "samples": len(samples), "samples_total": self.samples_total,
+                "sample_version_min": min(s.version for s in samples), "staleness_max": staleness,
+                "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                **{f"env/{k}": float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "reward"},
+                "adv_mean": adv.mean().item(), "adv_std": adv.std().item(), "adv_abs_mean": adv.abs().mean().item(),
+                "zero_std_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
+                "truncated": truncated.float().mean().item(),
+                "completion_len": float(np.mean([len(s.tokens) for s in samples])),
+                "kv_retention": float(np.mean([1.0 if s.trace is None else s.trace.retention().mean().item()
+                                               for s in samples])),
+                **learned,
+                "gen_tokens": gen["tokens"], "gen_tokens_per_s": gen["tokens"] / gen["seconds"],
+                "rollout_s": gen["seconds"], "learn_s": learn_s, "step_s": time.perf_counter() - start,
+                "restarts": sum(self.restarts),
+            }
+            self.log(record)
+            if self.step == steps or (cfg.rl.checkpoint_every and self.step % cfg.rl.checkpoint_every == 0):
+                self.checkpoint(pending)
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", mismatch=f"{record['mismatch_max']:.1e}")
+        bar.close()
+        self.finish()
+        return record
+
+    # ---- 1-2. tasks and rollouts ---------------------------------------------------------------
+
+    def dispatch(self, step: int) -> Pending:
+        """Draw the step's tasks and send one contiguous shard of its samples to each worker."""
+        cfg, G = self.cfg, self.cfg.rl.group_size
+        env_state = self.env.state_dict()
+        tasks = self.env.tasks(cfg.trainer.batch_size // G)
+        ids = [f"{step}/{t}/{g}" for t in range(len(tasks)) for g in range(G)]
+        prompts = [task.prompt for task in tasks for _ in range(G)]
+        parts = np.array_split(np.arange(len(ids)), len(self.workers))
+        args = {i: ([ids[k] for k in part], [prompts[k] for k in part],
+                    int(np.random.SeedSequence([cfg.seed, step, i]).generate_state(1)[0] >> 1))
+                for i, part in enumerate(parts)}
+        refs = {i: self.workers[i].generate.remote(*args[i]) for i in args}
+        if self.on_dispatch is not None:
+            self.on_dispatch(self, step)
+        return Pending(step, tasks, env_state, args, refs, time.perf_counter())
+
+    def collect(self, pending: Pending) -> tuple[list[Sample], dict]:
+        """The step's samples in dispatch order, each exactly once; tokens and seconds."""
+        results = self.gather(pending.refs, "generate", pending.args)
+        samples = [s for i in sorted(results) for s in results[i][0]]
+        expected = [sid for i in sorted(pending.args) for sid in pending.args[i][0]]
+        assert [s.id for s in samples] == expected, "a shard's samples were lost or duplicated"
+        tokens = sum(r[1]["tokens"] for r in results.values())
+        return samples, {"tokens": tokens, "seconds": time.perf_counter() - pending.start}
+
+    def gather(self, refs: dict[int, ray.ObjectRef], method: str, args: dict[int, tuple]) -> dict:
+        """Results of calls in flight on rollout workers, by worker.
+
+        A worker that died is restarted by Ray from its constructor (base weights, no
+        version): it gets the current weights, then the whole call again, so a shard's
+        samples arrive once, with the seed they would have had.
+        """
+        out = {}
+        for i, ref in refs.items():
+            while i not in out:
+                try:
+                    out[i] = self.get(ref, f"rollout worker {i} ({method})")
+                except RayActorError as err:
+                    self.restarts[i] += 1
+                    tqdm.write(f"rollout worker {i} died during {method}(); restarting it to redo the call")
+                    self.wait_restarted(i, err)
+                    if method != "load":
+                        self.gather({i: self.workers[i].load.remote(*self.push_args)}, "load", {i: self.push_args})
+                    ref = getattr(self.workers[i], method).remote(*args[i])
+        return out
+
+    def wait_restarted(self, i: int, err: Exception) -> None:
+        """Until Ray has restarted worker i (calls made meanwhile fail as unavailable)."""
+        limit = self.cfg.workers.max_restarts
+        deadline = time.monotonic() + self.cfg.workers.timeout_s
+        while self.restarts[i] <= limit:
+            try:
+                return self.get(self.workers[i].__ray_ready__.remote(), f"restarting rollout worker {i}")
+            except ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rollout worker {i} did not come back within workers.timeout_s") from None
+                time.sleep(0.5)
+            except ActorDiedError:  # Ray gave up on it
+                break
+        raise RuntimeError(f"rollout worker {i} died {self.restarts[i]} times, more than "
+                           f"workers.max_restarts={limit}: {err}")
+
+    # ---- 5-6. update and push -----------------------------------------------------------------
+
+    def learn(self, samples: list[Sample]) -> dict:
+        """One update over all learners; their metrics combined (token-weighted means)."""
+        token_level = self.cfg.rl.aggregation == "token"
+        num_items = sum(len(s.tokens) for s in samples) if token_level else len(samples)
+        parts = np.array_split(np.arange(len(samples)), len(self.learners))
+        results = self.get([learner.step.remote([samples[k] for k in part], num_items)
+                            for learner, part in zip(self.learners, parts)], "the learners' update")
+        trained = [sid for r in results for sid in r.pop("ids")]
+        assert trained == [s.id for s in samples], "the learners did not train on each sample exactly once"
+        digests = {r.pop("checksum", None) for r in results}
+        assert len(digests) == 1, "data-parallel learners hold different weights after the update"
+        tokens = np.array([r["tokens"] for r in results], dtype=float)
+        out = {}
+        for key in results[0]:
+            values = np.array([r[key] for r in results], dtype=float)
+            if key.endswith("_max"):
+                out[key] = float(values.max())
+            elif key.endswith("_min"):
+                out[key] = float(values.min())
+            elif key in ("loss", "tokens"):  # each learner's loss is its share of the step's
+                out[key] = float(values.sum())
+            elif key in ("grad_norm", "lr", "version"):  # the same on every learner
+                out[key] = float(values[0])
+            else:
+                out[key] = float((values * tokens).sum() / max(tokens.sum(), 1.0))
+        out.pop("version")
+        return out
+
+    def push(self) -> None:
+        """The learners' trainable state to every worker, through the object store; each
+        worker checks what it loaded against the learner's checksum."""
+        state, digest = self.learners[0].state.remote()
+        self.push_args = (state, self.version, self.get(digest, "learner 0 (state)"))
+        self.gather({i: w.load.remote(*self.push_args) for i, w in enumerate(self.workers)}, "load",
+                    dict.fromkeys(range(len(self.workers)), self.push_args))
+
+    # ---- 7. logging, checkpoints --------------------------------------------------------------
+
+    def log(self, record: dict) -> None:
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()
+
+    def checkpoint(self, pending: Pending | None) -> None:
+        path = self.out / "checkpoints" / f"step_{self.step:06d}"
+        path.mkdir(parents=True, exist_ok=True)
+        self.get([learner.save.remote(str(path)) for learner in self.learners], "saving the checkpoint")
+        torch.save({
+            "step": self.step, "version": self.version, "samples_total": self.samples_total,
+            # with async_steps=1 the next step's tasks are already drawn: save the cursor before them
+            "env": pending.env_state if pending is not None else self.env.state_dict(),
+            "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(), "restarts": self.restarts,
+        }, path / "controller.pt")
+        latest = path.parent / "latest"
+        (path.parent / "latest.tmp").write_text(path.name)
+        os.replace(path.parent / "latest.tmp", latest)  # a crash mid-save leaves the previous checkpoint
+
+    def resume(self) -> None:
+        """resume=auto: the latest checkpoint in output_dir, if any; never; or a path."""
+        metrics = self.out / "metrics.jsonl"
+        latest = self.out / "checkpoints" / "latest"
+        if self.cfg.resume == "auto":
+            path = latest.parent / latest.read_text().strip() if latest.exists() else None
+        else:
+            path = None if self.cfg.resume == "never" else Path(self.cfg.resume)
+        if path is None:
+            metrics.unlink(missing_ok=True)
+            return
+        state = torch.load(path / "controller.pt", weights_only=False)
+        self.step, self.version, self.samples_total = state["step"], state["version"], state["samples_total"]
+        self.env.load_state_dict(state["env"])
+        np.random.set_state(state["numpy_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.get([learner.load.remote(str(path), self.version) for learner in self.learners], "loading the checkpoint")
+        # drop what a crashed run logged after its last checkpoint, so every step is logged once
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        metrics.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= self.step))
+        tqdm.write(f"resumed from {path} at step {self.step}")
+
+    def finish(self) -> None:
+        """The model as a transformers folder, and the reward curve as a PNG."""
+        self.get(self.learners[0].export.remote(str(self.out / "model")), "exporting the model")
+        lines = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
+        plot_rewards(lines, self.out / "reward.png", f"{self.cfg.run_name}: {self.cfg.rl.algo} on {self.cfg.env.id}")
+        if self.writer is not None:
+            self.writer.close()
+
+    # ---- plumbing ------------------------------------------------------------------------------
+
+    def get(self, refs, what: str):
+        """ray.get with workers.timeout_s: a stuck actor fails the run with its name."""
+        try:
+            return ray.get(refs, timeout=self.cfg.workers.timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(f"{what} took longer than workers.timeout_s={self.cfg.workers.timeout_s:g}s; "
+                               "raise it if the work is slow, else see the actors' logs "
+                               "(/tmp/ray/session_latest/logs)") from None
+
+    def close(self) -> None:
+        for actor in self.workers + self.learners:
+            ray.kill(actor, no_restart=True)
+        if self.own_ray:
+            ray.shutdown()
+
+
+def tensorboard_writer(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ImportError("logging.tensorboard=true needs the tensorboard package: `pip install tensorboard`, "
+                          "or set logging.tensorboard=false (metrics.jsonl has every value)") from None
+    return SummaryWriter(str(path))
+
+
+def plot_rewards(records: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    mean = np.array([r["reward_mean"] for r in records])
+    stderr = np.array([r["reward_std"] / np.sqrt(r["samples"]) for r in records])
+    window = min(5, len(mean))
+    smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, mean, marker="o", ms=3, lw=0.8, label="reward, mean over the step's samples")
+    ax.fill_between(steps, mean - stderr, mean + stderr, alpha=0.2, label="± standard error")
+    ax.plot(steps[window - 1:], smooth, lw=2, label=f"{window}-step moving average")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(cfg) -> dict:
+    torch.set_flush_denormal(True)
+    controller = Controller(cfg)
+    try:
+        return controller.run()
+    finally:
+        controller.close()

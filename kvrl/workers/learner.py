@@ -1,0 +1,196 @@
+"""Learner: a Ray actor that owns the trainable model and its optimizer.
+
+With ``workers.learners > 1`` the learners are data parallel: each takes a contiguous part
+of the step's samples, divides its loss by the *whole* step's normaliser
+(``Batch.num_items``), and the gradients are summed over one process group (gloo on CPU,
+NCCL on GPU), so N learners compute exactly the gradient one learner would. This is DDP's
+arithmetic without its module wrapper: the engine and the algorithm call the bare model
+(``engine.score``), which a ``DistributedDataParallel`` wrapper would hide. With
+``workers.backend=deepspeed`` DeepSpeed ZeRO (stage 1 or 2) owns the optimizer instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kvrl.algos import make_algo
+from kvrl.cache import EvictionTrace
+from kvrl.engines.hf import HFEngine
+from kvrl.kernels.replay import NEVER
+from kvrl.models.tiny import load_model
+from kvrl.workers.rollout import Sample, checksum
+
+
+@dataclass
+class Batch:
+    """A learner's share of one step, collated for ``Algorithm.loss``.
+
+    Tensors are [B, T] left-aligned like :class:`kvrl.engines.hf.Scores` (column j =
+    generated token j), zero beyond each sample.
+    """
+
+    sequences: list[list[int]]  # prompt + generated ids
+    prompt_lens: list[int]
+    old_logprobs: torch.Tensor  # behaviour logprobs [B, T]
+    mask: torch.Tensor  # [B, T] 1 on generated tokens
+    advantages: torch.Tensor  # [B]
+    trace: EvictionTrace | None  # the samples' traces batched; None = full cache
+    num_items: float  # normaliser of the whole step (all learners): tokens or sequences
+
+
+def collate(samples: list[Sample], num_items: float, device) -> Batch:
+    T = max(len(s.tokens) for s in samples)
+    old = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for s in samples], device=device)
+    mask = torch.tensor([[1.0] * len(s.tokens) + [0.0] * (T - len(s.tokens)) for s in samples], device=device)
+    trace = None
+    if any(s.trace is not None for s in samples):
+        # per-sample traces of different lengths -> one batch; padding keys are never seen
+        L = max(len(s.prompt_ids) + len(s.tokens) for s in samples)
+        death = torch.cat([F.pad(s.trace.full(), (0, L - s.trace.death.shape[-1]), value=NEVER) for s in samples], 1)
+        lengths = torch.cat([s.trace.lengths for s in samples])
+        trace = EvictionTrace.from_death(death.to(device), lengths.to(device))
+    return Batch(sequences=[s.prompt_ids + s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
+                 old_logprobs=old, mask=mask, advantages=torch.tensor([s.advantage for s in samples], device=device),
+                 trace=trace, num_items=num_items)
+
+
+@ray.remote
+class Learner:
+    def __init__(self, cfg, rank: int, world: int):
+        torch.set_num_threads(1)  # actors share cores; more threads only contend
+        torch.set_flush_denormal(True)  # fp32 Adam on CPU slows down several-fold on subnormals
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
+        self.algo = make_algo(cfg)
+        self.params = self.algo.setup(model, tokenizer)
+        model.requires_grad_(False)
+        for p in self.params:
+            p.requires_grad_(True)
+        model.train()
+        self.engine, self.tokenizer = HFEngine(model, tokenizer), tokenizer
+        tr = cfg.trainer
+        self.opt = torch.optim.AdamW(self.params, lr=tr.lr, betas=(0.9, 0.99), weight_decay=tr.weight_decay)
+        self.ds = None  # the DeepSpeed engine, backend=deepspeed
+        self.version = 0  # number of updates applied = the policy version of the weights
+
+    # ---- process group --------------------------------------------------------------------
+
+    def endpoint(self) -> str:
+        """host:port for the process group's rendezvous (called on rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, endpoint: str) -> None:
+        """Join the learners' process group (every rank calls this at once)."""
+        backend = "nccl" if torch.device(self.cfg.device).type == "cuda" else "gloo"
+        host, port = endpoint.rsplit(":", 1)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(self.rank), LOCAL_RANK="0",
+                          WORLD_SIZE=str(self.world))
+        timeout = timedelta(seconds=self.cfg.workers.timeout_s)
+        if self.cfg.workers.backend == "ddp":
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timeout)
+            return
+        import deepspeed  # only here: importing it costs seconds and prints an accelerator warning
+
+        # The first init_distributed JIT-compiles DeepSpeed's shared-memory op with g++ for
+        # 35-45 s; gloo does not need it (reference/stack.md §5).
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.cfg.trainer.max_grad_norm,
+            "zero_optimization": {"stage": self.cfg.workers.zero_stage},
+            "zero_allow_untested_optimizer": True,
+        }
+        self.ds, self.opt, _, _ = deepspeed.initialize(model=self.engine.model, optimizer=self.opt,
+                                                       model_parameters=self.params, config=ds_config)
+
+    # ---- the update ------------------------------------------------------------------------
+
+    def step(self, samples: list[Sample], num_items: float) -> dict:
+        """One optimizer step on this learner's samples; returns its metrics."""
+        tr = self.cfg.trainer
+        batch = collate(samples, num_items, self.cfg.device)
+        loss, scores, metrics = self.algo.loss(self.engine, batch)
+        with torch.no_grad():
+            # train/inference mismatch before the update: |behaviour − recomputed| per token
+            on = batch.mask.bool()
+            gap = (scores.logprobs.detach() - batch.old_logprobs).abs()[on]
+            metrics.update(mismatch_max=gap.max().item() if on.any() else 0.0,
+                           mismatch_mean=gap.mean().item() if on.any() else 0.0,
+                           entropy=scores.entropies.detach()[on].mean().item() if on.any() else 0.0)
+        lr = tr.lr * min(1.0, (self.version + 1) / max(1, tr.warmup_steps))
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        if self.ds is not None:
+            # DeepSpeed averages gradients over ranks; the loss already divides by the whole
+            # step's count, so scale by the world size to get the sum back.
+            self.ds.backward(loss * self.world)
+            self.ds.step()
+            grad_norm = float(self.ds.get_global_grad_norm() or 0.0)
+        else:
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            if self.world > 1:
+                flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per step
+                dist.all_reduce(flat)
+                offset = 0
+                for p, g in zip(self.params, grads):
+                    p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+                    offset += g.numel()
+            max_norm = tr.max_grad_norm if tr.max_grad_norm > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+            self.opt.step()
+        self.version += 1
+        metrics.update(loss=loss.item(), grad_norm=grad_norm, lr=lr, version=self.version,
+                       ids=[s.id for s in samples])
+        if self.world > 1:  # the controller checks that data-parallel learners stay identical
+            metrics["checksum"] = checksum(self.algo.state(self.engine.model))
+        return metrics
+
+    # ---- weights out, checkpoints -------------------------------------------------------------
+
+    @ray.method(num_returns=2)
+    def state(self) -> tuple[dict, str]:
+        """(the trainable state to push, its checksum)."""
+        state = self.algo.state(self.engine.model)
+        return state, checksum(state)
+
+    def save(self, path: str) -> None:
+        path = Path(path)
+        if self.ds is not None:
+            self.ds.save_checkpoint(str(path), tag="deepspeed")
+        elif self.rank == 0:
+            torch.save({"trainables": self.algo.state(self.engine.model), "optimizer": self.opt.state_dict(),
+                        "torch_rng": torch.get_rng_state()}, path / "learner.pt")
+
+    def load(self, path: str, version: int) -> None:
+        path = Path(path)
+        self.version = version
+        if self.ds is not None:
+            self.ds.load_checkpoint(str(path), tag="deepspeed")
+            return
+        ckpt = torch.load(path / "learner.pt", weights_only=False)
+        self.algo.load(self.engine.model, ckpt["trainables"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["torch_rng"])
+
+    def export(self, path: str) -> None:
+        """The model as a transformers folder (``load_model(path)`` / ``from_pretrained`` it)."""
+        self.engine.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)

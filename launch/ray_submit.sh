@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Run a recipe as a Ray job:  launch/ray_submit.sh RECIPE [key=value ...]
+#
+#   ray job submit --runtime-env launch/runtime_env.yaml -- python -m kvrl.run recipe=RECIPE ...
+#
+# against the Ray head at 127.0.0.1:$RAY_PORT. If none is running, one is started here
+# (`ray start --head --block`, in its own process group) and stopped when the job ends;
+# KVRL_KEEP_HEAD=1 leaves it running. `ray stop` is never used: it stops every Ray
+# cluster on the machine, other users' included.
+#
+# Environment: KVRL_PYTHON (default .venv/bin/python), RAY_PORT (6379), RAY_DASHBOARD_PORT
+# (8265, where the job server listens), RAY_NUM_CPUS (all), RAY_AUTH_MODE (token; use the
+# running head's mode), RAY_AUTH_TOKEN (default: ~/.ray/auth_token, created if missing;
+# a head started with another token needs that one), DRY_RUN=1 prints the commands only.
+# Outputs go to outputs/<run_name> in this checkout (output_dir is passed as an absolute
+# path: the job itself runs in a copy of the working_dir that Ray unpacks elsewhere).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RECIPE=${1:?usage: launch/ray_submit.sh RECIPE [key=value ...]}
+shift
+PY=${KVRL_PYTHON:-$PWD/.venv/bin/python}
+RAY="$(dirname "$PY")/ray"
+PORT=${RAY_PORT:-6379}
+DASH=${RAY_DASHBOARD_PORT:-8265}
+LOG=${TMPDIR:-/tmp}/kvrl_ray_head_$PORT.log
+
+# Token auth (reference/stack.md §1): Ray 2.60 turns it on for new clusters, and a client
+# whose RAY_AUTH_MODE differs from the cluster's fails with "AuthenticationError: Missing
+# authentication token". So the head and the client get the same mode and the same token.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ] && [ -z "${DRY_RUN:-}" ]; then
+  RAY_AUTH_TOKEN="$("$RAY" get-auth-token --generate 2>/dev/null | tail -n 1)"
+  export RAY_AUTH_TOKEN
+fi
+
+head_cmd=("$RAY" start --head --block --port "$PORT" --dashboard-port "$DASH" --include-dashboard true
+          --disable-usage-stats ${RAY_NUM_CPUS:+--num-cpus "$RAY_NUM_CPUS"})
+submit_cmd=("$RAY" job submit --address "http://127.0.0.1:$DASH" --runtime-env launch/runtime_env.yaml
+            -- "$PY" -m kvrl.run "recipe=$RECIPE" "output_dir=$PWD/outputs/\${run_name}" "$@")
+
+if [ -n "${DRY_RUN:-}" ]; then
+  echo "head:   ${head_cmd[*]}"
+  echo "submit: ${submit_cmd[*]}"
+  exit 0
+fi
+
+head_up() { "$RAY" job list --address "http://127.0.0.1:$DASH" >/dev/null 2>&1; }
+if ! head_up; then
+  setsid "${head_cmd[@]}" >"$LOG" 2>&1 &
+  head_pgid=$!
+  stop_head() {
+    kill -TERM -- "-$head_pgid" 2>/dev/null || return 0
+    for _ in $(seq 20); do kill -0 -- "-$head_pgid" 2>/dev/null || return 0; sleep 0.5; done
+    kill -KILL -- "-$head_pgid" 2>/dev/null || true
+  }
+  [ -n "${KVRL_KEEP_HEAD:-}" ] || trap stop_head EXIT
+  for _ in $(seq 120); do head_up && break; sleep 1; done
+  head_up || { echo "the Ray head did not come up within 120 s; see $LOG" >&2; exit 1; }
+fi
+"${submit_cmd[@]}"
