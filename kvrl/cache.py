@@ -223,6 +223,11 @@ class KVCache(Cache):
         scores, state = policy.score(obs)
         sel = policy.select(obs, scores, sample=self.sample, generator=self.generator)
         valid = layer.key_pos >= 0
+        over = valid.sum(-1).amax(-1) > policy.budget  # [B]: rows that evict when decoded alone
+        if state is not None and not bool(over.all()):
+            # The schedule is shared by the batch, but a row within its budget would not
+            # have been scored alone: it keeps all its keys (K >= its valid count) and its state.
+            state = torch.where(over[:, None, None, None], state, policy.previous_state(obs))
         kept = torch.zeros_like(valid).scatter_(-1, sel.keep, True)
         b, h, n = (valid & ~kept).nonzero(as_tuple=True)
         # The last query of row b in this forward saw the key; the next one does not.

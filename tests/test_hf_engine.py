@@ -125,3 +125,19 @@ def test_batch_rows_are_independent(engine, name):
 def test_dynamic_policy_needs_its_trace(engine):
     with pytest.raises(ValueError, match="trace"):
         engine.score([[1, 5, 6]], [2], policy=make_policy("h2o", budget=16, window=4))
+
+
+@pytest.mark.parametrize("name", ["h2o", "gkv", "learned"])
+def test_row_within_budget_keeps_its_state_in_a_batch(engine, name):
+    """The batch evicts when its longest row is over budget; a shorter row within budget
+    must not be scored (its state would change), or it diverges from decoding alone."""
+    rng = np.random.default_rng(5)
+    words = [w for w in engine.tokenizer.get_vocab() if not w.startswith("<")]
+    batch = [" ".join(rng.choice(words, n - 1)) for n in (22, 19)]  # + BOS: 22 and 19 tokens
+    policy = policies(engine.model)[name]
+    out = engine.generate(batch, Sampling(max_new_tokens=NEW), policy=policy)
+    for b, prompt in enumerate(batch):
+        alone = engine.generate([prompt], Sampling(max_new_tokens=NEW), policy=policy)
+        assert alone.tokens[0] == out.tokens[b]
+        np.testing.assert_allclose(alone.logprobs[0], out.logprobs[b], atol=1e-5)
+        assert torch.equal(alone.trace(0).death, out.trace(b).death), (name, b)
