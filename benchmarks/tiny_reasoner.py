@@ -4,8 +4,10 @@ Prints one JSON line, all measured in this run on the same held-out tasks (greed
   full_acc        full-cache accuracy                                  (want >= 0.95)
   window25_acc    sink+recent at 25 % of the mean sequence             (want <= 0.5 x full)
   window50_acc    sink+recent at 50 %
-  oracle25_acc    sink + the prompt digits not yet copied + recent, 25 %
+  oracle25_acc    BOS + the prompt's "d ;" pairs not yet copied + recent, 25 %
   oracle50_acc    same oracle at 50 %                                  (want >= 0.9)
+  oracleNN_peak_keys  the most keys the oracle ever keeps (<= budgetNN means it fits;
+                  at 25 % it cannot: the unread digits alone are half the sequence)
   cot_fraction    generated tokens / sequence, averaged                (want >= 1/3)
   window_full_equal  sink+recent with a budget larger than any sequence gives exactly the
                   tokens of transformers' own generate() with sdpa attention
@@ -28,23 +30,26 @@ from kvrl.models.tiny import load_model
 SINK = 4
 
 
-def oracle_death(model, tasks, T: int, budget: int) -> torch.Tensor:
-    """Keep the sink and every prompt digit until the query that copies it (digit j, at
-    position 2j-1, is copied by the query at 2N+2j-1); a recent window fills the rest of
-    the budget (at least 4 tokens)."""
+def oracle_death(model, tasks, T: int, budget: int) -> tuple[torch.Tensor, int]:
+    """Keep BOS and every ``d ;`` pair of the prompt until the query that copies the digit
+    (digit j, at position 2j-1, is copied by the query at 2N+2j-1), and a recent window
+    filling the rest of the budget (at least 2 tokens). Returns the pattern and its peak
+    number of visible keys (at the first copy: BOS + 2N + recent)."""
     cfg = model.config
     k = torch.arange(T)
-    rows = []
+    rows, peak = [], 0
     for t in tasks:
         n = len(t.meta["digits"])
-        recent = max(4, budget - SINK - n)
+        recent = max(2, budget - 1 - 2 * n)
         d = k + recent
-        d[:SINK] = NEVER
+        d[0] = NEVER
         j = torch.arange(1, n + 1)
-        d[2 * j - 1] = torch.maximum(d[2 * j - 1], 2 * n + 2 * j)
+        for pos in (2 * j - 1, 2 * j):
+            d[pos] = torch.maximum(d[pos], 2 * n + 2 * j)
         rows.append(d)
+        peak = max(peak, 1 + 2 * n + recent)
     death = torch.stack(rows).to(torch.int32)[None, :, None, :]
-    return death.expand(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, -1).contiguous()
+    return death.expand(cfg.num_hidden_layers, -1, cfg.num_key_value_heads, -1).contiguous(), peak
 
 
 def main():
@@ -68,9 +73,10 @@ def main():
         win = evaluate(engine, env, tasks, max_new, desc=f"window{frac}",
                        death_fn=lambda b, T: window_death(model, len(b), T, SINK, budget - SINK))
         orc = evaluate(engine, env, tasks, max_new, desc=f"oracle{frac}",
-                       death_fn=lambda b, T: oracle_death(model, b, T, budget))
+                       death_fn=lambda b, T: oracle_death(model, b, T, budget)[0])
         pct = round(100 * frac)
-        res.update({f"budget{pct}": budget, f"window{pct}_acc": win["acc"], f"oracle{pct}_acc": orc["acc"]})
+        res.update({f"budget{pct}": budget, f"window{pct}_acc": win["acc"], f"oracle{pct}_acc": orc["acc"],
+                    f"oracle{pct}_peak_keys": oracle_death(model, tasks, max_new + 128, budget)[1]})
     # Sanity: an unlimited window is the full cache, token for token, vs stock generate().
     sub = tasks[:64]
     unl = evaluate(engine, env, sub, max_new, death_fn=lambda b, T: window_death(model, len(b), T, SINK, 10**6))
