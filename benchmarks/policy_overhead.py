@@ -53,12 +53,16 @@ def policy(name, model, budget):
 
 
 def step_time(engine, prompts, kv_policy, steps, repeats):
-    """Seconds per decode step after the prefill (best of ``repeats``)."""
+    """Seconds per decode step after the prefill: (best long run - best 1-step run) / steps.
+    Minimising each run separately, not their difference: the 1-step run holds the prefill
+    and its eviction (R-KV's N x N similarity over 2k tokens), whose noise made
+    per-repeat differences negative on a shared machine."""
     def run(n):
         start = time.perf_counter()
         engine.generate(prompts, Sampling(max_new_tokens=n, ignore_eos=True), policy=kv_policy)
         return time.perf_counter() - start
-    return min(run(steps + 1) - run(1) for _ in range(repeats)) / steps
+    long, short = zip(*[(run(steps + 1), run(1)) for _ in range(repeats)])
+    return (min(long) - min(short)) / steps
 
 
 def main():
@@ -75,7 +79,7 @@ def main():
     torch.set_num_threads(args.threads)
     model, tok, note = load(args.model)
     engine = HFEngine(model, tok)
-    env = make("kvrl/chains-v0")
+    env = make("kvrl/counts-v0")
     env.reset(seed=args.seed)
     tasks = env.tasks(args.tasks)
     prompts = [t.prompt for t in tasks]

@@ -36,7 +36,7 @@ def test_chain_task_is_consistent():
         assert set(needed[:-3:3]) == set(t["chain"])
 
 
-def test_sum_task_is_consistent():
+def test_count_task_is_consistent():
     from kvrl.envs.counts import make_count_task
 
     t = make_count_task(np.random.default_rng(0), n_digits=5)
@@ -44,7 +44,7 @@ def test_sum_task_is_consistent():
     cot = t["completion"].split()
     assert t["prompt"].split()[1::2][:5] == [";"] * 5 and t["prompt"].endswith("?")
     assert [int(x) for x in cot[0:10:2]] == digits
-    assert [int(x) for x in cot[1:10:2]] == [sum(digits[:i + 1]) % 10 for i in range(5)]
+    assert [int(x) for x in cot[1:10:2]] == [sum(d >= 5 for d in digits[:i + 1]) % 10 for i in range(5)]
     assert cot[10:] == ["\\boxed{", t["answer"], "}"] and t["answer"] == cot[9]
 
 
