@@ -24,32 +24,17 @@ import time
 
 import numpy as np
 import torch
-from transformers import LlamaForCausalLM
 
 from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs import make
-from kvrl.models.tiny import build_tokenizer, load_model, tiny_config
+from kvrl.models.tiny import load_model
 from kvrl.policies import POLICIES, make_policy
 
 INTERVAL, WINDOW, SINK = 16, 8, 4
 
 
-def load(path):
-    """(model, tokenizer, note): the shipped weights, or a random-init tiny model."""
-    try:
-        model, tok = load_model(path)
-        return model, tok, None
-    except FileNotFoundError as err:
-        torch.manual_seed(0)
-        tok = build_tokenizer()
-        return LlamaForCausalLM(tiny_config(tok)).eval(), tok, f"random-init tiny model ({err})"
-
-
 def policy(name, model, budget):
-    cfg = model.config
-    extra = dict(group=cfg.num_attention_heads // cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                 layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads) if name == "learned" else {}
-    return make_policy(name, budget=budget, interval=INTERVAL, window=WINDOW, sink=SINK, **extra)
+    return make_policy(name, model.config, budget=budget, interval=INTERVAL, window=WINDOW, sink=SINK)
 
 
 def step_time(engine, prompts, kv_policy, steps, repeats):
@@ -77,7 +62,7 @@ def main():
     ap.add_argument("--seed", type=int, default=777)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok, note = load(args.model)
+    model, tok = load_model(args.model)
     engine = HFEngine(model, tok)
     env = make("kvrl/counts-v0")
     env.reset(seed=args.seed)
@@ -108,7 +93,7 @@ def main():
     for name in POLICIES:
         t = step_time(engine, long_prompts, policy(name, model, args.budget), args.steps, args.repeats)
         long[name] = {"step_ms": 1e3 * t, "ratio": t / full_step}
-    print(json.dumps({"model": args.model, "note": note, "device": str(engine.device), "threads": args.threads,
+    print(json.dumps({"model": args.model, "device": str(engine.device), "threads": args.threads,
                       "tasks": len(tasks), "mean_seq_len": mean_len, "budget": budget,
                       "interval": INTERVAL, "window": WINDOW, "sink": SINK, "evict_fraction": fraction,
                       "long_context": {"context": context, "budget": args.budget, "batch": len(long_prompts),

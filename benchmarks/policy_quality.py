@@ -6,9 +6,6 @@ tokens). Greedy decoding, same held-out tasks for every row. Prints one JSON lin
 writes ``outputs/policy_quality.png``.
 
     python benchmarks/policy_quality.py [--tasks 128] [--model tiny]
-
-Falls back to a random-init tiny model (noted in the JSON) when the shipped weights are
-missing: accuracies are then meaningless, but the run exercises every policy.
 """
 
 import argparse
@@ -18,33 +15,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import LlamaForCausalLM
 
 from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs import make
-from kvrl.models.tiny import build_tokenizer, load_model, tiny_config
+from kvrl.models.tiny import load_model
 from kvrl.policies import POLICIES, make_policy
 
 FRACTIONS = (0.25, 0.5, 0.75)
 INTERVAL, WINDOW, SINK = 16, 8, 4
 
 
-def load(path):
-    """(model, tokenizer, note): the shipped weights, or a random-init tiny model."""
-    try:
-        model, tok = load_model(path)
-        return model, tok, None
-    except FileNotFoundError as err:
-        torch.manual_seed(0)
-        tok = build_tokenizer()
-        return LlamaForCausalLM(tiny_config(tok)).eval(), tok, f"random-init tiny model ({err})"
-
-
 def policy(name, model, budget):
-    cfg = model.config
-    extra = dict(group=cfg.num_attention_heads // cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                 layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads) if name == "learned" else {}
-    return make_policy(name, budget=budget, interval=INTERVAL, window=WINDOW, sink=SINK, **extra)
+    return make_policy(name, model.config, budget=budget, interval=INTERVAL, window=WINDOW, sink=SINK)
 
 
 def run(engine, env, tasks, kv_policy, batch_size, max_new_tokens):
@@ -69,7 +51,7 @@ def main():
     ap.add_argument("--plot", default="outputs/policy_quality.png")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok, note = load(args.model)
+    model, tok = load_model(args.model)
     engine = HFEngine(model, tok)
     env = make("kvrl/counts-v0")
     env.reset(seed=args.seed)
@@ -92,13 +74,13 @@ def main():
     ax.set_xlabel("KV budget (fraction of the mean sequence)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"{args.model}{' (random init)' if note else ''}: {len(tasks)} counts tasks, "
+    ax.set_title(f"{args.model}: {len(tasks)} counts tasks, "
                  f"mean sequence {mean_len:.0f} tokens", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=120)
-    print(json.dumps({"model": args.model, "note": note, "tasks": len(tasks), "mean_seq_len": mean_len,
+    print(json.dumps({"model": args.model, "tasks": len(tasks), "mean_seq_len": mean_len,
                       "interval": INTERVAL, "window": WINDOW, "sink": SINK,
                       "budgets": {str(f): b for f, b in budgets.items()}, "full_acc": full_acc,
                       "acc": {n: {str(f): a for f, a in row.items()} for n, row in acc.items()},

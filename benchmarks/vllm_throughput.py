@@ -62,12 +62,8 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def make(args, cfg):
-    extra = {}
-    if args.policy == "learned":
-        extra = dict(group=cfg.num_attention_heads // cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                     layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads)
-    return make_policy(args.policy, budget=args.budget, interval=args.interval, window=args.window,
-                       sink=args.sink, **extra)
+    return make_policy(args.policy, cfg, budget=args.budget, interval=args.interval, window=args.window,
+                       sink=args.sink)
 
 
 def throughput(engine, batch, sampling, policy, repeats):

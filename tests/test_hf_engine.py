@@ -36,9 +36,7 @@ def prompts(n, seed=0):
 def policies(model):
     cfg = model.config
     common = dict(budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
-    extra = {"learned": dict(group=cfg.num_attention_heads // cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                             layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads)}
-    out = {name: make_policy(name, **common, **extra.get(name, {})) for name in POLICIES}
+    out = {name: make_policy(name, cfg, **common) for name in POLICIES}
     gates = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=torch.Generator().manual_seed(0))
     for s in (0.25, 0.75):
         out[f"heads{s}"] = HeadAllocation(gates=gates, sparsity=s, layers=cfg.num_hidden_layers,
@@ -109,17 +107,22 @@ def test_sampled_evictions_record_their_logprobs(engine):
     assert not torch.equal(other.traces.death, out.traces.death)
 
 
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_batch_rows_are_independent(engine, name):
-    """Per row, the batch gives the tokens and trace of decoding that row alone."""
-    batch = prompts(4, seed=4)
-    policy = policies(engine.model)[name]
+def assert_rows_match_alone(engine, batch, policy):
+    """Per row, the batch gives the tokens, logprobs and trace of decoding that row alone."""
     out = engine.generate(batch, Sampling(max_new_tokens=NEW), policy=policy)
     for b, prompt in enumerate(batch):
         alone = engine.generate([prompt], Sampling(max_new_tokens=NEW), policy=policy)
         assert alone.tokens[0] == out.tokens[b]
         np.testing.assert_allclose(alone.logprobs[0], out.logprobs[b], atol=1e-5)
-        assert torch.equal(alone.trace(0).death, out.trace(b).death), (name, b)
+        assert torch.equal(alone.trace(0).death, out.trace(b).death), b
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_batch_rows_are_independent(engine, name):
+    """Per row, the batch gives the tokens and trace of decoding that row alone."""
+    batch = prompts(4, seed=4)
+    policy = policies(engine.model)[name]
+    assert_rows_match_alone(engine, batch, policy)
 
 
 def test_dynamic_policy_needs_its_trace(engine):
@@ -135,9 +138,4 @@ def test_row_within_budget_keeps_its_state_in_a_batch(engine, name):
     words = [w for w in engine.tokenizer.get_vocab() if not w.startswith("<")]
     batch = [" ".join(rng.choice(words, n - 1)) for n in (22, 19)]  # + BOS: 22 and 19 tokens
     policy = policies(engine.model)[name]
-    out = engine.generate(batch, Sampling(max_new_tokens=NEW), policy=policy)
-    for b, prompt in enumerate(batch):
-        alone = engine.generate([prompt], Sampling(max_new_tokens=NEW), policy=policy)
-        assert alone.tokens[0] == out.tokens[b]
-        np.testing.assert_allclose(alone.logprobs[0], out.logprobs[b], atol=1e-5)
-        assert torch.equal(alone.trace(0).death, out.trace(b).death), (name, b)
+    assert_rows_match_alone(engine, batch, policy)

@@ -24,10 +24,16 @@ POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "rkv": RKV,
             "learned": LearnedScorer}
 
 
-def make_policy(name: str, **kwargs) -> KVPolicy:
-    """Instantiate the policy registered as ``name`` with keyword arguments."""
+def make_policy(name: str, model_config=None, **kwargs) -> KVPolicy:
+    """Instantiate the policy registered as ``name`` with keyword arguments. Given a
+    transformers ``model_config``, the learned scorer's geometry (group, head_dim, layers,
+    kv_heads) is read from it unless passed explicitly."""
     if name not in POLICIES:
         raise ValueError(f"unknown KV policy {name!r}; known policies: {', '.join(POLICIES)}")
+    if POLICIES[name] is LearnedScorer and model_config is not None:
+        c = model_config
+        kwargs = {"group": c.num_attention_heads // c.num_key_value_heads, "head_dim": c.head_dim,
+                  "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, **kwargs}
     return POLICIES[name](**kwargs)
 
 
