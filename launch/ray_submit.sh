@@ -57,4 +57,5 @@ if ! head_up; then
   for _ in $(seq 120); do head_up && break; sleep 1; done
   head_up || { echo "the Ray head did not come up within 120 s; see $LOG" >&2; exit 1; }
 fi
-"${submit_cmd[@]}"
+source launch/submit_retry.sh
+submit_job "${submit_cmd[@]}"
