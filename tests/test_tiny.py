@@ -132,7 +132,6 @@ def test_pretraining_loss_falls(tmp_path):
 
     cfg = NS(seed=0, device="cpu", output_dir=str(tmp_path),
              trainer=NS(lr=3e-3, steps=40, batch_size=8, warmup_steps=5, weight_decay=0.0, log_every=39))
-    torch.set_num_threads(2)
     first = main(NS(**{**vars(cfg), "trainer": NS(**{**vars(cfg.trainer), "steps": 1})}))["loss"]
     last = main(cfg)["loss"]
     assert last < 0.7 * first

@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvrl.envs.verify import extract_boxed
+
 
 @dataclass(frozen=True)
 class Task:
@@ -73,6 +75,18 @@ class Reward:
     def __post_init__(self) -> None:
         if not self.name:
             self.name = getattr(self.fn, "__name__", "") or "reward"
+
+
+def correct(task: Task, completion: str) -> float:
+    """Exact-answer reward of procedural tasks: 1.0 when the completion's last
+    ``\\boxed{}`` holds ``task.answer`` (math answers go through math-verify instead)."""
+    boxed = extract_boxed(completion)
+    return float(boxed is not None and boxed.strip() == task.answer)
+
+
+def exact_cot(task: Task, completion: str) -> float:
+    """1.0 when the completion is the reference one in ``task.meta["completion"]`` (a metric)."""
+    return float(completion.strip() == task.meta["completion"])
 
 
 class Env(abc.ABC):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrl.envs.base import Reward, Task, TextEnv
+from kvrl.envs.base import Reward, Task, TextEnv, correct, exact_cot
 
 NAMES = list(string.ascii_lowercase + string.ascii_uppercase)  # 52 single-token names
 DIGITS = [str(d) for d in range(10)]
@@ -103,22 +103,6 @@ def needed_prompt_tokens(meta: dict) -> list[int]:
     n = 3 * len(meta["statements"])
     idx.extend([n, n + 1, n + 2])  # "? q :"
     return idx
-
-
-def _boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    end = text.find("}", start)
-    return text[start + len("\\boxed{"):end].strip() if start >= 0 and end >= 0 else None
-
-
-def correct(task: Task, completion: str) -> float:
-    """1.0 when the completion's last ``\\boxed{}`` holds the answer."""
-    return float(_boxed(completion) == task.answer)
-
-
-def exact_cot(task: Task, completion: str) -> float:
-    """1.0 when the whole chain of thought is the reference one (metric only)."""
-    return float(completion.strip() == task.meta["completion"])
 
 
 class ChainsEnv(TextEnv):

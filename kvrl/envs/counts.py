@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvrl.envs.base import Reward, Task, TextEnv
-from kvrl.envs.verify import extract_boxed
+from kvrl.envs.base import Reward, Task, TextEnv, correct, exact_cot
 
 
 def make_count_task(rng: np.random.Generator, n_digits: int = 24) -> dict:
@@ -38,17 +37,6 @@ def make_count_task(rng: np.random.Generator, n_digits: int = 24) -> dict:
     return {"prompt": " ".join(f"{d} ;" for d in digits) + " ?",
             "completion": " ".join(f"{d} {c}" for d, c in zip(digits, counts)) + f" \\boxed{{ {answer} }}",
             "answer": answer, "digits": digits.tolist()}
-
-
-def correct(task: Task, completion: str) -> float:
-    """1.0 when the completion's last ``\\boxed{}`` holds the answer."""
-    boxed = extract_boxed(completion)
-    return float(boxed is not None and boxed.strip() == task.answer)
-
-
-def exact_cot(task: Task, completion: str) -> float:
-    """1.0 when the whole chain of thought is the reference one (metric only)."""
-    return float(completion.strip() == task.meta["completion"])
 
 
 class CountsEnv(TextEnv):
