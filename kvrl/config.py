@@ -53,6 +53,7 @@ class KVConfig:
     interval: int = 16  # evict every this many decoded tokens
     window: int = 8  # number of most recent queries used to score cached tokens
     sink: int = 4  # leading tokens that are never evicted
+    kwargs: Dict[str, Any] = field(default_factory=dict)  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
 
 
 @dataclass
@@ -93,6 +94,7 @@ class WorkersConfig:
     # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port
     address: str = ""
     num_cpus: int = 0  # CPUs a private local Ray may use; 0 = all of this machine
+    engine: str = "hf"  # rollout engine: hf (kvrl's reference) | vllm (vLLM with kvrl's plugin: pip install .[cpu] or .[gpu])
     rollout: int = 2  # RolloutWorker actors, each wrapping an engine; a step's samples are split across them
     rollout_cpus: float = 0.5  # CPUs reserved per rollout actor (fractions pack several actors on a core)
     rollout_gpus: float = 0.0  # GPUs per rollout actor (set device=cuda too)
@@ -230,6 +232,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rl.aggregation", lambda v: v in ("token", "sequence"), "must be token | sequence"),
     ("rl.async_steps", lambda v: v in (0, 1), "must be 0 (on-policy) or 1 (one step ahead)"),
     ("workers.backend", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed"),
+    ("workers.engine", lambda v: v in ("hf", "vllm"), "must be hf | vllm"),
     ("workers.zero_stage", lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not "
      "gathered for the push yet)"),
 ] + [(key, lambda v, low=low: v >= low, f"must be >= {low}") for key, low in {
@@ -268,6 +271,9 @@ def _rl_problems(cfg: Config) -> list[str]:
     if cfg.sampling.temperature <= 0:
         problems.append("sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
                         "group the same text, hence zero advantages; set sampling.temperature=1.0")
+    if cfg.workers.engine == "vllm" and cfg.sampling.temperature > 2:
+        problems.append(f"sampling.temperature={cfg.sampling.temperature:g}: vLLM samples at temperatures in "
+                        "[0, 2] only; set sampling.temperature=2.0 or workers.engine=hf")
     parts = max(cfg.workers.rollout, cfg.workers.learners)
     if n < parts:
         problems.append(f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "

@@ -187,6 +187,22 @@ def test_deepspeed_zero2_learner_and_its_resume(reference, random_model, tmp_pat
     same_metrics(records, ref_records[:3], tol=1e-4)
 
 
+@pytest.mark.vllm
+def test_vllm_rollout_workers_get_every_update(reference, random_model, tmp_path):
+    """workers.engine=vllm: the same run with vLLM generating. Its sampler draws other
+    tokens than the HF engine's, so the metrics differ; what must hold is that the weights
+    pushed after each update are the ones vLLM generates with: behaviour logprobs equal the
+    learner's recomputation (a stale or partial push would show up as a mismatch)."""
+    pytest.importorskip("vllm")
+    records, params = train(config(tmp_path, random_model, "workers.engine=vllm", "trainer.steps=3",
+                                   "workers.rollout=1", "sampling.temperature=1.0"))
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["mismatch_max"] < 1e-4 and r["ratio_max"] == pytest.approx(1.0, abs=1e-4), r
+    start = load_file(str(Path(random_model) / "model.safetensors"))
+    assert any(not torch.equal(start[k], params[k]) for k in start), "the weights changed"
+
+
 class FakeWriter:
     def __init__(self):
         self.scalars, self.closed = [], False

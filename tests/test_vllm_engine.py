@@ -276,6 +276,14 @@ def test_weight_push_changes_outputs_and_restores_exactly(engine, hf):
     assert report["checked"] > 0 and report["functional"] > 0 and report["max_rel_err"] < 1e-4
     changed = engine.generate(batch, sampling)
     assert changed.tokens != base.tokens or max_lp_diff(changed.logprobs, base.logprobs) > 1e-3
+    # ... and it generates exactly what the HF model with the pushed weights gives (the tied
+    # LM head once kept the logits of the old embedding: outputs changed, but wrongly)
+    hf.model.load_state_dict(perturbed)
+    try:
+        want = hf_alone(hf, batch, sampling)
+    finally:
+        hf.model.load_state_dict(original)
+    assert changed.tokens == want[0] and max_lp_diff(changed.logprobs, want[1]) < TOL
     engine.push_weights(original)
     restored = engine.generate(batch, sampling)
     assert restored.tokens == base.tokens and restored.logprobs == base.logprobs

@@ -9,7 +9,11 @@ An algorithm is a class built from the typed config, ``Algo(cfg)``, that declare
   :class:`kvrl.workers.learner.Batch`, with the recomputed :class:`kvrl.engines.hf.Scores`
   (the learner measures the train/inference mismatch from them);
 * ``state(model)`` / ``load(model, state)`` — the trainable state: pushed to every rollout
-  worker after each update and saved in checkpoints.
+  worker after each update and saved in checkpoints;
+* ``pushes`` — what that state is, so a rollout worker of either engine can take it:
+  ``"weights"`` (a model state dict), ``"gates"`` (``{"gates": [layers, kv_heads]}`` for
+  the rollout policy's ``.gates``) or ``"scorer"`` (a state dict of the rollout policy's
+  ``.scorer``); see :mod:`kvrl.workers.rollout`.
 
 Algorithms see engines and environments only through those interfaces. ``ALGOS`` maps
 ``rl.algo`` to ``"module:Class"``; modules are imported only when chosen.

@@ -22,6 +22,8 @@ from kvrl.engines.hf import HFEngine
 
 
 class RLFull:
+    pushes = "weights"
+
     def __init__(self, cfg):
         if cfg.kv.policy != "full":
             raise ValueError(f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; "

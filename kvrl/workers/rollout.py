@@ -1,18 +1,29 @@
 """RolloutWorker: a Ray actor wrapping a rollout engine; samples come back version-stamped.
 
 The worker only generates: the controller owns the environment (tasks, rewards) and the
-learner owns the optimizer. Its engine is the reference :class:`kvrl.engines.hf.HFEngine`;
-any engine with the same ``generate(prompts, Sampling, policy) -> Rollouts`` contract
-(the vLLM engine) can replace it. The weights it generates with arrive through
-:meth:`RolloutWorker.load` from the object store, tagged with the policy version, and
-every sample it returns carries that version (the version is read when generation
-starts, on the worker, so a weight push queued behind a running generation can never
-relabel its samples; AReaL PR #1569 fixed exactly that bug).
+learner owns the optimizer. Its engine (``workers.engine``) is the reference
+:class:`kvrl.engines.hf.HFEngine` or :class:`kvrl.engines.vllm.VLLMEngine`, in-process in
+the actor; both have the ``generate(prompts, Sampling, policy) -> Rollouts`` contract. The
+trainable state arrives through :meth:`RolloutWorker.load` from the object store, tagged
+with the policy version, and every sample it returns carries that version (the version is
+read when generation starts, on the worker, so a push queued behind a running generation
+can never relabel its samples; AReaL PR #1569 fixed exactly that bug).
+
+What a push holds is the algorithm's ``pushes``:
+
+* ``"weights"``: a model state dict. HF: loaded, then the model's bytes are checksummed
+  against the learner's; vLLM: through ``push_weights``, which compares every tensor on
+  vLLM's side (its parameters are renamed and fused, so a checksum cannot be compared).
+* ``"gates"`` (``{"gates": [layers, kv_heads]}``) and ``"scorer"`` (a state dict of
+  ``policy.scorer``): written into the rollout policy object, then checksummed. The vLLM
+  engine re-installs a policy whose content changed at the next ``generate``, so its
+  workers run exactly these bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,7 +33,7 @@ import torch
 from kvrl.algos import make_algo
 from kvrl.cache import EvictionTrace
 from kvrl.engines.hf import HFEngine, Sampling
-from kvrl.models.tiny import load_model
+from kvrl.models.tiny import load_model, resolve_path
 
 
 @dataclass
@@ -60,21 +71,46 @@ class RolloutWorker:
     def __init__(self, cfg, rank: int):
         torch.set_num_threads(1)  # actors share cores; more threads only contend (tests/conftest.py)
         self.cfg, self.rank = cfg, rank
-        model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
-        self.engine = HFEngine(model, tokenizer)
         self.algo = make_algo(cfg)
+        if cfg.workers.engine == "vllm":
+            # in-process: the actor is vLLM's engine core and worker (reference/vllm.md)
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            from transformers import AutoConfig, AutoModelForCausalLM
+            from kvrl.engines.vllm import VLLMEngine
+
+            path = resolve_path(cfg.model.path)
+            self.engine = VLLMEngine(path, dtype=cfg.model.dtype, seed=cfg.seed)
+            with torch.device("meta"):  # the policy needs the architecture only, not a second copy of the weights
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        else:
+            model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
+            self.engine = HFEngine(model, tokenizer)
         self.policy = self.algo.rollout_policy(model)
         # None until the controller pushes weights: a restarted actor holds only the base
         # weights, and must not generate samples that would be stamped with a version.
         self.version: int | None = None
 
     def load(self, state: dict, version: int, digest: str) -> None:
-        """Take the trainable state of policy `version`, and check that the model now
-        holds exactly the learner's bytes (`digest`, its checksum)."""
-        self.algo.load(self.engine.model, state)
-        held = checksum(self.algo.state(self.engine.model))
+        """Take the trainable state of policy `version` (see the module docstring), and
+        check that this worker now generates with exactly the learner's bytes."""
+        kind = self.algo.pushes
+        if kind == "weights" and self.cfg.workers.engine == "vllm":
+            self.engine.push_weights(state)  # raises unless every tensor arrived
+            self.version = version
+            return
+        if kind == "weights":
+            self.algo.load(self.engine.model, state)
+            held = checksum(self.algo.state(self.engine.model))
+        elif kind == "gates":
+            self.policy.gates = state["gates"].detach().clone().to(self.policy.gates.dtype)
+            held = checksum({"gates": self.policy.gates})
+        elif kind == "scorer":
+            self.policy.scorer.load_state_dict(state)
+            held = checksum(self.policy.scorer.state_dict())
+        else:
+            raise ValueError(f"{type(self.algo).__name__}.pushes = {kind!r}: must be weights | gates | scorer")
         if held != digest:
-            raise RuntimeError(f"rollout worker {self.rank} holds weights with checksum {held} after the push "
+            raise RuntimeError(f"rollout worker {self.rank} holds a state with checksum {held} after the push "
                                f"of version {version}, the learner's is {digest}")
         self.version = version
 

@@ -114,13 +114,30 @@ class KVRLWorkerExtension:
         """Reload full weights (checkpoint names) from a dict/list of tensors or a
         safetensors file/folder, then verify them."""
         weights = _weights_from(source)
-        if getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+        tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
+        if tied:
             # tied: the embedding is the one weight (vLLM would load lm_head.weight over it)
             weights.pop("lm_head.weight", None)
         self.reload_weights(weights_iterator=iter(list(weights.items())), is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        if tied and "model.embed_tokens.weight" in weights:
+            # vLLM's layerwise reload skips the tied LM head ("ParallelLMHead: Failed to
+            # load weights"): on CPU its logits would keep using the GEMM weights packed
+            # from the old embedding (dispatch_cpu_unquantized_gemm). Copy the embedding
+            # in, re-pack, and check the logits layer by its output.
+            emb = weights["model.embed_tokens.weight"]
+            head = model.lm_head
+            with torch.no_grad():
+                head.weight[:emb.shape[0]].copy_(emb.to(head.weight.dtype))
+            head.quant_method.process_weights_after_loading(head)
+            x = torch.randn(3, emb.shape[1], generator=torch.Generator().manual_seed(0)).to(head.weight.dtype)
+            got = head.quant_method.apply(head, x)[:, :emb.shape[0]].float()
+            want = x.float() @ emb.float().T
+            err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+            if verify and err > 1e-4:
+                raise ValueError(f"pushed embedding did not reach the tied LM head (relative error {err:.2e})")
         if not verify:
             return {"checked": 0}
-        model = self.model_runner.get_model()
         stacked = getattr(model, "packed_modules_mapping", {}) or {}
         report = verify_weights(model, weights, stacked)
         if report["checked"] + report["functional"] == 0:
