@@ -127,6 +127,7 @@ class Config:
     output_dir: str = "outputs/${run_name}"  # where metrics, checkpoints and plots go
     device: str = "cpu"  # torch device, e.g. cpu or cuda
     print_config: bool = False  # print the resolved config as YAML and exit
+    dry_run: bool = False  # print the resource plan and the KV-memory estimate, then exit (no weights needed)
     resume: str = "auto"  # auto (latest checkpoint in output_dir, if any) | never | a checkpoint path
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)

@@ -58,6 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(OmegaConf.to_yaml(cfg), end="")
         return 0
     # heavy imports (torch, transformers, ray) start here, after the config is known good
+    if cfg.dry_run:
+        from kvrl.plan import main as dry_run
+
+        try:
+            dry_run(cfg)
+        except ConfigError as err:
+            print(f"kvrl: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     module, _, function = JOBS[cfg.job].partition(":")
     result = getattr(importlib.import_module(module), function)(cfg)
     return result if isinstance(result, int) else 0

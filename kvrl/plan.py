@@ -1,0 +1,116 @@
+"""``dry_run=true``: what a recipe would ask of a cluster, printed without loading weights.
+
+    python -m kvrl.run recipe=rlkv_r1_llama_8b dry_run=true
+
+The architecture comes from a local folder's config.json, the shipped tiny reasoner, or,
+for the cluster recipes' hub ids, ``kvrl/models/architectures.json`` (so the plan needs no
+network); any other hub id is fetched with ``AutoConfig`` when a network is there. The
+model is built on the meta device to count its parameters exactly.
+
+KV memory per sequence is ``2 (K, V) · layers · kv_heads · head_dim · bytes`` per cached
+token. With the full cache a sequence caches every token up to ``T = sampling.max_new_tokens``
+(prompt not counted); under a token policy the cache peaks at ``kv.budget + kv.interval``
+(it is cut back to the budget every interval tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvrl.config import ConfigError
+
+ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
+
+
+def model_config(path: str):
+    """The transformers config of ``model.path``, without weights."""
+    from transformers import AutoConfig
+
+    from kvrl.models.tiny import resolve_path
+
+    known = json.loads(ARCHITECTURES.read_text())
+    if path in known:
+        fields = dict(known[path])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    local = Path(resolve_path(path))
+    if (local / "config.json").exists():
+        return AutoConfig.from_pretrained(local)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise ConfigError(f"model.path={path!r} is neither a local model folder nor a known architecture "
+                         f"({', '.join(k for k in known if not k.startswith('_'))}) and could not be fetched "
+                         f"({err.__class__.__name__}); pass a local folder with a config.json") from None
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+
+
+def size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+
+
+def plan(cfg) -> dict:
+    """The figures the dry run prints (also returned for tests)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(cfg.model.path)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    width = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+    per_token = kv_bytes_per_token(config, cfg.model.dtype)
+    T = cfg.sampling.max_new_tokens
+    kept = T
+    if cfg.kv.policy != "full" and cfg.kv.budget > 0:
+        kept = min(T, cfg.kv.budget + cfg.kv.interval)
+    w = cfg.workers
+    return {
+        "model": cfg.model.path, "params": params, "weights_bytes": params * width,
+        "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
+        "kv_bytes_per_token": per_token, "tokens_per_sequence": T, "kept_tokens_per_sequence": kept,
+        "kv_full_bytes_per_sequence": per_token * T, "kv_kept_bytes_per_sequence": per_token * kept,
+        "kv_full_bytes_per_batch": per_token * T * cfg.sampling.batch_size,
+        "kv_kept_bytes_per_batch": per_token * kept * cfg.sampling.batch_size,
+        "rollout_actors": w.rollout, "learner_actors": w.learners,
+        "cpus": w.rollout * w.rollout_cpus + w.learners * w.learner_cpus,
+        "gpus": w.rollout * w.rollout_gpus + w.learners * w.learner_gpus,
+    }
+
+
+def main(cfg) -> dict:
+    p = plan(cfg)
+    w, tr = cfg.workers, cfg.trainer
+    kept = (f"kv.policy={cfg.kv.policy} (budget {cfg.kv.budget} + interval {cfg.kv.interval})"
+            if p["kept_tokens_per_sequence"] < p["tokens_per_sequence"] else "kept (no eviction)")
+    lines = [
+        f"dry run of recipe={cfg.recipe} (job={cfg.job}); nothing is loaded or started",
+        f"model      {p['model']}: {p['params'] / 1e6:,.1f} M parameters, {size(p['weights_bytes'])} in "
+        f"{cfg.model.dtype}; {p['layers']} layers x {p['kv_heads']} KV heads",
+        f"KV cache   {size(p['kv_bytes_per_token'])} per token; a {p['tokens_per_sequence']}-token sequence: full "
+        f"{size(p['kv_full_bytes_per_sequence'])}, {kept} {size(p['kv_kept_bytes_per_sequence'])} "
+        f"({p['kept_tokens_per_sequence'] / p['tokens_per_sequence']:.0%})",
+        f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "
+        f"{cfg.kv.policy} {size(p['kv_kept_bytes_per_batch'])}",
+    ]
+    if cfg.job == "rl":
+        lines += [
+            f"actors     {w.rollout} rollout ({w.engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
+            f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
+            f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): the Ray cluster needs {p['cpus']:g} CPUs "
+            f"and {p['gpus']:g} GPUs",
+            f"steps      {tr.steps} x {tr.batch_size} samples ({tr.batch_size // cfg.rl.group_size} tasks x "
+            f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
+            f"new tokens each",
+        ]
+    else:
+        lines.append(f"process    one, on {cfg.device}; {tr.steps} steps of {tr.batch_size}")
+    print("\n".join(lines))
+    return p

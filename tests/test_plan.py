@@ -1,0 +1,31 @@
+"""dry_run=true: the plan of a recipe from its model's architecture, without weights."""
+
+import pytest
+
+from kvrl.config import load_config
+from kvrl.plan import plan
+from kvrl.run import main
+
+
+def test_kv_memory_of_a_known_architecture_without_weights():
+    cfg = load_config(["recipe=tiny_rl_full", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+                       "model.dtype=bfloat16", "kv.policy=gkv", "kv.budget=2048", "kv.interval=128",
+                       "sampling.max_new_tokens=8192", "sampling.batch_size=16"])
+    p = plan(cfg)
+    assert p["params"] == 8_030_261_248  # Llama-3.1-8B, counted on the meta device
+    assert p["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, bf16
+    assert p["kept_tokens_per_sequence"] == 2048 + 128  # the cache peaks one interval above the budget
+    assert p["kv_full_bytes_per_batch"] == 16 * 8192 * p["kv_bytes_per_token"]
+    assert p["cpus"] == 1.5 and p["rollout_actors"] == 2
+
+
+def test_dry_run_prints_the_plan_and_loads_nothing(capsys):
+    assert main(["recipe=tiny_rl_full", "dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "0.8 M parameters" in out and "the Ray cluster needs 1.5 CPUs" in out
+
+
+def test_unknown_model_says_what_to_pass(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here; an unknown hub id must fail cleanly
+    assert main(["recipe=tiny_rl_full", "dry_run=true", f"model.path={tmp_path}/nope"]) == 2
+    assert "pass a local folder with a config.json" in capsys.readouterr().err
