@@ -80,7 +80,7 @@ class RLConfig:
     algo: str = "rl_full"  # algorithm in kvrl.algos: what is trained, the loss, what is pushed to rollouts
     group_size: int = 8  # samples per task (G); advantages are normalised within each task's group
     scale: str = "group"  # advantage scaling: group (divide by the group's std, GRPO) | none (Dr. GRPO)
-    truncated: str = "zero"  # advantage of samples cut at max_new_tokens: zero | clip (min(A, 0)) | keep
+    truncated: str = "zero"  # advantage of samples cut at max_new_tokens: zero | clip (max(A, 0), G-KV's) | keep
     aggregation: str = "token"  # loss: token (sum / all tokens, DAPO) | sequence (mean per sample, then mean)
     eps_low: float = 0.2  # PPO clip range below 1: ratio floor 1 - eps_low
     eps_high: float = 0.2  # PPO clip range above 1: ratio ceiling 1 + eps_high (DAPO's clip-higher: 0.28)
@@ -108,6 +108,38 @@ class WorkersConfig:
 
 
 @dataclass
+class DistillConfig:
+    # rl.algo=distill (G-KV Appendix C): T^2 KL(full-cache teacher || sparse student), both at temperature T
+    temperature: float = 1.0  # soft-target temperature T of the distillation loss
+
+
+@dataclass
+class RLKVConfig:
+    # RLKV (seed 000, methods.md §3): one gate per (layer, KV head) trained with GRPO (job=rlkv, rl.algo=rlkv)
+    # and head reallocation from the exported gates (job=eval_budgets with rlkv.gates). Defaults: Table 3.
+    beta: float = 1.0e-3  # β of the adaptive L1 penalty 1(r̄ > τ)·β·(exp(r̄) − 1)·mean|α| (Qwen3-4B: 2.5e-3)
+    tau: float = 0.5  # τ: no penalty while the batch's mean reward r̄ ≤ τ (Qwen-2.5-7B-R1: 0.55)
+    sink: int = 128  # training window of the compressed branch: sink tokens ...
+    recent: int = 256  # ... and recent tokens (deployment uses eval_sink / eval_recent)
+    gates: str = ""  # exported gates (a gates.safetensors, or the rlkv run's output_dir) to evaluate; "" = none
+    sparsity: float = 0.5  # fraction of (layer, KV head) pairs compressed at deployment, lowest gates first
+    eval_sink: int = 16  # deployment window of a compressed head (the paper's 16 sink + 64 recent)
+    eval_recent: int = 64
+
+
+@dataclass
+class SelfDistillConfig:
+    # job=self_distill (RLKV §3.3, App. B): tasks the model solves greedily with the full cache, by output length
+    # the candidates' environment: in an RL recipe env.id is the selected set (SelfDistilledEnv), so the
+    # data step has its own source (e.g. kvrl/math-v0 with {path: deepscaler.jsonl})
+    source: str = "kvrl/counts-v0"
+    source_kwargs: Dict[str, Any] = field(default_factory=dict)
+    candidates: int = 4096  # tasks drawn from the source and decoded (a finite dataset: at most all of it)
+    edges: List[int] = field(default_factory=lambda: [0, 2048, 4096, 6144, 8192])  # output-length bucket edges
+    counts: List[int] = field(default_factory=lambda: [600, 600, 1000, 800])  # solved tasks kept per bucket
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard (`pip install tensorboard`)
 
@@ -116,6 +148,23 @@ class LoggingConfig:
 class EvalConfig:
     # KV budgets to evaluate, as fractions of the average sequence length
     budgets: List[float] = field(default_factory=lambda: [0.25, 0.5])
+
+
+@dataclass
+class ForesightConfig:
+    # ForesightKV (job=foresight): trace data -> Golden Eviction -> stage 1 SFT -> stage 2 RL.
+    # The eviction setting is kv.budget / kv.interval / kv.window / kv.sink (kv.policy=learned);
+    # stage 2 uses trainer.* (steps, lr, batch_size = traces x rl.group_size) and rl.* (beta = KL to stage 1).
+    traces: int = 256  # training traces to keep (correct, at least min_tokens long), generated with the full cache
+    heldout: int = 64  # held-out traces (other prompts) for the loss-ratio evaluation
+    min_tokens: int = 0  # keep only traces of at least this many tokens (prompt + completion)
+    shard_size: int = 64  # traces per parquet shard: the unit the data step resumes from
+    sft_steps: int = 1000  # stage 1 optimizer steps (Adam, 10 warm-up steps, cosine decay)
+    sft_batch_size: int = 8  # traces per stage 1 step
+    sft_lr: float = 1.0e-2  # stage 1 peak learning rate
+    margin: float = 0.01  # stage 1 pairwise ranking hinge margin
+    eta: float = 1.5  # stage 2 reward: a token counts when its loss rose by more than eta
+    low_entropy: float = 0.8  # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
 
 
 @dataclass
@@ -138,6 +187,10 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    foresight: ForesightConfig = field(default_factory=ForesightConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    rlkv: RLKVConfig = field(default_factory=RLKVConfig)
+    self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -233,6 +286,7 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     ("rl.aggregation", lambda v: v in ("token", "sequence"), "must be token | sequence"),
     ("rl.async_steps", lambda v: v in (0, 1), "must be 0 (on-policy) or 1 (one step ahead)"),
     ("workers.backend", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed"),
+    ("distill.temperature", lambda v: v > 0, "must be > 0 (the soft-target temperature T)"),
     ("workers.engine", lambda v: v in ("hf", "vllm"), "must be hf | vllm"),
     ("workers.zero_stage", lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not "
      "gathered for the push yet)"),
@@ -245,7 +299,22 @@ _RULES: list[tuple[str, Callable[[Any], bool], str]] = [
     "workers.num_cpus": 0, "workers.rollout": 1, "workers.rollout_cpus": 0, "workers.rollout_gpus": 0,
     "workers.learners": 1, "workers.learner_cpus": 0, "workers.learner_gpus": 0, "workers.max_restarts": 0,
     "workers.timeout_s": 1,
-}.items()]
+    "foresight.traces": 1, "foresight.heldout": 1, "foresight.min_tokens": 0, "foresight.shard_size": 1,
+    "foresight.sft_steps": 0, "foresight.sft_batch_size": 1, "foresight.margin": 0, "foresight.eta": 0,
+}.items()] + [
+    ("foresight.sft_lr", lambda v: v > 0, "must be > 0"),
+    ("foresight.low_entropy", lambda v: 0 < v <= 1, "must be a fraction in (0, 1]"),
+    ("rlkv.beta", lambda v: v >= 0, "must be >= 0 (the L1 penalty weight)"),
+    ("rlkv.sparsity", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1] (of the heads compressed)"),
+    ("rlkv.recent", lambda v: v >= 1, "must be >= 1 (a token must see itself)"),
+    ("rlkv.eval_recent", lambda v: v >= 1, "must be >= 1 (a token must see itself)"),
+    ("rlkv.sink", lambda v: v >= 0, "must be >= 0"),
+    ("rlkv.eval_sink", lambda v: v >= 0, "must be >= 0"),
+    ("self_distill.candidates", lambda v: v >= 1, "must be >= 1"),
+    ("self_distill.counts", lambda v: all(c >= 0 for c in v), "must be task counts >= 0, one per bucket"),
+    ("self_distill.edges", lambda v: len(v) >= 2 and all(a < b for a, b in zip(v, v[1:])) and v[0] >= 0,
+     "must be >= 2 increasing token counts (bucket b is edges[b] <= output length < edges[b+1])"),
+]
 
 
 def validate(cfg: Config) -> None:
@@ -256,8 +325,15 @@ def validate(cfg: Config) -> None:
         for key, check, rule in _RULES
         if not check(value := operator.attrgetter(key)(cfg))
     ]
-    if cfg.job == "rl":
+    if cfg.job in ("rl", "rlkv"):
         problems += _rl_problems(cfg)
+    if cfg.job == "rlkv" or cfg.rl.algo == "rlkv":
+        problems += _rlkv_problems(cfg)
+    if cfg.job == "self_distill" and len(cfg.self_distill.counts) != len(cfg.self_distill.edges) - 1:
+        problems.append(f"self_distill.counts has {len(cfg.self_distill.counts)} entries for "
+                        f"{len(cfg.self_distill.edges) - 1} buckets (self_distill.edges); give one count per bucket")
+    if cfg.job == "foresight":
+        problems += _foresight_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "\n".join(problems))
 
@@ -287,6 +363,37 @@ def _rl_problems(cfg: Config) -> list[str]:
                         f"(available: {', '.join(ALGOS)})")
     if cfg.trainer.steps < 1:
         problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")
+    return problems
+
+
+def _rlkv_problems(cfg: Config) -> list[str]:
+    """Cross-field checks of RLKV training."""
+    problems = []
+    if cfg.job == "rlkv" and cfg.rl.algo != "rlkv":
+        problems.append(f"job=rlkv trains RLKV's gates, but rl.algo={cfg.rl.algo!r}; set rl.algo=rlkv")
+    if cfg.job == "rl" and cfg.rl.algo == "rlkv":
+        problems.append("rl.algo=rlkv runs as job=rlkv (the RL loop, then the gates exported); set job=rlkv")
+    if cfg.workers.engine != "vllm":
+        problems.append(f"workers.engine={cfg.workers.engine!r}: RLKV's rollouts use the vLLM engine's mixed-gate "
+                        "attention; set workers.engine=vllm")
+    if cfg.kv.policy != "full":
+        problems.append(f"kv.policy={cfg.kv.policy!r}: RLKV's rollouts mix full and rlkv.sink + rlkv.recent "
+                        "attention per head, not a token policy; set kv.policy=full")
+    return problems
+
+
+def _foresight_problems(cfg: Config) -> list[str]:
+    """Cross-field checks of the ForesightKV pipeline."""
+    problems = []
+    if cfg.kv.policy != "learned":
+        problems.append(f"kv.policy is {cfg.kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
+    if cfg.kv.budget < cfg.kv.window + cfg.kv.sink + 1:
+        problems.append(f"kv.budget ({cfg.kv.budget}) must be > kv.window + kv.sink ({cfg.kv.window + cfg.kv.sink}) "
+                        f"for ForesightKV; set e.g. kv.budget={4 * cfg.kv.interval}")
+    g, n = cfg.rl.group_size, cfg.trainer.batch_size
+    if n % g or n < g:
+        problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
+                        f"rl.group_size eviction trajectories per trace; set trainer.batch_size={max(1, round(n / g)) * g}")
     return problems
 
 

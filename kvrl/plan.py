@@ -10,7 +10,10 @@ model is built on the meta device to count its parameters exactly.
 KV memory per sequence is ``2 (K, V) · layers · kv_heads · head_dim · bytes`` per cached
 token. With the full cache a sequence caches every token up to ``T = sampling.max_new_tokens``
 (prompt not counted); under a token policy the cache peaks at ``kv.budget + kv.interval``
-(it is cut back to the budget every interval tokens).
+(it is cut back to the budget every interval tokens). For ``job=rlkv`` the estimate is of
+the deployment (training keeps the full cache under the mixed attention): a fraction
+``s = rlkv.sparsity`` of the heads keeps ``rlkv.eval_sink + rlkv.eval_recent`` tokens, the
+others all T, so ``(1 − s)·T + s·min(T, sink + recent)`` per head on average.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ def plan(cfg) -> dict:
     kept = T
     if cfg.kv.policy != "full" and cfg.kv.budget > 0:
         kept = min(T, cfg.kv.budget + cfg.kv.interval)
+    if cfg.job == "rlkv":
+        r = cfg.rlkv
+        kept = round((1 - r.sparsity) * T + r.sparsity * min(T, r.eval_sink + r.eval_recent))
     w = cfg.workers
     return {
         "model": cfg.model.path, "params": params, "weights_bytes": params * width,
@@ -90,6 +96,9 @@ def main(cfg) -> dict:
     w, tr = cfg.workers, cfg.trainer
     kept = (f"kv.policy={cfg.kv.policy} (budget {cfg.kv.budget} + interval {cfg.kv.interval})"
             if p["kept_tokens_per_sequence"] < p["tokens_per_sequence"] else "kept (no eviction)")
+    if cfg.job == "rlkv":
+        r = cfg.rlkv
+        kept = f"deployed at rlkv.sparsity={r.sparsity:g} (sink {r.eval_sink} + recent {r.eval_recent})"
     lines = [
         f"dry run of recipe={cfg.recipe} (job={cfg.job}); nothing is loaded or started",
         f"model      {p['model']}: {p['params'] / 1e6:,.1f} M parameters, {size(p['weights_bytes'])} in "
@@ -98,9 +107,9 @@ def main(cfg) -> dict:
         f"{size(p['kv_full_bytes_per_sequence'])}, {kept} {size(p['kv_kept_bytes_per_sequence'])} "
         f"({p['kept_tokens_per_sequence'] / p['tokens_per_sequence']:.0%})",
         f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "
-        f"{cfg.kv.policy} {size(p['kv_kept_bytes_per_batch'])}",
+        f"compressed {size(p['kv_kept_bytes_per_batch'])}",
     ]
-    if cfg.job == "rl":
+    if cfg.job in ("rl", "rlkv"):  # the RL loop's actors
         lines += [
             f"actors     {w.rollout} rollout ({w.engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
             f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "

@@ -16,8 +16,12 @@ from kvrl.config import ConfigError, available_recipes, cli_value, load_config, 
 # cfg.job -> "module:function" called with the typed Config; the single list of jobs
 JOBS = {
     "eval_budgets": "kvrl.eval.budgets:main",
+    "foresight": "kvrl.algos.foresight:main",
+    "foresight_traces": "kvrl.data.traces:main",
     "pretrain_tiny": "kvrl.models.pretrain:main",
     "rl": "kvrl.workers.controller:main",
+    "rlkv": "kvrl.algos.rlkv:main",
+    "self_distill": "kvrl.data.self_distill:main",
 }
 
 USAGE = "usage: python -m kvrl.run [recipe=NAME] [key=value ...]  (print_config=true shows the result)"

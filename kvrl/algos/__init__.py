@@ -21,6 +21,9 @@ Algorithms see engines and environments only through those interfaces. ``ALGOS``
 
 ALGOS = {
     "rl_full": "kvrl.algos.rl_full:RLFull",
+    "rl_sparse": "kvrl.algos.rl_sparse:RLSparse",
+    "distill": "kvrl.algos.distill:Distill",
+    "rlkv": "kvrl.algos.rlkv:RLKV",
 }
 
 

@@ -9,7 +9,8 @@ Contract:
   :class:`kvrl.policies.HeadAllocation` (the older ``death=`` keyword takes the tensor).
 * ``score(sequences, prompt_lens, trace=None) -> Scores`` gives teacher-forced per-token
   logprobs, losses and entropies of the generated tokens in one forward, under the
-  replayed trace (``"kvrl_replay"``) or under full attention.
+  replayed trace (``"kvrl_replay"``), under full attention, or under RLKV's mixed-gate
+  attention (``policy=MixedGates``, ``"kvrl_mixed"``: the learner of ``rl.algo=rlkv``).
 
 Every other engine is checked against this one. It runs its own decode loop rather than
 ``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrl.cache import EvictionTrace, KVCache
+from kvrl.kernels.mixed import MixedGates
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.base import KVPolicy
 
@@ -76,6 +78,9 @@ class Scores:
     losses: torch.Tensor
     entropies: torch.Tensor
     mask: torch.Tensor
+    # score(..., distributions=True): the whole next-token log-distribution [B, G, V] of
+    # each generated position (distillation's soft targets), zero beyond each sequence
+    distributions: torch.Tensor | None = None
 
 
 class HFEngine:
@@ -165,13 +170,15 @@ class HFEngine:
         return out
 
     def score(self, sequences, prompt_lens: list[int] | None = None, *, policy=None,
-              trace: EvictionTrace | None = None, temperature: float = 1.0) -> Scores:
+              trace: EvictionTrace | None = None, temperature: float = 1.0,
+              distributions: bool = False) -> Scores:
         """Teacher-forced scores of the generated part of each sequence, in one forward.
 
         sequences: token ids (prompt + generated) per sequence, with ``prompt_lens``; or
         :class:`Rollouts` (its prompts and generated tokens). Attention replays ``trace``
         (the batch's trace, in the same order), or a static ``policy``'s pattern, or is
-        full when both are None. A dynamic policy needs its recorded trace. Logprobs are
+        full when both are None; with ``policy=MixedGates`` under RLKV's mixed-gate attention
+        (``"kvrl_mixed"``). A dynamic policy needs its recorded trace. Logprobs are
         of ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
         ``torch.no_grad()`` unless training).
         """
@@ -188,15 +195,26 @@ class HFEngine:
         if isinstance(policy, KVPolicy) and trace is None:
             raise ValueError("a dynamic KV policy is replayed from its recorded trace: pass trace=rollouts.traces")
         cfg = self.model.config
-        if trace is None:
-            death = (self.static_death(policy, B, S) if policy is not None else torch.full(
-                (cfg.num_hidden_layers, B, cfg.num_key_value_heads, S), NEVER, dtype=torch.int32, device=self.device))
-            trace = EvictionTrace.from_death(death, lens)
-        if trace.death.shape[1] != B:
-            raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
-        self.model.set_attn_implementation("kvrl_replay")
-        logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0),
-                            kvrl_replay=trace.replay(pos)).logits.float()
+        if isinstance(policy, MixedGates):
+            # RLKV's learner: the rollout engines' mixed-gate attention over the padded batch;
+            # the gates may require grad (the gradient then reaches them through the mix)
+            if trace is not None:
+                raise ValueError("mixed gates attend over the whole sequence: pass no trace with policy=MixedGates")
+            attention, extra = "kvrl_mixed", {"kvrl_mixed": policy, "kvrl_key_pos": pos}
+        else:
+            if trace is None:
+                death = (self.static_death(policy, B, S) if policy is not None else torch.full(
+                    (cfg.num_hidden_layers, B, cfg.num_key_value_heads, S), NEVER, dtype=torch.int32,
+                    device=self.device))
+                trace = EvictionTrace.from_death(death, lens)
+            if trace.death.shape[1] != B:
+                raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
+            attention, extra = "kvrl_replay", {"kvrl_replay": trace.replay(pos)}
+        self.model.set_attn_implementation(attention)
+        try:
+            logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits.float()
+        finally:
+            self.model.set_attn_implementation("kvrl_replay")
         logp = torch.log_softmax(logits / temperature, -1)
         G = int(n_gen.max())
         j = torch.arange(G, device=self.device)
@@ -205,4 +223,5 @@ class HFEngine:
         lp = logp.gather(1, (col - 1)[..., None].expand(-1, -1, logp.shape[-1]))  # [B, G, V]
         token_lp = lp.gather(-1, ids.gather(1, col)[..., None]).squeeze(-1) * mask
         entropy = -(lp.exp() * lp).sum(-1) * mask
-        return Scores(token_lp, -token_lp, entropy, mask)
+        return Scores(token_lp, -token_lp, entropy, mask,
+                      distributions=lp * mask[..., None] if distributions else None)

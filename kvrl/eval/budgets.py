@@ -2,6 +2,8 @@
 
 Evaluates a model on its environment with the full cache and with a sink+recent window at
 budgets given as fractions of the average full-cache sequence length, and prints a table.
+With ``rlkv.gates`` (an RLKV run's exported gates) it adds RLKV's head reallocation at
+``rlkv.sparsity``: the lowest-gated heads keep ``rlkv.eval_sink`` + ``rlkv.eval_recent``.
 Budgets are fractions of the sequence rather than token counts so that the same recipe is
 meaningful for any task family.
 """
@@ -75,6 +77,15 @@ def main(cfg) -> dict:
         res = evaluate(engine, env, tasks, n_new, batch_size=cfg.sampling.batch_size, desc=f"window {frac:g}",
                        death_fn=lambda b, T: window_death(model, len(b), T, cfg.kv.sink, budget - cfg.kv.sink))
         rows.append({"policy": f"sink{cfg.kv.sink}+recent", "budget": budget, "budget_frac": frac, "acc": res["acc"]})
+    if cfg.rlkv.gates:  # RLKV's head reallocation: the lowest-gated heads keep eval_sink + eval_recent only
+        from kvrl.algos.rlkv import head_allocation
+
+        r = cfg.rlkv
+        heads = head_allocation(r.gates, r.sparsity, model.config, sink=r.eval_sink, recent=r.eval_recent)
+        res = evaluate(engine, env, tasks, n_new, batch_size=cfg.sampling.batch_size, desc="rlkv heads",
+                       death_fn=lambda b, T: engine.static_death(heads, len(b), T))
+        rows.append({"policy": f"rlkv s={r.sparsity:g}", "budget": None, "acc": res["acc"],
+                     "compressed_heads": int(heads.compressed_mask().sum())})
     print(f"\n{len(tasks)} tasks of {cfg.env.id}; mean sequence {full['mean_seq_len']:.1f} tokens, "
           f"chain of thought {100 * full['cot_fraction']:.0f} %")
     print(f"{'policy':<16}{'budget':>10}{'accuracy':>10}")

@@ -7,9 +7,15 @@ iff ``k ≤ q`` and (``k < sink`` or ``q < k + recent``) — exactly what
 :meth:`kvrl.policies.HeadAllocation.death` gives a compressed head. Both engines call
 :func:`mixed_gate_attention`, so their outputs agree to rounding.
 
-``"kvrl_mixed"`` is registered with transformers' attention interface for un-padded batches
-(one prompt, or prompts of equal length) with a plain ``DynamicCache``: the model call
-passes ``kvrl_mixed=MixedGates(...)`` and explicit ``position_ids``.
+``"kvrl_mixed"`` is registered with transformers' attention interface. The model call
+passes ``kvrl_mixed=MixedGates(...)`` and explicit ``position_ids``; two uses:
+
+* decoding an un-padded batch (one prompt, or prompts of equal length) with a plain
+  ``DynamicCache``: key slot i holds position i;
+* RLKV's learner (:meth:`kvrl.engines.hf.HFEngine.score`): one forward over a left-padded
+  batch, with ``kvrl_key_pos`` [B, S] the true position of every key slot (−1 = padding)
+  and ``position_ids`` clamped to ≥ 0 (a padding query then sees position 0 only, so
+  its row stays finite and no NaN reaches the real tokens through the values).
 """
 
 from __future__ import annotations
@@ -81,14 +87,21 @@ def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: T
 
 
 def mixed_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, position_ids=None,
-                    kvrl_mixed: MixedGates | None = None, **kwargs):
+                    kvrl_mixed: MixedGates | None = None, kvrl_key_pos: Tensor | None = None, **kwargs):
     """transformers attention function ``"kvrl_mixed"``: query [B, Hq, Q, D], key/value
-    [B, H, N, D] (the whole un-padded cache) -> (out [B, Q, Hq, D], None)."""
+    [B, H, N, D] (the whole cache) -> (out [B, Q, Hq, D], None). ``kvrl_key_pos`` [B, N]:
+    true key positions (−1 = padding); default: slot i holds position i (un-padded)."""
     if kvrl_mixed is None or position_ids is None:
         raise ValueError("attn_implementation='kvrl_mixed' needs model(..., position_ids=..., "
                          "kvrl_mixed=MixedGates(...))")
     n = key.shape[2]
-    key_pos = torch.arange(n, device=key.device).expand(key.shape[0], n)
+    if kvrl_key_pos is None:
+        key_pos = torch.arange(n, device=key.device).expand(key.shape[0], n)
+    elif tuple(kvrl_key_pos.shape) != (key.shape[0], n):
+        raise ValueError(f"kvrl_key_pos has shape {tuple(kvrl_key_pos.shape)}, the keys are {(key.shape[0], n)}: "
+                         "pass the true position of every key slot (a full-sequence forward, no cache)")
+    else:
+        key_pos = kvrl_key_pos
     out = mixed_gate_attention(query, key, value, position_ids, key_pos, kvrl_mixed.gates[module.layer_idx],
                                sink=kvrl_mixed.sink, recent=kvrl_mixed.recent, scaling=scaling)
     return out.transpose(1, 2).contiguous(), None

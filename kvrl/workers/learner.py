@@ -45,6 +45,7 @@ class Batch:
     old_logprobs: torch.Tensor  # behaviour logprobs [B, T]
     mask: torch.Tensor  # [B, T] 1 on generated tokens
     advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B] raw rewards (RLKV's adaptive penalty reads their mean)
     trace: EvictionTrace | None  # the samples' traces batched; None = full cache
     num_items: float  # normaliser of the whole step (all learners): tokens or sequences
 
@@ -62,6 +63,7 @@ def collate(samples: list[Sample], num_items: float, device) -> Batch:
         trace = EvictionTrace.from_death(death.to(device), lengths.to(device))
     return Batch(sequences=[s.prompt_ids + s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
                  old_logprobs=old, mask=mask, advantages=torch.tensor([s.advantage for s in samples], device=device),
+                 rewards=torch.tensor([s.reward for s in samples], device=device),
                  trace=trace, num_items=num_items)
 
 

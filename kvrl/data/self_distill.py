@@ -1,0 +1,132 @@
+"""Self-distillation sampling: RLKV's training set (job=self_distill).
+
+RLKV (seed 000, §3.3 and Appendix B) trains its gates on problems the base model already
+solves, so rewards stay dense while the gates close: every candidate is decoded greedily
+with the full cache, the correct ones are bucketed by output length (a proxy for
+difficulty) and a fixed number is drawn per bucket — the paper keeps 600/600/1000/800
+problems with 0–2k/2–4k/4–6k/6–8k output tokens::
+
+    python -m kvrl.run recipe=tiny_self_distill
+
+Contract:
+
+* candidates: the first ``self_distill.candidates`` tasks of ``self_distill.source``
+  (built with ``self_distill.source_kwargs``, seeded by ``seed``; a finite dataset gives
+  at most all of its tasks — ``env.*`` is the RL env that reads the result), decoded in batches of
+  ``sampling.batch_size`` with ``workers.engine`` (``vllm`` or ``hf``), greedy, full cache,
+  at most ``sampling.max_new_tokens`` new tokens, under a progress bar;
+* kept: reward > 0 (the environment's score), finished by EOS; bucket b holds output
+  lengths in ``[edges[b], edges[b+1])``; ``counts[b]`` of them are drawn at random
+  (seeded), or all when fewer were solved (the shortfall is reported, never padded);
+* written: ``output_dir/tasks.jsonl`` (one task per line: id, prompt, answer, meta,
+  output_len, bucket; written atomically) and ``output_dir/summary.json``;
+* read back by :class:`SelfDistilledEnv`, usable as ``env.id`` of an RL recipe
+  (``env.id=kvrl.data.self_distill:SelfDistilledEnv env.kwargs={path: ..., env: kvrl/counts-v0}``):
+  the selected tasks with the original environment's rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvrl.engines.hf import Sampling
+from kvrl.envs import Task, TextEnv, make
+
+
+def bucket_of(length: int, edges: list[int]) -> int | None:
+    """Index b with edges[b] <= length < edges[b+1]; None outside every bucket."""
+    b = int(np.searchsorted(edges, length, side="right")) - 1
+    return b if 0 <= b < len(edges) - 1 else None
+
+
+def select(solved: list[dict], edges: list[int], counts: list[int], seed: int) -> tuple[list[dict], list[dict]]:
+    """Draw ``counts[b]`` of the solved rows (each with ``output_len``) per length bucket.
+
+    Returns (the kept rows, bucket order then draw order; per-bucket figures)."""
+    rng = np.random.default_rng(seed)
+    by_bucket: list[list[dict]] = [[] for _ in counts]
+    for row in solved:
+        b = bucket_of(row["output_len"], edges)
+        if b is not None:
+            by_bucket[b].append(row)
+    kept, report = [], []
+    for b, (rows, want) in enumerate(zip(by_bucket, counts)):
+        pick = rng.permutation(len(rows))[:want].tolist()
+        kept += [{**rows[i], "bucket": b} for i in pick]
+        report.append({"bucket": b, "tokens": [edges[b], edges[b + 1]], "solved": len(rows), "wanted": want,
+                       "kept": len(pick)})
+    return kept, report
+
+
+def make_engine(cfg):
+    """The generation engine of ``workers.engine``, on ``cfg.device``."""
+    from kvrl.models.tiny import load_model, resolve_path
+
+    if cfg.workers.engine == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from kvrl.engines.vllm import VLLMEngine
+
+        return VLLMEngine(resolve_path(cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
+    from kvrl.engines.hf import HFEngine
+
+    return HFEngine(*load_model(cfg.model.path, cfg.model.dtype, cfg.device))
+
+
+def main(cfg) -> dict:
+    torch.set_flush_denormal(True)
+    sd = cfg.self_distill
+    env = make(sd.source, **sd.source_kwargs)
+    env.reset(seed=cfg.seed)
+    n = sd.candidates if env.num_tasks is None else min(sd.candidates, env.num_tasks)
+    tasks = env.tasks(n)
+    engine = make_engine(cfg)
+    greedy = Sampling(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.seed)
+    solved, bar = [], tqdm(total=n, desc="self-distillation sampling", unit="task")
+    for lo in range(0, n, cfg.sampling.batch_size):
+        batch = tasks[lo:lo + cfg.sampling.batch_size]
+        out = engine.generate([t.prompt for t in batch], greedy)
+        for t, text, toks, why in zip(batch, out.texts, out.tokens, out.finish_reasons):
+            reward, _ = env.score(t, text)
+            if reward > 0 and why == "stop":
+                solved.append({"id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta,
+                               "output_len": len(toks)})
+        bar.update(len(batch))
+        bar.set_postfix(solved=f"{len(solved) / min(lo + len(batch), n):.0%}")
+    bar.close()
+    kept, report = select(solved, list(sd.edges), list(sd.counts), cfg.seed)
+    out_dir = Path(cfg.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "tasks.jsonl.tmp"
+    with open(tmp, "w") as f:
+        for row in kept:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, out_dir / "tasks.jsonl")  # a crash mid-write leaves no half dataset
+    summary = {"source": sd.source, "candidates": n, "solved": len(solved), "kept": len(kept), "buckets": report}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    for r in report:
+        short = f"  (only {r['kept']} solved: short by {r['wanted'] - r['kept']})" if r["kept"] < r["wanted"] else ""
+        print(f"bucket {r['tokens'][0]}-{r['tokens'][1]} tokens: {r['solved']} solved, kept {r['kept']}{short}")
+    print(f"{len(kept)} of {n} tasks -> {out_dir / 'tasks.jsonl'}")
+    return summary
+
+
+class SelfDistilledEnv(TextEnv):
+    """The tasks of a ``tasks.jsonl`` written by :func:`main`, scored by the rewards of the
+    environment they came from (``env``, built with ``env_kwargs``); shuffled per epoch."""
+
+    def __init__(self, path: str, env: str = "kvrl/counts-v0", env_kwargs: dict | None = None):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no self-distilled task set at {path}: run the data step first "
+                                    "(python -m kvrl.run recipe=tiny_self_distill) or fix env.kwargs.path")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not rows:
+            raise ValueError(f"{path} holds no tasks: no candidate was solved; raise self_distill.candidates")
+        base = make(env, **(env_kwargs or {}))
+        super().__init__([Task(r["id"], r["prompt"], r["answer"], r["meta"]) for r in rows], base.rewards)
