@@ -49,7 +49,7 @@ def test_mask_truncated():
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     trunc = torch.tensor([True, True, False, False])
     assert mask_truncated(adv, trunc, "zero").tolist() == [0.0, 0.0, 0.5, -0.5]
-    assert mask_truncated(adv, trunc, "clip").tolist() == [0.0, -1.0, 0.5, -0.5]
+    assert mask_truncated(adv, trunc, "clip").tolist() == [1.0, 0.0, 0.5, -0.5]  # G-KV: clamp(A, min=0)
     assert mask_truncated(adv, trunc, "keep").tolist() == adv.tolist()
 
 

@@ -58,14 +58,16 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
 def mask_truncated(advantages: Tensor, truncated: Tensor, mode: str = "zero") -> Tensor:
     """Advantages of samples cut off at max_new_tokens (finish reason "length").
 
-    A truncated sample's reward says little about its text (the answer never came), so
-    G-KV gives it advantage 0 ("zero"); "clip" keeps only a negative advantage, min(A, 0),
-    so running out of tokens can be discouraged but never rewarded; "keep" is plain GRPO.
+    A truncated sample's reward says little about its text (the answer never came):
+    "zero" gives it advantage 0; "clip" is the G-KV reference's
+    ``--clip_overlength_advantage`` (``experience_maker.compute_advantages``:
+    ``clamp(A, min=0)``), so a reasoning cut short is never pushed down but can still be
+    reinforced; "keep" is plain GRPO (the reference without that flag).
     """
     if mode == "zero":
         return advantages.masked_fill(truncated, 0.0)
     if mode == "clip":
-        return torch.where(truncated, advantages.clamp(max=0.0), advantages)
+        return torch.where(truncated, advantages.clamp(min=0.0), advantages)
     if mode == "keep":
         return advantages
     raise ValueError(f"mode must be one of {TRUNCATED}, got {mode!r}")

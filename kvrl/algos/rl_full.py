@@ -53,7 +53,9 @@ class RLFull:
         return loss, scores, metrics
 
     def state(self, model) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        # Copies: under DeepSpeed ZeRO-1/2 every parameter is a view of one flat buffer, and
+        # pickling a view ships its whole storage, so each tensor would carry the whole model.
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     def load(self, model, state: dict[str, torch.Tensor]) -> None:
         model.load_state_dict(state)

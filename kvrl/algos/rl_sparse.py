@@ -1,0 +1,55 @@
+"""G-KV RL-Sparse: GRPO on the whole model under the compressed cache it is served with.
+
+G-KV (Liao et al. 2025, seed 003 §5, ``../shared/reference/methods.md`` §1 "RL-Sparse"):
+rollouts decode under G-KV eviction and record which key each KV head stopped seeing
+when; the learner recomputes the logprobs with attention restricted by exactly that
+record, so the policy being trained is the policy that generated the samples (the
+train/inference mismatch is the logged ``mismatch_max``, ~1e-6 in fp32 on CPU).
+
+What the loop needs from it, beyond RL-Full (whose GRPO loss, reference model and
+weight push it reuses unchanged):
+
+* rollouts run under ``make_policy("gkv", budget, interval, window, sink, **kv.kwargs)``
+  (α and the mix λ come in ``kv.kwargs``) and return their
+  :class:`kvrl.cache.EvictionTrace`, O(layers·B·H_kv·T) int death times;
+* the learner's ``engine.score(..., trace=batch.trace)`` replays the trace through the
+  ``"kvrl_replay"`` attention (a flex-attention BlockMask built from the death times on
+  GPU; never a stored per-head T×T mask, the reference's O(L·H·T²) memory problem);
+* GRPO without KL (``rl.beta=0`` in the recipes); truncated samples' advantages are set
+  by ``rl.truncated`` in the controller (the paper: 0).
+"""
+
+from __future__ import annotations
+
+from kvrl.algos.rl_full import RLFull
+from kvrl.policies import make_policy
+
+
+class RLSparse(RLFull):
+    """RL-Sparse (seed 003 §5; reference ``gkv/rl_main.py``): RL-Full's GRPO with rollouts
+    under G-KV and logprobs recomputed under the rollouts' traces (``batch.trace``:
+    death times [layers, B, H_kv, T])."""
+
+    pushes = "weights"
+
+    def __init__(self, cfg):
+        if cfg.kv.policy != "gkv":
+            raise ValueError(f"rl_sparse trains under G-KV eviction, but kv.policy={cfg.kv.policy!r}; set "
+                             "kv.policy=gkv with kv.budget > 0 (rl.algo=rl_full trains with the full cache)")
+        if cfg.kv.budget <= 0:
+            raise ValueError("rl_sparse needs a bounded cache: set kv.budget to the tokens kept per KV head, "
+                             "e.g. kv.budget=2048 (the paper's)")
+        # RLFull's state, without its full-cache check
+        self.rl, self.temperature, self.ref = cfg.rl, cfg.sampling.temperature, None
+        self.kv = cfg.kv
+
+    def rollout_policy(self, model):
+        kv = self.kv
+        return make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
+                           sink=kv.sink, **kv.kwargs)
+
+    def loss(self, engine, batch):
+        if batch.trace is None:  # without it the learner would silently train with the full cache
+            raise ValueError("rl_sparse got samples without an eviction trace: the rollout engine must "
+                             "decode under rollout_policy() and return its traces")
+        return super().loss(engine, batch)
