@@ -217,25 +217,38 @@ class KVCache(Cache):
     def evict(self, layer_idx: int, scaling: float) -> None:
         """Score, select and compact one layer; record the deaths of the evicted keys."""
         start = time.perf_counter()
-        layer, policy = self.layers[layer_idx], self.policy
-        obs = Observation(layer.keys, layer.values, layer.queries, layer.key_pos, layer.query_pos,
-                          layer.state, layer_idx, scaling)
-        scores, state = policy.score(obs)
-        sel = policy.select(obs, scores, sample=self.sample, generator=self.generator)
-        valid = layer.key_pos >= 0
-        over = valid.sum(-1).amax(-1) > policy.budget  # [B]: rows that evict when decoded alone
-        if state is not None and not bool(over.all()):
-            # The schedule is shared by the batch, but a row within its budget would not
-            # have been scored alone: it keeps all its keys (K >= its valid count) and its state.
-            state = torch.where(over[:, None, None, None], state, policy.previous_state(obs))
-        kept = torch.zeros_like(valid).scatter_(-1, sel.keep, True)
-        b, h, n = (valid & ~kept).nonzero(as_tuple=True)
-        # The last query of row b in this forward saw the key; the next one does not.
-        self.death[layer_idx, b, h, layer.key_pos[b, h, n]] = (self.step_pos[b, -1] + 1).to(self.death.dtype)
-        layer.compact(sel.keep, state)
+        obs = self.observation(layer_idx, scaling)
+        scores, state = self.policy.score(obs)
+        sel = self.policy.select(obs, scores, sample=self.sample, generator=self.generator)
+        self.apply(layer_idx, sel.keep, state)
         if sel.logprob is not None:
             self.logprobs[-1][layer_idx] = sel.logprob
         self.evict_seconds += time.perf_counter() - start
+
+    def observation(self, layer_idx: int, scaling: float) -> Observation:
+        """What the policy sees of layer ``layer_idx`` now (after this step's forward)."""
+        layer = self.layers[layer_idx]
+        return Observation(layer.keys, layer.values, layer.queries, layer.key_pos, layer.query_pos,
+                           layer.state, layer_idx, scaling)
+
+    def apply(self, layer_idx: int, keep: Tensor, state: Tensor | None) -> None:
+        """Keep slots keep [B, H, K] of layer ``layer_idx`` (state: the policy's updated
+        per-token state) and record the deaths of the others. :meth:`evict` calls it with
+        the policy's own selection; ForesightKV's eviction MDP calls it with an action
+        chosen outside the forward (:mod:`kvrl.envs.eviction`)."""
+        layer = self.layers[layer_idx]
+        valid = layer.key_pos >= 0
+        over = valid.sum(-1).amax(-1) > self.policy.budget  # [B]: rows that evict when decoded alone
+        if state is not None and not bool(over.all()):
+            # The schedule is shared by the batch, but a row within its budget would not
+            # have been scored alone: it keeps all its keys (K >= its valid count) and its state.
+            previous = self.policy.previous_state(self.observation(layer_idx, 1.0))
+            state = torch.where(over[:, None, None, None], state, previous)
+        kept = torch.zeros_like(valid).scatter_(-1, keep, True)
+        b, h, n = (valid & ~kept).nonzero(as_tuple=True)
+        # The last query of row b in this forward saw the key; the next one does not.
+        self.death[layer_idx, b, h, layer.key_pos[b, h, n]] = (self.step_pos[b, -1] + 1).to(self.death.dtype)
+        layer.compact(keep, state)
 
     def trace(self, lengths: Tensor) -> EvictionTrace:
         """The recorded trace; lengths [B] = prompt + generated tokens of each row."""

@@ -13,6 +13,7 @@ Built-in ids (entry points are imported only by ``make``):
 
 * ``kvrl/math-v0``   -> :class:`kvrl.envs.math.MathEnv` (JSONL/parquet math sets, math-verify reward)
 * ``kvrl/chains-v0`` -> :class:`kvrl.envs.chains.ChainsEnv` (the tiny reasoner's synthetic tasks)
+* ``kvrl/eviction-v0`` -> :class:`kvrl.envs.eviction.EvictionEnv` (ForesightKV's eviction MDP over stored traces)
 """
 
 from kvrl.envs.base import Env, Reward, Task, TextEnv, TraceEnv
@@ -22,6 +23,7 @@ from kvrl.envs.registry import EnvNotFoundError, make, register, registered
 register("kvrl/math-v0", "kvrl.envs.math:MathEnv")
 register("kvrl/chains-v0", "kvrl.envs.chains:ChainsEnv")
 register("kvrl/counts-v0", "kvrl.envs.counts:CountsEnv")
+register("kvrl/eviction-v0", "kvrl.envs.eviction:EvictionEnv")
 
 __all__ = [
     "Env",

@@ -64,7 +64,9 @@ class LearnedScorer(KVPolicy):
 
     The scorer :class:`ScorerMLP` maps ``[k ‖ v ‖ features]`` (2·head_dim + 8·G) to an
     *eviction* score, higher = drop, like ForesightKV's; kvrl's keep-score is its negative,
-    so ``select(sample=True)`` evicts by ``softmax(eviction score)``. Gradients flow to the
+    so ``select(sample=True)`` evicts by ``softmax(eviction score)`` (Plackett–Luce over all
+    candidates). ForesightKV's training action, Top-K multinomial with the exact set
+    log-probability, is :meth:`act` (used by ``kvrl.algos.foresight``). Gradients flow to the
     scorer (features and K/V are inputs only).
 
     Parameters
@@ -112,6 +114,13 @@ class LearnedScorer(KVPolicy):
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] (= −eviction score) and state [B, H, N, 2G]."""
+        x, state = self.features(obs)
+        return -self.scorer(obs.layer, x.to(self.scorer.w1.dtype)).float(), state
+
+    def features(self, obs: Observation) -> tuple[Tensor, Tensor]:
+        """The scorer's input ``[k ‖ v ‖ 8·G attention features]`` [B, H, N, 2D + 8G] and the
+        updated state [B, H, N, 2G]. They do not depend on the scorer's weights, so
+        ForesightKV's trainers store them once per eviction step and re-score them."""
         b, hq, w, d = obs.queries.shape
         h, n, g = obs.keys.shape[1], obs.keys.shape[2], self.group
         if hq != h * g:
@@ -131,5 +140,111 @@ class LearnedScorer(KVPolicy):
                  attn[:, :, :, -16:].sum(3), attn[:, :, :, -8:].sum(3), attn[:, :, :, -32:].sum(3)]
         feats = [f.transpose(-1, -2) for f in feats]  # [B, H, N, G] each
         x = torch.cat([obs.keys.float(), obs.values.float(), *feats, cum, decayed], -1)
-        evict = self.scorer(obs.layer, x.to(self.scorer.w1.dtype))
-        return -evict.float(), torch.cat([cum, decayed], -1)
+        return x, torch.cat([cum, decayed], -1)
+
+    def act(self, key_pos: Tensor, scores: Tensor, *, sample: bool = True,
+            generator: torch.Generator | None = None) -> TopKDraw:
+        """ForesightKV's eviction action for slots at ``key_pos`` [B, H, N] with keep-scores
+        ``scores`` [B, H, N] (from :meth:`score`; differentiable).
+
+        Among the candidates (valid, not sink/window; as :meth:`KVPolicy.select`), E = valid
+        − K slots are evicted. ``sample=True`` (training) is Top-K multinomial: the pool is
+        the 2E candidates with the highest eviction scores and E of them are drawn without
+        replacement from ``softmax(eviction score)`` over the pool (Gumbel-top-E);
+        ``logprob`` is the exact log-probability of the drawn *set*
+        (:func:`topk_set_logprob`), where ForesightKV's trainer uses a log-softmax over all
+        scores, which is not the probability of what it sampled. ``sample=False``
+        (inference, the default of every engine) evicts the E highest — the same slots as
+        ``select(obs, scores)`` — with logprob 0.
+        """
+        valid = key_pos >= 0
+        k = min(self.budget, key_pos.shape[-1])
+        candidates = valid & ~self.always_kept(key_pos)
+        evict = -scores.float()
+        n_evict = (valid.sum(-1) - k).clamp(min=0)  # [B, H]
+        if sample:
+            pool = topk_pool(evict, candidates, n_evict)
+            gumbel = -torch.empty_like(evict).exponential_(generator=generator).log()
+            key = torch.where(pool, evict.detach() + gumbel, float("-inf"))
+        else:
+            pool = candidates
+            key = torch.where(candidates, evict.detach(), float("-inf"))
+        rank = key.argsort(dim=-1, descending=True, stable=True).argsort(-1)
+        drawn = pool & (rank < n_evict[..., None])
+        priority = torch.where(drawn | ~valid, float("-inf"), torch.where(candidates, -evict.detach(), float("inf")))
+        keep = priority.topk(k, dim=-1).indices
+        keep = keep.gather(-1, key_pos.gather(-1, keep).argsort(dim=-1, stable=True))
+        logprob = topk_set_logprob(evict, pool, drawn) if sample else evict.new_zeros(n_evict.shape)
+        return TopKDraw(keep=keep, pool=pool, drawn=drawn, logprob=logprob)
+
+
+@dataclass
+class TopKDraw:
+    """One eviction action of :meth:`LearnedScorer.act`.
+
+    keep [B, H, K] int64 kept slots (sorted by position); pool [B, H, N] bool the top-2E
+    candidates the draw came from; drawn [B, H, N] bool the evicted slots; logprob [B, H]
+    the log-probability of the drawn set (0 where nothing was evicted).
+    """
+
+    keep: Tensor
+    pool: Tensor
+    drawn: Tensor
+    logprob: Tensor
+
+
+def topk_pool(evict: Tensor, candidates: Tensor, n_evict: Tensor) -> Tensor:
+    """Bool [B, H, N]: the min(2E, candidates) candidates with the highest eviction scores
+    ``evict`` [B, H, N], E = ``n_evict`` [B, H] (ForesightKV's top-2W candidates)."""
+    key = torch.where(candidates, evict.detach().float(), float("-inf"))
+    rank = key.argsort(dim=-1, descending=True, stable=True).argsort(-1)
+    return candidates & (rank < 2 * n_evict[..., None])
+
+
+QUADRATURE_POINTS = 256  # trapezoid nodes on log t; the tests check 1e-6 agreement with enumeration
+
+
+def topk_set_logprob(evict: Tensor, pool: Tensor, drawn: Tensor) -> Tensor:
+    """log P(the draw's set = ``drawn``) for E draws without replacement from
+    ``softmax(evict)`` restricted to ``pool`` (Kool, van Hoof & Welling 2020, eq. 5).
+
+    With φ_i = exp(evict_i), S the drawn set and R = pool \\ S, and the draws seen as a race
+    of exponential clocks of rates φ (the first E to ring are the draw, in draw order):
+
+        P(S) = ∫_0^∞ φ_R e^{−φ_R t} Π_{i∈S} (1 − e^{−φ_i t}) dt,   φ_R = Σ_{j∈R} φ_j,
+
+    i.e. Kool's ∫_0^1 Π_{i∈S}(1 − u^{φ_i/φ_R}) du with u = e^{−φ_R t}. It sums the
+    Plackett–Luce probabilities of all E! orders in O(E) per node. Computed in float64 in
+    log space on t = e^s with the trapezoid rule over s ∈ [−10 − log φ_max, 4 − log φ_R],
+    outside of which the integrand is below e^{−20}·peak (each factor 1 − e^{−φt} ≈ φt for
+    small t; e^{−φ_R t} for large t). Differentiable in ``evict``. When R is empty (the
+    pool is the set) P = 1; rows that draw nothing get 0.
+
+    evict, pool, drawn: [..., N]; returns [...] float32.
+    """
+    x = torch.where(pool, evict.double(), float("-inf"))
+    x = x - x.amax(-1, keepdim=True).detach().clamp(min=-1e300)  # φ_max = 1 on the pool
+    rest = pool & ~drawn
+    # −1e4 rather than −inf keeps every gradient finite (exp(−1e4) is 0 in float64)
+    log_phi_r = torch.where(rest, x, -1e4).logsumexp(-1)  # [...]
+    some_rest = rest.any(-1)
+    lo = torch.full_like(log_phi_r, -10.0)
+    hi = torch.where(some_rest, 4.0 - log_phi_r, torch.zeros_like(log_phi_r)).detach()
+    hi = torch.maximum(hi, lo + 1.0)
+    nodes = torch.linspace(0, 1, QUADRATURE_POINTS, dtype=torch.float64, device=x.device)
+    s = lo[..., None] + (hi - lo)[..., None] * nodes  # [..., Q]
+    # only the E drawn slots enter the product: gather them first ([..., E, Q], not [..., N, Q])
+    first = drawn.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :max(1, int(drawn.sum(-1).max()))]
+    in_s = drawn.gather(-1, first)
+    y = (torch.where(in_s, x.gather(-1, first), 0.0)[..., :, None] + s[..., None, :]).exp()  # φ_i t (finite off S)
+    # log(1 − e^{−y}), stable for small and large y
+    log1m = torch.where(y < 0.693, torch.log(-torch.expm1(-y.clamp(min=1e-300))), torch.log1p(-torch.exp(-y)))
+    prod = torch.where(in_s[..., None], log1m, 0.0).sum(-2)  # Σ_{i∈S} [..., Q]
+    lr = torch.where(some_rest, log_phi_r, torch.zeros_like(log_phi_r))[..., None]
+    integrand = lr + s - lr.exp() * s.exp() + prod  # log of φ_R e^{−φ_R t} Π(...) · t (dt = t ds)
+    ds = ((hi - lo) / (QUADRATURE_POINTS - 1))[..., None]
+    w = torch.full_like(s, 1.0)
+    w[..., 0] = w[..., -1] = 0.5
+    logp = (integrand + (w * ds).log()).logsumexp(-1)
+    logp = torch.where(some_rest, logp, torch.zeros_like(logp))  # R empty: the whole pool is drawn
+    return torch.where(drawn.any(-1), logp, torch.zeros_like(logp)).float()

@@ -1,0 +1,103 @@
+"""ForesightKV's loss ratio (seed 004, Table 2) and accuracy on the tiny reasoner.
+
+Loss ratio = Σ loss / Σ full-cache loss over the generated tokens of the held-out traces
+of a ``tiny_foresight`` run (``outputs/tiny_foresight/traces/heldout``), each policy
+replayed by the same chunked teacher-forced pass (``kvrl.envs.eviction.run_policy``) at
+each (budget, interval): Golden Eviction (the oracle), Foresight-SFT and Foresight-RL (the
+run's stage 1 / stage 2 scorers, deterministic top-k), R-KV, SnapKV, H2O, G-KV,
+StreamingLLM. The scorers were trained at the run's own setting; the other setting tests
+how they transfer.
+
+Accuracy: greedy decoding of fresh counts tasks with the vLLM engine (the scorer runs
+inside it) under Foresight-RL, R-KV, G-KV and StreamingLLM at one budget, and Foresight-RL
+in the HF reference engine for comparison. Prints one JSON line.
+
+    python -m kvrl.run recipe=tiny_foresight          # trains the scorers (~15 min)
+    python benchmarks/foresight_loss_ratio.py [--run outputs/tiny_foresight]
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from kvrl.algos.foresight import RULE_BASED, loss_ratios
+from kvrl.data.traces import load_traces
+from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.envs import make
+from kvrl.models.tiny import load_model, resolve_path
+from kvrl.policies import make_policy
+
+WINDOW, SINK = 8, 4
+
+
+def scorer(model, path, budget, interval):
+    policy = make_policy("learned", model.config, budget=budget, interval=interval, window=WINDOW, sink=SINK)
+    policy.scorer.load_state_dict(load_file(path))
+    return policy
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", default="outputs/tiny_foresight", help="output_dir of a tiny_foresight run")
+    ap.add_argument("--settings", default="48,16;40,8", help="(budget,interval) pairs, ';'-separated")
+    ap.add_argument("--traces", type=int, default=64, help="held-out traces used")
+    ap.add_argument("--accuracy-budget", default="48,16", help="(budget,interval) of the accuracy comparison")
+    ap.add_argument("--tasks", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=4321)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    run = Path(args.run)
+    model, tok = load_model("tiny")
+    model.requires_grad_(False)
+    heldout = load_traces(run / "traces" / "heldout")[:args.traces]
+    weights = {"foresight_sft": run / "sft" / "scorer.safetensors", "foresight_rl": run / "rl" / "scorer.safetensors"}
+
+    # -- loss ratios at every setting, all policies side by side
+    ratios = {}
+    for setting in args.settings.split(";"):
+        budget, interval = map(int, setting.split(","))
+        policies = {"golden": "golden", **{k: scorer(model, p, budget, interval) for k, p in weights.items()},
+                    **{n: n for n in RULE_BASED}}
+        r = loss_ratios(model, heldout, policies, budget=budget, interval=interval, window=WINDOW, sink=SINK)
+        r["ordering_holds"] = bool(r["foresight_rl"] <= r["foresight_sft"] < min(r[n] for n in RULE_BASED))
+        ratios[f"({budget},{interval})"] = r
+
+    # -- accuracy under the vLLM engine (the learned scorer evicts inside vLLM)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kvrl.engines.vllm import VLLMEngine
+
+    budget, interval = map(int, args.accuracy_budget.split(","))
+    engine = VLLMEngine(resolve_path("tiny"), tok, max_model_len=512)
+    env = make("kvrl/counts-v0")
+    env.reset(seed=args.seed)
+    tasks = env.tasks(args.tasks)
+    accuracy = {}
+    kv = dict(budget=budget, interval=interval, window=WINDOW, sink=SINK)
+    policies = {"full": None, "foresight_rl": scorer(model, weights["foresight_rl"], budget, interval),
+                **{n: make_policy(n, model.config, **kv) for n in ("rkv", "gkv", "streaming")}}
+    for name, policy in policies.items():
+        out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens=64), policy=policy)
+        accuracy[name] = float(np.mean([env.score(t, text)[0] for t, text in zip(tasks, out.texts)]))
+    # the same scorer in the HF reference engine: the two engines should agree
+    hf = HFEngine(model, tok)
+    policy = scorer(model, weights["foresight_rl"], budget, interval)
+    texts = [text for i in range(0, len(tasks), 64) for text in
+             hf.generate([t.prompt for t in tasks[i:i + 64]], Sampling(max_new_tokens=64), policy=policy).texts]
+    accuracy["foresight_rl_hf_engine"] = float(np.mean([env.score(t, text)[0] for t, text in zip(tasks, texts)]))
+    print(json.dumps({"run": str(run), "heldout_traces": len(heldout),
+                      "mean_trace_tokens": float(np.mean([len(t.ids) for t in heldout])),
+                      "full_cache_loss_per_token": sum(map(sum, (t.loss for t in heldout))) / sum(
+                          len(t.loss) for t in heldout),
+                      "window": WINDOW, "sink": SINK, "loss_ratio": ratios,
+                      "accuracy": {"engine": "vllm", "budget": budget, "interval": interval, "tasks": len(tasks),
+                                   **accuracy}}))
+
+
+if __name__ == "__main__":
+    main()
