@@ -169,7 +169,7 @@ class ForesightConfig:
 
 @dataclass
 class Config:
-    recipe: str = "default"  # recipe name (file stem in the recipes folder)
+    recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     seed: int = 0  # seed for every random number generator
     run_name: str = "${recipe}"  # name of this run in logs and output paths
@@ -232,7 +232,7 @@ def _parse_cli(argv: Sequence[str]) -> DictConfig:
         if "=" not in arg or not key or "" in key.split("."):
             raise ConfigError(
                 f"malformed argument {arg!r}: arguments are key=value with a dotted key, "
-                "e.g. `python -m kvrl.run recipe=default trainer.lr=1e-3`"
+                "e.g. `python -m kvrl.run recipe=tiny_rl_full trainer.lr=1e-3`"
             )
     return OmegaConf.from_dotlist(list(argv))
 
@@ -400,7 +400,7 @@ def _foresight_problems(cfg: Config) -> list[str]:
 def load_config(argv: Sequence[str]) -> Config:
     """schema ⊕ recipes/NAME.yaml ⊕ `key=value` arguments -> validated, typed Config."""
     cli = _parse_cli(argv)
-    name = str(cli.get("recipe", "default"))
+    name = str(cli.get("recipe", Config.recipe))
     cli.recipe = name  # the name chosen here wins over a `recipe:` written in the file
     recipe, recipe_path = _load_recipe(name)
     merged = OmegaConf.structured(Config)

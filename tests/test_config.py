@@ -32,7 +32,7 @@ def test_unknown_recipe_exits_2_and_lists_recipes():
     proc = run_module("recipe=nope")
     assert proc.returncode == 2
     assert "unknown recipe 'nope'" in proc.stderr
-    assert "default" in proc.stderr and "tiny_pretrain" in proc.stderr
+    assert "tiny_eval" in proc.stderr and "tiny_pretrain" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
@@ -91,7 +91,7 @@ def test_unknown_job_lists_the_jobs(capsys):
 def test_help_lists_recipes_jobs_and_keys(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "default" in out and "tiny_pretrain" in out
+    assert "tiny_eval" in out and "tiny_pretrain" in out
     assert "Train the embedded tiny reasoner from scratch" in out  # first comment line
     assert "pretrain_tiny" in out and "trainer.lr=0.003" in out and "eval.budgets=[0.25,0.5]" in out
 
@@ -104,7 +104,7 @@ def test_printed_config_round_trips_as_a_recipe(capsys, tmp_path, monkeypatch):
     (tmp_path / "again.yaml").write_text(printed)
     monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
     again = load_config(["recipe=again", "print_config=false"])
-    assert dataclasses.replace(again, recipe="default") == original
+    assert dataclasses.replace(again, recipe="tiny_foresight") == original
 
 
 def test_unknown_key_in_a_recipe_names_file_and_key(capsys, tmp_path, monkeypatch):
@@ -131,8 +131,10 @@ def test_every_recipe_loads_and_names_a_known_job(recipe):
 
 
 def test_recipe_values_and_cli_overrides():
-    cfg = load_config([])
-    assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("default", "eval_budgets", "streaming",
-                                                                       [0.25, 0.5])
+    cfg = load_config([])  # no recipe: the main job, ForesightKV on the tiny reasoner
+    assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.output_dir) == ("tiny_foresight", "foresight", "learned",
+                                                                    "outputs/tiny_foresight")
+    cfg = load_config(["recipe=tiny_eval"])
+    assert (cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("eval_budgets", "streaming", [0.25, 0.5])
     cfg = load_config(["recipe=tiny_pretrain", "trainer.steps=10", "run_name=x"])
     assert (cfg.trainer.steps, cfg.trainer.lr, cfg.output_dir) == (10, 3e-3, "outputs/x")
