@@ -22,23 +22,14 @@ import numpy as np
 import torch
 
 from kvrl.config import load_config
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
+from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import load_model
 from kvrl.policies import make_policy
 from kvrl.workers.controller import main as train
 
 RECIPES = {"rl_full": "tiny_rl_full", "rl_sparse": "tiny_gkv_sparse", "distill": "tiny_gkv_distill"}
-
-
-def accuracy(model, tok, env, tasks, policy, max_new_tokens, batch_size=64) -> float:
-    engine = HFEngine(model.eval(), tok)
-    rewards = []
-    for i in range(0, len(tasks), batch_size):
-        chunk = tasks[i:i + batch_size]
-        out = engine.generate([t.prompt for t in chunk], Sampling(max_new_tokens), policy=policy)
-        rewards += [env.score(t, text)[0] for t, text in zip(chunk, out.texts)]
-    return float(np.mean(rewards))
 
 
 def main():
@@ -81,8 +72,9 @@ def main():
         model, tok = load_model(path)
         policy = make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
                              sink=kv.sink, **kv.kwargs)
-        acc_gkv[name] = accuracy(model, tok, env, tasks, policy, sparse.sampling.max_new_tokens)
-        acc_full[name] = accuracy(model, tok, env, tasks, None, sparse.sampling.max_new_tokens)
+        engine = HFEngine(model.eval(), tok)
+        acc_gkv[name] = evaluate(engine, env, tasks, sparse.sampling.max_new_tokens, policy=policy)["acc"]
+        acc_full[name] = evaluate(engine, env, tasks, sparse.sampling.max_new_tokens)["acc"]
     print(json.dumps({
         "benchmark": "gkv_train", "model": "tiny", "tasks": args.tasks, "steps": args.steps,
         "kv": {"policy": "gkv", "budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink,

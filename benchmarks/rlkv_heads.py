@@ -25,18 +25,9 @@ import numpy as np
 import torch
 
 from kvrl.algos.rlkv import head_allocation, load_gates
-from kvrl.engines.hf import Sampling
 from kvrl.envs import make
+from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import load_model, resolve_path
-
-
-def accuracy(engine, env, tasks, policy, max_new_tokens, batch_size):
-    rewards = []
-    for i in range(0, len(tasks), batch_size):
-        chunk = tasks[i:i + batch_size]
-        out = engine.generate([t.prompt for t in chunk], Sampling(max_new_tokens), policy=policy)
-        rewards += [env.score(t, text)[0] for t, text in zip(chunk, out.texts)]
-    return float(np.mean(rewards))
 
 
 def main():
@@ -77,7 +68,7 @@ def main():
         return head_allocation(g, args.sparsity, model.config, sink=args.sink, recent=args.recent)
 
     def run(policy):
-        return accuracy(engine, env, tasks, policy, args.max_new_tokens, args.batch_size)
+        return evaluate(engine, env, tasks, args.max_new_tokens, batch_size=args.batch_size, policy=policy)["acc"]
 
     def compressed(alloc):
         return [[int(l), int(h)] for l, h in alloc.compressed_mask().nonzero().tolist()]

@@ -8,8 +8,10 @@ network); any other hub id is fetched with ``AutoConfig`` when a network is ther
 model is built on the meta device to count its parameters exactly.
 
 KV memory per sequence is ``2 (K, V) · layers · kv_heads · head_dim · bytes`` per cached
-token. With the full cache a sequence caches every token up to ``T = sampling.max_new_tokens``
-(prompt not counted); under a token policy the cache peaks at ``kv.budget + kv.interval``
+token. With the full cache a sequence caches every token up to ``T = prompt +
+sampling.max_new_tokens``, the prompt being the mean of 16 of the environment's tasks when
+the environment and a local tokenizer are at hand (the plan says when it could not count
+them); under a token policy the cache peaks at ``kv.budget + kv.interval``
 (it is cut back to the budget every interval tokens). For ``job=rlkv`` the estimate is of
 the deployment (training keeps the full cache under the mixed attention): a fraction
 ``s = rlkv.sparsity`` of the heads keeps ``rlkv.eval_sink + rlkv.eval_recent`` tokens, the
@@ -61,6 +63,27 @@ def size(n: float) -> str:
         n /= 1024
 
 
+def prompt_tokens(cfg) -> int | None:
+    """Mean prompt length of 16 of the environment's tasks; None when the environment (a
+    dataset that is not here) or a local tokenizer (not a hub id: no network wait) is missing."""
+    from transformers import AutoTokenizer
+
+    from kvrl.envs import make
+    from kvrl.models.tiny import resolve_path
+
+    local = Path(resolve_path(cfg.model.path))
+    if not local.is_dir():  # a hub id: a plan must not wait on the network
+        return None
+    try:
+        env = make(cfg.env.id, **cfg.env.kwargs)
+        env.reset(seed=cfg.seed)
+        tokenizer = AutoTokenizer.from_pretrained(local)
+    except (OSError, ValueError, ImportError):
+        return None
+    prompts = [t.prompt for t in env.tasks(16)]
+    return round(sum(len(ids) for ids in tokenizer(prompts)["input_ids"]) / len(prompts))
+
+
 def plan(cfg) -> dict:
     """The figures the dry run prints (also returned for tests)."""
     from transformers import AutoModelForCausalLM
@@ -70,7 +93,8 @@ def plan(cfg) -> dict:
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     width = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
     per_token = kv_bytes_per_token(config, cfg.model.dtype)
-    T = cfg.sampling.max_new_tokens
+    prompt = prompt_tokens(cfg)
+    T = cfg.sampling.max_new_tokens + (prompt or 0)
     kept = T
     if cfg.kv.policy != "full" and cfg.kv.budget > 0:
         kept = min(T, cfg.kv.budget + cfg.kv.interval)
@@ -81,7 +105,7 @@ def plan(cfg) -> dict:
     return {
         "model": cfg.model.path, "params": params, "weights_bytes": params * width,
         "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
-        "kv_bytes_per_token": per_token, "tokens_per_sequence": T, "kept_tokens_per_sequence": kept,
+        "kv_bytes_per_token": per_token, "prompt_tokens": prompt, "tokens_per_sequence": T, "kept_tokens_per_sequence": kept,
         "kv_full_bytes_per_sequence": per_token * T, "kv_kept_bytes_per_sequence": per_token * kept,
         "kv_full_bytes_per_batch": per_token * T * cfg.sampling.batch_size,
         "kv_kept_bytes_per_batch": per_token * kept * cfg.sampling.batch_size,
@@ -103,7 +127,9 @@ def main(cfg) -> dict:
         f"dry run of recipe={cfg.recipe} (job={cfg.job}); nothing is loaded or started",
         f"model      {p['model']}: {p['params'] / 1e6:,.1f} M parameters, {size(p['weights_bytes'])} in "
         f"{cfg.model.dtype}; {p['layers']} layers x {p['kv_heads']} KV heads",
-        f"KV cache   {size(p['kv_bytes_per_token'])} per token; a {p['tokens_per_sequence']}-token sequence: full "
+        f"KV cache   {size(p['kv_bytes_per_token'])} per token; a {p['tokens_per_sequence']}-token sequence ("
+        + (f"prompt ~{p['prompt_tokens']} + " if p["prompt_tokens"] is not None else "prompt not counted: no local "
+           "tokenizer or environment data; ") + f"{cfg.sampling.max_new_tokens} new): full "
         f"{size(p['kv_full_bytes_per_sequence'])}, {kept} {size(p['kv_kept_bytes_per_sequence'])} "
         f"({p['kept_tokens_per_sequence'] / p['tokens_per_sequence']:.0%})",
         f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "

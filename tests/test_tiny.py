@@ -139,10 +139,10 @@ def test_pretraining_loss_falls(tmp_path):
 
 
 @pytest.mark.skipif(not (TINY_PATH / "config.json").exists(), reason="shipped weights missing")
-def test_default_job_prints_the_budget_table(tmp_path, capsys):
+def test_eval_job_prints_the_budget_table(tmp_path, capsys):
     from kvrl.run import main
 
-    assert main(["env.num_eval_tasks=16", f"output_dir={tmp_path}"]) == 0
+    assert main(["recipe=tiny_eval", "env.num_eval_tasks=16", f"output_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "full" in out and "sink4+recent" in out
     import json

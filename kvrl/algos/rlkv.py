@@ -43,6 +43,7 @@ from kvrl.algos.grpo import grpo_loss
 from kvrl.kernels.mixed import MixedGates
 from kvrl.policies.heads import HeadAllocation
 from kvrl.workers.controller import Controller, plot_rewards
+from kvrl.workers.controller import main as controller_main
 
 GATES_FILE = "gates.safetensors"
 
@@ -240,9 +241,4 @@ class RLKVController(Controller):
 
 
 def main(cfg) -> dict:
-    torch.set_flush_denormal(True)
-    controller = RLKVController(cfg)
-    try:
-        return controller.run()
-    finally:
-        controller.close()
+    return controller_main(cfg, RLKVController)

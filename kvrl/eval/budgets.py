@@ -35,13 +35,14 @@ def window_death(model, batch: int, T: int, sink: int, recent: int) -> torch.Ten
 
 
 def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, death_fn: DeathFn | None = None,
-             batch_size: int = 64, desc: str = "eval") -> dict:
-    """Greedy accuracy and metrics of ``tasks``; ``death_fn(batch, T)`` gives the pattern."""
+             batch_size: int = 64, desc: str = "eval", policy=None) -> dict:
+    """Greedy accuracy and metrics of ``tasks`` in ``engine`` (HF or vLLM) under ``policy``
+    (as ``engine.generate`` takes it), or the static pattern ``death_fn(batch, T)``."""
     texts, tokens, rewards, infos = [], [], [], []
     for i in tqdm(range(0, len(tasks), batch_size), desc=desc, leave=False):
         batch = tasks[i:i + batch_size]
         T = max(len(engine.tokenizer(t.prompt)["input_ids"]) for t in batch) + max_new_tokens + 1
-        out = engine.generate([t.prompt for t in batch], Sampling(max_new_tokens),
+        out = engine.generate([t.prompt for t in batch], Sampling(max_new_tokens), policy=policy,
                               death=None if death_fn is None else death_fn(batch, T))
         texts += out.texts
         tokens += out.tokens

@@ -394,9 +394,9 @@ def plot_rewards(records: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(cfg) -> dict:
+def main(cfg, controller_cls: type = Controller) -> dict:
     torch.set_flush_denormal(True)
-    controller = Controller(cfg)
+    controller = controller_cls(cfg)
     try:
         return controller.run()
     finally:
