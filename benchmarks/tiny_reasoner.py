@@ -71,7 +71,7 @@ def main():
     for frac in (0.25, 0.5):
         budget = round(frac * full["mean_seq_len"])
         win = evaluate(engine, env, tasks, max_new, desc=f"window{frac}",
-                       death_fn=lambda b, T: window_death(model, len(b), T, SINK, budget - SINK))
+                       death_fn=lambda b, T: window_death(model.config, len(b), T, SINK, budget - SINK))
         orc = evaluate(engine, env, tasks, max_new, desc=f"oracle{frac}",
                        death_fn=lambda b, T: oracle_death(model, b, T, budget)[0])
         pct = round(100 * frac)
@@ -79,7 +79,7 @@ def main():
                     f"oracle{pct}_peak_keys": oracle_death(model, tasks, max_new + 128, budget)[1]})
     # Sanity: an unlimited window is the full cache, token for token, vs stock generate().
     sub = tasks[:64]
-    unl = evaluate(engine, env, sub, max_new, death_fn=lambda b, T: window_death(model, len(b), T, SINK, 10**6))
+    unl = evaluate(engine, env, sub, max_new, death_fn=lambda b, T: window_death(model.config, len(b), T, SINK, 10**6))
     ref_model, _ = load_model(args.model, attn_implementation="sdpa")
     enc = tok([t.prompt for t in sub], return_tensors="pt", padding=True)
     gen = ref_model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kvrl.engines import make_engine
 from kvrl.engines.hf import Sampling
 from kvrl.envs import Task, TextEnv, make
 
@@ -62,20 +63,6 @@ def select(solved: list[dict], edges: list[int], counts: list[int], seed: int) -
         report.append({"bucket": b, "tokens": [edges[b], edges[b + 1]], "solved": len(rows), "wanted": want,
                        "kept": len(pick)})
     return kept, report
-
-
-def make_engine(cfg):
-    """The generation engine of ``workers.engine``, on ``cfg.device``."""
-    from kvrl.models.tiny import load_model, resolve_path
-
-    if cfg.workers.engine == "vllm":
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from kvrl.engines.vllm import VLLMEngine
-
-        return VLLMEngine(resolve_path(cfg.model.path), dtype=cfg.model.dtype, seed=cfg.seed)
-    from kvrl.engines.hf import HFEngine
-
-    return HFEngine(*load_model(cfg.model.path, cfg.model.dtype, cfg.device))
 
 
 def main(cfg) -> dict:

@@ -57,22 +57,12 @@ def load_traces(path: str | Path) -> list[Trace]:
 
 def _engine(cfg):
     """The full-cache generation engine of ``workers.engine`` and the scoring (HF) engine."""
+    from kvrl.engines import make_engine
     from kvrl.engines.hf import HFEngine
-    from kvrl.models.tiny import load_model, resolve_path
+    from kvrl.models.tiny import load_model
 
-    model, tok = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
-    hf = HFEngine(model, tok)
-    if cfg.workers.engine == "hf":
-        return hf, hf
-    import os
-
-    from kvrl.engines.vllm import VLLMEngine
-
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: one process on a small machine
-    longest = 4 * cfg.sampling.max_new_tokens + 1024  # prompts of the tiny tasks are short; vLLM needs a bound
-    gen = VLLMEngine(resolve_path(cfg.model.path), tok, dtype=cfg.model.dtype, seed=cfg.seed,
-                     max_model_len=min(longest, model.config.max_position_embeddings))
-    return gen, hf
+    hf = HFEngine(*load_model(cfg.model.path, cfg.model.dtype, cfg.device))
+    return (hf if cfg.workers.engine == "hf" else make_engine(cfg, hf.tokenizer)), hf
 
 
 def _shard(gen, hf, env, tasks, cfg, seed: int) -> list[dict]:

@@ -26,12 +26,12 @@ from kvrl.kernels.replay import NEVER
 DeathFn = Callable[[list[Task], int], torch.Tensor]
 
 
-def window_death(model, batch: int, T: int, sink: int, recent: int) -> torch.Tensor:
-    """Sink+recent for every head: key k >= sink dies at query k + recent. [L, B, H, T]."""
-    cfg = model.config
+def window_death(config, batch: int, T: int, sink: int, recent: int, device="cpu") -> torch.Tensor:
+    """Sink+recent for every head of a model ``config``: key k >= sink dies at query
+    k + recent. [L, B, H, T]."""
     k = torch.arange(T, dtype=torch.int64)
     death = torch.where(k < sink, torch.full_like(k, NEVER), k + recent).to(torch.int32)
-    return death.expand(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, T).to(model.device)
+    return death.expand(config.num_hidden_layers, batch, config.num_key_value_heads, T).to(device)
 
 
 def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, death_fn: DeathFn | None = None,
@@ -59,11 +59,16 @@ def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, deat
 
 
 def main(cfg) -> dict:
-    from kvrl.models.tiny import load_model
+    """The budget table on ``workers.engine`` (hf, or vllm: the head-reallocated row is
+    then vLLM's own head reallocation)."""
+    from transformers import AutoConfig
+
+    from kvrl.engines import make_engine
+    from kvrl.models.tiny import resolve_path
 
     torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
-    engine = HFEngine(model, tokenizer)
+    engine = make_engine(cfg)
+    config = AutoConfig.from_pretrained(resolve_path(cfg.model.path))
     env = make(cfg.env.id, **cfg.env.kwargs)
     env.reset(seed=cfg.seed)
     tasks = env.tasks(cfg.env.num_eval_tasks)
@@ -76,15 +81,16 @@ def main(cfg) -> dict:
             raise ValueError(f"eval.budgets entry {frac} gives {budget} tokens, not more than kv.sink={cfg.kv.sink}; "
                              "raise the fraction or lower kv.sink")
         res = evaluate(engine, env, tasks, n_new, batch_size=cfg.sampling.batch_size, desc=f"window {frac:g}",
-                       death_fn=lambda b, T: window_death(model, len(b), T, cfg.kv.sink, budget - cfg.kv.sink))
+                       death_fn=lambda b, T: window_death(config, len(b), T, cfg.kv.sink, budget - cfg.kv.sink,
+                                                          cfg.device))
         rows.append({"policy": f"sink{cfg.kv.sink}+recent", "budget": budget, "budget_frac": frac, "acc": res["acc"]})
     if cfg.rlkv.gates:  # RLKV's head reallocation: the lowest-gated heads keep eval_sink + eval_recent only
         from kvrl.algos.rlkv import head_allocation
 
         r = cfg.rlkv
-        heads = head_allocation(r.gates, r.sparsity, model.config, sink=r.eval_sink, recent=r.eval_recent)
+        heads = head_allocation(r.gates, r.sparsity, config, sink=r.eval_sink, recent=r.eval_recent)
         res = evaluate(engine, env, tasks, n_new, batch_size=cfg.sampling.batch_size, desc="rlkv heads",
-                       death_fn=lambda b, T: engine.static_death(heads, len(b), T))
+                       policy=heads)
         rows.append({"policy": f"rlkv s={r.sparsity:g}", "budget": None, "acc": res["acc"],
                      "compressed_heads": int(heads.compressed_mask().sum())})
     print(f"\n{len(tasks)} tasks of {cfg.env.id}; mean sequence {full['mean_seq_len']:.1f} tokens, "

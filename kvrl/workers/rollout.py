@@ -23,7 +23,6 @@ What a push holds is the algorithm's ``pushes``:
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass
 
@@ -32,8 +31,9 @@ import torch
 
 from kvrl.algos import make_algo
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import HFEngine, Sampling
-from kvrl.models.tiny import load_model, resolve_path
+from kvrl.engines import make_engine
+from kvrl.engines.hf import Sampling
+from kvrl.models.tiny import resolve_path
 
 
 @dataclass
@@ -72,19 +72,13 @@ class RolloutWorker:
         torch.set_num_threads(1)  # actors share cores; more threads only contend (tests/conftest.py)
         self.cfg, self.rank = cfg, rank
         self.algo = make_algo(cfg)
-        if cfg.workers.engine == "vllm":
-            # in-process: the actor is vLLM's engine core and worker (reference/vllm.md)
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.engine = make_engine(cfg)
+        model = getattr(self.engine, "model", None)
+        if model is None:  # vLLM holds the weights; the policy needs the architecture only
             from transformers import AutoConfig, AutoModelForCausalLM
-            from kvrl.engines.vllm import VLLMEngine
 
-            path = resolve_path(cfg.model.path)
-            self.engine = VLLMEngine(path, dtype=cfg.model.dtype, seed=cfg.seed)
-            with torch.device("meta"):  # the policy needs the architecture only, not a second copy of the weights
-                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-        else:
-            model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
-            self.engine = HFEngine(model, tokenizer)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_path(cfg.model.path)))
         self.policy = self.algo.rollout_policy(model)
         # None until the controller pushes weights: a restarted actor holds only the base
         # weights, and must not generate samples that would be stamped with a version.
