@@ -243,6 +243,27 @@ def test_chunked_prefill_matches_hf(engine, hf, name):
         assert torch.equal(out.trace(b).death, trace.death), (name, b)
 
 
+@pytest.mark.parametrize("name", [None, "h2o"])
+def test_seeded_sampling_survives_chunked_prefill(engine, name):
+    """vLLM rewinds the seeded draw of a token it discards (a prompt still being prefilled)
+    through the generator's offset, which CPU generators lack (kvrl's patch
+    ``rewind_cpu_generators``): sampled rollouts must run, and draw exactly the tokens of
+    the same seeds without chunking."""
+    batch = prompts()
+    sampling = Sampling(max_new_tokens=NEW, temperature=1.0, seed=11)
+    policy = None if name is None else token_policy(name)
+    whole = engine.generate(batch, sampling, policy=policy)
+    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    budget = sched.max_num_scheduled_tokens
+    sched.max_num_scheduled_tokens = 16  # every prompt (19-37 tokens) is prefilled in 2-3 steps
+    try:
+        chunked = engine.generate(batch, sampling, policy=policy)
+    finally:
+        sched.max_num_scheduled_tokens = budget
+    assert chunked.tokens == whole.tokens and max_lp_diff(chunked.logprobs, whole.logprobs) < TOL
+    assert len({tuple(t) for t in whole.tokens}) > 1  # sampled, not a constant output
+
+
 def test_sampled_evictions_are_recorded_seeded_and_replayed(engine, hf):
     batch = prompts(4, seed=2)
     policy = token_policy("learned")

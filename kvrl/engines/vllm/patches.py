@@ -1,20 +1,24 @@
-"""Every monkeypatch kvrl applies around vLLM, each a named function (there is one).
+"""Every monkeypatch kvrl applies around vLLM, each a named function (there are two).
 
 kvrl's backends, KV-cache spec and worker extension go through vLLM's registries and
-extension points and need no patch. The one exception undoes a side effect of vLLM's CPU
-worker on the *calling* process when vLLM runs in-process:
+extension points and need no patch. The exceptions fix vLLM 0.32 on the CPU:
 
 * :func:`restore_torch_set_num_threads` — ``CPUWorker.init_device`` replaces
-  ``torch.set_num_threads`` with a function that only logs a warning (vllm 0.32,
-  ``v1/worker/cpu_worker.py``). In-process that silently disables thread control for the
+  ``torch.set_num_threads`` with a function that only logs a warning
+  (``v1/worker/cpu_worker.py``). In-process that silently disables thread control for the
   rest of the program (the HF engine, the learner); kvrl puts the original back once the
   engine is built.
+* :func:`rewind_cpu_generators` — the model runner undoes the draw of a token it discards
+  with ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA generators support, so
+  seeded sampling crashes on CPU as soon as a prompt is prefilled in chunks. Applied by
+  the plugin (:func:`kvrl.engines.vllm.plugin.register`) in every vLLM process on CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 _ORIGINAL_SET_NUM_THREADS = torch.set_num_threads
@@ -31,6 +35,49 @@ def restore_torch_set_num_threads():
         torch.set_num_threads(threads)
 
 
+def rewind_cpu_generators() -> None:
+    """Make vLLM's rewind of a discarded token's draw work for CPU generators (idempotent).
+
+    A request whose prompt is prefilled over several steps gets a token sampled at each
+    partial step, which the runner discards (``discard_request_mask``) and whose draw it
+    undoes so that the request's seeded stream is what it would be unchunked. vLLM 0.32
+    does that with the Philox offset (``GPUModelRunner._bookkeeping_sync``); a CPU
+    generator has none and raises ``RuntimeError: CPU Generator does not use offset``.
+    kvrl seeds every request, so any sampled rollout whose prompts overflow one step's token
+    budget crashed. Here ``_sample`` first saves the state of the CPU generators of the
+    requests it will discard, and ``_bookkeeping_sync`` restores those states and hides the
+    generators from vLLM's offset rewind: the same exact rewind, by state.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_kvrl_rewinds_cpu_generators", False):
+        return
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def discarded(runner) -> list[int]:
+        return np.nonzero(runner.discard_request_mask.np[:runner.input_batch.num_reqs])[0].tolist()
+
+    def _sample(self, *args, **kwargs):
+        gens = self.input_batch.generators
+        self._kvrl_saved_states = {i: gens[i].get_state() for i in discarded(self)
+                                   if i in gens and gens[i].device.type == "cpu"}
+        return sample(self, *args, **kwargs)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        gens, hidden = self.input_batch.generators, {}
+        for i, state in getattr(self, "_kvrl_saved_states", {}).items():
+            gens[i].set_state(state)
+            hidden[i] = gens.pop(i)
+        self._kvrl_saved_states = {}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            gens.update(hidden)
+
+    GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
+    GPUModelRunner._kvrl_rewinds_cpu_generators = True
+
+
 @contextlib.contextmanager
 def apply_patches():
     """All of kvrl's patches, for the duration of building an engine."""
@@ -38,4 +85,4 @@ def apply_patches():
         yield
 
 
-__all__ = ["apply_patches", "restore_torch_set_num_threads"]
+__all__ = ["apply_patches", "restore_torch_set_num_threads", "rewind_cpu_generators"]

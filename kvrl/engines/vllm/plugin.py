@@ -8,7 +8,7 @@ calls :func:`register` itself, so the engine works without the entry point in-pr
 Even when registered, the backends behave exactly like vLLM's until a kvrl engine attaches
 its worker context and installs a policy.
 
-What it registers (no monkeypatching):
+What it registers:
 
 * the KV-cache spec/manager pair of :mod:`kvrl.engines.vllm.kv_manager` (per-request block
   caps under token policies; the backends return the spec from ``customize_spec``);
@@ -17,7 +17,9 @@ What it registers (no monkeypatching):
   entry) with :class:`kvrl.engines.vllm.cpu_backend.KVRLCPUBackend`;
 * CUDA: ``AttentionBackendEnum.CUSTOM`` as
   :class:`kvrl.engines.vllm.cuda_backend.KVRLFlashBackend` (the engine selects it with
-  ``attention_config={"backend": "CUSTOM"}``).
+  ``attention_config={"backend": "CUSTOM"}``);
+* CPU: :func:`kvrl.engines.vllm.patches.rewind_cpu_generators`, so that seeded sampling
+  survives chunked prefill (the one patch that outlives engine construction).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def register() -> None:
 
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+        from kvrl.engines.vllm.patches import rewind_cpu_generators
+
+        rewind_cpu_generators()
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
     else:
