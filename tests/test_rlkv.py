@@ -232,7 +232,7 @@ def test_self_distill_job_keeps_solved_tasks_that_the_rl_env_serves(tmp_path):
 def test_cluster_recipes_resolve_and_dry_run(recipe):
     cfg = load_config([f"recipe={recipe}"])
     assert (cfg.job, cfg.rl.algo, cfg.workers.engine) == ("rlkv", "rlkv", "vllm")
-    assert (cfg.trainer.lr, cfg.rl.group_size, cfg.trainer.batch_size) == (1e-2, 4, 32)
+    assert (cfg.trainer.lr, cfg.rl.group_size, cfg.trainer.batch_size) == (1e-2, 4, 32 * 4)  # 32 queries x 4
     assert (cfg.rlkv.sink, cfg.rlkv.recent, cfg.rlkv.eval_sink, cfg.rlkv.eval_recent) == (128, 256, 16, 64)
     run = subprocess.run([sys.executable, "-m", "kvrl.run", f"recipe={recipe}", "dry_run=true"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
