@@ -3,8 +3,12 @@
 G-KV (Liao et al. 2025, seed 003 §5, ``../shared/reference/methods.md`` §1 "RL-Sparse"):
 rollouts decode under G-KV eviction and record which key each KV head stopped seeing
 when; the learner recomputes the logprobs with attention restricted by exactly that
-record, so the policy being trained is the policy that generated the samples (the
-train/inference mismatch is the logged ``mismatch_max``, ~1e-6 in fp32 on CPU).
+record, so the policy being trained is the policy that generated the samples. The replay
+is exact (float64: ``test_replay_is_exact_in_float64``); in float32 the logged
+train/inference mismatch is ~1e-8 per token on average (``mismatch_mean``) but its max over
+a step's tokens (``mismatch_max``) reaches ~1e-4 to 1e-3 on rare ill-conditioned tokens of
+the tiny reasoner at temperature 2, where each side alone is that far from the exact value
+(``benchmarks/replay_precision.py``).
 
 What the loop needs from it, beyond RL-Full (whose GRPO loss, reference model and
 weight push it reuses unchanged):
