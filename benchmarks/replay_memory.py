@@ -121,6 +121,7 @@ def main():
         "learner_step_tiny": {
             "seq": T, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "repeats": args.repeats,
             "replay_s": round(replay_s, 3), "dense_mask_s": round(dense_s, 3),
+            "replay_over_dense_time": round(replay_s / dense_s, 3),
             "replay_record_bytes": trace.death.numel() * trace.death.element_size(),
             "dense_record_bytes": dense.numel() * dense.element_size(),
             "logits_max_abs_diff": (replay_logits - dense_logits).abs().max().item(),
