@@ -94,8 +94,8 @@ def test_replay_is_exact_in_float64(name):
     policy = make_policy(name, model.config, budget=76, interval=16, window=8, sink=4)
     out = engine.generate([t.prompt for t in env.tasks(24)], Sampling(max_new_tokens=64, temperature=2.0, seed=1),
                           policy=policy)
-    assert (out.traces.full() < NEVER).any()  # it evicted
     death = out.traces.full()
+    assert (death < NEVER).any()  # it evicted
     late = EvictionTrace.from_death(torch.where(death < NEVER, death + 1, death), out.traces.lengths)
     diffs = []
     for trace in (out.traces, late):
