@@ -27,7 +27,7 @@ from kvrl.envs import make
 from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import load_model
 from kvrl.policies import make_policy
-from kvrl.workers.controller import main as train
+from kvrl.jobs.rl import main as train
 
 RECIPES = {"rl_full": "tiny_rl_full", "rl_sparse": "tiny_gkv_sparse", "distill": "tiny_gkv_distill"}
 

@@ -24,7 +24,7 @@ import os
 import numpy as np
 import torch
 
-from kvrl.algos.rlkv import head_allocation, load_gates
+from kvrl.policies.heads import head_allocation, load_gates
 from kvrl.envs import make
 from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import load_model, resolve_path

@@ -1,3 +1,22 @@
-"""kvrl: train KV-cache compression policies for reasoning LLMs with reinforcement learning."""
+"""kvrl: train KV-cache compression policies for reasoning LLMs with reinforcement learning.
+
+The package is in layers, lowest first. A module imports from its own layer or lower ones,
+never from a higher one (``tests/test_layers.py`` reads this table and checks every import
+of every module, lazy ones included):
+
+    1. runlog kernels     output directories (metrics, atomic saves, plots); torch ops and attention functions
+    2. policies           what a per-(layer, KV head) cache keeps: the policy zoo, head allocation
+    3. cache              the compacting KV cache for transformers and the eviction trace
+    4. envs               tasks and rewards, the eviction MDP; no model is ever loaded here
+    5. models             the tiny reasoner and model loading
+    6. engines            generate() and score(): the HF reference engine and the vLLM plugin
+    7. data               data sets built from a model's outputs (traces, self-distillation)
+    8. algos              what is trained, the loss, what is pushed to the rollout workers
+    9. workers            Ray actors (rollout workers, learners) and the controller loop
+   10. eval               evaluation under KV budgets
+   11. config plan        the typed config and its checks; the dry-run resource plan
+   12. jobs               what ``python -m kvrl.run`` starts, one module per job
+   13. run                the entry point
+"""
 
 __version__ = "0.1.0"

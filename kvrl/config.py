@@ -2,20 +2,23 @@
 
 Contract:
 
-* The schema is the dataclass `Config` below; it is the only place keys, types and
-  defaults are declared.
-* `load_config(argv)` merges, in this order, the schema (`OmegaConf.structured`),
-  `recipes/NAME.yaml` (NAME from `recipe=NAME` on the command line, else `default`) and
-  the command-line `key=value` dotlist, makes the result read-only, resolves
-  interpolations and converts it to the dataclasses with `OmegaConf.to_object`.
+* The schema is the dataclass `Config` below; it is the only place keys, types, defaults and
+  checks are declared: a field's range check sits beside it (`checked`), a section's
+  cross-field checks are its `problems(cfg)` method.
+* `JOBS` is the single list of jobs: the function each runs and the sections it checks.
+* `load_config(argv)` merges, in this order, the schema (`OmegaConf.structured`), the recipe's
+  base (`base: NAME` in the recipe -> `recipes/base/NAME.yaml`), `recipes/NAME.yaml` (NAME from
+  `recipe=NAME` on the command line, else `Config.recipe`) and the command-line `key=value`
+  dotlist, makes the result read-only, resolves interpolations and converts it to the
+  dataclasses with `OmegaConf.to_object`.
 * Recipes live in the repository's `recipes/` folder, or in `$KVRL_RECIPES_DIR`.
-* Every problem — unknown recipe, unknown key (in a recipe or on the command line),
-  wrong type, malformed argument, out-of-range value — raises `ConfigError` whose message
+* Every problem — unknown recipe or base, unknown or renamed key (in a recipe or on the command
+  line), wrong type, malformed argument, out-of-range value — raises `ConfigError` whose message
   names the key, where it came from, and the fix. Nothing here imports torch.
 """
 
+import copy
 import difflib
-import operator
 import os
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -33,98 +36,165 @@ class ConfigError(ValueError):
     """A configuration problem; the message says what is wrong and how to fix it."""
 
 
+def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "", *, ge: float | None = None) -> Any:
+    """A schema field whose value must pass `ok`, else `validate` reports "KEY RULE (got VALUE); set
+    KEY=DEFAULT". `ge=LOW` is short for `v >= LOW` with the rule "must be >= LOW"."""
+    if ge is not None:
+        ok, rule = (lambda v: v >= ge), f"must be >= {ge}"
+    if isinstance(default, (list, dict)):  # a mutable default: a fresh copy per instance
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"check": (ok, rule)})
+    return field(default=default, metadata={"check": (ok, rule)})
+
+
 @dataclass
 class ModelConfig:
     path: str = "tiny"  # "tiny" = the shipped kvrl/models/weights/tiny_reasoner; else a dir or hub id
-    dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
+    dtype: str = checked("float32", lambda v: v in DTYPES, f"must be one of {' | '.join(DTYPES)}")  # parameter dtype
 
 
 @dataclass
 class EnvConfig:
     id: str = "kvrl/counts-v0"  # registered environment id, or a dotted path pkg.mod:Class
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
-    num_eval_tasks: int = 256  # tasks drawn for evaluation
+    num_eval_tasks: int = checked(256, ge=1)  # tasks drawn for evaluation
 
 
 @dataclass
 class KVConfig:
     policy: str = "full"  # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...)
-    budget: int = 0  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
-    interval: int = 16  # evict every this many decoded tokens
-    window: int = 8  # number of most recent queries used to score cached tokens
-    sink: int = 4  # leading tokens that are never evicted
+    budget: int = checked(0, ge=0)  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
+    interval: int = checked(16, ge=1)  # evict every this many decoded tokens
+    window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
+    sink: int = checked(4, ge=0)  # leading tokens that are never evicted
     kwargs: Dict[str, Any] = field(default_factory=dict)  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
 
 
 @dataclass
 class SamplingConfig:
-    max_new_tokens: int = 160  # generation length limit per sample
-    temperature: float = 0.0  # 0 = greedy decoding
-    batch_size: int = 64  # prompts generated together
+    max_new_tokens: int = checked(160, ge=1)  # generation length limit per sample
+    temperature: float = checked(0.0, ge=0)  # 0 = greedy decoding
+    batch_size: int = checked(64, ge=1)  # prompts generated together
 
 
 @dataclass
 class TrainerConfig:
-    lr: float = 3e-3  # peak learning rate
-    steps: int = 0  # optimizer steps; 0 = no training
-    batch_size: int = 32  # samples per optimizer step
-    warmup_steps: int = 100  # linear learning-rate warmup length
-    weight_decay: float = 0.0  # AdamW weight decay
-    log_every: int = 50  # steps between metric log lines
-    max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = no clipping)
+    lr: float = checked(3e-3, lambda v: v > 0, "must be > 0")  # peak learning rate
+    steps: int = checked(0, ge=0)  # optimizer steps; 0 = no training
+    batch_size: int = checked(32, ge=1)  # samples per optimizer step
+    warmup_steps: int = checked(100, ge=0)  # linear learning-rate warmup length
+    weight_decay: float = checked(0.0, ge=0)  # AdamW weight decay
+    log_every: int = checked(50, ge=1)  # steps between metric log lines
+    max_grad_norm: float = checked(1.0, ge=0)  # clip the global gradient norm to this (0 = no clipping)
 
 
 @dataclass
 class RLConfig:
     # RL jobs (job=rl): trainer.batch_size samples per step = batch_size / group_size tasks x group_size
     algo: str = "rl_full"  # algorithm in kvrl.algos: what is trained, the loss, what is pushed to rollouts
-    group_size: int = 8  # samples per task (G); advantages are normalised within each task's group
-    scale: str = "group"  # advantage scaling: group (divide by the group's std, GRPO) | none (Dr. GRPO)
-    truncated: str = "zero"  # advantage of samples cut at max_new_tokens: zero | clip (max(A, 0), G-KV's) | keep
-    aggregation: str = "token"  # loss: token (sum / all tokens, DAPO) | sequence (mean per sample, then mean)
-    eps_low: float = 0.2  # PPO clip range below 1: ratio floor 1 - eps_low
-    eps_high: float = 0.2  # PPO clip range above 1: ratio ceiling 1 + eps_high (DAPO's clip-higher: 0.28)
-    beta: float = 0.0  # weight of the k3 KL to the initial model; 0 = no reference model is kept
-    async_steps: int = 0  # 0 = on-policy; 1 = generate step t+1 while training on step t (staleness <= 1)
-    checkpoint_every: int = 0  # steps between checkpoints in output_dir/checkpoints; 0 = only the last step
+    group_size: int = checked(8, ge=2)  # samples per task (G); advantages are normalised within each task's group
+    # advantage scaling: group (divide by the group's std, GRPO) | none (Dr. GRPO)
+    scale: str = checked("group", lambda v: v in ("group", "none"), "must be group | none")
+    # advantage of samples cut at max_new_tokens: zero | clip (max(A, 0), G-KV's) | keep
+    truncated: str = checked("zero", lambda v: v in ("zero", "clip", "keep"), "must be zero | clip | keep")
+    # loss: token (sum / all tokens, DAPO) | sequence (mean per sample, then mean)
+    aggregation: str = checked("token", lambda v: v in ("token", "sequence"), "must be token | sequence")
+    eps_low: float = checked(0.2, ge=0)  # PPO clip range below 1: ratio floor 1 - eps_low
+    # PPO clip range above 1: ratio ceiling 1 + eps_high (DAPO's clip-higher: 0.28)
+    eps_high: float = checked(0.2, ge=0)
+    kl_coef: float = checked(0.0, ge=0)  # weight of the k3 KL to the initial model; 0 = no reference model is kept
+    # 0 = on-policy; 1 = generate step t+1 while training on step t (staleness <= 1)
+    async_steps: int = checked(0, lambda v: v in (0, 1), "must be 0 (on-policy) or 1 (one step ahead)")
+    # steps between checkpoints in output_dir/checkpoints; 0 = only the last step
+    checkpoint_every: int = checked(0, ge=0)
+
+    def problems(self, cfg: "Config") -> list[str]:
+        """Cross-field checks of RL jobs; each message names the key and a value that works."""
+        problems = []
+        g, n = self.group_size, cfg.trainer.batch_size
+        if n % g or n < g:
+            problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): it is the number "
+                            f"of samples per step; set trainer.batch_size={max(1, round(n / g)) * g}")
+        if cfg.sampling.temperature <= 0:
+            problems.append("sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
+                            "group the same text, hence zero advantages; set sampling.temperature=1.0")
+        if cfg.workers.engine == "vllm" and cfg.sampling.temperature > 2:
+            problems.append(f"sampling.temperature={cfg.sampling.temperature:g}: vLLM samples at temperatures in "
+                            "[0, 2] only; set sampling.temperature=2.0 or workers.engine=hf")
+        parts = max(cfg.workers.rollout, cfg.workers.learners)
+        if n < parts:
+            problems.append(f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "
+                            f"({parts}), each takes a share of the samples; set trainer.batch_size={parts * g}")
+        from kvrl.algos import ALGOS  # a table of names; importing it loads no algorithm
+
+        if self.algo not in ALGOS:
+            near = difflib.get_close_matches(self.algo, ALGOS, n=1)
+            problems.append(f"unknown rl.algo {self.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
+                            f"(available: {', '.join(ALGOS)})")
+        if cfg.trainer.steps < 1:
+            problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")
+        return problems
 
 
 @dataclass
 class WorkersConfig:
     # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port
     address: str = ""
-    num_cpus: int = 0  # CPUs a private local Ray may use; 0 = all of this machine
-    engine: str = "hf"  # rollout engine: hf (kvrl's reference) | vllm (vLLM with kvrl's plugin: pip install .[cpu] or .[gpu])
-    rollout: int = 2  # RolloutWorker actors, each wrapping an engine; a step's samples are split across them
-    rollout_cpus: float = 0.5  # CPUs reserved per rollout actor (fractions pack several actors on a core)
-    rollout_gpus: float = 0.0  # GPUs per rollout actor (set device=cuda too)
-    learners: int = 1  # Learner actors; > 1 = data parallel, gradients all-reduced (gloo on CPU, nccl on GPU)
-    learner_cpus: float = 0.5  # CPUs reserved per learner actor
-    learner_gpus: float = 0.0  # GPUs per learner actor
-    backend: str = "ddp"  # learner optimizer: ddp (torch AdamW, all-reduced grads) | deepspeed (ZeRO)
-    zero_stage: int = 2  # DeepSpeed ZeRO stage for backend=deepspeed: 1 | 2
-    max_restarts: int = 3  # times a dead rollout actor is restarted (its shard redone) before the run fails
-    timeout_s: float = 900.0  # longest any single Ray call may take before the run fails with the actor's name
+    num_cpus: int = checked(0, ge=0)  # CPUs a private local Ray may use; 0 = all of this machine
+    # rollout engine: hf (kvrl's reference) | vllm (vLLM with kvrl's plugin: pip install .[cpu] or .[gpu])
+    engine: str = checked("hf", lambda v: v in ("hf", "vllm"), "must be hf | vllm")
+    # RolloutWorker actors, each wrapping an engine; a step's samples are split across them
+    rollout: int = checked(2, ge=1)
+    # CPUs reserved per rollout actor (fractions pack several actors on a core)
+    rollout_cpus: float = checked(0.5, ge=0)
+    rollout_gpus: float = checked(0.0, ge=0)  # GPUs per rollout actor (set device=cuda too)
+    # Learner actors; > 1 = data parallel, gradients all-reduced (gloo on CPU, nccl on GPU)
+    learners: int = checked(1, ge=1)
+    learner_cpus: float = checked(0.5, ge=0)  # CPUs reserved per learner actor
+    learner_gpus: float = checked(0.0, ge=0)  # GPUs per learner actor
+    # learner optimizer: ddp (torch AdamW, all-reduced grads) | deepspeed (ZeRO)
+    backend: str = checked("ddp", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed")
+    # DeepSpeed ZeRO stage for backend=deepspeed: 1 | 2
+    zero_stage: int = checked(2, lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not "
+                              "gathered for the push yet)")
+    # times a dead rollout actor is restarted (its shard redone) before the run fails
+    max_restarts: int = checked(3, ge=0)
+    # longest any single Ray call may take before the run fails with the actor's name
+    timeout_s: float = checked(900.0, ge=1)
 
 
 @dataclass
 class DistillConfig:
     # rl.algo=distill (G-KV Appendix C): T^2 KL(full-cache teacher || sparse student), both at temperature T
-    temperature: float = 1.0  # soft-target temperature T of the distillation loss
+    # soft-target temperature T of the distillation loss
+    temperature: float = checked(1.0, lambda v: v > 0, "must be > 0 (the soft-target temperature T)")
 
 
 @dataclass
 class RLKVConfig:
     # RLKV (seed 000, methods.md §3): one gate per (layer, KV head) trained with GRPO (job=rlkv, rl.algo=rlkv)
     # and head reallocation from the exported gates (job=eval_budgets with rlkv.gates). Defaults: Table 3.
-    beta: float = 1.0e-3  # β of the adaptive L1 penalty 1(r̄ > τ)·β·(exp(r̄) − 1)·mean|α| (Qwen3-4B: 2.5e-3)
+    # β of the adaptive L1 penalty 1(r̄ > τ)·β·(exp(r̄) − 1)·mean|α| (Qwen3-4B: 2.5e-3)
+    l1_coef: float = checked(1.0e-3, lambda v: v >= 0, "must be >= 0 (the L1 penalty weight)")
     tau: float = 0.5  # τ: no penalty while the batch's mean reward r̄ ≤ τ (Qwen-2.5-7B-R1: 0.55)
-    sink: int = 128  # training window of the compressed branch: sink tokens ...
-    recent: int = 256  # ... and recent tokens (deployment uses eval_sink / eval_recent)
+    sink: int = checked(128, ge=0)  # training window of the compressed branch: sink tokens ...
+    recent: int = checked(256, lambda v: v >= 1, "must be >= 1 (a token must see itself)")  # ... and recent tokens
     gates: str = ""  # exported gates (a gates.safetensors, or the rlkv run's output_dir) to evaluate; "" = none
-    sparsity: float = 0.5  # fraction of (layer, KV head) pairs compressed at deployment, lowest gates first
-    eval_sink: int = 16  # deployment window of a compressed head (the paper's 16 sink + 64 recent)
-    eval_recent: int = 64
+    # fraction of (layer, KV head) pairs compressed at deployment, lowest gates first
+    sparsity: float = checked(0.5, lambda v: 0 <= v <= 1, "must be a fraction in [0, 1] (of the heads compressed)")
+    # deployment window of a compressed head (the paper's 16 sink + 64 recent)
+    eval_sink: int = checked(16, ge=0)
+    eval_recent: int = checked(64, lambda v: v >= 1, "must be >= 1 (a token must see itself)")
+
+    def problems(self, cfg: "Config") -> list[str]:
+        """Cross-field checks of RLKV training (an RL job with rl.algo=rlkv)."""
+        problems = []
+        if cfg.workers.engine != "vllm":
+            problems.append(f"workers.engine={cfg.workers.engine!r}: RLKV's rollouts use the vLLM engine's "
+                            "mixed-gate attention; set workers.engine=vllm")
+        if cfg.kv.policy != "full":
+            problems.append(f"kv.policy={cfg.kv.policy!r}: RLKV's rollouts mix full and rlkv.sink + rlkv.recent "
+                            "attention per head, not a token policy; set kv.policy=full")
+        return problems
 
 
 @dataclass
@@ -134,9 +204,22 @@ class SelfDistillConfig:
     # data step has its own source (e.g. kvrl/math-v0 with {path: deepscaler.jsonl})
     source: str = "kvrl/counts-v0"
     source_kwargs: Dict[str, Any] = field(default_factory=dict)
-    candidates: int = 4096  # tasks drawn from the source and decoded (a finite dataset: at most all of it)
-    edges: List[int] = field(default_factory=lambda: [0, 2048, 4096, 6144, 8192])  # output-length bucket edges
-    counts: List[int] = field(default_factory=lambda: [600, 600, 1000, 800])  # solved tasks kept per bucket
+    # tasks drawn from the source and decoded (a finite dataset: at most all of it)
+    candidates: int = checked(4096, ge=1)
+    # output-length bucket edges
+    edges: List[int] = checked([0, 2048, 4096, 6144, 8192],
+                               lambda v: len(v) >= 2 and all(a < b for a, b in zip(v, v[1:])) and v[0] >= 0,
+                               "must be >= 2 increasing token counts (bucket b is edges[b] <= output length < "
+                               "edges[b+1])")
+    # solved tasks kept per bucket
+    counts: List[int] = checked([600, 600, 1000, 800], lambda v: all(c >= 0 for c in v),
+                                "must be task counts >= 0, one per bucket")
+
+    def problems(self, cfg: "Config") -> list[str]:
+        if len(self.counts) != len(self.edges) - 1:
+            return [f"self_distill.counts has {len(self.counts)} entries for {len(self.edges) - 1} buckets "
+                    "(self_distill.edges); give one count per bucket"]
+        return []
 
 
 @dataclass
@@ -147,24 +230,43 @@ class LoggingConfig:
 @dataclass
 class EvalConfig:
     # KV budgets to evaluate, as fractions of the average sequence length
-    budgets: List[float] = field(default_factory=lambda: [0.25, 0.5])
+    budgets: List[float] = checked([0.25, 0.5], lambda v: len(v) > 0 and all(0 < b <= 1 for b in v),
+                                   "must be fractions in (0, 1]")
 
 
 @dataclass
 class ForesightConfig:
     # ForesightKV (job=foresight): trace data -> Golden Eviction -> stage 1 SFT -> stage 2 RL.
     # The eviction setting is kv.budget / kv.interval / kv.window / kv.sink (kv.policy=learned);
-    # stage 2 uses trainer.* (steps, lr, batch_size = traces x rl.group_size) and rl.* (beta = KL to stage 1).
-    traces: int = 256  # training traces to keep (correct, at least min_tokens long), generated with the full cache
-    heldout: int = 64  # held-out traces (other prompts) for the loss-ratio evaluation
-    min_tokens: int = 0  # keep only traces of at least this many tokens (prompt + completion)
-    shard_size: int = 64  # traces per parquet shard: the unit the data step resumes from
-    sft_steps: int = 1000  # stage 1 optimizer steps (Adam, 10 warm-up steps, cosine decay)
-    sft_batch_size: int = 8  # traces per stage 1 step
-    sft_lr: float = 1.0e-2  # stage 1 peak learning rate
-    margin: float = 0.01  # stage 1 pairwise ranking hinge margin
-    eta: float = 1.5  # stage 2 reward: a token counts when its loss rose by more than eta
-    low_entropy: float = 0.8  # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
+    # stage 2 uses trainer.* (steps, lr, batch_size = traces x rl.group_size) and rl.* (kl_coef = KL to stage 1).
+    # training traces to keep (correct, at least min_tokens long), generated with the full cache
+    traces: int = checked(256, ge=1)
+    heldout: int = checked(64, ge=1)  # held-out traces (other prompts) for the loss-ratio evaluation
+    min_tokens: int = checked(0, ge=0)  # keep only traces of at least this many tokens (prompt + completion)
+    shard_size: int = checked(64, ge=1)  # traces per parquet shard: the unit the data step resumes from
+    sft_steps: int = checked(1000, ge=0)  # stage 1 optimizer steps (Adam, 10 warm-up steps, cosine decay)
+    sft_batch_size: int = checked(8, ge=1)  # traces per stage 1 step
+    sft_lr: float = checked(1.0e-2, lambda v: v > 0, "must be > 0")  # stage 1 peak learning rate
+    margin: float = checked(0.01, ge=0)  # stage 1 pairwise ranking hinge margin
+    eta: float = checked(1.5, ge=0)  # stage 2 reward: a token counts when its loss rose by more than eta
+    # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
+    low_entropy: float = checked(0.8, lambda v: 0 < v <= 1, "must be a fraction in (0, 1]")
+
+    def problems(self, cfg: "Config") -> list[str]:
+        """Cross-field checks of the ForesightKV pipeline."""
+        problems = []
+        kv = cfg.kv
+        if kv.policy != "learned":
+            problems.append(f"kv.policy is {kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
+        if kv.budget < kv.window + kv.sink + 1:
+            problems.append(f"kv.budget ({kv.budget}) must be > kv.window + kv.sink ({kv.window + kv.sink}) "
+                            f"for ForesightKV; set e.g. kv.budget={4 * kv.interval}")
+        g, n = cfg.rl.group_size, cfg.trainer.batch_size
+        if n % g or n < g:
+            problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
+                            f"rl.group_size eviction trajectories per trace; set trainer.batch_size="
+                            f"{max(1, round(n / g)) * g}")
+        return problems
 
 
 @dataclass
@@ -177,7 +279,8 @@ class Config:
     device: str = "cpu"  # torch device, e.g. cpu or cuda
     print_config: bool = False  # print the resolved config as YAML and exit
     dry_run: bool = False  # print the resource plan and the KV-memory estimate, then exit (no weights needed)
-    resume: str = "auto"  # auto (latest checkpoint in output_dir, if any) | never | a checkpoint path
+    # auto (latest checkpoint in output_dir, if any) | never | a checkpoint path
+    resume: str = checked("auto", lambda v: v in ("auto", "never") or Path(v).exists(), "must be auto, never or a path")
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     kv: KVConfig = field(default_factory=KVConfig)
@@ -191,6 +294,32 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     rlkv: RLKVConfig = field(default_factory=RLKVConfig)
     self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+
+
+@dataclass(frozen=True)
+class Job:
+    entry: str  # "module:function" called with the typed Config
+    sections: tuple[str, ...] = ()  # the config sections whose cross-field checks (`problems`) apply to the job
+    # RL jobs: the rl.algo values the job runs; the algorithm's own section (rl.algo=rlkv -> rlkv) is checked too
+    algos: tuple[str, ...] = ()
+
+
+# cfg.job -> Job; the single list of jobs
+JOBS = {
+    "eval_budgets": Job("kvrl.jobs.eval_budgets:main"),
+    "foresight": Job("kvrl.jobs.foresight:main", sections=("foresight",)),
+    "foresight_traces": Job("kvrl.jobs.foresight_traces:main"),
+    "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main"),
+    "rl": Job("kvrl.jobs.rl:main", sections=("rl",), algos=("rl_full", "rl_sparse", "distill")),
+    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("rl",), algos=("rlkv",)),
+    "self_distill": Job("kvrl.jobs.self_distill:main", sections=("self_distill",)),
+}
+
+# keys renamed because the old name misled: old key -> (new key, what it is)
+RENAMED = {
+    "rl.beta": ("rl.kl_coef", "the weight of the KL to the reference model"),
+    "rlkv.beta": ("rlkv.l1_coef", "the weight of RLKV's L1 penalty on the gates"),
+}
 
 
 def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -218,7 +347,7 @@ def recipes_dir() -> Path:
 
 
 def available_recipes() -> dict[str, str]:
-    """Recipe name -> its description (the first comment line of the file)."""
+    """Recipe name -> its description (the first comment line of the file); bases are not recipes."""
     recipes = {}
     for path in sorted(recipes_dir().glob("*.yaml")):
         comments = [ln for ln in path.read_text().splitlines() if ln.startswith("#")]
@@ -241,6 +370,10 @@ def _merge_error(err: OmegaConfBaseException, layer: DictConfig, source: str) ->
     """Turn an OmegaConf merge error into a message that names the key and the fix."""
     keys = schema_keys()
     key = str(getattr(err, "full_key", None) or "")
+    if isinstance(err, ConfigKeyError) and key in RENAMED:
+        new, what = RENAMED[key]
+        given = OmegaConf.select(layer, key, default=None, throw_on_missing=False)
+        return ConfigError(f"{source}: {key} was renamed {new} ({what}); set {new}={cli_value(given)}")
     if isinstance(err, ConfigKeyError) and key:
         section = key.rpartition(".")[0]
         candidates = [k for k in keys if k.rpartition(".")[0] == section]
@@ -261,150 +394,75 @@ def _merge_error(err: OmegaConfBaseException, layer: DictConfig, source: str) ->
     return ConfigError(f"{source}: {reason}; `python -m kvrl.run --help` lists the keys and defaults")
 
 
-def _load_recipe(name: str) -> tuple[DictConfig, str]:
+def _read_yaml(path: Path) -> DictConfig:
+    try:
+        layer = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as err:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())}); fix the file") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"{path}: a recipe must be a mapping of keys to values")
+    return layer
+
+
+def _load_recipe(name: str) -> list[tuple[DictConfig, str]]:
+    """The recipe's layers with their sources, to merge in order: its base (if any), then the recipe."""
     path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
         names = ", ".join(available_recipes()) or "(none)"
         raise ConfigError(f"unknown recipe {name!r}: no {path}; available recipes: {names}")
-    try:
-        recipe = OmegaConf.load(path)
-    except (yaml.YAMLError, OmegaConfBaseException) as err:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())}); fix the file") from None
-    if not isinstance(recipe, DictConfig):
-        raise ConfigError(f"{path}: a recipe must be a mapping of keys to values")
-    return recipe, str(path)
+    recipe = _read_yaml(path)
+    if "base" not in recipe:
+        return [(recipe, str(path))]
+    # `base: NAME`: the keys a method's recipes share, in recipes/base/NAME.yaml
+    base = recipe.pop("base")
+    base_path = recipes_dir() / "base" / f"{base}.yaml"
+    if not isinstance(base, str) or not base_path.is_file():
+        names = ", ".join(sorted(p.stem for p in base_path.parent.glob("*.yaml"))) or "(none)"
+        raise ConfigError(f"{path}: unknown base {base!r}: no {base_path}; available bases: {names}")
+    return [(_read_yaml(base_path), str(base_path)), (recipe, str(path))]
 
 
-# (key, check, rule broken); the fix offered is the key's schema default
-_RULES: list[tuple[str, Callable[[Any], bool], str]] = [
-    ("model.dtype", lambda v: v in DTYPES, f"must be one of {' | '.join(DTYPES)}"),
-    ("trainer.lr", lambda v: v > 0, "must be > 0"),
-    ("eval.budgets", lambda v: len(v) > 0 and all(0 < b <= 1 for b in v), "must be fractions in (0, 1]"),
-    ("resume", lambda v: v in ("auto", "never") or Path(v).exists(), "must be auto, never or a path"),
-    ("rl.scale", lambda v: v in ("group", "none"), "must be group | none"),
-    ("rl.truncated", lambda v: v in ("zero", "clip", "keep"), "must be zero | clip | keep"),
-    ("rl.aggregation", lambda v: v in ("token", "sequence"), "must be token | sequence"),
-    ("rl.async_steps", lambda v: v in (0, 1), "must be 0 (on-policy) or 1 (one step ahead)"),
-    ("workers.backend", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed"),
-    ("distill.temperature", lambda v: v > 0, "must be > 0 (the soft-target temperature T)"),
-    ("workers.engine", lambda v: v in ("hf", "vllm"), "must be hf | vllm"),
-    ("workers.zero_stage", lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not "
-     "gathered for the push yet)"),
-] + [(key, lambda v, low=low: v >= low, f"must be >= {low}") for key, low in {
-    "env.num_eval_tasks": 1, "kv.budget": 0, "kv.interval": 1, "kv.window": 1, "kv.sink": 0,
-    "sampling.max_new_tokens": 1, "sampling.temperature": 0, "sampling.batch_size": 1,
-    "trainer.steps": 0, "trainer.batch_size": 1, "trainer.warmup_steps": 0,
-    "trainer.weight_decay": 0, "trainer.log_every": 1, "trainer.max_grad_norm": 0,
-    "rl.group_size": 2, "rl.eps_low": 0, "rl.eps_high": 0, "rl.beta": 0, "rl.checkpoint_every": 0,
-    "workers.num_cpus": 0, "workers.rollout": 1, "workers.rollout_cpus": 0, "workers.rollout_gpus": 0,
-    "workers.learners": 1, "workers.learner_cpus": 0, "workers.learner_gpus": 0, "workers.max_restarts": 0,
-    "workers.timeout_s": 1,
-    "foresight.traces": 1, "foresight.heldout": 1, "foresight.min_tokens": 0, "foresight.shard_size": 1,
-    "foresight.sft_steps": 0, "foresight.sft_batch_size": 1, "foresight.margin": 0, "foresight.eta": 0,
-}.items()] + [
-    ("foresight.sft_lr", lambda v: v > 0, "must be > 0"),
-    ("foresight.low_entropy", lambda v: 0 < v <= 1, "must be a fraction in (0, 1]"),
-    ("rlkv.beta", lambda v: v >= 0, "must be >= 0 (the L1 penalty weight)"),
-    ("rlkv.sparsity", lambda v: 0 <= v <= 1, "must be a fraction in [0, 1] (of the heads compressed)"),
-    ("rlkv.recent", lambda v: v >= 1, "must be >= 1 (a token must see itself)"),
-    ("rlkv.eval_recent", lambda v: v >= 1, "must be >= 1 (a token must see itself)"),
-    ("rlkv.sink", lambda v: v >= 0, "must be >= 0"),
-    ("rlkv.eval_sink", lambda v: v >= 0, "must be >= 0"),
-    ("self_distill.candidates", lambda v: v >= 1, "must be >= 1"),
-    ("self_distill.counts", lambda v: all(c >= 0 for c in v), "must be task counts >= 0, one per bucket"),
-    ("self_distill.edges", lambda v: len(v) >= 2 and all(a < b for a, b in zip(v, v[1:])) and v[0] >= 0,
-     "must be >= 2 increasing token counts (bucket b is edges[b] <= output length < edges[b+1])"),
-]
+def _field_problems(section: Any, prefix: str = "") -> list[str]:
+    """The range checks declared beside the fields (`checked`), over the whole config."""
+    problems = []
+    for f in fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if is_dataclass(value):
+            problems += _field_problems(value, key + ".")
+        elif "check" in f.metadata and not f.metadata["check"][0](value):
+            default = f.default_factory() if f.default is NO_DEFAULT else f.default
+            problems.append(f"{key} {f.metadata['check'][1]} (got {value!r}); set {key}={cli_value(default)}")
+    return problems
 
 
 def validate(cfg: Config) -> None:
-    """Range checks the types cannot express; raises one ConfigError listing every problem."""
-    keys = schema_keys()
-    problems = [
-        f"{key} {rule} (got {value!r}); set {key}={cli_value(keys[key][1])}"
-        for key, check, rule in _RULES
-        if not check(value := operator.attrgetter(key)(cfg))
-    ]
-    if cfg.job in ("rl", "rlkv"):
-        problems += _rl_problems(cfg)
-    if cfg.job == "rlkv" or cfg.rl.algo == "rlkv":
-        problems += _rlkv_problems(cfg)
-    if cfg.job == "self_distill" and len(cfg.self_distill.counts) != len(cfg.self_distill.edges) - 1:
-        problems.append(f"self_distill.counts has {len(cfg.self_distill.counts)} entries for "
-                        f"{len(cfg.self_distill.edges) - 1} buckets (self_distill.edges); give one count per bucket")
-    if cfg.job == "foresight":
-        problems += _foresight_problems(cfg)
+    """The checks the types cannot express; raises one ConfigError listing every problem."""
+    problems = _field_problems(cfg)
+    job = JOBS.get(cfg.job, Job(""))  # an unknown job: kvrl.run names the jobs
+    sections = job.sections
+    if job.algos:
+        sections += (cfg.rl.algo,)
+        owner = next((name for name, other in JOBS.items() if cfg.rl.algo in other.algos), None)
+        if owner not in (None, cfg.job):  # an unknown rl.algo is RLConfig's to report
+            problems.append(f"job={cfg.job} runs rl.algo={' | '.join(job.algos)}, not rl.algo={cfg.rl.algo}; "
+                            f"set job={owner} (or rl.algo={job.algos[0]})")
+    for name in dict.fromkeys(sections):
+        section = getattr(cfg, name, None)
+        if hasattr(section, "problems"):
+            problems += section.problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "\n".join(problems))
 
 
-def _rl_problems(cfg: Config) -> list[str]:
-    """Cross-field checks of RL jobs; each message names the key and a value that works."""
-    problems = []
-    g, n = cfg.rl.group_size, cfg.trainer.batch_size
-    if n % g or n < g:
-        problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): it is the number "
-                        f"of samples per step; set trainer.batch_size={max(1, round(n / g)) * g}")
-    if cfg.sampling.temperature <= 0:
-        problems.append("sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
-                        "group the same text, hence zero advantages; set sampling.temperature=1.0")
-    if cfg.workers.engine == "vllm" and cfg.sampling.temperature > 2:
-        problems.append(f"sampling.temperature={cfg.sampling.temperature:g}: vLLM samples at temperatures in "
-                        "[0, 2] only; set sampling.temperature=2.0 or workers.engine=hf")
-    parts = max(cfg.workers.rollout, cfg.workers.learners)
-    if n < parts:
-        problems.append(f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "
-                        f"({parts}), each takes a share of the samples; set trainer.batch_size={parts * g}")
-    from kvrl.algos import ALGOS  # a table of names; importing it loads no algorithm
-
-    if cfg.rl.algo not in ALGOS:
-        near = difflib.get_close_matches(cfg.rl.algo, ALGOS, n=1)
-        problems.append(f"unknown rl.algo {cfg.rl.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
-                        f"(available: {', '.join(ALGOS)})")
-    if cfg.trainer.steps < 1:
-        problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")
-    return problems
-
-
-def _rlkv_problems(cfg: Config) -> list[str]:
-    """Cross-field checks of RLKV training."""
-    problems = []
-    if cfg.job == "rlkv" and cfg.rl.algo != "rlkv":
-        problems.append(f"job=rlkv trains RLKV's gates, but rl.algo={cfg.rl.algo!r}; set rl.algo=rlkv")
-    if cfg.job == "rl" and cfg.rl.algo == "rlkv":
-        problems.append("rl.algo=rlkv runs as job=rlkv (the RL loop, then the gates exported); set job=rlkv")
-    if cfg.workers.engine != "vllm":
-        problems.append(f"workers.engine={cfg.workers.engine!r}: RLKV's rollouts use the vLLM engine's mixed-gate "
-                        "attention; set workers.engine=vllm")
-    if cfg.kv.policy != "full":
-        problems.append(f"kv.policy={cfg.kv.policy!r}: RLKV's rollouts mix full and rlkv.sink + rlkv.recent "
-                        "attention per head, not a token policy; set kv.policy=full")
-    return problems
-
-
-def _foresight_problems(cfg: Config) -> list[str]:
-    """Cross-field checks of the ForesightKV pipeline."""
-    problems = []
-    if cfg.kv.policy != "learned":
-        problems.append(f"kv.policy is {cfg.kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
-    if cfg.kv.budget < cfg.kv.window + cfg.kv.sink + 1:
-        problems.append(f"kv.budget ({cfg.kv.budget}) must be > kv.window + kv.sink ({cfg.kv.window + cfg.kv.sink}) "
-                        f"for ForesightKV; set e.g. kv.budget={4 * cfg.kv.interval}")
-    g, n = cfg.rl.group_size, cfg.trainer.batch_size
-    if n % g or n < g:
-        problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
-                        f"rl.group_size eviction trajectories per trace; set trainer.batch_size={max(1, round(n / g)) * g}")
-    return problems
-
-
 def load_config(argv: Sequence[str]) -> Config:
-    """schema ⊕ recipes/NAME.yaml ⊕ `key=value` arguments -> validated, typed Config."""
+    """schema ⊕ base ⊕ recipes/NAME.yaml ⊕ `key=value` arguments -> validated, typed Config."""
     cli = _parse_cli(argv)
     name = str(cli.get("recipe", Config.recipe))
     cli.recipe = name  # the name chosen here wins over a `recipe:` written in the file
-    recipe, recipe_path = _load_recipe(name)
+    layers = _load_recipe(name)
+    recipe_path = layers[-1][1]
     merged = OmegaConf.structured(Config)
-    for layer, source in ((recipe, recipe_path), (cli, "command line")):
+    for layer, source in layers + [(cli, "command line")]:
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:

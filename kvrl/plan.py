@@ -115,7 +115,7 @@ def plan(cfg) -> dict:
     }
 
 
-def main(cfg) -> dict:
+def dry_run(cfg) -> dict:
     p = plan(cfg)
     w, tr = cfg.workers, cfg.trainer
     kept = (f"kv.policy={cfg.kv.policy} (budget {cfg.kv.budget} + interval {cfg.kv.interval})"

@@ -11,18 +11,7 @@ from typing import Sequence
 
 from omegaconf import OmegaConf
 
-from kvrl.config import ConfigError, available_recipes, cli_value, load_config, recipes_dir, schema_keys
-
-# cfg.job -> "module:function" called with the typed Config; the single list of jobs
-JOBS = {
-    "eval_budgets": "kvrl.eval.budgets:main",
-    "foresight": "kvrl.algos.foresight:main",
-    "foresight_traces": "kvrl.data.traces:main",
-    "pretrain_tiny": "kvrl.models.pretrain:main",
-    "rl": "kvrl.workers.controller:main",
-    "rlkv": "kvrl.algos.rlkv:main",
-    "self_distill": "kvrl.data.self_distill:main",
-}
+from kvrl.config import JOBS, ConfigError, available_recipes, cli_value, load_config, recipes_dir, schema_keys
 
 USAGE = "usage: python -m kvrl.run [recipe=NAME] [key=value ...]  (print_config=true shows the result)"
 
@@ -63,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # heavy imports (torch, transformers, ray) start here, after the config is known good
     if cfg.dry_run:
-        from kvrl.plan import main as dry_run
+        from kvrl.plan import dry_run
 
         try:
             dry_run(cfg)
@@ -71,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvrl: error: {err}", file=sys.stderr)
             return 2
         return 0
-    module, _, function = JOBS[cfg.job].partition(":")
+    module, _, function = JOBS[cfg.job].entry.partition(":")
     result = getattr(importlib.import_module(module), function)(cfg)
     return result if isinstance(result, int) else 0
 

@@ -135,6 +135,54 @@ def test_recipe_values_and_cli_overrides():
     assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.output_dir) == ("tiny_foresight", "foresight", "learned",
                                                                     "outputs/tiny_foresight")
     cfg = load_config(["recipe=tiny_eval"])
-    assert (cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("eval_budgets", "streaming", [0.25, 0.5])
+    assert (cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("eval_budgets", "full", [0.25, 0.5])
     cfg = load_config(["recipe=tiny_pretrain", "trainer.steps=10", "run_name=x"])
     assert (cfg.trainer.steps, cfg.trainer.lr, cfg.output_dir) == (10, 3e-3, "outputs/x")
+
+
+def test_a_check_sits_beside_its_field():
+    with pytest.raises(ConfigError, match=r"rl.eps_low must be >= 0 \(got -1.0\); set rl.eps_low=0.2"):
+        load_config(["rl.eps_low=-1"])
+    # every problem is listed at once, cross-field ones (the job's sections) included
+    with pytest.raises(ConfigError) as info:
+        load_config(["recipe=tiny_self_distill", "self_distill.counts=[1,2]", "self_distill.candidates=0"])
+    assert "self_distill.candidates must be >= 1" in str(info.value)
+    assert "self_distill.counts has 2 entries for 3 buckets" in str(info.value)
+
+
+@pytest.mark.parametrize("old, new", [("rl.beta", "rl.kl_coef"), ("rlkv.beta", "rlkv.l1_coef")])
+def test_a_renamed_key_names_the_new_one(capsys, tmp_path, monkeypatch, old, new):
+    assert main([f"{old}=0.04"]) == 2
+    err = capsys.readouterr().err
+    assert f"command line: {old} was renamed {new} (" in err and f"set {new}=0.04" in err
+    section, _, leaf = old.partition(".")
+    (tmp_path / "old.yaml").write_text(f"job: eval_budgets\n{section}:\n  {leaf}: 0.5\n")
+    monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
+    assert main(["recipe=old"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "old.yaml") in err and f"{old} was renamed {new}" in err and f"set {new}=0.5" in err
+
+
+def test_every_base_is_used_and_is_not_a_recipe():
+    bases = {p.stem for p in (recipes_dir() / "base").glob("*.yaml")}
+    used = {yaml.safe_load((recipes_dir() / f"{name}.yaml").read_text()).get("base") for name in available_recipes()}
+    assert bases and bases <= used, bases - used
+    assert not bases & set(available_recipes())
+
+
+def test_a_recipe_overrides_its_base(capsys, tmp_path, monkeypatch):
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "method.yaml").write_text("# shared\njob: eval_budgets\nkv:\n  sink: 2\n  window: 3\n")
+    (tmp_path / "model.yaml").write_text("# one model\nbase: method\nkv:\n  window: 5\n")
+    monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
+    cfg = load_config(["recipe=model", "kv.sink=1"])
+    assert (cfg.job, cfg.kv.sink, cfg.kv.window) == ("eval_budgets", 1, 5)  # command line > recipe > base
+    assert list(available_recipes()) == ["model"]
+    # an unknown base names the available ones; a typo in a base names the base's file
+    (tmp_path / "other.yaml").write_text("base: methd\n")
+    assert main(["recipe=other"]) == 2
+    assert "unknown base 'methd'" in (err := capsys.readouterr().err) and "available bases: method" in err
+    (tmp_path / "base" / "method.yaml").write_text("job: eval_budgets\nkv:\n  windw: 3\n")
+    assert main(["recipe=model"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "base" / "method.yaml") in err and "did you mean kv.window?" in err

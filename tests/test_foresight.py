@@ -1,5 +1,5 @@
 """ForesightKV: the action log-probability, the chunked eviction pass, Golden Eviction, the
-eviction MDP environment, both training stages and the pipeline job (``kvrl.algos.foresight``)."""
+eviction MDP environment, both training stages and the pipeline job (``kvrl.jobs.foresight``)."""
 
 import itertools
 import json
@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from kvrl.algos import foresight as fk
+from kvrl.algos.grpo import group_advantages
 from kvrl.config import load_config
 from kvrl.data.traces import Trace, load_traces
 from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs import check_env, make
 from kvrl.envs.eviction import EvictionEnv, hurt_penalty, run_policy
+from kvrl.jobs import foresight as fj
 from kvrl.models.tiny import load_model
 from kvrl.policies import Observation, make_policy
 from kvrl.policies.learned import topk_set_logprob
@@ -216,7 +218,7 @@ def test_sft_then_rl_stage(tiny, traces):
                        "trainer.log_every=1000"])
     policy = fk.make_scorer(model, cfg.kv)
     data = [fk.golden_replay(model, t, policy) for t in traces]
-    history = fk.train_sft(policy, data, cfg, log=lambda row: None)
+    history = fj.train_sft(policy, data, cfg, log=lambda row: None)
     first, last = sum(h["loss"] for h in history[:5]) / 5, sum(h["loss"] for h in history[-5:]) / 5
     assert last < 0.7 * first, (first, last)
 
@@ -225,7 +227,7 @@ def test_sft_then_rl_stage(tiny, traces):
     episodes = [fk.rollout(env, policy, i // 4, sample=True, generator=g) for i in range(8)]
     rewards = torch.tensor([e.reward for e in episodes])
     assert rewards.std() > 0  # sampled evictions differ
-    adv = fk.group_advantages(rewards, 4)
+    adv = group_advantages(rewards, 4)
     loss, metrics = fk.rl_loss(policy, policy, fk.collate(episodes), adv, cfg.rl)
     assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["pool_changed"] == 0 and metrics["kl"] == pytest.approx(0.0, abs=1e-8)

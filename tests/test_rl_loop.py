@@ -20,7 +20,8 @@ from kvrl.config import ConfigError, load_config
 from kvrl.envs.base import Reward, Task, TextEnv
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.models.tiny import TINY_PATH, build_tokenizer, tiny_config
-from kvrl.workers.controller import TIMINGS, Controller, tensorboard_writer
+from kvrl.runlog import tensorboard_writer
+from kvrl.workers.controller import TIMINGS, Controller
 
 STEPS = 6
 
@@ -219,7 +220,7 @@ class FakeWriter:
 
 def test_one_step_ahead_async(random_model, tmp_path, monkeypatch):
     writer = FakeWriter()  # tensorboard is an optional dependency: check the wiring only
-    monkeypatch.setattr("kvrl.workers.controller.tensorboard_writer", lambda path: writer)
+    monkeypatch.setattr("kvrl.runlog.tensorboard_writer", lambda path: writer)
     records, _ = train(config(tmp_path, random_model, "rl.async_steps=1", "logging.tensorboard=true"))
     assert writer.closed and ("reward_mean", records[-1]["reward_mean"], STEPS) in writer.scalars
     assert [r["sample_version_min"] for r in records] == [0, 0, 1, 2, 3, 4]  # generated one version behind
@@ -266,7 +267,7 @@ def test_collated_traces_replay_the_rollouts(random_model):
 
 
 def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
-    """rl.beta > 0: the reference is a frozen copy of the initial weights; KL is 0 until
+    """rl.kl_coef > 0: the reference is a frozen copy of the initial weights; KL is 0 until
     the model moves, and positive after."""
     from kvrl.algos.rl_full import RLFull
     from kvrl.engines.hf import HFEngine, Sampling
@@ -274,7 +275,7 @@ def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     from kvrl.workers.learner import collate
     from kvrl.workers.rollout import Sample
 
-    algo = RLFull(config(tmp_path, random_model, "rl.beta=0.1"))
+    algo = RLFull(config(tmp_path, random_model, "rl.kl_coef=0.1"))
     model, tok = load_model(random_model)
     params = algo.setup(model, tok)
     assert len(params) == len(list(model.parameters())) and algo.ref.model is not model

@@ -119,8 +119,8 @@ def test_bad_settings_name_the_fix(overrides, fix):
     cfg = load_config(["recipe=tiny_gkv_sparse", *overrides])
     with pytest.raises(ValueError, match=fix):
         RLSparse(cfg)
-    with pytest.raises(ValueError, match="rl.beta=0"):
-        Distill(load_config(["recipe=tiny_gkv_distill", "rl.beta=0.1"]))
+    with pytest.raises(ValueError, match="rl.kl_coef=0"):
+        Distill(load_config(["recipe=tiny_gkv_distill", "rl.kl_coef=0.1"]))
 
 
 @pytest.mark.parametrize("recipe", ["gkv_r1_qwen_7b", "gkv_r1_llama_8b", "tiny_gkv_sparse", "tiny_gkv_distill"])
@@ -137,7 +137,7 @@ def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, tmp_path_factory):
     the same with one plain learner: the mismatch stays <= 1e-4, and the metrics agree."""
     import ray
 
-    from kvrl.workers.controller import main as train
+    from kvrl.jobs.rl import main as train
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
              log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))  # short: socket paths <= 107 bytes

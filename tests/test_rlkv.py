@@ -12,7 +12,8 @@ import ray
 import torch
 from transformers import DynamicCache
 
-from kvrl.algos.rlkv import RLKV, adaptive_penalty, export_gates, head_allocation, load_gates, ranking
+from kvrl.algos.rlkv import RLKV, adaptive_penalty
+from kvrl.policies.heads import export_gates, head_allocation, load_gates, ranking
 from kvrl.config import ConfigError, load_config
 from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
 from kvrl.engines.hf import Sampling
@@ -120,7 +121,7 @@ def rlkv_config(*overrides):
 
 
 def test_gradients_reach_only_the_gates(engine):
-    cfg = rlkv_config("rlkv.beta=0.1", "rlkv.tau=0.5")
+    cfg = rlkv_config("rlkv.l1_coef=0.1", "rlkv.tau=0.5")
     algo = RLKV(cfg)
     model = engine.model
     params = algo.setup(model, engine.tokenizer)
@@ -206,7 +207,7 @@ def test_self_distill_job_keeps_solved_tasks_that_the_rl_env_serves(tmp_path):
     """The data step on the shipped reasoner (HF engine): every kept task is one the model
     solved greedily, bucketed by its output length, and SelfDistilledEnv serves them with the
     counts task's reward."""
-    from kvrl.data.self_distill import main
+    from kvrl.jobs.self_distill import main
 
     cfg = load_config(["recipe=tiny_self_distill", f"output_dir={tmp_path}", "workers.engine=hf",
                        "self_distill.candidates=24", "sampling.batch_size=24"])
@@ -244,7 +245,7 @@ def test_paper_hyperparameters_per_model():
     table = {"rlkv_r1_llama_8b": (1e-3, 0.5), "rlkv_r1_qwen_7b": (1e-3, 0.55), "rlkv_qwen3_4b_thinking": (2.5e-3, 0.5)}
     for recipe, (beta, tau) in table.items():
         cfg = load_config([f"recipe={recipe}"])
-        assert (cfg.rlkv.beta, cfg.rlkv.tau) == (beta, tau), recipe
+        assert (cfg.rlkv.l1_coef, cfg.rlkv.tau) == (beta, tau), recipe
         assert cfg.sampling.max_new_tokens == 7168  # the reference's; max length 8192 with the prompt
         assert (cfg.self_distill.edges, cfg.self_distill.counts) == ([0, 2048, 4096, 6144, 8192], [600, 600, 1000, 800])
 
@@ -258,7 +259,7 @@ def test_tiny_rlkv_loop_pushes_gates_and_exports(tmp_path, tmp_path_factory):
     """Three steps of the tiny recipe with a large lr, so the gates move 0.2 per step: a
     worker generating with stale gates would show a logprob mismatch far above fp tolerance."""
     pytest.importorskip("vllm")
-    from kvrl.algos.rlkv import main
+    from kvrl.jobs.rlkv import main
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
              log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))  # short: Ray's socket paths
@@ -290,7 +291,7 @@ def test_eval_job_reallocates_heads_in_both_engines(tmp_path, capsys):
     reasoner's layer-0 heads full (its fixed-offset read, see benchmarks/rlkv_heads.py) beat
     the inverted ones."""
     pytest.importorskip("vllm")
-    from kvrl.algos.rlkv import export_gates
+    from kvrl.policies.heads import export_gates
     from kvrl.run import main
 
     good = torch.tensor([[0.8, 0.8], [0.0, 0.1], [0.2, 0.0], [0.1, 0.3]])

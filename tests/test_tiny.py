@@ -8,10 +8,23 @@ import torch
 from transformers import LlamaForCausalLM
 
 from kvrl.engines.hf import HFEngine, Sampling
-from kvrl.envs.chains import ChainSpec, make_chain_task, needed_prompt_tokens
+from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.eval.budgets import window_death
 from kvrl.kernels.replay import Replay
 from kvrl.models.tiny import TINY_PATH, build_tokenizer, load_model, tiny_config
+
+
+def needed_prompt_tokens(meta: dict) -> list[int]:
+    """Indices (in prompt tokens, without BOS) that the task needs: the statements of the
+    query's chain and the query itself."""
+    chain = set(meta["chain"])
+    idx = []
+    for i, (lhs, _) in enumerate(meta["statements"]):
+        if lhs in chain:
+            idx.extend([3 * i, 3 * i + 1, 3 * i + 2])
+    n = 3 * len(meta["statements"])
+    idx.extend([n, n + 1, n + 2])  # "? q :"
+    return idx
 
 
 def test_chain_task_is_consistent():
@@ -128,7 +141,7 @@ def test_shipped_tiny_reasoner_solves_its_tasks():
 
 
 def test_pretraining_loss_falls(tmp_path):
-    from kvrl.models.pretrain import main
+    from kvrl.jobs.pretrain_tiny import main
 
     cfg = NS(seed=0, device="cpu", output_dir=str(tmp_path),
              trainer=NS(lr=3e-3, steps=40, batch_size=8, warmup_steps=5, weight_decay=0.0, log_every=39))

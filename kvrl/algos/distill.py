@@ -41,8 +41,8 @@ class Distill(RLSparse):
 
     def __init__(self, cfg):
         super().__init__(cfg)  # the G-KV rollout policy and its checks
-        if cfg.rl.beta > 0:
-            raise ValueError("distill's loss is a KL to the full-cache teacher already; set rl.beta=0")
+        if cfg.rl.kl_coef > 0:
+            raise ValueError("distill's loss is a KL to the full-cache teacher already; set rl.kl_coef=0")
         self.T = cfg.distill.temperature
         self.teacher = None  # the frozen full-cache model, on learners
 

@@ -1,16 +1,12 @@
 """ForesightKV (seed 004; methods.md §4): learned eviction scorers, trained in two stages
-with the LLM frozen.
+with the LLM frozen — the pieces; the pipeline that runs them is ``kvrl/jobs/foresight.py``.
 
-Pipeline (job ``foresight``; every stage writes under ``output_dir`` and is skipped when
-its output exists, so a rerun resumes)::
-
-    traces/{train,heldout}/   full-cache traces with per-token loss and entropy (kvrl.data.traces)
-    golden/ranking.pt         Golden-Eviction replays of the training traces: the scorer's
-                              features at every eviction step, the oracle's scores, and the
-                              eviction trace (death) the oracle induces
-    sft/scorer.safetensors    stage 1: pairwise ranking loss (margin foresight.margin)
-    rl/checkpoint.pt          stage 2: GRPO on the eviction MDP (kvrl/eviction-v0), KL to stage 1
-    rl/scorer.safetensors     the final scorer; metrics.jsonl, reward.png, results.json
+* Golden Eviction replays (:func:`golden_replay`): the scorer's features at every eviction
+  step of a trace, the oracle's keep-scores and the eviction trace the oracle induces;
+* stage 1 loss (:func:`ranking_loss`): the pairwise ranking hinge on those labels;
+* stage 2 (:func:`rollout`, :func:`collate`, :func:`rl_loss`): episodes of the eviction MDP
+  (``kvrl/eviction-v0``) and the GRPO loss over their decisions with the KL to stage 1;
+* evaluation (:func:`evaluate`, :func:`loss_ratios`): held-out loss ratios.
 
 The scorer is :class:`kvrl.policies.LearnedScorer` (per-layer, per-KV-head MLPs on
 ``[k ‖ v ‖ 8·G attention features]``, hidden 16). Inference loads ``rl/scorer.safetensors``
@@ -36,26 +32,19 @@ batch, which is on-policy; ForesightKV takes exactly one update per batch).
 
 from __future__ import annotations
 
-import json
-import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
-from tqdm import tqdm
 
-from kvrl.algos.grpo import group_advantages, grpo_loss
-from kvrl.data.traces import Trace, load_traces, write_splits
+from kvrl.algos.grpo import grpo_loss
+from kvrl.data.traces import Trace
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
 from kvrl.policies import LearnedScorer, make_policy
 from kvrl.policies.golden import GoldenEviction, block_attention
 from kvrl.policies.learned import topk_pool, topk_set_logprob
 
 RULE_BASED = ("streaming", "h2o", "snapkv", "rkv", "gkv")
-SFT_WARMUP = 10  # ForesightKV's stage 1 warm-up steps before the cosine decay
 
 
 def make_scorer(model, kv) -> LearnedScorer:
@@ -105,17 +94,6 @@ def golden_replay(model, trace: Trace, features: LearnedScorer) -> dict:
     return {"steps": steps, "death": run.cache.trace(torch.tensor([len(trace.ids)])).death}
 
 
-def build_ranking_data(model, traces: list[Trace], features: LearnedScorer, path: Path) -> list[dict]:
-    """Golden replays of every training trace, cached in ``path``."""
-    if path.exists():
-        return torch.load(path)
-    data = [golden_replay(model, t, features) for t in tqdm(traces, desc="golden replays", unit="trace")]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").rename(path)
-    return data
-
-
 # ---- stage 1: SFT with the pairwise ranking loss -------------------------------------------------------------
 
 
@@ -136,31 +114,6 @@ def ranking_loss(evict: Tensor, label: Tensor, candidates: Tensor, margin: float
 def evict_scores(policy: LearnedScorer, x: Tensor) -> Tensor:
     """Eviction scores [S, layers, H, N] of features x [S, layers, H, N, F]."""
     return torch.stack([policy.scorer(layer, x[:, layer]) for layer in range(x.shape[1])], 1)
-
-
-def train_sft(policy: LearnedScorer, data: list[dict], cfg, log) -> list[dict]:
-    """Stage 1: Adam with 10 warm-up steps and cosine decay on the ranking loss; each step
-    takes ``foresight.sft_batch_size`` traces (all their eviction steps)."""
-    fs = cfg.foresight
-    opt = torch.optim.Adam(policy.scorer.parameters(), lr=fs.sft_lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / SFT_WARMUP) * 0.5 * (
-        1 + math.cos(math.pi * min(s, fs.sft_steps) / max(1, fs.sft_steps))))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    history = []
-    for step in tqdm(range(fs.sft_steps), desc="stage 1 (SFT)", unit="step"):
-        picks = torch.randint(len(data), (fs.sft_batch_size,), generator=gen).tolist()
-        steps = [s for i in picks for s in data[i]["steps"]]
-        x = pad_stack([s["x"] for s in steps], 0.0)
-        label, cand = pad_stack([s["label"] for s in steps], 0.0), pad_stack([s["candidates"] for s in steps], False)
-        loss = ranking_loss(evict_scores(policy, x), label, cand, fs.margin)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        history.append({"stage": "sft", "step": step + 1, "loss": loss.item(), "lr": sched.get_last_lr()[0]})
-        if (step + 1) % cfg.trainer.log_every == 0 or step + 1 == fs.sft_steps:
-            log(history[-1])
-    return history
 
 
 # ---- stage 2: GRPO on the eviction MDP ------------------------------------------------------------------------
@@ -242,7 +195,7 @@ def rl_loss(policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: 
     # cannot draw it, that term is left out (zero value and gradient) rather than infinite.
     ref_logp = torch.where(ref_inside & inside, ref_logp, logp.detach())
     loss, metrics = grpo_loss(logp, batch["old"], advantages, mask, eps_low=rl.eps_low, eps_high=rl.eps_high,
-                              ref_logprobs=ref_logp, beta=rl.beta, aggregation=rl.aggregation)
+                              ref_logprobs=ref_logp, beta=rl.kl_coef, aggregation=rl.aggregation)
     metrics["pool_changed"] = float((~inside & mask).sum() / mask.sum().clamp(min=1))
     metrics["ref_outside"] = float((~ref_inside & mask).sum() / mask.sum().clamp(min=1))
     return loss, metrics
@@ -259,66 +212,6 @@ def evaluate(env: EvictionEnv, policy: LearnedScorer, n: int) -> dict:
 def ratio_of_sums(episodes: list[Episode]) -> float:
     """Σ loss / Σ full-cache loss over all the episodes' generated tokens."""
     return sum(e.info["loss_sum"] for e in episodes) / max(sum(e.info["full_loss_sum"] for e in episodes), 1e-30)
-
-
-def train_rl(policy: LearnedScorer, ref: LearnedScorer, env: EvictionEnv, heldout: EvictionEnv, cfg, out: Path,
-             log) -> list[dict]:
-    """Stage 2: per step, ``trainer.batch_size / rl.group_size`` traces × ``rl.group_size``
-    sampled trajectories; group-normalised advantages; one GRPO update (ForesightKV's
-    single epoch without mini-batches); checkpoints every ``rl.checkpoint_every`` steps."""
-    rl, tr = cfg.rl, cfg.trainer
-    opt = torch.optim.AdamW(policy.scorer.parameters(), lr=tr.lr, weight_decay=tr.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, tr.warmup_steps)))
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ckpt, history, start = out / "checkpoint.pt", [], 0
-    if ckpt.exists() and cfg.resume != "never":
-        state = torch.load(ckpt, weights_only=False)
-        policy.scorer.load_state_dict(state["scorer"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        env.load_state_dict(state["env"])
-        gen.set_state(state["generator"])
-        history, start = state["history"], state["step"]
-        # rows a crashed run logged after this checkpoint are redone: drop them, so every step is logged once
-        metrics = out.parent / "metrics.jsonl"
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows if r["stage"] != "rl" or r["step"] <= start))
-        print(f"stage 2: resumed from {ckpt} at step {start}")
-    else:
-        env.reset(seed=cfg.seed)
-    n_traces = tr.batch_size // rl.group_size
-    bar = tqdm(range(start, tr.steps), desc="stage 2 (RL)", unit="step", initial=start, total=tr.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        # -- rollouts: G trajectories per trace, actions sampled Top-K multinomial
-        episodes = []
-        for _ in range(n_traces):
-            trace = env._next()
-            episodes += [rollout(env, policy, trace, sample=True, generator=gen) for _ in range(rl.group_size)]
-        rewards = torch.tensor([e.reward for e in episodes])
-        advantages = group_advantages(rewards, rl.group_size, scale=rl.scale)
-        # -- one GRPO update
-        loss, metrics = rl_loss(policy, ref, collate(episodes), advantages, rl)
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.scorer.parameters(), tr.max_grad_norm or float("inf"))
-        opt.step()
-        sched.step()
-        row = {"stage": "rl", "step": step + 1, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-               "loss_ratio": ratio_of_sums(episodes),
-               "hurt": sum(e.info["hurt"] for e in episodes) / len(episodes), "loss": loss.item(),
-               "grad_norm": float(grad_norm), "seconds": time.perf_counter() - t0, **metrics}
-        if (step + 1) % tr.log_every == 0 or step + 1 == tr.steps:
-            row.update({f"heldout_{k}": v for k, v in evaluate(heldout, policy, len(heldout.traces)).items()})
-        history.append(row)
-        bar.set_postfix(reward=f"{row['reward']:.3g}")
-        log(row)
-        if (rl.checkpoint_every and (step + 1) % rl.checkpoint_every == 0) or step + 1 == tr.steps:
-            torch.save({"scorer": policy.scorer.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "env": env.state_dict(), "generator": gen.get_state(),
-                        "history": history, "step": step + 1}, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").rename(ckpt)
-    return history
 
 
 # ---- evaluation: loss ratios on held-out traces ---------------------------------------------------------------
@@ -346,121 +239,4 @@ def loss_ratios(model, traces: list[Trace], policies: dict, budget: int, interva
                 policy = p
             total += float(run_policy(model, ids, t.prompt_len, policy).scores()[0].sum())
         result[name] = total / full
-    return result
-
-
-def with_setting(policy: LearnedScorer, budget: int, interval: int) -> LearnedScorer:
-    """A copy of a trained scorer policy at another (budget, interval)."""
-    other = make_policy("learned", budget=budget, interval=interval, window=policy.window, sink=policy.sink,
-                        group=policy.group, head_dim=policy.head_dim, layers=policy.layers, kv_heads=policy.kv_heads)
-    other.scorer.load_state_dict(policy.scorer.state_dict())
-    return other
-
-
-def plot(history: list[dict], baselines: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rl = [h for h in history if h.get("stage") == "rl"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    steps = [h["step"] for h in rl]
-    mean = torch.tensor([h["reward"] for h in rl])
-    std = torch.tensor([h["reward_std"] for h in rl])
-    a.plot(steps, mean, label="mean over the step's trajectories")
-    a.fill_between(steps, mean - std, mean + std, alpha=0.2)
-    a.set_xlabel("RL step")
-    a.set_ylabel("reward  −Σ Δloss² (sampled evictions)")
-    a.set_title("stage 2 training reward", fontsize=10)
-    a.legend(fontsize=8)
-    ev = [h for h in rl if "heldout_loss_ratio" in h]
-    b.plot([0] + [h["step"] for h in ev], [baselines["sft"]] + [h["heldout_loss_ratio"] for h in ev], marker="o",
-           label="Foresight (top-k)")
-    for name, style in (("golden", "k--"), ("best rule-based", "r:")):
-        b.axhline(baselines[name], linestyle=style[1:], color=style[0], label=name)
-    b.set_yscale("log")
-    b.set_xlabel("RL step (0 = after SFT)")
-    b.set_ylabel("held-out loss ratio (compressed / full)")
-    b.set_title("held-out loss ratio", fontsize=10)
-    b.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ---- the pipeline job ------------------------------------------------------------------------------------------
-
-
-def main(cfg) -> dict:
-    """data → golden → SFT → RL → held-out loss ratios (``python -m kvrl.run recipe=tiny_foresight``)."""
-    from kvrl.models.tiny import load_model
-
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    if cfg.resume == "never":
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-
-    def log(row):
-        with (out / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    # -- 1. trace data (full cache, kept when correct and long enough)
-    fs, kv = cfg.foresight, cfg.kv
-    splits = write_splits(cfg)
-    model, _ = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
-    model.requires_grad_(False)
-    train, heldout = load_traces(splits["train"]), load_traces(splits["heldout"])
-    print(f"traces: {len(train)} train, {len(heldout)} held-out ({time.perf_counter() - started:.0f} s)")
-
-    # -- 2. Golden Eviction replays, 3. stage 1 (SFT)
-    policy = make_scorer(model, kv)
-    sft_path = out / "sft" / "scorer.safetensors"
-    if sft_path.exists() and cfg.resume != "never":
-        policy.scorer.load_state_dict(load_file(sft_path))
-    else:
-        data = build_ranking_data(model, train, policy, out / "golden" / "ranking.pt")
-        (out / "metrics.jsonl").unlink(missing_ok=True)  # SFT starts over, and RL after it: so do their logs
-        train_sft(policy, data, cfg, log)
-        sft_path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(scorer_state(policy), sft_path)
-    print(f"stage 1 done ({time.perf_counter() - started:.0f} s)")
-    ref = make_scorer(model, kv)
-    ref.scorer.load_state_dict(policy.scorer.state_dict())
-    ref.scorer.requires_grad_(False)
-
-    # -- 4. stage 2 (RL) on the eviction MDP
-    env_kwargs = dict(model=model, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink,
-                      eta=fs.eta, low_entropy=fs.low_entropy)
-    env = EvictionEnv(train, **env_kwargs)
-    held_env = EvictionEnv(heldout, shuffle=False, **env_kwargs)
-    sft_eval = evaluate(held_env, policy, len(heldout))
-    (out / "rl").mkdir(exist_ok=True)
-    history = train_rl(policy, ref, env, held_env, cfg, out / "rl", log)
-    save_file(scorer_state(policy), out / "rl" / "scorer.safetensors")
-    print(f"stage 2 done ({time.perf_counter() - started:.0f} s)")
-
-    # -- 5. held-out loss ratios at the training setting, and the plots
-    setting = dict(budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink)
-    sft = make_scorer(model, kv)
-    sft.scorer.load_state_dict(load_file(sft_path))
-    ratios = loss_ratios(model, heldout, {"golden": "golden", "foresight_sft": sft, "foresight_rl": policy,
-                                          **{n: n for n in RULE_BASED}}, **setting)
-    baselines = {"sft": sft_eval["loss_ratio"], "golden": ratios["golden"],
-                 "best rule-based": min(ratios[n] for n in RULE_BASED)}
-    plot(history, baselines, out / "reward.png")
-    result = {"setting": setting, "heldout_traces": len(heldout), "loss_ratio": ratios,
-              "reward_first": history[0]["reward"] if history else None,
-              "reward_last": history[-1]["reward"] if history else None,
-              "minutes": (time.perf_counter() - started) / 60, "plot": str(out / "reward.png")}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(f"\nheld-out loss ratio (Σ compressed loss / Σ full-cache loss) at budget {kv.budget}, interval "
-          f"{kv.interval}, {len(heldout)} traces:")
-    for name, r in sorted(ratios.items(), key=lambda kv_: kv_[1]):
-        print(f"  {name:<14}{r:>14.4g}")
-    print(f"plots: {out / 'reward.png'}; results: {out / 'results.json'}")
     return result

@@ -39,15 +39,12 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
     A group whose rewards are all equal carries no signal: its advantages are exactly 0
     (without the explicit zero, rounding in the mean would leave ~1e-13 / eps residues).
     """
-    from trl.trainer.utils import nanstd  # here, not above: only the controller needs it, and importing
-    # trl would add ~2 s to the start of every actor that imports this module for grpo_loss
-
     if scale not in SCALES:
         raise ValueError(f"scale must be one of {SCALES}, got {scale!r}")
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"need group_size >= 2 dividing {rewards.numel()} rewards, got {group_size}")
     r = rewards.double().view(-1, group_size)  # float64: rewards are few, and exact ties stay exact
-    std = nanstd(r, dim=1, keepdim=True)
+    std = r.std(1, keepdim=True)  # unbiased, as TRL's nanstd (tests/test_grpo.py checks against it)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
         adv = adv / (std + eps)

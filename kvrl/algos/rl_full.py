@@ -7,7 +7,7 @@ rewards, but rollouts and learner both attend to every token. What the loop need
 * every parameter is trainable;
 * the loss is the shared GRPO core on logprobs recomputed by ``engine.score`` under full
   attention, at the sampling temperature (so they are the behaviour logprobs' equals);
-  with ``rl.beta > 0`` a frozen copy of the initial model gives the reference logprobs;
+  with ``rl.kl_coef > 0`` a frozen copy of the initial model gives the reference logprobs;
 * the full state_dict is pushed to the rollout workers after each update.
 """
 
@@ -29,13 +29,13 @@ class RLFull:
             raise ValueError(f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; "
                              "set kv.policy=full (a compressed-cache algorithm trains under its policy)")
         self.rl, self.temperature = cfg.rl, cfg.sampling.temperature
-        self.ref = None  # the reference engine, on learners when rl.beta > 0
+        self.ref = None  # the reference engine, on learners when rl.kl_coef > 0
 
     def rollout_policy(self, model):
         return None
 
     def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
-        if self.rl.beta > 0:
+        if self.rl.kl_coef > 0:
             # the initial weights, taken before a checkpoint is loaded into `model`
             self.ref = HFEngine(copy.deepcopy(model).eval().requires_grad_(False), tokenizer)
         return list(model.parameters())
@@ -48,7 +48,7 @@ class RLFull:
                 ref = self.ref.score(batch.sequences, batch.prompt_lens, temperature=self.temperature).logprobs
         rl = self.rl
         loss, metrics = grpo_loss(scores.logprobs, batch.old_logprobs, batch.advantages, scores.mask,
-                                  eps_low=rl.eps_low, eps_high=rl.eps_high, ref_logprobs=ref, beta=rl.beta,
+                                  eps_low=rl.eps_low, eps_high=rl.eps_high, ref_logprobs=ref, beta=rl.kl_coef,
                                   aggregation=rl.aggregation, num_items=batch.num_items)
         return loss, scores, metrics
 

@@ -19,7 +19,7 @@ weight push it reuses unchanged):
 * the learner's ``engine.score(..., trace=batch.trace)`` replays the trace through the
   ``"kvrl_replay"`` attention (a flex-attention BlockMask built from the death times on
   GPU; never a stored per-head T×T mask, the reference's O(L·H·T²) memory problem);
-* GRPO without KL (``rl.beta=0`` in the recipes); truncated samples' advantages are set
+* GRPO without KL (``rl.kl_coef=0`` in the recipes); truncated samples' advantages are set
   by ``rl.truncated`` in the controller (the paper: 0).
 """
 

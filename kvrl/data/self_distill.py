@@ -1,4 +1,4 @@
-"""Self-distillation sampling: RLKV's training set (job=self_distill).
+"""Self-distillation sampling: RLKV's training set (built by ``kvrl/jobs/self_distill.py``).
 
 RLKV (seed 000, §3.3 and Appendix B) trains its gates on problems the base model already
 solves, so rewards stay dense while the gates close: every candidate is decoded greedily
@@ -28,15 +28,10 @@ Contract:
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
-import torch
-from tqdm import tqdm
 
-from kvrl.engines import make_engine
-from kvrl.engines.hf import Sampling
 from kvrl.envs import Task, TextEnv, make
 
 
@@ -65,46 +60,8 @@ def select(solved: list[dict], edges: list[int], counts: list[int], seed: int) -
     return kept, report
 
 
-def main(cfg) -> dict:
-    torch.set_flush_denormal(True)
-    sd = cfg.self_distill
-    env = make(sd.source, **sd.source_kwargs)
-    env.reset(seed=cfg.seed)
-    n = sd.candidates if env.num_tasks is None else min(sd.candidates, env.num_tasks)
-    tasks = env.tasks(n)
-    engine = make_engine(cfg)
-    greedy = Sampling(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.seed)
-    solved, bar = [], tqdm(total=n, desc="self-distillation sampling", unit="task")
-    for lo in range(0, n, cfg.sampling.batch_size):
-        batch = tasks[lo:lo + cfg.sampling.batch_size]
-        out = engine.generate([t.prompt for t in batch], greedy)
-        for t, text, toks, why in zip(batch, out.texts, out.tokens, out.finish_reasons):
-            reward, _ = env.score(t, text)
-            if reward > 0 and why == "stop":
-                solved.append({"id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta,
-                               "output_len": len(toks)})
-        bar.update(len(batch))
-        bar.set_postfix(solved=f"{len(solved) / min(lo + len(batch), n):.0%}")
-    bar.close()
-    kept, report = select(solved, list(sd.edges), list(sd.counts), cfg.seed)
-    out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / "tasks.jsonl.tmp"
-    with open(tmp, "w") as f:
-        for row in kept:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, out_dir / "tasks.jsonl")  # a crash mid-write leaves no half dataset
-    summary = {"source": sd.source, "candidates": n, "solved": len(solved), "kept": len(kept), "buckets": report}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    for r in report:
-        short = f"  (only {r['kept']} solved: short by {r['wanted'] - r['kept']})" if r["kept"] < r["wanted"] else ""
-        print(f"bucket {r['tokens'][0]}-{r['tokens'][1]} tokens: {r['solved']} solved, kept {r['kept']}{short}")
-    print(f"{len(kept)} of {n} tasks -> {out_dir / 'tasks.jsonl'}")
-    return summary
-
-
 class SelfDistilledEnv(TextEnv):
-    """The tasks of a ``tasks.jsonl`` written by :func:`main`, scored by the rewards of the
+    """The tasks of a ``tasks.jsonl`` written by job=self_distill, scored by the rewards of the
     environment they came from (``env``, built with ``env_kwargs``); shuffled per epoch."""
 
     def __init__(self, path: str, env: str = "kvrl/counts-v0", env_kwargs: dict | None = None):

@@ -1,10 +1,7 @@
 """ForesightKV's trace data: reasoning traces generated with the full cache, kept when
 correct and long enough, with the full-cache loss and entropy of every generated token.
 
-Job ``foresight_traces`` (also the first stage of ``job=foresight``)::
-
-    python -m kvrl.run recipe=tiny_foresight job=foresight_traces
-
+:func:`write_splits` (job ``foresight_traces``, also the first stage of ``job=foresight``)
 writes ``output_dir/traces/{train,heldout}/shard-NNNNN.parquet``: one row per trace with
 ``task_id``, ``ids`` (prompt + completion token ids, no EOS), ``prompt_len``, ``loss`` and
 ``entropy`` (float32 lists, one per generated token, teacher-forced under the full cache
@@ -27,6 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
+
+from kvrl.runlog import atomic
 
 SCHEMA = pa.schema([("task_id", pa.string()), ("ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()),
                     ("loss", pa.list_(pa.float32())), ("entropy", pa.list_(pa.float32()))])
@@ -132,9 +131,8 @@ def write_split(cfg, split: str, count: int, engines) -> Path:
             tasks = env.tasks(cfg.sampling.batch_size)
             rows += _shard(gen, hf, env, tasks, cfg, seed=cfg.seed + shard * 1000 + attempts)
         rows = rows[:want]
-        tmp = path.with_suffix(".tmp")
-        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
-        tmp.rename(path)
+        with atomic(path) as tmp:
+            pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
         bar.update(want)
     bar.close()
     return folder
@@ -145,15 +143,3 @@ def _shard_rng(seed: int, shard: int) -> dict:
     import numpy as np
 
     return np.random.default_rng([seed, shard]).bit_generator.state
-
-
-def main(cfg) -> dict:
-    """The data step alone: train and held-out splits."""
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    paths = write_splits(cfg)
-    for split, path in paths.items():
-        traces = load_traces(path)
-        lengths = [len(t.ids) for t in traces]
-        print(f"{split}: {len(traces)} traces in {path}, {min(lengths)}-{max(lengths)} tokens")
-    return paths

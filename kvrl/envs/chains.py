@@ -92,19 +92,6 @@ def make_chain_task(rng: np.random.Generator, spec: ChainSpec = ChainSpec()) -> 
             "chain": walk, "statements": statements}
 
 
-def needed_prompt_tokens(meta: dict) -> list[int]:
-    """Indices (in prompt tokens, without BOS) that the task needs: the statements of the
-    query's chain and the query itself. Used by the oracle eviction baseline."""
-    chain = set(meta["chain"])
-    idx = []
-    for i, (lhs, _) in enumerate(meta["statements"]):
-        if lhs in chain:
-            idx.extend([3 * i, 3 * i + 1, 3 * i + 2])
-    n = 3 * len(meta["statements"])
-    idx.extend([n, n + 1, n + 2])  # "? q :"
-    return idx
-
-
 class ChainsEnv(TextEnv):
     """The tiny reasoner's task family as a text environment (``kvrl/chains-v0``).
 

@@ -14,7 +14,7 @@ The chain of thought is about half the sequence; a sink+recent window shorter th
 cannot see the digits, while an oracle that keeps the not-yet-consumed digits fits in half
 the sequence — and must retire digits *during decoding* to stay there.
 
-Why this shape (measured, see ``kvrl/models/pretrain.py``): this 0.8 M model learns a
+Why this shape (measured, see ``kvrl/jobs/pretrain_tiny.py``): this 0.8 M model learns a
 fixed-distance read in ~100 steps, while content-keyed recall among statements
 (``kvrl/chains-v0``) stayed at chance for 1,400 steps; writing a running sum directly
 (without the copy) stalled at chance, and even with the copy, the running sum mod 10

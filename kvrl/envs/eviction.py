@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -149,10 +148,13 @@ class EvictionEnv(TraceEnv):
 
     Parameters
     ----------
-    traces : str or sequence of :class:`kvrl.data.traces.Trace`
-        A trace folder written by the data step (``kvrl.data.traces``), or the traces.
-    model : str or transformers model, default "tiny"
-        The frozen LLM (a path for :func:`kvrl.models.tiny.load_model`, or the module).
+    traces : sequence of traces
+        Objects with ``ids`` (prompt + completion token ids), ``prompt_len`` and the
+        full-cache per-token ``loss`` and ``entropy`` of the completion — what
+        :func:`kvrl.data.traces.load_traces` reads from a data step's folder.
+    model : transformers causal LM
+        The frozen LLM, loaded by the job (the framework owns models; environments never
+        load one).
     budget, interval, window, sink : int
         The eviction setting (as :class:`~kvrl.policies.KVPolicy`).
     eta, low_entropy : float
@@ -161,26 +163,24 @@ class EvictionEnv(TraceEnv):
         Visit the traces in a per-epoch permutation drawn from ``np_random``.
 
     ``reset(options={"trace": i})`` starts an episode on trace i (GRPO rolls several
-    episodes of one trace); otherwise the next trace of the stream. ``info`` of the last
+    episodes of one trace, drawn with :meth:`next_trace`); otherwise the next trace of the
+    stream. ``info`` of the last
     step: ``penalty``, ``hurt`` (|E|), ``loss_sum`` and ``full_loss_sum`` (over the generated
     tokens) and their ratio ``loss_ratio``.
     """
 
-    def __init__(self, traces: str | Sequence = "", model="tiny", *, budget: int, interval: int, window: int = 8,
+    def __init__(self, traces: Sequence, model, *, budget: int, interval: int, window: int = 8,
                  sink: int = 4, eta: float = 1.5, low_entropy: float = 0.8, shuffle: bool = True):
-        from kvrl.data.traces import load_traces
-        from kvrl.models.tiny import load_model
-
-        self.traces = load_traces(traces) if isinstance(traces, (str, Path)) else list(traces)
+        self.traces = list(traces)
         if not self.traces:
-            raise ValueError(f"no traces in {traces!r}; generate them with `python -m kvrl.run "
-                             "recipe=tiny_foresight job=foresight_traces`")
+            raise ValueError("no traces: generate them with `python -m kvrl.run recipe=tiny_foresight "
+                             "job=foresight_traces` and pass kvrl.data.traces.load_traces(<folder>)")
         short = sum(len(t.ids) <= budget + interval for t in self.traces)
         if short:
             raise ValueError(f"{short} of {len(self.traces)} traces have at most budget + interval = "
                              f"{budget + interval} tokens, so nothing would be evicted; lower the budget or keep "
                              "longer traces (foresight.min_tokens)")
-        self.model = load_model(model)[0] if isinstance(model, str) else model
+        self.model = model
         c = self.model.config
         self.features = LearnedScorer(budget=budget, interval=interval, window=window, sink=sink,
                                       group=c.num_attention_heads // c.num_key_value_heads, head_dim=c.head_dim,
@@ -192,7 +192,8 @@ class EvictionEnv(TraceEnv):
 
     # ---- trace stream ----
 
-    def _next(self) -> int:
+    def next_trace(self) -> int:
+        """Index of the next trace of the (per-epoch shuffled) stream."""
         if self._order is None or self._pos >= len(self._order):
             n = len(self.traces)
             self._order = (self.np_random.permutation(n) if self.shuffle else np.arange(n)).tolist()
@@ -214,7 +215,7 @@ class EvictionEnv(TraceEnv):
         if seed is not None:
             self._order, self._pos = None, 0
         index = (options or {}).get("trace")
-        index = self._next() if index is None else int(index)
+        index = self.next_trace() if index is None else int(index)
         self._trace = self.traces[index]
         self._run = ChunkedPass(self.model, torch.tensor(self._trace.ids), self._trace.prompt_len, self.features)
         self._step = 0

@@ -5,6 +5,10 @@ KV policies. ``kvrl.kernels.replay``: attention under an eviction trace; it regi
 transformers attention function on import, so it is not imported here.
 """
 
-from kvrl.kernels.scores import gather_slots, key_redundancy, pool_slots, window_attention
+import torch
 
-__all__ = ["gather_slots", "key_redundancy", "pool_slots", "window_attention"]
+NEVER = torch.iinfo(torch.int32).max  # the death time of a key that is never evicted
+
+from kvrl.kernels.scores import gather_slots, key_redundancy, pool_slots, window_attention  # noqa: E402
+
+__all__ = ["NEVER", "gather_slots", "key_redundancy", "pool_slots", "window_attention"]

@@ -1,6 +1,6 @@
 """The tiny reasoner: a 0.8 M-parameter Llama (GQA, 4 layers x 2 KV heads) with a local
 word-level tokenizer, shipped in ``kvrl/models/weights/tiny_reasoner`` and trained by
-``python -m kvrl.run recipe=tiny_pretrain`` on running sums (``kvrl.envs.counts``).
+``python -m kvrl.run recipe=tiny_pretrain`` on running counts (``kvrl.envs.counts``).
 
 Everything here builds locally: no hub access. ``load_model("tiny")`` gives the shipped
 weights; any other path is handed to transformers (a local folder, or a hub id for users
@@ -22,7 +22,7 @@ TINY_PATH = Path(__file__).parent / "weights" / "tiny_reasoner"
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Whitespace-split word-level tokenizer over the task vocabulary (names, digits,
-    punctuation: shared by the sums and chains environments); adds <bos>."""
+    punctuation: shared by the counts and chains environments); adds <bos>."""
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -1,11 +1,21 @@
-"""Head allocation: which KV heads keep the full cache and which keep sink + recent only."""
+"""Head allocation: which KV heads keep the full cache and which keep sink + recent only.
+
+Also the file format of RLKV's gates (:func:`export_gates` / :func:`load_gates`), which
+:func:`head_allocation` turns into the allocation both engines deploy.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from kvrl.kernels import NEVER
+
+GATES_FILE = "gates.safetensors"
 
 
 @dataclass(kw_only=True)
@@ -66,10 +76,65 @@ class HeadAllocation:
         Full heads: ``NEVER``. Compressed heads: key k < sink is never evicted; key
         k ≥ sink dies at ``k + recent``, so it is seen by the queries k … k+recent−1.
         """
-        # Imported here: kvrl.kernels.replay registers with transformers on import, which
-        # would make `import kvrl.policies` pay for importing transformers.
-        from kvrl.kernels.replay import NEVER
+        window = sink_recent_death(length, self.sink, self.recent, self.gates.device)
+        return torch.where(self.compressed_mask()[..., None], window, window.new_tensor(NEVER))
 
-        k = torch.arange(length, dtype=torch.int64, device=self.gates.device)
-        window = torch.where(k < self.sink, NEVER, (k + self.recent).clamp(max=NEVER))
-        return torch.where(self.compressed_mask()[..., None], window, NEVER).to(torch.int32)
+
+def sink_recent_death(length: int, sink: int, recent: int, device=None) -> Tensor:
+    """Int32 [length]: the death times of a sink + recent window (StreamingLLM's pattern,
+    RLKV's compressed heads): key k < sink is never evicted; key k ≥ sink dies at
+    ``k + recent``, so it is seen by the queries k … k+recent−1."""
+    k = torch.arange(length, dtype=torch.int64, device=device)
+    return torch.where(k < sink, NEVER, (k + recent).clamp(max=NEVER)).to(torch.int32)
+
+
+# ---- RLKV's gates: the file format and their deployment ------------------------------------
+
+
+def ranking(gates: Tensor) -> Tensor:
+    """Flat head indices ``layer·H + head``, most important first: the reverse of the order
+    in which :class:`HeadAllocation` compresses heads (equal gates: the higher index first)."""
+    order = torch.sort(torch.as_tensor(gates).flatten().double(), stable=True).indices
+    return order.flip(0)
+
+
+def export_gates(gates: Tensor, out: str | Path, *, sink: int, recent: int) -> dict[str, Path]:
+    """Write ``gates.tsv`` (one row per layer, one column per KV head: the layout of RLKV's
+    released ``head_dist`` files and DuoAttention's) and ``gates.safetensors`` (``gates``
+    [L, H] and ``ranking`` [L·H]) to ``out``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    gates = torch.as_tensor(gates, dtype=torch.float32).detach().cpu()
+    tsv = out / "gates.tsv"
+    np.savetxt(tsv, gates.numpy(), delimiter="\t", fmt="%.6f")
+    st = out / GATES_FILE
+    save_file({"gates": gates.contiguous(), "ranking": ranking(gates).contiguous()}, str(st),
+              metadata={"method": "rlkv", "train_sink": str(sink), "train_recent": str(recent)})
+    return {"tsv": tsv, "safetensors": st}
+
+
+def load_gates(path: str | Path) -> Tensor:
+    """Gates [layers, kv_heads] from a ``gates.safetensors``, a ``gates.tsv``, or the folder
+    (an rlkv run's output_dir) that holds one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / GATES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no RLKV gates at {path}: pass rlkv.gates=<an rlkv run's output_dir, "
+                                f"or its {GATES_FILE} / gates.tsv> (python -m kvrl.run recipe=tiny_rlkv writes them)")
+    if path.suffix == ".tsv":
+        return torch.from_numpy(np.loadtxt(path, delimiter="\t", ndmin=2)).float()
+    from safetensors.torch import load_file
+
+    return load_file(str(path))["gates"]
+
+
+def head_allocation(gates: str | Path | Tensor, sparsity: float, model_config, *, sink: int = 16,
+                    recent: int = 64) -> HeadAllocation:
+    """The deployment of RLKV's gates: the round(s·L·H) lowest-gated heads keep sink +
+    recent, the others the full cache; ``policy=`` of either engine."""
+    g = gates if isinstance(gates, Tensor) else load_gates(gates)
+    return HeadAllocation(gates=g, sparsity=sparsity, layers=model_config.num_hidden_layers,
+                          kv_heads=model_config.num_key_value_heads, sink=sink, recent=recent)

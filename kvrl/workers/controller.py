@@ -1,6 +1,8 @@
-"""The RL loop: a single controller on Ray driving rollout workers and learners (job=rl).
+"""The RL loop: a single controller on Ray driving rollout workers and learners.
 
-    python -m kvrl.run recipe=tiny_rl_full
+Jobs build one (``kvrl/jobs/rl.py``: ``python -m kvrl.run recipe=tiny_rl_full``), call
+:meth:`Controller.run` and :meth:`Controller.close`; subclasses change what a run leaves
+behind (:meth:`Controller.finish`).
 
 One step, top to bottom (:meth:`Controller.run`):
 
@@ -13,7 +15,7 @@ One step, top to bottom (:meth:`Controller.run`):
                train/inference mismatch is measured before the update) and step
 6. push        the trainable state through the object store to every worker, which
                checks it against the learner's checksum
-7. log         one JSONL line per step, a progress bar, optional TensorBoard;
+7. log         one JSONL line per step (kvrl.runlog), a progress bar, optional TensorBoard;
                checkpoints every rl.checkpoint_every steps and at the end
 
 On-policy by default. ``rl.async_steps=1`` starts step t+1's generation (with the weights
@@ -31,7 +33,6 @@ after a resume regenerates its samples with the resumed weights (staleness 0).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from tqdm import tqdm
 from kvrl.algos import make_algo
 from kvrl.algos.grpo import group_advantages, mask_truncated
 from kvrl.envs import make
+from kvrl.runlog import RunLog, latest_checkpoint, mark_latest, plot_rewards
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker, Sample
 
@@ -104,7 +106,7 @@ class Controller:
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
         self.restarts = [0] * w.rollout
-        self.writer = None
+        self.runlog: RunLog | None = None  # opened by resume(): fresh, or appending to the resumed run's
         try:
             if w.learners > 1 or w.backend == "deepspeed":
                 endpoint = self.get(self.learners[0].endpoint.remote(), "learner 0")
@@ -119,8 +121,6 @@ class Controller:
 
     def run(self) -> dict:
         cfg, steps, G = self.cfg, self.cfg.trainer.steps, self.cfg.rl.group_size
-        if cfg.logging.tensorboard:
-            self.writer = tensorboard_writer(self.out / "tensorboard")
         record: dict = {}
         bar = tqdm(total=steps, initial=self.step, desc=f"rl {cfg.rl.algo}", unit="step")
         pending = self.dispatch(self.step) if self.step < steps else None
@@ -177,7 +177,7 @@ class Controller:
                 "rollout_s": gen["seconds"], "learn_s": learn_s, "step_s": time.perf_counter() - start,
                 "restarts": sum(self.restarts),
             }
-            self.log(record)
+            self.runlog.log(record)
             if self.step == steps or (cfg.rl.checkpoint_every and self.step % cfg.rl.checkpoint_every == 0):
                 self.checkpoint(pending)
             bar.update(1)
@@ -290,14 +290,6 @@ class Controller:
 
     # ---- 7. logging, checkpoints --------------------------------------------------------------
 
-    def log(self, record: dict) -> None:
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                self.writer.add_scalar(key, value, record["step"])
-            self.writer.flush()
-
     def checkpoint(self, pending: Pending | None) -> None:
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
@@ -308,20 +300,17 @@ class Controller:
             "env": pending.env_state if pending is not None else self.env.state_dict(),
             "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(), "restarts": self.restarts,
         }, path / "controller.pt")
-        latest = path.parent / "latest"
-        (path.parent / "latest.tmp").write_text(path.name)
-        os.replace(path.parent / "latest.tmp", latest)  # a crash mid-save leaves the previous checkpoint
+        mark_latest(path)  # only now: a crash mid-save leaves the previous checkpoint
 
     def resume(self) -> None:
         """resume=auto: the latest checkpoint in output_dir, if any; never; or a path."""
-        metrics = self.out / "metrics.jsonl"
-        latest = self.out / "checkpoints" / "latest"
         if self.cfg.resume == "auto":
-            path = latest.parent / latest.read_text().strip() if latest.exists() else None
+            path = latest_checkpoint(self.out / "checkpoints")
         else:
             path = None if self.cfg.resume == "never" else Path(self.cfg.resume)
+        log = self.cfg.logging
+        self.runlog = RunLog(self.out, fresh=path is None, tensorboard=log.tensorboard)
         if path is None:
-            metrics.unlink(missing_ok=True)
             return
         state = torch.load(path / "controller.pt", weights_only=False)
         self.step, self.version, self.samples_total = state["step"], state["version"], state["samples_total"]
@@ -330,17 +319,14 @@ class Controller:
         torch.set_rng_state(state["torch_rng"])
         self.get([learner.load.remote(str(path), self.version) for learner in self.learners], "loading the checkpoint")
         # drop what a crashed run logged after its last checkpoint, so every step is logged once
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        metrics.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= self.step))
+        self.runlog.trim(lambda row: row["step"] <= self.step)
         tqdm.write(f"resumed from {path} at step {self.step}")
 
     def finish(self) -> None:
         """The model as a transformers folder, and the reward curve as a PNG."""
         self.get(self.learners[0].export.remote(str(self.out / "model")), "exporting the model")
-        lines = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
-        plot_rewards(lines, self.out / "reward.png", f"{self.cfg.run_name}: {self.cfg.rl.algo} on {self.cfg.env.id}")
-        if self.writer is not None:
-            self.writer.close()
+        plot_rewards(self.runlog.records(), self.out / "reward.png",
+                     f"{self.cfg.run_name}: {self.cfg.rl.algo} on {self.cfg.env.id}")
 
     # ---- plumbing ------------------------------------------------------------------------------
 
@@ -354,50 +340,9 @@ class Controller:
                                "(/tmp/ray/session_latest/logs)") from None
 
     def close(self) -> None:
+        if self.runlog is not None:
+            self.runlog.close()
         for actor in self.workers + self.learners:
             ray.kill(actor, no_restart=True)
         if self.own_ray:
             ray.shutdown()
-
-
-def tensorboard_writer(path: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ImportError("logging.tensorboard=true needs the tensorboard package: `pip install tensorboard`, "
-                          "or set logging.tensorboard=false (metrics.jsonl has every value)") from None
-    return SummaryWriter(str(path))
-
-
-def plot_rewards(records: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    mean = np.array([r["reward_mean"] for r in records])
-    stderr = np.array([r["reward_std"] / np.sqrt(r["samples"]) for r in records])
-    window = min(5, len(mean))
-    smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, mean, marker="o", ms=3, lw=0.8, label="reward, mean over the step's samples")
-    ax.fill_between(steps, mean - stderr, mean + stderr, alpha=0.2, label="± standard error")
-    ax.plot(steps[window - 1:], smooth, lw=2, label=f"{window}-step moving average")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(cfg, controller_cls: type = Controller) -> dict:
-    torch.set_flush_denormal(True)
-    controller = controller_cls(cfg)
-    try:
-        return controller.run()
-    finally:
-        controller.close()

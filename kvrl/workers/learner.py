@@ -29,6 +29,7 @@ from kvrl.cache import EvictionTrace
 from kvrl.engines.hf import HFEngine
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
+from kvrl.runlog import setup_process
 from kvrl.workers.rollout import Sample, checksum
 
 
@@ -70,9 +71,7 @@ def collate(samples: list[Sample], num_items: float, device) -> Batch:
 @ray.remote
 class Learner:
     def __init__(self, cfg, rank: int, world: int):
-        torch.set_num_threads(1)  # actors share cores; more threads only contend
-        torch.set_flush_denormal(True)  # fp32 Adam on CPU slows down several-fold on subnormals
-        torch.manual_seed(cfg.seed)
+        setup_process(cfg.seed)  # one thread (actors share cores), denormals flushed (fp32 Adam on CPU)
         self.cfg, self.rank, self.world = cfg, rank, world
         model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
         self.algo = make_algo(cfg)

@@ -34,6 +34,7 @@ from kvrl.cache import EvictionTrace
 from kvrl.engines import make_engine
 from kvrl.engines.hf import Sampling
 from kvrl.models.tiny import resolve_path
+from kvrl.runlog import setup_process
 
 
 @dataclass
@@ -69,7 +70,7 @@ def checksum(state: dict[str, torch.Tensor]) -> str:
 @ray.remote
 class RolloutWorker:
     def __init__(self, cfg, rank: int):
-        torch.set_num_threads(1)  # actors share cores; more threads only contend (tests/conftest.py)
+        setup_process()  # actors share cores: one thread each (kvrl.runlog)
         self.cfg, self.rank = cfg, rank
         self.algo = make_algo(cfg)
         self.engine = make_engine(cfg)

@@ -44,7 +44,7 @@ from kvrl.engines.hf import Rollouts, Sampling
 from kvrl.engines.vllm import plugin
 from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
 from kvrl.engines.vllm.patches import apply_patches
-from kvrl.engines.vllm.runtime import NEVER
+from kvrl.kernels.replay import NEVER
 from kvrl.policies.base import KVPolicy
 
 WORKER_EXTENSION = "kvrl.engines.vllm.worker_ext.KVRLWorkerExtension"

@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvrl.kernels.replay import NEVER
 from kvrl.policies.base import KVPolicy, Observation
 
-NEVER = torch.iinfo(torch.int32).max
 
 
 class EvictionRefused(RuntimeError):

@@ -1,4 +1,7 @@
-"""Train the tiny reasoner from scratch on running counts (``recipe=tiny_pretrain``).
+"""job=pretrain_tiny: train the tiny reasoner from scratch on running counts.
+
+    python -m kvrl.run recipe=tiny_pretrain
+
 
 Fresh tasks every batch, loss on the chain of thought only, AdamW with warm-up and a cosine
 schedule over a fixed number of steps (not wall time, so a seed reproduces a run).
@@ -16,7 +19,6 @@ slower, and one thread makes the run reproducible across machines with a differe
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -26,9 +28,11 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
+from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs.counts import make_count_task
 from kvrl.kernels.replay import NEVER, Replay
 from kvrl.models.tiny import build_tokenizer, tiny_config
+from kvrl.runlog import RunLog, setup_process
 
 def cot_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Teacher-forced next-token accuracy on the chain of thought."""
@@ -75,21 +79,16 @@ def encode_batch(tokenizer, tasks: list[dict]) -> tuple[torch.Tensor, torch.Tens
     return ids, lab
 
 
-def boxed_accuracy(engine, tasks: list[dict], max_new_tokens: int = 160, death=None) -> float:
+def boxed_accuracy(engine, tasks: list[dict], max_new_tokens: int = 160) -> float:
     """Greedy accuracy: the completion's ``\\boxed{ d }`` equals the answer."""
-    from kvrl.engines.hf import Sampling
-
-    out = engine.generate([t["prompt"] for t in tasks], Sampling(max_new_tokens), death=death)
+    out = engine.generate([t["prompt"] for t in tasks], Sampling(max_new_tokens))
     return float(np.mean([f"\\boxed{{ {t['answer']} }}" in text for t, text in zip(tasks, out.texts)]))
 
 
 def main(cfg) -> dict:
-    from kvrl.engines.hf import HFEngine
-
+    # ---- one thread: reproducible, and robust to other processes on the cores
     tr = cfg.trainer
-    torch.set_flush_denormal(True)  # subnormal Adam moments slow CPU training several-fold
-    torch.set_num_threads(1)  # reproducible, and robust to other processes on the cores
-    torch.manual_seed(cfg.seed)
+    setup_process(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     held_out = [make_count_task(np.random.default_rng(10**6 + cfg.seed + i)) for i in range(64)]
     tokenizer = build_tokenizer()
@@ -105,8 +104,7 @@ def main(cfg) -> dict:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = open(out_dir / "metrics.jsonl", "w")
+    log = RunLog(out_dir, fresh=True)
     t0, tokens = time.time(), 0
     bar = tqdm(range(tr.steps), desc="pretrain tiny reasoner", mininterval=5)
     for step in bar:
@@ -135,9 +133,10 @@ def main(cfg) -> dict:
                 model.eval()
                 rec["held_out_acc"] = boxed_accuracy(HFEngine(model, tokenizer), held_out)
                 model.set_attn_implementation("kvrl_replay")
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
+            log.log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3g}", cot=f"{rec['cot_acc']:.3f}", acc=rec.get("held_out_acc", "-"))
+    # ---- save in the shipped layout
+    log.close()
     model.eval()
     model.set_attn_implementation("sdpa")  # the saved config's default attention
     model.save_pretrained(out_dir / "model")

@@ -1,0 +1,63 @@
+"""The layer order written in ``kvrl/__init__.py`` holds: no module imports a higher layer."""
+
+import ast
+import re
+from pathlib import Path
+
+import kvrl
+
+ROOT = Path(kvrl.__file__).parent
+
+
+def layers() -> dict[str, int]:
+    """Component name -> layer number, from the table in kvrl's docstring."""
+    table = {}
+    for number, names in re.findall(r"^\s*(\d+)\. ((?:[a-z_]+ )*[a-z_]+)\s{2,}", kvrl.__doc__, re.M):
+        table.update(dict.fromkeys(names.split(), int(number)))
+    return table
+
+
+def component(module: str) -> str:
+    """kvrl.engines.vllm.runtime -> engines; kvrl.runlog -> runlog."""
+    return module.split(".")[1]
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every kvrl import in a file, at any depth (lazy imports too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] if node.module != "kvrl" else [f"kvrl.{a.name}" for a in node.names]
+            found += [(node.lineno, n) for n in names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return [(line, name) for line, name in found if name.startswith("kvrl.")]
+
+
+def test_the_table_names_every_component():
+    table = layers()
+    assert table["kernels"] == 1 and table["run"] == max(table.values())
+    here = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
+            if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    assert here <= set(table), here - set(table)
+
+
+def test_no_module_imports_a_higher_layer():
+    table = layers()
+    wrong = []
+    for path in sorted(ROOT.rglob("*.py")):
+        source = ".".join(("kvrl", *path.relative_to(ROOT).with_suffix("").parts))
+        if source == "kvrl.__init__":
+            continue
+        for line, target in imports(path):
+            if table[component(target)] > table[component(source)]:
+                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} ({component(source)}, layer "
+                             f"{table[component(source)]}) imports {target} (layer {table[component(target)]})")
+    assert not wrong, "imports that run up the layers of kvrl/__init__.py:\n" + "\n".join(wrong)
+
+
+def test_the_check_catches_an_upward_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from kvrl.workers.controller import Controller\n")
+    assert imports(bad) == [(2, "kvrl.workers.controller")]
+    assert layers()[component("kvrl.workers.controller")] > layers()["policies"]
