@@ -23,7 +23,7 @@ import os
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, ClassVar, Dict, List, Sequence
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -225,6 +225,8 @@ class SelfDistillConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard (`pip install tensorboard`)
+    # also log to Weights & Biases (`pip install wandb`); WANDB_MODE=offline writes output_dir/wandb without a network
+    wandb: bool = False
 
 
 @dataclass
@@ -271,6 +273,10 @@ class ForesightConfig:
 
 @dataclass
 class Config:
+    # what a resumed run may change (a key, or a section with its dot); anything else must equal the checkpoint's
+    RESUMABLE: ClassVar[tuple[str, ...]] = ("trainer.steps", "logging.", "resume", "print_config", "dry_run",
+                                            "rl.checkpoint_every", "workers.address", "workers.num_cpus",
+                                            "workers.timeout_s", "workers.max_restarts")
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     seed: int = 0  # seed for every random number generator

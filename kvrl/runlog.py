@@ -12,15 +12,29 @@ Every job writes under ``output_dir`` through this module, so the rules live in 
   (the process died mid-write) is dropped, never a ``JSONDecodeError``.
 * :func:`atomic` — write to a temporary file beside the target and rename it over the
   target, so a crash leaves the previous file (or none), never half of one.
-* :func:`latest_checkpoint` / :func:`mark_latest` — the ``checkpoints/latest`` pointer.
+* :class:`OutputLock` — one run per output directory: an exclusive ``flock`` on
+  ``output_dir/.lock``, which the kernel drops when the process ends however it ends, so
+  the lock of a dead run is never stale.
+* Checkpoints verify themselves: :func:`seal` writes ``SHA256SUMS`` (every file of a
+  checkpoint folder) after the files and before :func:`mark_latest` points at it;
+  :func:`intact_checkpoint` returns the newest checkpoint whose files match, warning about
+  each newer one that does not (a flipped bit, a truncated file, a crash mid-save, a bad
+  ``latest`` pointer). :func:`config_changes` lists what a resumed run changed.
 * :func:`pyplot` and :func:`plot_rewards` — matplotlib without a display, and the standard
   reward curve every RL job draws.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import secrets
+import socket
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -48,10 +62,23 @@ def atomic(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with disk_full_names(path):
+            yield tmp
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def disk_full_names(path: str | Path) -> Iterator[None]:
+    """Re-raise "no space left on device" with the file that could not be written."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: free space there or "
+                                    "point output_dir at a larger disk (resume=auto continues the run)") from err
 
 
 def write_json(path: str | Path, obj) -> None:
@@ -81,6 +108,106 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return latest.parent / latest.read_text().strip() if latest.exists() else None
 
 
+SUMS = "SHA256SUMS"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def seal(folder: str | Path) -> None:
+    """Write ``folder/SHA256SUMS`` (``sha256sum`` format) over every file below ``folder``."""
+    folder = Path(folder)
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS and not p.name.startswith("."))
+    with atomic(folder / SUMS) as tmp:
+        tmp.write_text("".join(f"{_digest(p)}  {p.relative_to(folder)}\n" for p in files))
+
+
+def damage(folder: str | Path) -> str | None:
+    """Why ``folder`` is not an intact sealed checkpoint, or None when every file matches."""
+    folder = Path(folder)
+    if not (folder / SUMS).is_file():
+        return f"no {SUMS} (the save did not finish)"
+    for line in (folder / SUMS).read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if _digest(path) != digest:
+            return f"{path} does not match its checksum in {SUMS}"
+    return None
+
+
+def intact_checkpoint(root: str | Path) -> Path | None:
+    """The newest intact checkpoint folder under ``root`` (``latest`` first, then the
+    ``step_*`` folders from the newest), with a warning for every damaged one skipped."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    latest = latest_checkpoint(root)
+    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    for folder in ([latest] if latest is not None else []) + [p for p in folders if p != latest]:
+        why = damage(folder) if folder.is_dir() else f"{folder} does not exist ({root / 'latest'} points at it)"
+        if why is None:
+            return folder
+        print(f"kvrl: warning: skipping checkpoint {folder}: {why}", file=sys.stderr)
+    return None
+
+
+def flatten(cfg, prefix: str = "") -> dict:
+    """A dataclass config as {dotted key: value}."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flatten(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def config_changes(saved: dict, now: dict, resumable: tuple[str, ...]) -> list[str]:
+    """``key: saved -> now`` for every key that differs and is not in ``resumable`` (keys, or
+    sections given with their trailing dot)."""
+    changed = []
+    for key in sorted(saved.keys() | now.keys()):
+        if key in resumable or any(r.endswith(".") and key.startswith(r) for r in resumable):
+            continue
+        if saved.get(key) != now.get(key):
+            changed.append(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}")
+    return changed
+
+
+class OutputLock:
+    """This process's exclusive hold on ``out`` (see the module docstring); ``release()``."""
+
+    def __init__(self, out: str | Path):
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = open(out / ".lock", "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise RuntimeError(f"output_dir {out} is in use by another run ({holder}): wait for it to end, or give "
+                               "this run its own output_dir=...") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
 class RunLog:
     """``output_dir/metrics.jsonl`` and its mirrors (see the module docstring).
 
@@ -96,7 +223,7 @@ class RunLog:
         if fresh:
             self.path.unlink(missing_ok=True)
         self.writer = tensorboard_writer(self.out / "tensorboard") if tensorboard else None
-        self.wandb = wandb_run(self.out, name, config) if wandb else None
+        self.wandb = wandb_run(self.out, name, config, fresh) if wandb else None
 
     def log(self, row: dict, step: int | None = None) -> None:
         """Append ``row``; numeric values also go to TensorBoard / W&B at ``step``
@@ -151,15 +278,19 @@ def tensorboard_writer(path: Path):
     return SummaryWriter(str(path))
 
 
-def wandb_run(out: Path, name: str, config: dict | None):
-    """A W&B run writing under ``out/wandb``; with no network set ``WANDB_MODE=offline``
-    (``wandb sync`` uploads it later)."""
+def wandb_run(out: Path, name: str, config: dict | None, fresh: bool):
+    """A W&B run writing under ``out/wandb``, the same run again when a run is resumed;
+    with no network set ``WANDB_MODE=offline`` (``wandb sync`` uploads it later)."""
     try:
         import wandb
     except ImportError:
         raise ImportError("logging.wandb=true needs the wandb package: `pip install wandb`, or set "
                           "logging.wandb=false (metrics.jsonl has every value)") from None
-    return wandb.init(dir=str(out), name=name or None, config=config, resume="allow", id=None)
+    id_file = out / "wandb" / "run_id"
+    if fresh or not id_file.exists():
+        with atomic(id_file) as tmp:
+            tmp.write_text(secrets.token_hex(4))
+    return wandb.init(dir=str(out), name=name or None, config=config, id=id_file.read_text(), resume="allow")
 
 
 def pyplot():

@@ -134,6 +134,36 @@ def test_resume_repeats_the_uninterrupted_run(reference, random_model, tmp_path)
     same_params(params, ref_params)
 
 
+def test_a_flipped_bit_falls_back_to_the_previous_checkpoint(reference, random_model, tmp_path, capsys):
+    """One flipped bit in the newest learner.pt: resume skips that checkpoint (naming it),
+    takes the previous one, and the run repeats the uninterrupted run from there."""
+    _, ref_records, ref_params = reference
+    train(config(tmp_path, random_model, "trainer.steps=3", "rl.checkpoint_every=1"))
+    bad = tmp_path / "checkpoints" / "step_000003" / "learner.pt"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    bad.write_bytes(bytes(data))
+    capsys.readouterr()
+    records, params = train(config(tmp_path, random_model, "rl.checkpoint_every=1"))
+    captured = capsys.readouterr()
+    assert "skipping checkpoint" in captured.err and "step_000003" in captured.err
+    assert "resumed from" in captured.err + captured.out and "step_000002" in captured.err + captured.out
+    same_metrics(records, ref_records)
+    same_params(params, ref_params)
+
+
+def test_resume_refuses_changed_settings_and_a_second_run(random_model, tmp_path):
+    train(config(tmp_path, random_model, "trainer.steps=1"))
+    with pytest.raises(ValueError, match=r"trainer.lr: 0.01 -> 0.02(.|\n)*output_dir="):
+        Controller(config(tmp_path, random_model, "trainer.lr=2e-2"))
+    first = Controller(config(tmp_path, random_model, "trainer.steps=2"))  # steps may change
+    try:
+        with pytest.raises(RuntimeError, match="in use by another run"):
+            Controller(config(tmp_path, random_model, "trainer.steps=2"))
+    finally:
+        first.close()
+
+
 class Recording(Controller):
     """Records the ids of every sample handed to the learners."""
 

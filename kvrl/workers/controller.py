@@ -33,6 +33,7 @@ after a resume regenerates its samples with the resumed weights (staleness 0).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -47,7 +48,8 @@ from tqdm import tqdm
 from kvrl.algos import make_algo
 from kvrl.algos.grpo import group_advantages, mask_truncated
 from kvrl.envs import make
-from kvrl.runlog import RunLog, latest_checkpoint, mark_latest, plot_rewards
+from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
+                         plot_rewards, seal, write_json)
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker, Sample
 
@@ -87,7 +89,7 @@ class Controller:
         self.env = make(cfg.env.id, **cfg.env.kwargs)
         self.env.reset(seed=cfg.seed)
         self.out = Path(cfg.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
         self.own_ray = connect(cfg)
         w = cfg.workers
         for kind, need in (("CPU", w.rollout * w.rollout_cpus + w.learners * w.learner_cpus),
@@ -300,16 +302,30 @@ class Controller:
             "env": pending.env_state if pending is not None else self.env.state_dict(),
             "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(), "restarts": self.restarts,
         }, path / "controller.pt")
-        mark_latest(path)  # only now: a crash mid-save leaves the previous checkpoint
+        write_json(path / "config.json", flatten(self.cfg))  # what a resume must match
+        seal(path)  # checksums of every file, then the pointer: a crash mid-save leaves the previous checkpoint
+        mark_latest(path)
 
     def resume(self) -> None:
-        """resume=auto: the latest checkpoint in output_dir, if any; never; or a path."""
-        if self.cfg.resume == "auto":
-            path = latest_checkpoint(self.out / "checkpoints")
+        """resume=auto: the newest intact checkpoint in output_dir, if any; never; or a path.
+        A resumed run must have the checkpoint's config, but for ``Config.RESUMABLE``."""
+        cfg = self.cfg
+        if cfg.resume == "auto":
+            path = intact_checkpoint(self.out / "checkpoints")
         else:
-            path = None if self.cfg.resume == "never" else Path(self.cfg.resume)
-        log = self.cfg.logging
-        self.runlog = RunLog(self.out, fresh=path is None, tensorboard=log.tensorboard)
+            path = None if cfg.resume == "never" else Path(cfg.resume)
+            if path is not None and (why := damage(path)):
+                raise ValueError(f"resume={cfg.resume}: {why}; pass another checkpoint or resume=auto")
+        if path is not None and (path / "config.json").exists():
+            saved = json.loads((path / "config.json").read_text())
+            changed = config_changes(saved, json.loads(json.dumps(flatten(cfg))), cfg.RESUMABLE)
+            if changed:
+                raise ValueError(f"{self.out} holds a run whose settings differ from this one's (checkpoint {path}):"
+                                 f"\n  " + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to "
+                                 "continue it, or start fresh in another output_dir=... (or resume=never to "
+                                 "overwrite this one)")
+        self.runlog = RunLog(self.out, fresh=path is None, tensorboard=cfg.logging.tensorboard,
+                             wandb=cfg.logging.wandb, name=cfg.run_name, config=flatten(cfg))
         if path is None:
             return
         state = torch.load(path / "controller.pt", weights_only=False)
@@ -346,3 +362,4 @@ class Controller:
             ray.kill(actor, no_restart=True)
         if self.own_ray:
             ray.shutdown()
+        self.lock.release()

@@ -29,7 +29,7 @@ from kvrl.cache import EvictionTrace
 from kvrl.engines.hf import HFEngine
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
-from kvrl.runlog import setup_process
+from kvrl.runlog import disk_full_names, setup_process
 from kvrl.workers.rollout import Sample, checksum
 
 
@@ -173,12 +173,14 @@ class Learner:
         return state, checksum(state)
 
     def save(self, path: str) -> None:
+        """This learner's part of a checkpoint (the controller seals the folder when all are written)."""
         path = Path(path)
-        if self.ds is not None:
-            self.ds.save_checkpoint(str(path), tag="deepspeed")
-        elif self.rank == 0:
-            torch.save({"trainables": self.algo.state(self.engine.model), "optimizer": self.opt.state_dict(),
-                        "torch_rng": torch.get_rng_state()}, path / "learner.pt")
+        with disk_full_names(path):
+            if self.ds is not None:
+                self.ds.save_checkpoint(str(path), tag="deepspeed")
+            elif self.rank == 0:
+                torch.save({"trainables": self.algo.state(self.engine.model), "optimizer": self.opt.state_dict(),
+                            "torch_rng": torch.get_rng_state()}, path / "learner.pt")
 
     def load(self, path: str, version: int) -> None:
         path = Path(path)

@@ -1,0 +1,115 @@
+"""kvrl.runlog: metrics that survive a crash, checkpoints that verify themselves, one run per directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvrl.runlog import (OutputLock, RunLog, atomic, config_changes, damage, intact_checkpoint, mark_latest, seal)
+
+
+def test_metrics_trim_and_a_torn_last_line(tmp_path):
+    log = RunLog(tmp_path, fresh=True)
+    for step in range(1, 5):
+        log.log({"step": step, "reward": step / 10})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')  # the process died mid-write
+    assert [r["step"] for r in log.records()] == [1, 2, 3, 4]
+    assert (tmp_path / "metrics.jsonl").read_text().endswith('"reward": 0.4}\n')  # repaired
+    log.trim(lambda r: r["step"] <= 2)
+    assert [r["step"] for r in RunLog(tmp_path, fresh=False).records()] == [1, 2]
+    assert RunLog(tmp_path, fresh=True).records() == []
+
+
+def test_a_damaged_line_before_the_last_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2 is not JSON"):
+        RunLog(tmp_path, fresh=False).records()
+
+
+def test_atomic_leaves_the_old_file_when_the_writer_fails(tmp_path):
+    target = tmp_path / "results.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash")
+    assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+def checkpoint(root, step: int, payload: bytes):
+    folder = root / f"step_{step:06d}"
+    folder.mkdir(parents=True)
+    (folder / "learner.pt").write_bytes(payload)
+    (folder / "sub").mkdir()
+    (folder / "sub" / "shard").write_bytes(payload[::-1])
+    seal(folder)
+    mark_latest(folder)
+    return folder
+
+
+def test_a_flipped_bit_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
+    first = checkpoint(tmp_path, 1, b"\x00" * 64)
+    second = checkpoint(tmp_path, 2, b"\x01" * 64)
+    assert intact_checkpoint(tmp_path) == second and damage(second) is None
+    data = bytearray((second / "learner.pt").read_bytes())
+    data[10] ^= 0x04
+    (second / "learner.pt").write_bytes(bytes(data))
+    assert intact_checkpoint(tmp_path) == first
+    assert f"skipping checkpoint {second}" in capsys.readouterr().err
+    (first / "sub" / "shard").write_bytes(b"\x00" * 10)  # truncated
+    assert "does not match" in damage(first) and intact_checkpoint(tmp_path) is None
+
+
+def test_unsealed_checkpoints_and_bad_pointers_are_skipped(tmp_path, capsys):
+    good = checkpoint(tmp_path, 1, b"a" * 8)
+    (tmp_path / "step_000002").mkdir()  # a crash after the files, before the seal
+    (tmp_path / "step_000002" / "learner.pt").write_bytes(b"b" * 8)
+    (tmp_path / "latest").write_text("step_000009")  # points nowhere
+    assert intact_checkpoint(tmp_path) == good
+    err = capsys.readouterr().err
+    assert "step_000009 does not exist" in err and "no SHA256SUMS" in err
+
+
+def test_config_changes_name_the_keys_but_the_allowed():
+    saved = {"trainer.lr": 0.01, "trainer.steps": 3, "logging.tensorboard": False, "seed": 0}
+    now = {"trainer.lr": 0.02, "trainer.steps": 6, "logging.tensorboard": True, "seed": 0}
+    assert config_changes(saved, now, ("trainer.steps", "logging.")) == ["trainer.lr: 0.01 -> 0.02"]
+
+
+LOCK_HOLDER = "import sys, time; from kvrl.runlog import OutputLock; lock = OutputLock(sys.argv[1]); print('held', flush=True); time.sleep(60)"
+
+
+def test_one_run_per_output_directory(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match=f"in use by another run \\(pid {holder.pid} on"):
+            OutputLock(tmp_path)
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # a run that dies without cleaning up
+        holder.wait()
+    lock = OutputLock(tmp_path)  # the dead run's lock is not stale
+    with pytest.raises(RuntimeError, match="in use"):
+        OutputLock(tmp_path)
+    lock.release()
+    OutputLock(tmp_path).release()
+
+
+def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = RunLog(tmp_path, fresh=True, wandb=True, name="t", config={"trainer.lr": 0.1})
+    log.log({"step": 1, "reward_mean": 0.25, "note": "text"})
+    log.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and b"reward_mean" in runs[0].read_bytes()
+    run_id = (tmp_path / "wandb" / "run_id").read_text()
+    assert runs[0].name == f"run-{run_id}.wandb"
+    RunLog(tmp_path, fresh=False, wandb=True, name="t").close()  # a resumed run continues the same W&B run
+    assert (tmp_path / "wandb" / "run_id").read_text() == run_id
