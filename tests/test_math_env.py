@@ -93,6 +93,29 @@ def test_missing_file_and_bad_template(tmp_path):
         MathEnv(template="no placeholder")
 
 
+@pytest.mark.parametrize("answer", [[1, 2], {"a": 1}, True, float("nan")], ids=["list", "dict", "bool", "nan"])
+def test_a_non_text_answer_is_refused_with_file_line(tmp_path, answer):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n" + json.dumps({"question": "b", "answer": answer})
+                    + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: the answer is .*it must be text or a number"):
+        MathEnv(path)
+
+
+def test_encodings_directories_and_timeouts(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + json.dumps({"question": "q", "answer": 7}).encode() + b"\n")
+    assert MathEnv(bom).tasks(1)[0].answer == "7"  # a byte-order mark is fine; a number is an answer
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps({"question": "a", "answer": "1"}).encode() + b"\n" + b'{"question": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8 \(byte 0xe9 at column 18\)"):
+        MathEnv(latin)
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        MathEnv(tmp_path)
+    with pytest.raises(ValueError, match="timeout=0.*must be > 0"):
+        MathEnv(bom, timeout=0)
+
+
 # ---- rewards ---------------------------------------------------------------------------
 
 

@@ -71,6 +71,9 @@ class MathEnv(TextEnv):
     ) -> None:
         if "{question}" not in template:
             raise ValueError(f"template {template!r} must contain '{{question}}'")
+        if not timeout > 0:  # 0 would time every check out: reward 0 for every answer, silently
+            raise ValueError(f"timeout={timeout!r}: the per-answer verification timeout must be > 0 seconds, "
+                             "e.g. env.kwargs.timeout=5")
         self.path = Path(path) if path is not None else FIXTURE
         self.template = template
         self.timeout = timeout
@@ -101,6 +104,8 @@ def has_boxed(task: Task, completion: str) -> float:
 def load_math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE) -> list[Task]:
     """Read ``path`` and turn each row into a Task (see the module docstring for layouts)."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"math dataset {str(path)!r} is a directory: give one .jsonl or .parquet file in it")
     if not path.is_file():
         raise FileNotFoundError(f"math dataset {str(path)!r} not found (give one .jsonl or .parquet file)")
     tasks = []
@@ -122,8 +127,13 @@ def _rows(path: Path):
     if path.suffix not in (".jsonl", ".json"):
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
     index = 0
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:  # a byte-order mark may open the file
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -141,8 +151,15 @@ def row_to_task(row: dict, where: str, default_id: str, template: str = DEFAULT_
     question = _first(row, QUESTION_KEYS)
     if question is None:
         raise ValueError(f"{where}: missing question field (columns: {sorted(row)}); accepted: {ACCEPTED}")
+    if not isinstance(question, str):
+        raise ValueError(f"{where}: the question is a {type(question).__name__} ({question!r:.60}); it must be text")
     answer = _first(row, ANSWER_KEYS)
     if answer is not None:
+        # a number is an answer (AIME's are ints); a list, a mapping, a bool or NaN is a broken row,
+        # which str() would silently turn into a gold answer such as "[1, 2]"
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer != answer:
+            raise ValueError(f"{where}: the answer is {answer!r:.60} ({type(answer).__name__}); it must be text or "
+                             "a number")
         answer = str(answer).strip()
         if "####" in answer:  # GSM8K: reasoning, then "#### 72"
             answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
