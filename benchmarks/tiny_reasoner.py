@@ -23,9 +23,10 @@ import torch
 
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
-from kvrl.eval.budgets import evaluate, window_death
+from kvrl.eval.budgets import evaluate
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
+from kvrl.policies import Static, Window
 
 SINK = 4
 
@@ -71,15 +72,15 @@ def main():
     for frac in (0.25, 0.5):
         budget = round(frac * full["mean_seq_len"])
         win = evaluate(engine, env, tasks, max_new, desc=f"window{frac}",
-                       death_fn=lambda b, T: window_death(model.config, len(b), T, SINK, budget - SINK))
+                       policy=Static(Window.of(model.config, SINK, budget - SINK)))
         orc = evaluate(engine, env, tasks, max_new, desc=f"oracle{frac}",
-                       death_fn=lambda b, T: oracle_death(model, b, T, budget)[0])
+                       policy_fn=lambda b, T: Static(oracle_death(model, b, T, budget)[0]))
         pct = round(100 * frac)
         res.update({f"budget{pct}": budget, f"window{pct}_acc": win["acc"], f"oracle{pct}_acc": orc["acc"],
                     f"oracle{pct}_peak_keys": oracle_death(model, tasks, max_new + 128, budget)[1]})
     # Sanity: an unlimited window is the full cache, token for token, vs stock generate().
     sub = tasks[:64]
-    unl = evaluate(engine, env, sub, max_new, death_fn=lambda b, T: window_death(model.config, len(b), T, SINK, 10**6))
+    unl = evaluate(engine, env, sub, max_new, policy=Static(Window.of(model.config, SINK, 10**6)))
     ref_model, _ = load_model(args.model, attn_implementation="sdpa")
     enc = tok([t.prompt for t in sub], return_tensors="pt", padding=True)
     gen = ref_model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,

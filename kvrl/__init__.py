@@ -14,7 +14,7 @@ of every module, lazy ones included):
     8. algos              what is trained, the loss, what is pushed to the rollout workers
     9. workers            Ray actors (rollout workers, learners) and the controller loop
    10. eval               evaluation under KV budgets
-   11. config plan        the typed config and its checks; the dry-run resource plan
+   11. config gate plan   the typed config and its checks; the checks beyond the config; the dry-run plan
    12. jobs               what ``python -m kvrl.run`` starts, one module per job
    13. run                the entry point
 """

@@ -18,8 +18,11 @@ Before each forward the engine calls :meth:`KVCache.begin` with the true positio
 new tokens and the number of generated tokens they bring into the cache; the schedule
 (:func:`kvrl.policies.should_evict`) decides whether this forward ends with an eviction.
 
-Without a policy the cache only appends (the full cache); with a static ``death`` pattern
-(head allocation, sink+recent) it masks instead of evicting, which is equivalent.
+The cache runs one regime (:mod:`kvrl.policies.regime`): ``Full`` only appends;
+``Evicting`` evicts on the policy's schedule; ``Static`` (head allocation, sink+recent)
+masks keys by the pattern's death times instead of evicting them, which is equivalent;
+``Mixed`` (RLKV) keeps every key and attends with
+:func:`kvrl.kernels.mixed.mixed_gate_attention` over the cache's per-head key positions.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kvrl.kernels.mixed import mixed_gate_attention
 from kvrl.kernels.replay import NEVER, Replay, visibility
 from kvrl.kernels.scores import gather_slots
-from kvrl.policies.base import KVPolicy, Observation, should_evict
+from kvrl.policies.base import Observation, should_evict
+from kvrl.policies.regime import Evicting, Mixed, Static, as_regime
 
 
 @dataclass
@@ -175,25 +180,28 @@ class KVCache(Cache):
         Model geometry and batch size.
     length : int
         T, positions the trace covers (longest prompt + max new tokens).
-    policy : KVPolicy, optional
-        Evicts on its schedule; None never evicts.
-    death : Tensor [layers, B, H_kv, T] int, optional
-        A static pattern (no policy): masks keys instead of evicting them.
+    regime : optional
+        What the cache does (anything :func:`kvrl.policies.as_regime` takes): None / ``Full``
+        only appends; a KVPolicy / ``Evicting`` evicts on its schedule; ``Static`` masks keys
+        by its death pattern [layers, B, H_kv, ≥T]; ``Mixed`` attends with RLKV's gates.
     sample : bool
         Sample evictions (``policy.select(sample=True)``) and record their logprobs.
     generator : torch.Generator, optional
         For sampled evictions.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, policy: KVPolicy | None = None,
-                 death: Tensor | None = None, *, sample: bool = False, generator: torch.Generator | None = None,
-                 device=None):
-        if policy is not None and death is not None:
-            raise ValueError("KVCache takes a policy or a static death pattern, not both")
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, regime=None, *,
+                 sample: bool = False, generator: torch.Generator | None = None, device=None):
+        regime = as_regime(regime)
+        policy = regime.policy if isinstance(regime, Evicting) else None
         state, observe = (policy.state_size, policy.observe) if policy is not None else (0, 0)
         super().__init__(layers=[KVLayer(state, observe) for _ in range(layers)])
-        self.policy, self.static = policy, death is not None
-        if death is None and policy is not None:  # record in the trace's compact dtype
+        self.policy, self.static = policy, isinstance(regime, Static)
+        self.mixed = regime if isinstance(regime, Mixed) else None
+        death = None
+        if self.static:
+            death = regime.death(length, batch).to(device)
+        elif policy is not None:  # record in the trace's compact dtype
             dtype = torch.int16 if length < torch.iinfo(torch.int16).max else torch.int32
             death = torch.full((layers, batch, kv_heads, length), torch.iinfo(dtype).max, dtype=dtype, device=device)
         self.death = death
@@ -264,12 +272,19 @@ def evict_attention(module, query, key, value, attention_mask, *, scaling, dropo
     query [B, Hq, Q, D] post-RoPE; key/value [B, H, N, D] = the layer's cache after
     ``update`` -> (out [B, Q, Hq, D], None). The mask comes from the cache's per-head true
     positions (causal, padding excluded, and the static pattern if any); transformers'
-    2-D padding mask no longer describes a compacted cache and is ignored.
+    2-D padding mask no longer describes a compacted cache and is ignored. Under ``Mixed``
+    the attention is :func:`~kvrl.kernels.mixed.mixed_gate_attention` over the same key
+    positions (padding queries clamped to position 0, as in ``HFEngine.score``).
     """
     if kvrl_cache is None:
         raise ValueError("attn_implementation='kvrl_evict' needs model(..., kvrl_cache=KVCache(...))")
     cache, idx = kvrl_cache, module.layer_idx
     layer = cache.layers[idx]
+    if cache.mixed is not None:
+        m = cache.mixed
+        out = mixed_gate_attention(query, key, value, cache.step_pos.clamp(min=0), layer.key_pos, m.gates[idx],
+                                   sink=m.sink, recent=m.recent, scaling=scaling)
+        return out.transpose(1, 2).contiguous(), None
     layer.observe_queries(query, cache.step_pos)
     if cache.static:
         death = cache.death[idx]

@@ -11,23 +11,35 @@ Contract:
   `recipe=NAME` on the command line, else `Config.recipe`) and the command-line `key=value`
   dotlist, makes the result read-only, resolves interpolations and converts it to the
   dataclasses with `OmegaConf.to_object`.
+* Constructor arguments belong to what they construct: when the command line changes `env.id`,
+  `self_distill.source` or `kv.policy`, the recipe's `env.kwargs`, `self_distill.source_kwargs`
+  or `kv.kwargs` are dropped (`env.id=kvrl/math-v0 env.kwargs.path=data.jsonl` on an RL recipe
+  over counts gives MathEnv only `path`), and a mapping given whole on the command line
+  (`env.kwargs='{path: data.jsonl}'`, `env.kwargs={}` to clear) replaces the recipe's instead of
+  merging into it; `env.kwargs.path=...` merges one key.
 * Recipes live in the repository's `recipes/` folder, or in `$KVRL_RECIPES_DIR`.
-* Every problem — unknown recipe or base, unknown or renamed key (in a recipe or on the command
-  line), wrong type, malformed argument, out-of-range value — raises `ConfigError` whose message
-  names the key, where it came from, and the fix. Nothing here imports torch.
+* Every problem — unknown recipe or base, a recipe that is not UTF-8 or YAML, unknown or renamed
+  key (in a recipe or on the command line), wrong type, malformed argument, out-of-range or
+  non-finite value, KV geometry the job's policy refuses, a model path or an environment
+  argument that cannot work (`kvrl.gate`) — raises `ConfigError` whose message names the key,
+  where it came from, and the fix. Nothing here imports torch or Ray; `kvrl.run` adds the
+  machine's checks (`kvrl.gate.machine_problems`) just before a job starts.
 """
 
 import copy
 import difflib
+import io
+import math
 import os
+import re
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Sequence
+from typing import Any, Callable, ClassVar, Dict, List, Sequence, get_origin
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException, ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -51,12 +63,22 @@ class ModelConfig:
     path: str = "tiny"  # "tiny" = the shipped kvrl/models/weights/tiny_reasoner; else a dir or hub id
     dtype: str = checked("float32", lambda v: v in DTYPES, f"must be one of {' | '.join(DTYPES)}")  # parameter dtype
 
+    def problems(self, cfg: "Config") -> list[str]:
+        from kvrl.gate import model_problems  # a folder with a config.json, or a well-formed hub id
+
+        return model_problems(self.path)
+
 
 @dataclass
 class EnvConfig:
     id: str = "kvrl/counts-v0"  # registered environment id, or a dotted path pkg.mod:Class
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
     num_eval_tasks: int = checked(256, ge=1)  # tasks drawn for evaluation
+
+    def problems(self, cfg: "Config") -> list[str]:
+        from kvrl.gate import env_problems  # the id resolves and the kwargs fit its constructor
+
+        return env_problems("env.id", self.id, "env.kwargs", self.kwargs)
 
 
 @dataclass
@@ -67,6 +89,22 @@ class KVConfig:
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
     sink: int = checked(4, ge=0)  # leading tokens that are never evicted
     kwargs: Dict[str, Any] = field(default_factory=dict)  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
+
+    def problems(self, cfg: "Config") -> list[str]:
+        """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: the policy
+        always keeps kv.sink + kv.window tokens and must choose at least one more by score."""
+        job = JOBS[cfg.job]
+        who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if job.algos else "")
+        least = self.window + self.sink + 1
+        fix = max(least, 4 * self.interval)
+        if self.budget == 0:
+            return [f"kv.budget=0 keeps every token, but {who} evicts with kv.policy={self.policy} and needs a "
+                    f"budget; set kv.budget={fix}"]
+        if self.budget < least:
+            return [f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy always "
+                    f"keeps the kv.sink first and kv.window newest tokens and chooses at least one by score; set "
+                    f"kv.budget={fix} (or lower kv.window / kv.sink)"]
+        return []
 
 
 @dataclass
@@ -216,10 +254,13 @@ class SelfDistillConfig:
                                 "must be task counts >= 0, one per bucket")
 
     def problems(self, cfg: "Config") -> list[str]:
+        from kvrl.gate import env_problems
+
+        problems = env_problems("self_distill.source", self.source, "self_distill.source_kwargs", self.source_kwargs)
         if len(self.counts) != len(self.edges) - 1:
-            return [f"self_distill.counts has {len(self.counts)} entries for {len(self.edges) - 1} buckets "
-                    "(self_distill.edges); give one count per bucket"]
-        return []
+            problems.append(f"self_distill.counts has {len(self.counts)} entries for {len(self.edges) - 1} buckets "
+                            "(self_distill.edges); give one count per bucket")
+        return problems
 
 
 @dataclass
@@ -234,6 +275,14 @@ class EvalConfig:
     # KV budgets to evaluate, as fractions of the average sequence length
     budgets: List[float] = checked([0.25, 0.5], lambda v: len(v) > 0 and all(0 < b <= 1 for b in v),
                                    "must be fractions in (0, 1]")
+
+    def problems(self, cfg: "Config") -> list[str]:
+        """The eval job's budgets are eval.budgets (fractions of the mean sequence), not kv.budget."""
+        if cfg.kv.budget > 0:
+            return [f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of eval.budgets "
+                    f"({cli_value(self.budgets)}, fractions of the mean sequence length); set kv.budget=0 (and "
+                    "eval.budgets to the fractions to evaluate)"]
+        return []
 
 
 @dataclass
@@ -260,9 +309,6 @@ class ForesightConfig:
         kv = cfg.kv
         if kv.policy != "learned":
             problems.append(f"kv.policy is {kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
-        if kv.budget < kv.window + kv.sink + 1:
-            problems.append(f"kv.budget ({kv.budget}) must be > kv.window + kv.sink ({kv.window + kv.sink}) "
-                            f"for ForesightKV; set e.g. kv.budget={4 * kv.interval}")
         g, n = cfg.rl.group_size, cfg.trainer.batch_size
         if n % g or n < g:
             problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
@@ -279,7 +325,7 @@ class Config:
                                             "workers.timeout_s", "workers.max_restarts")
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
-    seed: int = 0  # seed for every random number generator
+    seed: int = checked(0, ge=0)  # seed for every random number generator
     run_name: str = "${recipe}"  # name of this run in logs and output paths
     output_dir: str = "outputs/${run_name}"  # where metrics, checkpoints and plots go
     device: str = "cpu"  # torch device, e.g. cpu or cuda
@@ -305,21 +351,28 @@ class Config:
 @dataclass(frozen=True)
 class Job:
     entry: str  # "module:function" called with the typed Config
-    sections: tuple[str, ...] = ()  # the config sections whose cross-field checks (`problems`) apply to the job
-    # RL jobs: the rl.algo values the job runs; the algorithm's own section (rl.algo=rlkv -> rlkv) is checked too
-    algos: tuple[str, ...] = ()
+    # the config sections whose cross-field checks (`problems`) apply to the job; "kv" = the job builds
+    # a token policy from kv.budget / kv.window / kv.sink
+    sections: tuple[str, ...] = ()
+    # RL jobs: the rl.algo values the job runs -> the sections each adds (its own, "kv" when it evicts)
+    algos: Dict[str, tuple[str, ...]] = field(default_factory=dict)
+    ray: bool = False  # runs Ray actors (workers.*): a local Ray must host them (kvrl.gate.machine_problems)
 
 
 # cfg.job -> Job; the single list of jobs
 JOBS = {
-    "eval_budgets": Job("kvrl.jobs.eval_budgets:main"),
-    "foresight": Job("kvrl.jobs.foresight:main", sections=("foresight",)),
-    "foresight_traces": Job("kvrl.jobs.foresight_traces:main"),
+    "eval_budgets": Job("kvrl.jobs.eval_budgets:main", sections=("model", "env", "eval")),
+    "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight")),
+    "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env")),
     "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main"),
-    "rl": Job("kvrl.jobs.rl:main", sections=("rl",), algos=("rl_full", "rl_sparse", "distill")),
-    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("rl",), algos=("rlkv",)),
-    "self_distill": Job("kvrl.jobs.self_distill:main", sections=("self_distill",)),
+    "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True,
+              algos={"rl_full": (), "rl_sparse": ("kv",), "distill": ("distill", "kv")}),
+    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), algos={"rlkv": ("rlkv",)}, ray=True),
+    "self_distill": Job("kvrl.jobs.self_distill:main", sections=("model", "self_distill")),
 }
+
+# a key naming what its kwargs construct: when the command line changes it, the recipe's kwargs are dropped
+KWARGS_OF = {"env.id": "env.kwargs", "self_distill.source": "self_distill.source_kwargs", "kv.policy": "kv.kwargs"}
 
 # keys renamed because the old name misled: old key -> (new key, what it is)
 RENAMED = {
@@ -353,26 +406,74 @@ def recipes_dir() -> Path:
 
 
 def available_recipes() -> dict[str, str]:
-    """Recipe name -> its description (the first comment line of the file); bases are not recipes."""
+    """Recipe name -> its description (the first comment line of the file); bases are not recipes. A
+    file that cannot be read is listed with what is wrong (`--help` works whatever one recipe holds)."""
     recipes = {}
     for path in sorted(recipes_dir().glob("*.yaml")):
-        comments = [ln for ln in path.read_text().splitlines() if ln.startswith("#")]
+        try:
+            comments = [ln for ln in _read_text(path).splitlines() if ln.startswith("#")]
+        except ConfigError as err:
+            recipes[path.stem] = f"(unreadable: {str(err).removeprefix(f'{path}: ')})"
+            continue
         recipes[path.stem] = comments[0].lstrip("#").strip() if comments else ""
     return recipes
 
 
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ConfigError(f"{path}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}, line {line}); "
+                          "save the file as UTF-8") from None
+
+
+def _value_syntax(key: str, value: str) -> str:
+    """What is wrong with a value the parser refused, and a well-formed one for `key`."""
+    default = schema_keys().get(key, (None, None))[1]
+    if "${" in value:
+        example = default if "${" in str(default) else "${recipe}"
+        return (f"an interpolation is ${{other.key}}, closed by a brace (got {value!r}); set e.g. {key}={example}")
+    if value.lstrip().startswith("["):
+        example = cli_value(default) if isinstance(default, list) else "[a,b]"
+        return f"a list is [a,b,...], closed by a bracket (got {value!r}); set e.g. {key}={example}"
+    if value.lstrip().startswith("{"):
+        return (f"a mapping is {{name: value, ...}}, closed by a brace (got {value!r}); set e.g. "
+                f"{key}='{{name: value}}' (quoted for the shell)")
+    return f"the parser refused {value!r}; quote a value with special characters, e.g. {key}='a: b'"
+
+
 def _parse_cli(argv: Sequence[str]) -> DictConfig:
     for arg in argv:
-        key = arg.partition("=")[0]
+        key, _, value = arg.partition("=")
         if "=" not in arg or not key or "" in key.split("."):
             raise ConfigError(
                 f"malformed argument {arg!r}: arguments are key=value with a dotted key, "
                 "e.g. `python -m kvrl.run recipe=tiny_rl_full trainer.lr=1e-3`"
             )
+        try:
+            OmegaConf.from_dotlist([arg])
+        except (yaml.YAMLError, OmegaConfBaseException):
+            raise ConfigError(f"command line: {key} is malformed: {_value_syntax(key, value)}") from None
     return OmegaConf.from_dotlist(list(argv))
 
 
-def _merge_error(err: OmegaConfBaseException, layer: DictConfig, source: str) -> ConfigError:
+def _valid_value(key: str, before: DictConfig, layer: DictConfig) -> str:
+    """A value of `key` the job accepts: the one the layers before `layer` give (the recipe's, else the
+    schema's), or, when the job's checks refuse that one, the value their message proposes."""
+    value = OmegaConf.select(before, key, default=None, throw_on_missing=False)
+    try:
+        trial = OmegaConf.merge(before, {})
+        job = OmegaConf.select(layer, "job", default=None, throw_on_missing=False)
+        if isinstance(job, str):
+            trial.job = job
+        return _job_fix(OmegaConf.to_object(trial), key, value)
+    except Exception:  # noqa: BLE001 (only a hint: the layers' own problems are reported when they load)
+        return cli_value(value)
+
+
+def _merge_error(err: OmegaConfBaseException, layer: DictConfig, source: str, before: DictConfig) -> ConfigError:
     """Turn an OmegaConf merge error into a message that names the key and the fix."""
     keys = schema_keys()
     key = str(getattr(err, "full_key", None) or "")
@@ -390,19 +491,24 @@ def _merge_error(err: OmegaConfBaseException, layer: DictConfig, source: str) ->
         return ConfigError(f"{source}: unknown key {key}; {hint}")
     base = key.split("[")[0]
     if isinstance(err, ValidationError) and base in keys:
-        expected, default = keys[base]
+        expected = keys[base][0]
         name = expected.__name__ if isinstance(expected, type) else str(expected).replace("typing.", "")
         given = OmegaConf.select(layer, key, default=None, throw_on_missing=False)
         return ConfigError(
-            f"{source}: {key} expects {name}, got {given!r}; set e.g. {base}={cli_value(default)}"
+            f"{source}: {key} expects {name}, got {given!r}; set e.g. {base}={_valid_value(base, before, layer)}"
         )
     reason = str(err).splitlines()[0]
     return ConfigError(f"{source}: {reason}; `python -m kvrl.run --help` lists the keys and defaults")
 
 
 def _read_yaml(path: Path) -> DictConfig:
+    text = _read_text(path)
     try:
-        layer = OmegaConf.load(path)
+        layer = OmegaConf.load(io.StringIO(text))
+    except GrammarParseError as err:
+        raise ConfigError(f"{path}: {err.full_key} holds a malformed interpolation ({str(err).splitlines()[0]}); "
+                          "an interpolation is ${other.key}, closed by a brace, e.g. output_dir: "
+                          "outputs/${run_name}") from None
     except (yaml.YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())}); fix the file") from None
     if not isinstance(layer, DictConfig):
@@ -414,8 +520,11 @@ def _load_recipe(name: str) -> list[tuple[DictConfig, str]]:
     """The recipe's layers with their sources, to merge in order: its base (if any), then the recipe."""
     path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
-        names = ", ".join(available_recipes()) or "(none)"
-        raise ConfigError(f"unknown recipe {name!r}: no {path}; available recipes: {names}")
+        names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        hint = f"did you mean recipe={near[0]}? " if near else ""
+        raise ConfigError(f"unknown recipe {name!r}: no {path}; {hint}available recipes: "
+                          f"{', '.join(names) or '(none)'}")
     recipe = _read_yaml(path)
     if "base" not in recipe:
         return [(recipe, str(path))]
@@ -428,34 +537,57 @@ def _load_recipe(name: str) -> list[tuple[DictConfig, str]]:
     return [(_read_yaml(base_path), str(base_path)), (recipe, str(path))]
 
 
-def _field_problems(section: Any, prefix: str = "") -> list[str]:
-    """The range checks declared beside the fields (`checked`), over the whole config."""
+def _field_problems(section: Any, prefix: str = "") -> list[tuple[str, str, Any, Any]]:
+    """(key, rule, value, default) of the range checks declared beside the fields (`checked`) that
+    fail, over the whole config; every float must be finite (inf and nan pass most range checks)."""
     problems = []
     for f in fields(section):
         value, key = getattr(section, f.name), prefix + f.name
+        default = f.default_factory() if f.default is NO_DEFAULT else f.default
         if is_dataclass(value):
             problems += _field_problems(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append((key, "must be a finite number", value, default))
         elif "check" in f.metadata and not f.metadata["check"][0](value):
-            default = f.default_factory() if f.default is NO_DEFAULT else f.default
-            problems.append(f"{key} {f.metadata['check'][1]} (got {value!r}); set {key}={cli_value(default)}")
+            problems.append((key, f.metadata["check"][1], value, default))
     return problems
 
 
-def validate(cfg: Config) -> None:
-    """The checks the types cannot express; raises one ConfigError listing every problem."""
-    problems = _field_problems(cfg)
+def _section_problems(cfg: Config) -> list[str]:
+    """The cross-field checks of the job's sections (`Job.sections`, and its rl.algo's)."""
+    problems = []
     job = JOBS.get(cfg.job, Job(""))  # an unknown job: kvrl.run names the jobs
     sections = job.sections
     if job.algos:
-        sections += (cfg.rl.algo,)
+        sections += job.algos.get(cfg.rl.algo, ())
         owner = next((name for name, other in JOBS.items() if cfg.rl.algo in other.algos), None)
         if owner not in (None, cfg.job):  # an unknown rl.algo is RLConfig's to report
             problems.append(f"job={cfg.job} runs rl.algo={' | '.join(job.algos)}, not rl.algo={cfg.rl.algo}; "
-                            f"set job={owner} (or rl.algo={job.algos[0]})")
+                            f"set job={owner} (or rl.algo={next(iter(job.algos))})")
     for name in dict.fromkeys(sections):
         section = getattr(cfg, name, None)
         if hasattr(section, "problems"):
             problems += section.problems(cfg)
+    return problems
+
+
+def _job_fix(cfg: Config, key: str, value: Any) -> str:
+    """`value` as the fix for `key`, unless the job's cross-field checks refuse it (trainer.steps=0 in an
+    RL job): then the value their message proposes."""
+    trial, (*path, leaf) = copy.deepcopy(cfg), key.split(".")
+    section = trial
+    for name in path:
+        section = getattr(section, name)
+    setattr(section, leaf, value)
+    found = re.search(rf"set (?:e\.g\. )?{re.escape(key)}=([^\s,;)]+)", "\n".join(_section_problems(trial)))
+    return found.group(1) if found else cli_value(value)
+
+
+def validate(cfg: Config) -> None:
+    """The checks the types cannot express; raises one ConfigError listing every problem."""
+    problems = [f"{key} {rule} (got {value!r}); set {key}={_job_fix(cfg, key, default)}"
+                for key, rule, value, default in _field_problems(cfg)]
+    problems += _section_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "\n".join(problems))
 
@@ -469,10 +601,17 @@ def load_config(argv: Sequence[str]) -> Config:
     recipe_path = layers[-1][1]
     merged = OmegaConf.structured(Config)
     for layer, source in layers + [(cli, "command line")]:
+        if layer is cli:  # what the command line replaces rather than merges into (the module docstring)
+            given = [arg.partition("=")[0] for arg in argv]
+            dropped = [kw for owner, kw in KWARGS_OF.items()
+                       if owner in given and str(OmegaConf.select(cli, owner)) != str(OmegaConf.select(merged, owner))]
+            whole = [key for key in given if get_origin(schema_keys().get(key, (None,))[0]) is dict]
+            for key in dropped + whole:
+                OmegaConf.update(merged, key, {}, merge=False)
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
-            raise _merge_error(err, layer, source) from None
+            raise _merge_error(err, layer, source, merged) from None
     if OmegaConf.is_missing(merged, "job"):
         raise ConfigError(f"job is not set; add `job: NAME` to {recipe_path} or pass job=NAME "
                           "(`python -m kvrl.run --help` lists the jobs)")
@@ -480,7 +619,9 @@ def load_config(argv: Sequence[str]) -> Config:
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot resolve the config: {str(err).splitlines()[0]}") from None
+        key = getattr(err, "full_key", None) or "the config"
+        raise ConfigError(f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another key, "
+                          "e.g. output_dir=outputs/${run_name}") from None
     assert isinstance(cfg, Config)
     validate(cfg)
     return cfg

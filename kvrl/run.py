@@ -1,7 +1,9 @@
 """The only entry point: `python -m kvrl.run recipe=NAME key=value ...`.
 
-The config is loaded and validated first, and only then is the job's module imported, so
-a typo costs milliseconds (exit status 2, a message on stderr), not a torch/Ray start-up.
+The config is loaded and validated first (`kvrl.config`), then, for a job that runs here,
+what this machine must give it (`kvrl.gate.machine_problems`: CUDA, the CPUs of a local Ray's
+actors); only then is the job's module imported, so a mistake costs well under a second (exit
+status 2, a message on stderr, no traceback), not a torch/Ray start-up.
 """
 
 import difflib
@@ -60,6 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvrl: error: {err}", file=sys.stderr)
             return 2
         return 0
+    from kvrl.gate import machine_problems  # imports torch only when a CUDA device or GPUs are asked for
+
+    problems = machine_problems(cfg, ray=JOBS[cfg.job].ray)
+    if problems:
+        print("kvrl: error: this machine cannot run the config: " + "\n".join(problems), file=sys.stderr)
+        return 2
     module, _, function = JOBS[cfg.job].entry.partition(":")
     result = getattr(importlib.import_module(module), function)(cfg)
     return result if isinstance(result, int) else 0

@@ -97,10 +97,10 @@ def test_help_lists_recipes_jobs_and_keys(capsys):
 
 
 def test_printed_config_round_trips_as_a_recipe(capsys, tmp_path, monkeypatch):
-    assert main(["print_config=true", "kv.budget=64", "env.kwargs.depth=3"]) == 0
+    assert main(["print_config=true", "kv.budget=64", "env.kwargs.n_digits=12"]) == 0
     printed = capsys.readouterr().out
     assert yaml.safe_load(printed)["kv"]["budget"] == 64
-    original = load_config(["kv.budget=64", "env.kwargs.depth=3"])
+    original = load_config(["kv.budget=64", "env.kwargs.n_digits=12"])
     (tmp_path / "again.yaml").write_text(printed)
     monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
     again = load_config(["recipe=again", "print_config=false"])

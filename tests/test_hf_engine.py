@@ -10,7 +10,7 @@ from kvrl.envs import make
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
-from kvrl.policies import POLICIES, HeadAllocation, make_policy
+from kvrl.policies import POLICIES, HeadAllocation, Mixed, Static, Window, make_policy
 
 BUDGET, INTERVAL, WINDOW, SINK, NEW = 24, 4, 4, 2, 28
 
@@ -157,3 +157,31 @@ def test_row_within_budget_keeps_its_state_in_a_batch(engine, name):
     batch = [" ".join(rng.choice(words, n - 1)) for n in (22, 19)]  # + BOS: 22 and 19 tokens
     policy = policies(engine.model)[name]
     assert_rows_match_alone(engine, batch, policy)
+
+
+def max_lp_diff(a, b):
+    return max((max(abs(x - y) for x, y in zip(la, lb)) if la else 0.0) for la, lb in zip(a, b))
+
+
+def test_generate_under_mixed_gates(engine):
+    """Mixed (RLKV's mixed-gate attention) in generate(): all gates 1 is the full cache, all
+    gates 0 the sink+recent window of Static(Window) with the same sink/recent, and with
+    gates in between score(policy=Mixed) reproduces the behaviour logprobs."""
+    batch = prompts(5)
+    cfg = engine.model.config
+    L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
+    sampling = Sampling(max_new_tokens=NEW)
+    full = engine.generate(batch, sampling)
+    ones = engine.generate(batch, sampling, policy=Mixed(torch.ones(L, H), sink=SINK, recent=8))
+    assert ones.tokens == full.tokens and ones.traces is None
+    assert max_lp_diff(ones.logprobs, full.logprobs) < 1e-5
+    window = engine.generate(batch, sampling, policy=Static(Window(sink=SINK, recent=8, layers=L, kv_heads=H)))
+    zeros = engine.generate(batch, sampling, policy=Mixed(torch.zeros(L, H), sink=SINK, recent=8))
+    assert zeros.tokens == window.tokens and max_lp_diff(zeros.logprobs, window.logprobs) < 1e-5
+    assert zeros.tokens != full.tokens or max_lp_diff(zeros.logprobs, full.logprobs) > 1e-3  # the window bites
+    mixed = Mixed(torch.rand(L, H, generator=torch.Generator().manual_seed(1)) * 0.8 + 0.1, sink=SINK, recent=8)
+    out = engine.generate(batch, Sampling(max_new_tokens=NEW, temperature=1.0, seed=2), policy=mixed)
+    with torch.no_grad():
+        scores = engine.score(out, policy=mixed)
+    for b, row in enumerate(out.logprobs):
+        torch.testing.assert_close(scores.logprobs[b, :len(row)], torch.tensor(row), atol=1e-5, rtol=0)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvrl.kernels.scores import gather_slots, key_redundancy, window_attention
-from kvrl.policies import (GKV, H2O, POLICIES, RKV, HeadAllocation, KVPolicy, LearnedScorer,
-                           Observation, StreamingLLM, make_policy, plackett_luce_logprob,
-                           should_evict)
+from kvrl.policies import (GKV, H2O, POLICIES, RKV, Evicting, Full, HeadAllocation, KVPolicy, LearnedScorer,
+                           Mixed, Observation, Static, StreamingLLM, Window, as_regime, checksum, make_policy,
+                           plackett_luce_logprob, should_evict)
 
 B, H, G, D, N, T = 3, 2, 2, 8, 28, 40  # cache of N slots; the newest token is at position T-1
 INVALID = ([], [0, 1, 2], [0, 1, 2, 3, 4, 12])  # per row: padding, and a hole mid-cache in row 2
@@ -430,6 +430,53 @@ def test_head_allocation_ties_and_death():
     assert death.shape == (2, 2, 8) and death.dtype == torch.int32
     assert death[0, 0].tolist() == [never, never, 5, 6, 7, 8, 9, 10]  # k + recent for k >= sink
     assert (death[1] == never).all()
+
+
+def test_as_regime_names_what_the_cache_does():
+    policy = make_policy("h2o", budget=16, window=4)
+    alloc = HeadAllocation(gates=torch.ones(2, 2), sparsity=0.5, layers=2, kv_heads=2, sink=2, recent=3)
+    death = torch.full((2, 1, 2, 8), torch.iinfo(torch.int32).max, dtype=torch.int32)
+    mixed = Mixed(torch.ones(2, 2), sink=2, recent=3)
+    assert as_regime(None) == Full()
+    assert isinstance(as_regime(policy), Evicting) and as_regime(policy).policy is policy
+    assert isinstance(as_regime(alloc), Static) and as_regime(alloc).pattern is alloc
+    assert isinstance(as_regime(death), Static) and as_regime(death).pattern is death
+    assert as_regime(mixed) is mixed and as_regime(Full()) == Full()
+    with pytest.raises(TypeError, match="unsupported cache regime"):
+        as_regime("gkv")
+
+
+def test_regime_state_round_trips_and_refuses_mismatches():
+    geometry = dict(group=2, head_dim=8, layers=2, kv_heads=2)
+    assert Full().state() == {} and Evicting(make_policy("h2o", budget=16, window=4)).state() == {}
+    learned = Evicting(make_policy("learned", budget=200, seed=0, **geometry))
+    other = Evicting(make_policy("learned", budget=200, seed=1, **geometry))
+    state = learned.state()
+    assert set(state) == set(learned.policy.scorer.state_dict())
+    assert checksum(other.state()) != checksum(state)
+    other.load_state(state)
+    assert checksum(other.state()) == checksum(state)
+    mixed = Mixed(torch.ones(2, 2))
+    mixed.load_state({"gates": torch.full((2, 2), 0.5)})
+    assert torch.equal(mixed.state()["gates"], torch.full((2, 2), 0.5))
+    with pytest.raises(ValueError, match="shape"):
+        mixed.load_state({"gates": torch.zeros(3, 2)})
+    with pytest.raises(ValueError, match="holds"):
+        mixed.load_state(state)
+    with pytest.raises(ValueError, match="holds"):
+        Full().load_state({"gates": torch.zeros(2, 2)})
+
+
+def test_window_is_sink_recent_on_every_head():
+    never = torch.iinfo(torch.int32).max
+    death = Static(Window(sink=2, recent=3, layers=2, kv_heads=2)).death(8, 3)
+    assert death.shape == (2, 3, 2, 8) and death.dtype == torch.int32
+    assert (death == death[0, 0, 0]).all() and death[1, 2, 1].tolist() == [never, never, 5, 6, 7, 8, 9, 10]
+    assert torch.equal(Static(death).row(1, 8), death[:, 1])
+    with pytest.raises(ValueError, match="covers 8 positions"):
+        Static(death).death(9, 3)
+    with pytest.raises(ValueError, match="3 sequences"):
+        Static(death).death(8, 2)
 
 
 @pytest.mark.parametrize("build,param", [

@@ -198,6 +198,22 @@ def test_killed_rollout_actor_is_restarted_and_its_shard_redone(reference, rando
     same_metrics(records, [{k: v for k, v in r.items() if k != "restarts"} for r in ref_records])
 
 
+def test_killed_rollout_actor_in_async_mode_repeats_the_uninterrupted_run(random_model, tmp_path):
+    """rl.async_steps=1: a death is seen by the generation and by the push queued behind it;
+    it is counted once, and the shard is redone with the weights it was sent with."""
+    ref_records, ref_params = train(config(tmp_path / "ref", random_model, "rl.async_steps=1"))
+
+    def kill_worker_0(controller, step):
+        if step in (2, 4):
+            ray.kill(controller.workers[0], no_restart=False)
+
+    records, params = train(config(tmp_path / "killed", random_model, "rl.async_steps=1"),
+                            on_dispatch=kill_worker_0)
+    assert [r.pop("restarts") for r in records] == [0, 1, 1, 2, 2, 2]
+    same_metrics(records, [{k: v for k, v in r.items() if k != "restarts"} for r in ref_records])
+    same_params(params, ref_params, atol=0.0, mean_atol=0.0)
+
+
 def test_two_data_parallel_learners_equal_one(reference, random_model, tmp_path):
     _, ref_records, ref_params = reference
     records, params = train(config(tmp_path, random_model, "workers.learners=2"))  # 2 x 0.5 + 2 x 0.5 CPUs

@@ -9,6 +9,7 @@
   mismatch <= 1e-4 on every step, and the same metrics as one plain learner.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from kvrl.algos.distill import Distill
 from kvrl.algos.rl_sparse import RLSparse
-from kvrl.config import load_config
+from kvrl.config import ConfigError, load_config
 from kvrl.engines.hf import Sampling
 from kvrl.envs import make
 from kvrl.workers.learner import collate
@@ -111,14 +112,17 @@ def test_distill_steps_reduce_the_kl(engine):
     assert kls[-1] < 0.7 * kls[0], kls
 
 
-@pytest.mark.parametrize("overrides, fix", [
-    (["kv.policy=full"], "set kv.policy=gkv"),
-    (["kv.budget=0"], "kv.budget"),
+@pytest.mark.parametrize("kv, fix", [
+    ({"policy": "full"}, "set kv.policy=gkv"),
+    ({"budget": 0}, "kv.budget"),
 ])
-def test_bad_settings_name_the_fix(overrides, fix):
-    cfg = load_config(["recipe=tiny_gkv_sparse", *overrides])
+def test_bad_settings_name_the_fix(kv, fix):
+    # the algorithm's own checks, behind the config gate (which refuses kv.budget=0 first)
+    cfg = load_config(["recipe=tiny_gkv_sparse"])
     with pytest.raises(ValueError, match=fix):
-        RLSparse(cfg)
+        RLSparse(dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, **kv)))
+    with pytest.raises(ConfigError, match="kv.budget"):
+        load_config(["recipe=tiny_gkv_sparse", "kv.budget=0"])
     with pytest.raises(ValueError, match="rl.kl_coef=0"):
         Distill(load_config(["recipe=tiny_gkv_distill", "rl.kl_coef=0.1"]))
 
@@ -151,6 +155,8 @@ def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, tmp_path_factory):
     finally:
         ray.shutdown()
     for a, b in zip(runs["zero2"], runs["ddp"]):
-        assert a["mismatch_max"] <= 1e-4 and a["kv_retention"] < 1.0
-        for key in ("reward_mean", "loss", "grad_norm", "mismatch_max", "entropy"):
+        # the mismatch is float32 rounding noise (~1e-5), which two reduction orders do not
+        # reproduce: each run is held to its bound, not to the other's value
+        assert a["mismatch_max"] <= 1e-4 and b["mismatch_max"] <= 1e-4 and a["kv_retention"] < 1.0
+        for key in ("reward_mean", "loss", "grad_norm", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6), key

@@ -17,7 +17,7 @@ from kvrl.policies.heads import export_gates, head_allocation, load_gates, ranki
 from kvrl.config import ConfigError, load_config
 from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
 from kvrl.engines.hf import Sampling
-from kvrl.kernels.mixed import MixedGates
+from kvrl.policies import Mixed
 from kvrl.policies.heads import HeadAllocation
 from kvrl.workers.learner import collate
 from kvrl.workers.rollout import Sample
@@ -84,7 +84,7 @@ def unpadded_reference(model, seq, prompt_len, mixed):
 @torch.no_grad()
 def test_score_under_mixed_gates_matches_the_unpadded_decode(engine):
     seqs, plen = sequences(engine)
-    mixed = MixedGates(torch.rand(4, 2, generator=torch.Generator().manual_seed(1)), sink=3, recent=7)
+    mixed = Mixed(torch.rand(4, 2, generator=torch.Generator().manual_seed(1)), sink=3, recent=7)
     scores = engine.score(seqs, plen, policy=mixed)
     for b, (s, p) in enumerate(zip(seqs, plen)):
         ref = torch.tensor(unpadded_reference(engine.model, s, p, mixed))
@@ -98,10 +98,10 @@ def test_mixed_gates_at_one_and_zero_are_full_and_sink_recent(engine):
     static pattern HeadAllocation deploys): one window definition for training and inference."""
     seqs, plen = sequences(engine, seed=2)
     full = engine.score(seqs, plen)
-    torch.testing.assert_close(engine.score(seqs, plen, policy=MixedGates(torch.ones(4, 2), sink=3, recent=7)).logprobs,
+    torch.testing.assert_close(engine.score(seqs, plen, policy=Mixed(torch.ones(4, 2), sink=3, recent=7)).logprobs,
                                full.logprobs, atol=1e-5, rtol=0)
     window = HeadAllocation(gates=torch.zeros(4, 2), sparsity=1.0, layers=4, kv_heads=2, sink=3, recent=7)
-    closed = engine.score(seqs, plen, policy=MixedGates(torch.zeros(4, 2), sink=3, recent=7)).logprobs
+    closed = engine.score(seqs, plen, policy=Mixed(torch.zeros(4, 2), sink=3, recent=7)).logprobs
     torch.testing.assert_close(closed, engine.score(seqs, plen, policy=window).logprobs, atol=1e-5, rtol=0)
     assert (closed - full.logprobs).abs().max() > 1e-2  # the window does change the scores
 
@@ -110,7 +110,7 @@ def test_mixed_score_refuses_a_trace(engine):
     seqs, plen = sequences(engine, n=2)
     rollouts_trace = object()
     with pytest.raises(ValueError, match="pass no trace"):
-        engine.score(seqs, plen, policy=MixedGates(torch.ones(4, 2)), trace=rollouts_trace)
+        engine.score(seqs, plen, policy=Mixed(torch.ones(4, 2)), trace=rollouts_trace)
 
 
 # ---- the algorithm: gradients reach only the gates --------------------------------------------

@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM
 
 from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs.chains import ChainSpec, make_chain_task
-from kvrl.eval.budgets import window_death
+from kvrl.policies import Static, Window
 from kvrl.kernels.replay import Replay
 from kvrl.models.tiny import TINY_PATH, build_tokenizer, load_model, tiny_config
 
@@ -108,8 +108,8 @@ def test_decode_under_a_window_is_replayed_by_one_forward(random_model):
     n_new = 20
     ids, pos = engine.encode(prompts)
     T = int(pos.max()) + 1 + n_new
-    death = window_death(model.config, len(prompts), T, sink=2, recent=6)
-    out = engine.generate(prompts, Sampling(max_new_tokens=n_new, temperature=1.0, seed=7), death=death)
+    death = Static(Window.of(model.config, sink=2, recent=6)).death(T, len(prompts))
+    out = engine.generate(prompts, Sampling(max_new_tokens=n_new, temperature=1.0, seed=7), policy=Static(death))
     full = torch.cat([ids, torch.tensor(out.tokens)], 1)
     fpos = torch.cat([pos, pos[:, -1:] + torch.arange(1, n_new + 1)], 1)
     with torch.no_grad():
@@ -120,7 +120,7 @@ def test_decode_under_a_window_is_replayed_by_one_forward(random_model):
     # and the window really bites: the full-cache forward disagrees
     with torch.no_grad():
         dense = model(input_ids=full, position_ids=fpos.clamp(min=0),
-                      kvrl_replay=Replay(window_death(model.config, len(prompts), T, 2, 10**6), fpos)).logits
+                      kvrl_replay=Replay(Static(Window.of(model.config, 2, 10**6)).death(T, len(prompts)), fpos)).logits
     assert (dense - logits).abs().max() > 1e-2
 
 
@@ -136,7 +136,7 @@ def test_shipped_tiny_reasoner_solves_its_tasks():
     full = evaluate(HFEngine(model, tok), env, tasks, 160)
     assert full["acc"] >= 0.9
     small = evaluate(HFEngine(model, tok), env, tasks, 160,
-                     death_fn=lambda b, T: window_death(model.config, len(b), T, 4, 40))
+                     policy=Static(Window.of(model.config, 4, 40)))
     assert small["acc"] <= 0.5 * full["acc"], "a 44-token window cannot see the digits 48 tokens back"
 
 

@@ -27,9 +27,8 @@ from kvrl.engines.vllm import plugin  # noqa: E402
 from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read, flash_write  # noqa: E402
 from kvrl.engines.vllm.runtime import NEVER, EvictionRefused, cache_len_after, check_config  # noqa: E402
 from kvrl.envs.chains import ChainSpec, make_chain_task  # noqa: E402
-from kvrl.kernels.mixed import MixedGates  # noqa: E402
 from kvrl.models.tiny import build_tokenizer, tiny_config  # noqa: E402
-from kvrl.policies import POLICIES, HeadAllocation, make_policy, should_evict  # noqa: E402
+from kvrl.policies import POLICIES, HeadAllocation, Mixed, make_policy, should_evict  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -197,7 +196,7 @@ def test_mixed_gate_attention_matches_reference(engine, hf):
     batch = prompts()
     sampling = Sampling(max_new_tokens=NEW)
     gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(1)) * 0.8 + 0.1  # strictly inside (0, 1)
-    mg = MixedGates(gates, sink=SINK, recent=8)
+    mg = Mixed(gates, sink=SINK, recent=8)
     out = engine.generate(batch, sampling, policy=mg)
     ref = [hf_mixed(hf.model, ids, mg, NEW, hf.tokenizer.eos_token_id) for ids in engine.encode(batch)]
     assert out.tokens == [r[0] for r in ref]
@@ -206,6 +205,21 @@ def test_mixed_gate_attention_matches_reference(engine, hf):
     assert diff < TOL
     full = engine.generate(batch, sampling)
     assert max_lp_diff(full.logprobs, out.logprobs) > 1e-3 or full.tokens != out.tokens
+
+
+def test_hf_generate_under_mixed_gates_matches_vllm(engine, hf):
+    """The HF engine's batched, left-padded decode under Mixed equals vLLM's per-request one."""
+    batch = prompts()
+    sampling = Sampling(max_new_tokens=NEW)
+    gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(1)) * 0.8 + 0.1
+    mg = Mixed(gates, sink=SINK, recent=8)
+    out = engine.generate(batch, sampling, policy=mg)
+    ref = hf.generate(batch, sampling, policy=mg)
+    assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons
+    assert out.traces is None and ref.traces is None
+    diff = max_lp_diff(out.logprobs, ref.logprobs)
+    print(f"mixed gates, HF generate: max |Δlogprob| = {diff:.2e}")
+    assert diff < TOL
 
 
 def test_observation_window_longer_than_the_prompt(engine, hf):
@@ -317,21 +331,21 @@ def test_scorer_and_gate_pushes_change_outputs_and_restore_exactly(engine):
     base = engine.generate(batch, sampling, policy=policy)
     original = {k: v.clone() for k, v in policy.scorer.state_dict().items()}
     g = torch.Generator().manual_seed(2)
-    engine.push_scorer({k: torch.randn(v.shape, generator=g) for k, v in original.items()})
+    engine.push_cache_state({k: torch.randn(v.shape, generator=g) for k, v in original.items()})
     pushed = engine.generate(batch, sampling, policy=policy)  # same object: the pushed copy stays
     assert not torch.equal(pushed.traces.death, base.traces.death)
-    engine.push_scorer(original)
+    engine.push_cache_state(original)
     back = engine.generate(batch, sampling, policy=policy)
     assert back.tokens == base.tokens and back.logprobs == base.logprobs
     assert torch.equal(back.traces.death, base.traces.death)
 
     gates = torch.rand(4, 2, generator=g)
-    mg = MixedGates(gates, sink=SINK, recent=8)
+    mg = Mixed(gates, sink=SINK, recent=8)
     m0 = engine.generate(batch, sampling, policy=mg)
-    engine.push_gates(1 - gates)
+    engine.push_cache_state({"gates": 1 - gates})
     m1 = engine.generate(batch, sampling, policy=mg)
     assert max_lp_diff(m0.logprobs, m1.logprobs) > 1e-3 or m0.tokens != m1.tokens
-    engine.push_gates(gates)
+    engine.push_cache_state({"gates": gates})
     m2 = engine.generate(batch, sampling, policy=mg)
     assert m2.tokens == m0.tokens and m2.logprobs == m0.logprobs
 

@@ -2,18 +2,19 @@
 
 An algorithm is a class built from the typed config, ``Algo(cfg)``, that declares:
 
-* ``rollout_policy(model)`` — the KV policy rollouts run under (``None`` = full cache);
+* ``rollout_policy(model)`` — the cache regime rollouts run under (:mod:`kvrl.policies.regime`:
+  ``Full()``, ``Evicting(policy)``, ``Static(pattern)``, ``Mixed(gates, sink, recent)``);
 * ``setup(model, tokenizer) -> list[Parameter]`` — on a learner: anything it keeps beside
   the model (a reference model), and the parameters the optimizer updates;
 * ``loss(engine, batch) -> (loss, scores, metrics)`` — the learner loss on a collated
   :class:`kvrl.workers.learner.Batch`, with the recomputed :class:`kvrl.engines.hf.Scores`
   (the learner measures the train/inference mismatch from them);
-* ``state(model)`` / ``load(model, state)`` — the trainable state: pushed to every rollout
-  worker after each update and saved in checkpoints;
-* ``pushes`` — what that state is, so a rollout worker of either engine can take it:
-  ``"weights"`` (a model state dict), ``"gates"`` (``{"gates": [layers, kv_heads]}`` for
-  the rollout policy's ``.gates``) or ``"scorer"`` (a state dict of the rollout policy's
-  ``.scorer``); see :mod:`kvrl.workers.rollout`.
+* ``state(model) -> Push`` / ``load(model, push)`` — the trainable state
+  (:class:`kvrl.algos.push.Push`): pushed to every rollout worker after each update and
+  saved in checkpoints. ``push.weights`` is a model state dict (full-model training),
+  ``push.cache`` the rollout regime's trainable state (``regime.state()``: RLKV's gates, a
+  learned scorer); a rollout worker of either engine loads each part that is present
+  (see :mod:`kvrl.workers.rollout`).
 
 Algorithms see engines and environments only through those interfaces. ``ALGOS`` maps
 ``rl.algo`` to ``"module:Class"``; modules are imported only when chosen.

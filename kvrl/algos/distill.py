@@ -37,8 +37,6 @@ class Distill(RLSparse):
     """Distill (seed 003 Appendix C): G-KV rollouts and traces as RL-Sparse; the loss is
     T²·KL(full-cache teacher ‖ sparse student) over the generated tokens' [V] distributions."""
 
-    pushes = "weights"
-
     def __init__(self, cfg):
         super().__init__(cfg)  # the G-KV rollout policy and its checks
         if cfg.rl.kl_coef > 0:

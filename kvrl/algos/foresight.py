@@ -10,7 +10,7 @@ with the LLM frozen — the pieces; the pipeline that runs them is ``kvrl/jobs/f
 
 The scorer is :class:`kvrl.policies.LearnedScorer` (per-layer, per-KV-head MLPs on
 ``[k ‖ v ‖ 8·G attention features]``, hidden 16). Inference loads ``rl/scorer.safetensors``
-into it and evicts deterministically (top-k) in either engine; ``VLLMEngine.push_scorer``
+into it and evicts deterministically (top-k) in either engine; ``VLLMEngine.push_cache_state``
 updates a running vLLM engine. Sampled eviction at inference stays available
 (``Sampling(sample_evictions=True)``: Plackett–Luce draws of ``KVPolicy.select``); ForesightKV's
 own evaluation samples by mistake (methods.md §4), kvrl's default is deterministic.

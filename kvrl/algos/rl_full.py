@@ -8,7 +8,7 @@ rewards, but rollouts and learner both attend to every token. What the loop need
 * the loss is the shared GRPO core on logprobs recomputed by ``engine.score`` under full
   attention, at the sampling temperature (so they are the behaviour logprobs' equals);
   with ``rl.kl_coef > 0`` a frozen copy of the initial model gives the reference logprobs;
-* the full state_dict is pushed to the rollout workers after each update.
+* the full state_dict is pushed to the rollout workers after each update (``Push(weights=...)``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import copy
 import torch
 
 from kvrl.algos.grpo import grpo_loss
+from kvrl.algos.push import Push
 from kvrl.engines.hf import HFEngine
+from kvrl.policies import Full
 
 
 class RLFull:
-    pushes = "weights"
-
     def __init__(self, cfg):
         if cfg.kv.policy != "full":
             raise ValueError(f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; "
@@ -31,8 +31,9 @@ class RLFull:
         self.rl, self.temperature = cfg.rl, cfg.sampling.temperature
         self.ref = None  # the reference engine, on learners when rl.kl_coef > 0
 
-    def rollout_policy(self, model):
-        return None
+    def rollout_policy(self, model) -> Full:
+        """The full cache."""
+        return Full()
 
     def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
         if self.rl.kl_coef > 0:
@@ -52,10 +53,12 @@ class RLFull:
                                   aggregation=rl.aggregation, num_items=batch.num_items)
         return loss, scores, metrics
 
-    def state(self, model) -> dict[str, torch.Tensor]:
+    def state(self, model) -> Push:
+        """The model's weights (``Push(weights=state_dict)``)."""
         # Copies: under DeepSpeed ZeRO-1/2 every parameter is a view of one flat buffer, and
         # pickling a view ships its whole storage, so each tensor would carry the whole model.
-        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        return Push(weights={k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
 
-    def load(self, model, state: dict[str, torch.Tensor]) -> None:
-        model.load_state_dict(state)
+    def load(self, model, state: Push) -> None:
+        """Load :meth:`state`'s weights (a plain state dict, as older checkpoints hold, loads too)."""
+        model.load_state_dict(dict(state))

@@ -26,15 +26,13 @@ weight push it reuses unchanged):
 from __future__ import annotations
 
 from kvrl.algos.rl_full import RLFull
-from kvrl.policies import make_policy
+from kvrl.policies import Evicting, make_policy
 
 
 class RLSparse(RLFull):
     """RL-Sparse (seed 003 §5; reference ``gkv/rl_main.py``): RL-Full's GRPO with rollouts
     under G-KV and logprobs recomputed under the rollouts' traces (``batch.trace``:
     death times [layers, B, H_kv, T])."""
-
-    pushes = "weights"
 
     def __init__(self, cfg):
         if cfg.kv.policy != "gkv":
@@ -47,10 +45,11 @@ class RLSparse(RLFull):
         self.rl, self.temperature, self.ref = cfg.rl, cfg.sampling.temperature, None
         self.kv = cfg.kv
 
-    def rollout_policy(self, model):
+    def rollout_policy(self, model) -> Evicting:
+        """G-KV eviction with the ``kv`` section's budget, schedule and ``kv.kwargs``."""
         kv = self.kv
-        return make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
-                           sink=kv.sink, **kv.kwargs)
+        return Evicting(make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
+                                    sink=kv.sink, **kv.kwargs))
 
     def loss(self, engine, batch):
         if batch.trace is None:  # without it the learner would silently train with the full cache

@@ -13,9 +13,9 @@ Contract:
   values. The LLM is frozen; the optimizer holds only the gates.
 * **Attention** of every head, in rollouts and in the learner, is
   ``α·full + (1−α)·(sink+recent)`` (:mod:`kvrl.kernels.mixed`, one definition for both):
-  rollouts run on the vLLM engine with the gates pushed after every update
-  (``pushes = "gates"``), the learner recomputes logprobs with
-  ``HFEngine.score(policy=MixedGates)``; the loop logs the train/inference mismatch.
+  rollouts run on the vLLM engine under the regime :class:`kvrl.policies.Mixed` with the
+  gates pushed after every update (``Push(cache={"gates": ...})``), the learner recomputes
+  logprobs with ``HFEngine.score(policy=Mixed)``; the loop logs the train/inference mismatch.
   The training window is ``rlkv.sink`` + ``rlkv.recent`` (exact windows; the reference
   trains with 128-token blocks and deploys exact windows).
 * **Objective**: the GRPO core without KL plus the adaptive L1 penalty
@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from kvrl.algos.grpo import grpo_loss
-from kvrl.kernels.mixed import MixedGates
+from kvrl.algos.push import Push
+from kvrl.policies import Mixed
 
 
 def adaptive_penalty(gates: Tensor, mean_reward: float | Tensor, beta: float, tau: float) -> Tensor:
@@ -55,8 +56,6 @@ class RLKV:
     """The algorithm of ``rl.algo=rlkv``: gates α [layers, kv_heads] trained with GRPO
     (no KL) plus :func:`adaptive_penalty`; see the module docstring."""
 
-    pushes = "gates"
-
     def __init__(self, cfg):
         if cfg.kv.policy != "full":
             raise ValueError(f"rlkv mixes full and sink+recent attention per head, but kv.policy={cfg.kv.policy!r}; "
@@ -67,10 +66,11 @@ class RLKV:
         self.rl, self.rlkv, self.temperature = cfg.rl, cfg.rlkv, cfg.sampling.temperature
         self.gates: torch.nn.Parameter | None = None  # on learners, after setup()
 
-    def mixed(self, gates: Tensor) -> MixedGates:
-        return MixedGates(gates, sink=self.rlkv.sink, recent=self.rlkv.recent)
+    def mixed(self, gates: Tensor) -> Mixed:
+        return Mixed(gates, sink=self.rlkv.sink, recent=self.rlkv.recent)
 
-    def rollout_policy(self, model) -> MixedGates:
+    def rollout_policy(self, model) -> Mixed:
+        """Mixed-gate attention with every gate at its initial 1.0 (each push updates them)."""
         cfg = model.config  # the architecture only: rollout workers may hold a meta-device model
         return self.mixed(torch.ones(cfg.num_hidden_layers, cfg.num_key_value_heads))
 
@@ -99,10 +99,12 @@ class RLKV:
                        **{f"gate/{l}.{h}": g[l, h].item() for l in range(g.shape[0]) for h in range(g.shape[1])})
         return pg + penalty, scores, metrics
 
-    def state(self, model) -> dict[str, Tensor]:
+    def state(self, model) -> Push:
+        """The gates, as the rollout regime's state (``Push(cache={"gates": ...})``)."""
         # clamped, so the rollouts' gates are the values the next loss() computes with
-        return {"gates": self.gates.detach().clamp(0.0, 1.0).cpu()}
+        return Push(cache={"gates": self.gates.detach().clamp(0.0, 1.0).cpu()})
 
-    def load(self, model, state: dict[str, Tensor]) -> None:
+    def load(self, model, state: Push) -> None:
+        """Load :meth:`state`'s gates (a plain ``{"gates"}`` dict, as older checkpoints hold, loads too)."""
         with torch.no_grad():
             self.gates.copy_(state["gates"])

@@ -1,7 +1,9 @@
 """Rollout engines: hf (the reference decode loop) and vllm (the production plugin).
 
-Both have the same ``generate(prompts, Sampling, policy=None, death=None) -> Rollouts``
-contract; :func:`make_engine` builds the one ``workers.engine`` names.
+Both have the same ``generate(prompts, Sampling, policy=None) -> Rollouts`` contract, where
+``policy`` is a cache regime (:mod:`kvrl.policies.regime`: Full, Evicting, Static, Mixed) or
+anything :func:`kvrl.policies.as_regime` takes; :func:`make_engine` builds the one
+``workers.engine`` names.
 """
 
 

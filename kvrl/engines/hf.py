@@ -3,14 +3,17 @@
 Contract:
 
 * ``generate(prompts, sampling, policy=None) -> Rollouts`` decodes a left-padded batch
-  with a :class:`kvrl.cache.KVCache`. ``policy`` is None (full cache), a
-  :class:`kvrl.policies.KVPolicy` (dynamic eviction; the rollouts carry the recorded
-  :class:`kvrl.cache.EvictionTrace`), or a static pattern with ``death(T)`` such as
-  :class:`kvrl.policies.HeadAllocation` (the older ``death=`` keyword takes the tensor).
+  with a :class:`kvrl.cache.KVCache`. ``policy`` is a cache regime
+  (:mod:`kvrl.policies.regime`) or anything :func:`kvrl.policies.as_regime` takes:
+  None / ``Full()`` (full cache), a :class:`kvrl.policies.KVPolicy` / ``Evicting`` (dynamic
+  eviction; the rollouts carry the recorded :class:`kvrl.cache.EvictionTrace`), a static
+  pattern / ``Static`` (:class:`kvrl.policies.HeadAllocation`, :class:`kvrl.policies.Window`,
+  or a death tensor [layers, B, H_kv, T]; the trace is the pattern), or ``Mixed`` (RLKV's
+  mixed-gate attention over the full cache; no trace).
 * ``score(sequences, prompt_lens, trace=None) -> Scores`` gives teacher-forced per-token
   logprobs, losses and entropies of the generated tokens in one forward, under the
   replayed trace (``"kvrl_replay"``), under full attention, or under RLKV's mixed-gate
-  attention (``policy=MixedGates``, ``"kvrl_mixed"``: the learner of ``rl.algo=rlkv``).
+  attention (``policy=Mixed``, ``"kvrl_mixed"``: the learner of ``rl.algo=rlkv``).
 
 Every other engine is checked against this one. It runs its own decode loop rather than
 ``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
@@ -27,9 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrl.cache import EvictionTrace, KVCache
-from kvrl.kernels.mixed import MixedGates
 from kvrl.kernels.replay import NEVER
-from kvrl.policies.base import KVPolicy
+from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 
 @dataclass
@@ -98,28 +100,18 @@ class HFEngine:
         mask = enc["attention_mask"].to(self.device)
         return enc["input_ids"].to(self.device), mask.cumsum(-1) * mask - 1
 
-    def static_death(self, pattern, batch: int, length: int) -> torch.Tensor:
-        """[layers, B, H_kv, T] int32 from a pattern's ``death(T)`` ([layers, H_kv, T] or
-        with the batch axis)."""
-        death = pattern.death(length).to(self.device, torch.int32)
-        return death[:, None].expand(-1, batch, -1, -1) if death.dim() == 3 else death
-
     @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: Sampling, policy=None,
-                 death: torch.Tensor | None = None) -> Rollouts:
-        """policy: None, a KVPolicy, or a static pattern with ``death(T)``; death: a static
-        [layers, B, H_kv, T] pattern (T >= longest prompt + max_new_tokens) instead."""
+    def generate(self, prompts: list[str], sampling: Sampling, policy=None) -> Rollouts:
+        """policy: a cache regime or anything :func:`kvrl.policies.as_regime` takes (None,
+        a KVPolicy, a static pattern with ``death(T)``, a death tensor [layers, B, H_kv, T]
+        with T >= longest prompt + max_new_tokens, ``Mixed``)."""
+        regime = as_regime(policy)
         ids, pos = self.encode(prompts)
         B = ids.shape[0]
         cfg = self.model.config
         T = int(pos.max()) + 1 + sampling.max_new_tokens
-        if policy is not None and not isinstance(policy, KVPolicy):
-            death = self.static_death(policy, B, T)
-            policy = None
-        if death is not None and death.shape[-1] < T:
-            raise ValueError(f"death covers {death.shape[-1]} positions, decoding needs {T}")
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        cache = KVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, policy, death,
+        cache = KVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, regime,
                         sample=sampling.sample_evictions, device=self.device,
                         generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
         eos = self.tokenizer.eos_token_id
@@ -153,10 +145,17 @@ class HFEngine:
         out = self._collect(torch.stack(tokens, 1), torch.stack(logps, 1), sampling.ignore_eos)
         out.prompt_ids = [row[row >= 0].tolist() for row in torch.where(pos >= 0, ids, -1).cpu()]
         lengths = torch.tensor([len(p) + len(t) for p, t in zip(out.prompt_ids, out.tokens)])
-        if policy is not None or death is not None:
+        if isinstance(regime, (Evicting, Static)):
             out.traces = cache.trace(lengths)
         out.timing = {"decode": time.perf_counter() - start, "evict": cache.evict_seconds}
         return out
+
+    def push_weights(self, weights) -> dict:
+        """Load a full model state dict (strict) into the model; returns ``{"checksum": ...}``,
+        the :func:`~kvrl.policies.checksum` of the model's state after the load, which the
+        sender compares with the one of what it sent."""
+        self.model.load_state_dict(dict(weights))
+        return {"checksum": checksum(self.model.state_dict())}
 
     def _collect(self, toks: torch.Tensor, logps: torch.Tensor, ignore_eos: bool = False) -> Rollouts:
         eos = self.tokenizer.eos_token_id
@@ -175,13 +174,15 @@ class HFEngine:
         """Teacher-forced scores of the generated part of each sequence, in one forward.
 
         sequences: token ids (prompt + generated) per sequence, with ``prompt_lens``; or
-        :class:`Rollouts` (its prompts and generated tokens). Attention replays ``trace``
-        (the batch's trace, in the same order), or a static ``policy``'s pattern, or is
-        full when both are None; with ``policy=MixedGates`` under RLKV's mixed-gate attention
-        (``"kvrl_mixed"``). A dynamic policy needs its recorded trace. Logprobs are
-        of ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
+        :class:`Rollouts` (its prompts and generated tokens). ``policy`` is a cache regime
+        or anything :func:`kvrl.policies.as_regime` takes. Attention replays ``trace`` (the
+        batch's trace, in the same order), or a ``Static`` pattern, or is full when both are
+        None; under ``Mixed`` it is RLKV's mixed-gate attention (``"kvrl_mixed"``). An
+        ``Evicting`` policy is replayed from its recorded trace. Logprobs are of
+        ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
         ``torch.no_grad()`` unless training).
         """
+        regime = as_regime(policy)
         if isinstance(sequences, Rollouts):
             prompt_lens = [len(p) for p in sequences.prompt_ids]
             sequences = [p + t for p, t in zip(sequences.prompt_ids, sequences.tokens)]
@@ -192,24 +193,26 @@ class HFEngine:
         ids = torch.tensor([[pad] * (S - len(s)) + list(s) for s in sequences], device=self.device)
         pos = torch.arange(S, device=self.device) - (S - lens)[:, None]
         pos = pos.masked_fill(pos < 0, -1)
-        if isinstance(policy, KVPolicy) and trace is None:
-            raise ValueError("a dynamic KV policy is replayed from its recorded trace: pass trace=rollouts.traces")
-        cfg = self.model.config
-        if isinstance(policy, MixedGates):
-            # RLKV's learner: the rollout engines' mixed-gate attention over the padded batch;
-            # the gates may require grad (the gradient then reaches them through the mix)
-            if trace is not None:
-                raise ValueError("mixed gates attend over the whole sequence: pass no trace with policy=MixedGates")
-            attention, extra = "kvrl_mixed", {"kvrl_mixed": policy, "kvrl_key_pos": pos}
-        else:
-            if trace is None:
-                death = (self.static_death(policy, B, S) if policy is not None else torch.full(
-                    (cfg.num_hidden_layers, B, cfg.num_key_value_heads, S), NEVER, dtype=torch.int32,
-                    device=self.device))
-                trace = EvictionTrace.from_death(death, lens)
+        attention = "kvrl_replay"
+        match regime:
+            case Mixed():
+                # RLKV's learner: the rollout engines' mixed-gate attention over the padded batch;
+                # the gates may require grad (the gradient then reaches them through the mix)
+                if trace is not None:
+                    raise ValueError("mixed gates attend over the whole sequence: pass no trace with policy=Mixed")
+                attention, extra = "kvrl_mixed", {"kvrl_mixed": regime, "kvrl_key_pos": pos}
+            case Evicting() if trace is None:
+                raise ValueError("a dynamic KV policy is replayed from its recorded trace: pass trace=rollouts.traces")
+            case Static() if trace is None:
+                trace = EvictionTrace.from_death(regime.death(S, B).to(self.device), lens)
+            case Full() if trace is None:
+                cfg = self.model.config
+                trace = EvictionTrace.from_death(torch.full((cfg.num_hidden_layers, B, cfg.num_key_value_heads, S),
+                                                            NEVER, dtype=torch.int32, device=self.device), lens)
+        if attention == "kvrl_replay":
             if trace.death.shape[1] != B:
                 raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
-            attention, extra = "kvrl_replay", {"kvrl_replay": trace.replay(pos)}
+            extra = {"kvrl_replay": trace.replay(pos)}
         self.model.set_attn_implementation(attention)
         try:
             logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits.float()

@@ -79,28 +79,31 @@ def load_entry_point(path: str) -> Callable[..., Any]:
     return obj
 
 
+def resolve(id_or_path: str) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """What ``make(id_or_path)`` calls and the registered default keyword arguments, without
+    building anything (the config gate inspects the constructor's signature)."""
+    if id_or_path in _REGISTRY:
+        spec = _REGISTRY[id_or_path]
+        factory = spec.entry_point
+        return (load_entry_point(factory) if isinstance(factory, str) else factory), dict(spec.kwargs)
+    if ":" in id_or_path:
+        return load_entry_point(id_or_path), {}
+    near = difflib.get_close_matches(id_or_path, registered(), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+    raise EnvNotFoundError(
+        f"no environment registered as {id_or_path!r}.{hint} Registered: {registered()}. "
+        "A dotted path to a class also works, e.g. env.id=my_pkg.envs:MyEnv."
+    )
+
+
 def make(id_or_path: str, **kwargs: Any) -> Env:
     """Build an environment from a registered id or a dotted path ``pkg.mod:Class``.
 
     Keyword arguments override the registered defaults. The instance's ``id`` attribute is
     set to the registered id (or to the dotted path when the class declares none).
     """
-    if id_or_path in _REGISTRY:
-        spec = _REGISTRY[id_or_path]
-        factory = spec.entry_point
-        kwargs = {**spec.kwargs, **kwargs}
-    elif ":" in id_or_path:
-        factory = load_entry_point(id_or_path)
-    else:
-        near = difflib.get_close_matches(id_or_path, registered(), n=3, cutoff=0.5)
-        hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-        raise EnvNotFoundError(
-            f"no environment registered as {id_or_path!r}.{hint} Registered: {registered()}. "
-            "A dotted path to a class also works, e.g. env.id=my_pkg.envs:MyEnv."
-        )
-    if isinstance(factory, str):
-        factory = load_entry_point(factory)
-    env = factory(**kwargs)
+    factory, defaults = resolve(id_or_path)
+    env = factory(**{**defaults, **kwargs})
     if not isinstance(env, Env):
         raise TypeError(
             f"{id_or_path!r} built a {type(env).__name__}, not a kvrl.envs.Env: subclass "

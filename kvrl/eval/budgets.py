@@ -1,8 +1,9 @@
 """Accuracy under KV budgets: greedy evaluation of a model on its environment.
 
-:func:`evaluate` decodes tasks in either engine under a KV policy or a static pattern and
-scores them with the environment; :func:`window_death` is the sink+recent pattern. The
-budget table job is ``kvrl/jobs/eval_budgets.py``; the benchmarks call :func:`evaluate`.
+:func:`evaluate` decodes tasks in either engine under a cache regime (a KV policy, a static
+pattern such as :class:`kvrl.policies.Window` — sink+recent on every head — or RLKV's
+head allocation) and scores them with the environment. The budget table job is
+``kvrl/jobs/eval_budgets.py``; the benchmarks call :func:`evaluate`.
 """
 
 from __future__ import annotations
@@ -10,31 +11,26 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs.base import Task
-from kvrl.policies.heads import sink_recent_death
 
-DeathFn = Callable[[list[Task], int], torch.Tensor]
-
-
-def window_death(config, batch: int, T: int, sink: int, recent: int, device="cpu") -> torch.Tensor:
-    """Sink+recent for every head of a model ``config`` (:func:`sink_recent_death`), [L, B, H, T]."""
-    return sink_recent_death(T, sink, recent).expand(config.num_hidden_layers, batch, config.num_key_value_heads, T).to(device)
+PolicyFn = Callable[[list[Task], int], object]
 
 
-def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, death_fn: DeathFn | None = None,
+def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, policy_fn: PolicyFn | None = None,
              batch_size: int = 64, desc: str = "eval", policy=None) -> dict:
     """Greedy accuracy and metrics of ``tasks`` in ``engine`` (HF or vLLM) under ``policy``
-    (as ``engine.generate`` takes it), or the static pattern ``death_fn(batch, T)``."""
+    (a cache regime, or anything ``engine.generate`` takes), or under ``policy_fn(batch, T)``
+    for a regime that depends on the batch (e.g. a ``Static`` death tensor covering T
+    positions)."""
     texts, tokens, rewards, infos = [], [], [], []
     for i in tqdm(range(0, len(tasks), batch_size), desc=desc, leave=False):
         batch = tasks[i:i + batch_size]
         T = max(len(engine.tokenizer(t.prompt)["input_ids"]) for t in batch) + max_new_tokens + 1
-        out = engine.generate([t.prompt for t in batch], Sampling(max_new_tokens), policy=policy,
-                              death=None if death_fn is None else death_fn(batch, T))
+        out = engine.generate([t.prompt for t in batch], Sampling(max_new_tokens),
+                              policy=policy if policy_fn is None else policy_fn(batch, T))
         texts += out.texts
         tokens += out.tokens
         for t, text in zip(batch, out.texts):

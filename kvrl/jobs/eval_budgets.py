@@ -16,8 +16,9 @@ from transformers import AutoConfig
 
 from kvrl.engines import make_engine
 from kvrl.envs import make
-from kvrl.eval.budgets import evaluate, window_death
+from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import resolve_path
+from kvrl.policies import Static, Window
 from kvrl.policies.heads import head_allocation
 from kvrl.runlog import setup_process, write_json
 
@@ -42,9 +43,8 @@ def main(cfg) -> dict:
         if budget <= cfg.kv.sink:
             raise ValueError(f"eval.budgets entry {frac} gives {budget} tokens, not more than kv.sink={cfg.kv.sink}; "
                              "raise the fraction or lower kv.sink")
-        res = evaluate(engine, env, tasks, n_new, batch_size=batch, desc=f"window {frac:g}",
-                       death_fn=lambda b, T: window_death(config, len(b), T, cfg.kv.sink, budget - cfg.kv.sink,
-                                                          cfg.device))
+        window = Static(Window.of(config, cfg.kv.sink, budget - cfg.kv.sink))
+        res = evaluate(engine, env, tasks, n_new, batch_size=batch, desc=f"window {frac:g}", policy=window)
         rows.append({"policy": f"sink{cfg.kv.sink}+recent", "budget": budget, "budget_frac": frac, "acc": res["acc"]})
 
     # ---- RLKV's head reallocation: the lowest-gated heads keep eval_sink + eval_recent only

@@ -4,11 +4,14 @@ RLKV trains one gate α ∈ [0, 1] per (layer, KV head) and, during its rollouts
 attends with the gate-weighted mix of two attentions over the same cache: the full causal
 attention and the sink+recent (streaming) attention, where a query at position q sees key k
 iff ``k ≤ q`` and (``k < sink`` or ``q < k + recent``) — exactly what
-:meth:`kvrl.policies.HeadAllocation.death` gives a compressed head. Both engines call
-:func:`mixed_gate_attention`, so their outputs agree to rounding.
+:meth:`kvrl.policies.HeadAllocation.death` gives a compressed head. Every engine path
+(the HF engine's decode and score, the vLLM plugin) calls :func:`mixed_gate_attention`, so
+their outputs agree to rounding. The gates and the window are the cache regime
+:class:`kvrl.policies.Mixed`; this module takes them as a tensor and two ints.
 
 ``"kvrl_mixed"`` is registered with transformers' attention interface. The model call
-passes ``kvrl_mixed=MixedGates(...)`` and explicit ``position_ids``; two uses:
+passes ``kvrl_mixed=`` an object with ``gates`` [layers, kv_heads], ``sink`` and ``recent``
+(a :class:`kvrl.policies.Mixed`) and explicit ``position_ids``; two uses:
 
 * decoding an un-padded batch (one prompt, or prompts of equal length) with a plain
   ``DynamicCache``: key slot i holds position i;
@@ -16,32 +19,18 @@ passes ``kvrl_mixed=MixedGates(...)`` and explicit ``position_ids``; two uses:
   batch, with ``kvrl_key_pos`` [B, S] the true position of every key slot (−1 = padding)
   and ``position_ids`` clamped to ≥ 0 (a padding query then sees position 0 only, so
   its row stays finite and no NaN reaches the real tokens through the values).
+
+The HF engine's own decode loop (``generate(policy=Mixed(...))``) calls
+:func:`mixed_gate_attention` from the compacting cache's attention function
+(:func:`kvrl.cache.evict_attention`) with the cache's per-head key positions.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface
-
-
-@dataclass
-class MixedGates:
-    """Gates [layers, kv_heads] (α; 1 = full attention, 0 = sink+recent only) and the window."""
-
-    gates: Tensor
-    sink: int = 16
-    recent: int = 64
-
-    def __post_init__(self):
-        self.gates = torch.as_tensor(self.gates, dtype=torch.float32)
-        if self.gates.dim() != 2:
-            raise ValueError(f"gates has shape {tuple(self.gates.shape)}: pass one gate per (layer, KV head)")
-        if self.sink < 0 or self.recent < 1:
-            raise ValueError(f"sink={self.sink}, recent={self.recent}: need sink ≥ 0 and recent ≥ 1")
 
 
 def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: Tensor, key_pos: Tensor,
@@ -87,13 +76,14 @@ def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: T
 
 
 def mixed_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, position_ids=None,
-                    kvrl_mixed: MixedGates | None = None, kvrl_key_pos: Tensor | None = None, **kwargs):
+                    kvrl_mixed=None, kvrl_key_pos: Tensor | None = None, **kwargs):
     """transformers attention function ``"kvrl_mixed"``: query [B, Hq, Q, D], key/value
-    [B, H, N, D] (the whole cache) -> (out [B, Q, Hq, D], None). ``kvrl_key_pos`` [B, N]:
-    true key positions (−1 = padding); default: slot i holds position i (un-padded)."""
+    [B, H, N, D] (the whole cache) -> (out [B, Q, Hq, D], None). ``kvrl_mixed``: gates
+    [layers, kv_heads], sink and recent (:class:`kvrl.policies.Mixed`). ``kvrl_key_pos``
+    [B, N]: true key positions (−1 = padding); default: slot i holds position i (un-padded)."""
     if kvrl_mixed is None or position_ids is None:
         raise ValueError("attn_implementation='kvrl_mixed' needs model(..., position_ids=..., "
-                         "kvrl_mixed=MixedGates(...))")
+                         "kvrl_mixed=kvrl.policies.Mixed(...))")
     n = key.shape[2]
     if kvrl_key_pos is None:
         key_pos = torch.arange(n, device=key.device).expand(key.shape[0], n)

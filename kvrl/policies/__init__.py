@@ -6,16 +6,21 @@ eviction schedule are shared (:mod:`kvrl.policies.base`). Build one by name::
     from kvrl.policies import make_policy
     policy = make_policy("gkv", budget=2048)
 
-``HeadAllocation`` (RLKV / DuoAttention) is not a token policy: it fixes which heads keep
-sink + recent only, as an eviction trace.
+``HeadAllocation`` (RLKV / DuoAttention) and ``Window`` are not token policies: they are
+static death patterns (which heads keep sink + recent only).
+
+What the cache does in an engine call is one of four regimes (:mod:`kvrl.policies.regime`):
+``Full()``, ``Evicting(policy)``, ``Static(pattern)``, ``Mixed(gates, sink, recent)``;
+``as_regime`` builds one from None, a policy, a pattern or a death tensor.
 """
 
 from kvrl.policies.base import (KVPolicy, Observation, Selection, plackett_luce_logprob,
                                 should_evict)
 from kvrl.policies.gkv import GKV
 from kvrl.policies.h2o import H2O
-from kvrl.policies.heads import HeadAllocation
+from kvrl.policies.heads import HeadAllocation, Window
 from kvrl.policies.learned import LearnedScorer, ScorerMLP
+from kvrl.policies.regime import REGIMES, Evicting, Full, Mixed, Regime, Static, as_regime, checksum
 from kvrl.policies.rkv import RKV
 from kvrl.policies.snapkv import SnapKV
 from kvrl.policies.streaming import StreamingLLM
@@ -37,6 +42,7 @@ def make_policy(name: str, model_config=None, **kwargs) -> KVPolicy:
     return POLICIES[name](**kwargs)
 
 
-__all__ = ["GKV", "H2O", "POLICIES", "RKV", "HeadAllocation", "KVPolicy", "LearnedScorer",
-           "Observation", "ScorerMLP", "Selection", "SnapKV", "StreamingLLM", "make_policy",
-           "plackett_luce_logprob", "should_evict"]
+__all__ = ["GKV", "H2O", "POLICIES", "REGIMES", "RKV", "Evicting", "Full", "HeadAllocation", "KVPolicy",
+           "LearnedScorer", "Mixed", "Observation", "Regime", "ScorerMLP", "Selection", "SnapKV", "Static",
+           "StreamingLLM", "Window", "as_regime", "checksum", "make_policy", "plackett_luce_logprob",
+           "should_evict"]

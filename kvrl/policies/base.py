@@ -170,6 +170,11 @@ class KVPolicy:
         per-token state [B, H, N, S] (None when ``state_size == 0``)."""
         raise NotImplementedError
 
+    def trainable(self) -> torch.nn.Module | None:
+        """The module a learner trains and sends to rollout workers (the learned scorer's
+        MLP); None for the hand-written policies (:meth:`kvrl.policies.Evicting.state`)."""
+        return None
+
     def always_kept(self, key_pos: Tensor) -> Tensor:
         """Bool [B, H, N]: the first ``sink`` and the last ``window`` valid slots.
 

@@ -80,6 +80,42 @@ class HeadAllocation:
         return torch.where(self.compressed_mask()[..., None], window, window.new_tensor(NEVER))
 
 
+@dataclass(kw_only=True)
+class Window:
+    """Sink + recent on every head (StreamingLLM's pattern as a static mask; RLKV's
+    compressed heads, and its mixed attention at α = 0): a pattern for
+    :class:`kvrl.policies.Static`.
+
+    Parameters
+    ----------
+    sink, recent : int
+        Key k < sink is never evicted; key k ≥ sink is seen by the queries k … k+recent−1.
+    layers, kv_heads : int
+        The model's geometry.
+    """
+
+    sink: int
+    recent: int
+    layers: int
+    kv_heads: int
+
+    def __post_init__(self):
+        if self.sink < 0:
+            raise ValueError(f"sink={self.sink}: must be ≥ 0")
+        if self.recent < 1:
+            raise ValueError(f"recent={self.recent}: must be ≥ 1 (a token must see itself)")
+
+    @classmethod
+    def of(cls, model_config, sink: int, recent: int) -> Window:
+        """The window for every head of a transformers ``model_config``."""
+        return cls(sink=sink, recent=recent, layers=model_config.num_hidden_layers,
+                   kv_heads=model_config.num_key_value_heads)
+
+    def death(self, length: int) -> Tensor:
+        """Int32 [layers, kv_heads, length] (:func:`sink_recent_death` on every head)."""
+        return sink_recent_death(length, self.sink, self.recent).expand(self.layers, self.kv_heads, length)
+
+
 def sink_recent_death(length: int, sink: int, recent: int, device=None) -> Tensor:
     """Int32 [length]: the death times of a sink + recent window (StreamingLLM's pattern,
     RLKV's compressed heads): key k < sink is never evicted; key k ≥ sink dies at

@@ -112,6 +112,9 @@ class LearnedScorer(KVPolicy):
     def observe(self) -> int:
         return self.interval
 
+    def trainable(self) -> ScorerMLP:
+        return self.scorer
+
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] (= −eviction score) and state [B, H, N, 2G]."""
         x, state = self.features(obs)

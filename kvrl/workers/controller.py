@@ -66,6 +66,8 @@ class Pending:
     args: dict[int, tuple]  # worker -> its generate() arguments (to redo the shard)
     refs: dict[int, ray.ObjectRef]
     start: float
+    weights: tuple  # the push the shards were sent to generate with (async: a version behind the learners')
+    lives: list[int]  # each worker's incarnation when the shards were sent
 
 
 def connect(cfg) -> bool:
@@ -108,6 +110,7 @@ class Controller:
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
         self.restarts = [0] * w.rollout
+        self.lives = [0] * w.rollout  # incarnation of each rollout actor: a death is counted once
         self.runlog: RunLog | None = None  # opened by resume(): fresh, or appending to the resumed run's
         try:
             if w.learners > 1 or w.backend == "deepspeed":
@@ -202,37 +205,52 @@ class Controller:
                     int(np.random.SeedSequence([cfg.seed, step, i]).generate_state(1)[0] >> 1))
                 for i, part in enumerate(parts)}
         refs = {i: self.workers[i].generate.remote(*args[i]) for i in args}
+        pending = Pending(step, tasks, env_state, args, refs, time.perf_counter(), self.push_args, list(self.lives))
         if self.on_dispatch is not None:
             self.on_dispatch(self, step)
-        return Pending(step, tasks, env_state, args, refs, time.perf_counter())
+        return pending
 
     def collect(self, pending: Pending) -> tuple[list[Sample], dict]:
         """The step's samples in dispatch order, each exactly once; tokens and seconds."""
-        results = self.gather(pending.refs, "generate", pending.args)
+        results = self.gather(pending.refs, "generate", pending.args, pending.weights, pending.lives)
+        if pending.weights is not self.push_args:  # async: a redone shard left its worker a version behind
+            stale = [i for i in results if self.lives[i] != pending.lives[i]]
+            self.gather({i: self.workers[i].load.remote(*self.push_args) for i in stale}, "load",
+                        dict.fromkeys(stale, self.push_args))
         samples = [s for i in sorted(results) for s in results[i][0]]
         expected = [sid for i in sorted(pending.args) for sid in pending.args[i][0]]
         assert [s.id for s in samples] == expected, "a shard's samples were lost or duplicated"
         tokens = sum(r[1]["tokens"] for r in results.values())
         return samples, {"tokens": tokens, "seconds": time.perf_counter() - pending.start}
 
-    def gather(self, refs: dict[int, ray.ObjectRef], method: str, args: dict[int, tuple]) -> dict:
+    def gather(self, refs: dict[int, ray.ObjectRef], method: str, args: dict[int, tuple],
+               weights: tuple | None = None, lives: list[int] | None = None) -> dict:
         """Results of calls in flight on rollout workers, by worker.
 
         A worker that died is restarted by Ray from its constructor (base weights, no
-        version): it gets the current weights, then the whole call again, so a shard's
-        samples arrive once, with the seed they would have had.
+        version): it gets ``weights`` (the push the call was sent with; default the current
+        one), then the whole call again, so a shard's samples arrive once, with the seed and
+        the weights they would have had. ``lives``: the workers' incarnations when the calls
+        were sent; a death that an earlier call already reported (async: a push queued
+        behind the generation fails too) is restarted and counted once.
         """
+        weights = self.push_args if weights is None else weights
+        lives = list(self.lives) if lives is None else lives
         out = {}
         for i, ref in refs.items():
+            life = lives[i]
             while i not in out:
                 try:
                     out[i] = self.get(ref, f"rollout worker {i} ({method})")
                 except RayActorError as err:
-                    self.restarts[i] += 1
-                    tqdm.write(f"rollout worker {i} died during {method}(); restarting it to redo the call")
-                    self.wait_restarted(i, err)
+                    if self.lives[i] == life:  # a death not seen yet
+                        self.lives[i] += 1
+                        self.restarts[i] += 1
+                        tqdm.write(f"rollout worker {i} died during {method}(); restarting it to redo the call")
+                        self.wait_restarted(i, err)
+                    life = self.lives[i]
                     if method != "load":
-                        self.gather({i: self.workers[i].load.remote(*self.push_args)}, "load", {i: self.push_args})
+                        self.gather({i: self.workers[i].load.remote(*weights)}, "load", {i: weights})
                     ref = getattr(self.workers[i], method).remote(*args[i])
         return out
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kvrl.algos import make_algo
+from kvrl.algos.push import Push
 from kvrl.cache import EvictionTrace
 from kvrl.engines.hf import HFEngine
 from kvrl.kernels.replay import NEVER
@@ -167,10 +168,11 @@ class Learner:
     # ---- weights out, checkpoints -------------------------------------------------------------
 
     @ray.method(num_returns=2)
-    def state(self) -> tuple[dict, str]:
-        """(the trainable state to push, its checksum)."""
+    def state(self) -> tuple[Push, dict[str, str]]:
+        """(the trainable state to push, :class:`kvrl.algos.push.Push`; the checksums of its
+        parts, ``Push.digest``, which every rollout worker compares with what it holds)."""
         state = self.algo.state(self.engine.model)
-        return state, checksum(state)
+        return state, state.digest()
 
     def save(self, path: str) -> None:
         """This learner's part of a checkpoint (the controller seals the folder when all are written)."""

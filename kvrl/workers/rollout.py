@@ -9,20 +9,21 @@ with the policy version, and every sample it returns carries that version (the v
 read when generation starts, on the worker, so a push queued behind a running generation
 can never relabel its samples; AReaL PR #1569 fixed exactly that bug).
 
-What a push holds is the algorithm's ``pushes``:
+A push is the algorithm's :class:`kvrl.algos.push.Push` with the learner's per-part
+checksums (``Push.digest``); the worker loads each part that is present:
 
-* ``"weights"``: a model state dict. HF: loaded, then the model's bytes are checksummed
-  against the learner's; vLLM: through ``push_weights``, which compares every tensor on
-  vLLM's side (its parameters are renamed and fused, so a checksum cannot be compared).
-* ``"gates"`` (``{"gates": [layers, kv_heads]}``) and ``"scorer"`` (a state dict of
-  ``policy.scorer``): written into the rollout policy object, then checksummed. The vLLM
-  engine re-installs a policy whose content changed at the next ``generate``, so its
-  workers run exactly these bytes.
+* ``weights`` (a model state dict) into the engine with ``engine.push_weights``. HF: loaded,
+  then the model's bytes are checksummed against the learner's; vLLM: every tensor is
+  compared on vLLM's side (its parameters are renamed and fused, so a checksum cannot be
+  compared).
+* ``cache`` (the rollout regime's trainable state: RLKV's gates, a learned scorer) into the
+  worker's regime with ``regime.load_state``, then checksummed. The vLLM engine
+  re-installs a regime whose content changed at the next ``generate``, so its workers run
+  exactly these bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 
@@ -30,10 +31,13 @@ import ray
 import torch
 
 from kvrl.algos import make_algo
+from kvrl.algos.push import Push
 from kvrl.cache import EvictionTrace
 from kvrl.engines import make_engine
 from kvrl.engines.hf import Sampling
 from kvrl.models.tiny import resolve_path
+from kvrl.policies import as_regime
+from kvrl.policies.regime import checksum
 from kvrl.runlog import setup_process
 
 
@@ -57,16 +61,6 @@ class Sample:
     advantage: float = 0.0  # set by the controller (kvrl.algos.grpo)
 
 
-def checksum(state: dict[str, torch.Tensor]) -> str:
-    """A digest of the exact bytes of a state dict: the learner's and every worker's must
-    match after a push (the "weights equal after sync" check users ask for)."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state):
-        h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 @ray.remote
 class RolloutWorker:
     def __init__(self, cfg, rank: int):
@@ -80,33 +74,26 @@ class RolloutWorker:
 
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_path(cfg.model.path)))
-        self.policy = self.algo.rollout_policy(model)
-        # None until the controller pushes weights: a restarted actor holds only the base
+        self.regime = as_regime(self.algo.rollout_policy(model))
+        # None until the controller sends weights: a restarted actor holds only the base
         # weights, and must not generate samples that would be stamped with a version.
         self.version: int | None = None
 
-    def load(self, state: dict, version: int, digest: str) -> None:
+    def load(self, state: Push, version: int, digest: dict[str, str]) -> None:
         """Take the trainable state of policy `version` (see the module docstring), and
-        check that this worker now generates with exactly the learner's bytes."""
-        kind = self.algo.pushes
-        if kind == "weights" and self.cfg.workers.engine == "vllm":
-            self.engine.push_weights(state)  # raises unless every tensor arrived
-            self.version = version
-            return
-        if kind == "weights":
-            self.algo.load(self.engine.model, state)
-            held = checksum(self.algo.state(self.engine.model))
-        elif kind == "gates":
-            self.policy.gates = state["gates"].detach().clone().to(self.policy.gates.dtype)
-            held = checksum({"gates": self.policy.gates})
-        elif kind == "scorer":
-            self.policy.scorer.load_state_dict(state)
-            held = checksum(self.policy.scorer.state_dict())
-        else:
-            raise ValueError(f"{type(self.algo).__name__}.pushes = {kind!r}: must be weights | gates | scorer")
-        if held != digest:
-            raise RuntimeError(f"rollout worker {self.rank} holds a state with checksum {held} after the push "
-                               f"of version {version}, the learner's is {digest}")
+        check that this worker now generates with exactly the learner's bytes (``digest``:
+        the learner's ``state.digest()``)."""
+        held = {}
+        if state.weights is not None:
+            # raises unless every tensor arrived; the HF engine returns its model's checksum
+            held["weights"] = self.engine.push_weights(state.weights).get("checksum")
+        if state.cache is not None:
+            self.regime.load_state(state.cache)
+            held["cache"] = checksum(self.regime.state())
+        for part, value in held.items():
+            if value is not None and value != digest.get(part):
+                raise RuntimeError(f"rollout worker {self.rank} holds {part} with checksum {value} after the push "
+                                   f"of version {version}, the learner's is {digest.get(part)}")
         self.version = version
 
     def generate(self, ids: list[str], prompts: list[str], seed: int) -> tuple[list[Sample], dict]:
@@ -119,7 +106,7 @@ class RolloutWorker:
         for c, lo in enumerate(range(0, len(prompts), sc.batch_size)):
             hi = lo + sc.batch_size
             sampling = Sampling(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, seed=seed + c)
-            out = self.engine.generate(prompts[lo:hi], sampling, policy=self.policy)
+            out = self.engine.generate(prompts[lo:hi], sampling, policy=self.regime)
             for b, sid in enumerate(ids[lo:hi]):
                 samples.append(Sample(
                     id=sid, prompt_ids=out.prompt_ids[b], tokens=out.tokens[b], logprobs=out.logprobs[b],

@@ -4,7 +4,7 @@ inside vLLM through a ``vllm.general_plugins`` plugin (no fork).
 * :mod:`.plugin` — the entry point (registers the attention backends).
 * :mod:`.runtime` — worker-side state and steps shared by every backend.
 * :mod:`.cpu_backend`, :mod:`.cuda_backend` — the layout-specific parts.
-* :mod:`.worker_ext` — weight / gate / scorer pushes through ``collective_rpc``.
+* :mod:`.worker_ext` — weight and cache-state (gates, scorer) push through ``collective_rpc``.
 * :mod:`.engine` — :class:`VLLMEngine`, the HF engine's ``generate()`` contract.
 
 Importing this package does not import vLLM; :class:`VLLMEngine` does.

@@ -3,8 +3,9 @@
 The plugin registers :class:`KVRLCPUBackend` in place of ``CPU_ATTN`` (the CPU platform
 only ever picks that entry). Without an installed kvrl policy every method defers to the
 stock backend unchanged; with one, the builder and the implementation call the shared
-hooks of :mod:`kvrl.engines.vllm.runtime`. The only CPU-specific part is
-:class:`CPULayout`, how a block stores K and V.
+hooks of :mod:`kvrl.engines.vllm.runtime` (the overrides are the mixins of
+:mod:`kvrl.engines.vllm.shim`, shared with the CUDA backend). The only CPU-specific part is
+:class:`CPULayout`, how a block stores K and V, and its check against the stock write op.
 
 CPU cache layout (``vec``/``vec16`` ISA, LBHNC): the per-layer tensor is
 ``[num_blocks, H, bs, 2·D]``; within each (block, head) region of ``2·bs·D`` elements, K is
@@ -20,14 +21,11 @@ import functools
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
-from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-from kvrl.engines.vllm.kv_manager import KVRLSpec
-from kvrl.engines.vllm.runtime import PagedLayout, context, layer_index
+from kvrl.engines.vllm.runtime import PagedLayout
+from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
 
 class CPULayout(PagedLayout):
@@ -80,65 +78,22 @@ def check_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) 
             "'vec'/'vec16' layouts (K transposed [D, bs] then V [bs, D] per block and head)")
 
 
-class KVRLCPUMetadataBuilder(CPUAttentionMetadataBuilder):
-    """Plans each forward (``runtime.WorkerContext.plan_step``) before the stock build."""
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        cm = common_attn_metadata
-        plan = context().plan_step(cm, self.block_size)
-        if plan is not None and plan.mode == "token":
-            seq_lens = cm.seq_lens.clone()
-            n = plan.kernel_seq_lens.shape[0]
-            seq_lens[:n] = plan.kernel_seq_lens
-            seq_lens[n:] = 0
-            cm = cm.replace(seq_lens=seq_lens, max_seq_len=int(seq_lens.max()))
-        meta = super().build(common_prefix_len, cm, fast_build)
-        meta.kvrl_plan = plan
-        return meta
+class KVRLCPUMetadataBuilder(KVRLBuilderMixin, CPUAttentionMetadataBuilder):
+    """Plans each forward before the stock build (:class:`.shim.KVRLBuilderMixin`)."""
 
 
-class KVRLCPUImpl(CPUAttentionBackendImpl):
-    """Stock CPU attention plus kvrl's writes, attention modes and evictions."""
+class KVRLCPUImpl(KVRLImplMixin, CPUAttentionBackendImpl):
+    """Stock CPU attention plus kvrl's writes, attention modes and evictions, on :class:`CPULayout`."""
 
-    _layer_idx: int | None = None
+    LAYOUT = LAYOUT
 
-    def _index(self, layer) -> int:
-        if self._layer_idx is None:
-            self._layer_idx = layer_index(layer.layer_name)
-        return self._layer_idx
-
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(layer.layer_name) if isinstance(meta, dict) else meta
-        plan = getattr(meta, "kvrl_plan", None)
-        stock = functools.partial(super().do_kv_cache_update, layer, key, value, kv_cache, slot_mapping)
-        if plan is None:
-            return stock()
+    def _check_layout(self, layer, kv_cache) -> None:
         check_layout(layer.isa, kv_cache.dtype, self.head_size, kv_cache.shape[2])
-        context().kv_update(plan, self._index(layer), layer.layer_name, LAYOUT, key, value, kv_cache, slot_mapping,
-                            stock)
-
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
-        plan = getattr(attn_metadata, "kvrl_plan", None)
-        stock = functools.partial(super().forward, layer, query, key, value, kv_cache, attn_metadata, output,
-                                  output_scale, output_block_scale)
-        if plan is None:
-            return stock()
-        n = attn_metadata.num_actual_tokens
-        context().attention(plan, self._index(layer), layer.layer_name, LAYOUT, query[:n], kv_cache, self.scale,
-                            output[:n], stock)
-        return output
 
 
-class KVRLCPUBackend(CPUAttentionBackend):
+class KVRLCPUBackend(KVRLBackendMixin, CPUAttentionBackend):
     """``CPU_ATTN`` with kvrl's builder and implementation, and :class:`KVRLSpec` (block
     caps per request, :mod:`kvrl.engines.vllm.kv_manager`) for full-attention layers."""
-
-    @classmethod
-    def customize_spec(cls, spec):
-        spec = super().customize_spec(spec)
-        return KVRLSpec.from_spec(spec) if type(spec) is FullAttentionSpec else spec
 
     @staticmethod
     def get_impl_cls():

@@ -138,67 +138,20 @@ LAYOUT = FlashLayout()
 
 @functools.lru_cache(maxsize=1)
 def _backend_classes():
-    """Subclasses of vLLM's FlashAttention backend running kvrl's hooks (needs vLLM CUDA)."""
-    from vllm.forward_context import get_forward_context
+    """Subclasses of vLLM's FlashAttention backend running kvrl's hooks (needs vLLM CUDA);
+    the overrides are the mixins of :mod:`kvrl.engines.vllm.shim`, shared with the CPU backend."""
     from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                        FlashAttentionMetadataBuilder)
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from kvrl.engines.vllm.kv_manager import KVRLSpec
-    from kvrl.engines.vllm.runtime import context, layer_index
+    from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
-    class KVRLFlashMetadataBuilder(FlashAttentionMetadataBuilder):
-        def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-            cm = common_attn_metadata
-            plan = context().plan_step(cm, self.kv_cache_spec.block_size)
-            if plan is not None and plan.mode == "token":
-                seq_lens = cm.seq_lens.clone()
-                n = plan.kernel_seq_lens.shape[0]
-                seq_lens[:n] = plan.kernel_seq_lens
-                seq_lens[n:] = 0
-                upper = plan.kernel_seq_lens.cpu()
-                extra = {}
-                if cm.seq_lens_cpu_upper_bound is not None:
-                    bound = cm.seq_lens_cpu_upper_bound.clone()
-                    bound[:n], bound[n:] = upper, 0
-                    extra["seq_lens_cpu_upper_bound"] = bound
-                cm = cm.replace(seq_lens=seq_lens, max_seq_len=int(upper.max()), **extra)
-                common_prefix_len = 0  # cascade attention assumes shared, unpacked prefixes
-            meta = super().build(common_prefix_len, cm, fast_build)
-            meta.kvrl_plan = plan
-            return meta
+    class KVRLFlashMetadataBuilder(KVRLBuilderMixin, FlashAttentionMetadataBuilder):
+        pass
 
-    class KVRLFlashImpl(FlashAttentionImpl):
-        _layer_idx = None
+    class KVRLFlashImpl(KVRLImplMixin, FlashAttentionImpl):
+        LAYOUT = LAYOUT
 
-        def _index(self, layer):
-            if self._layer_idx is None:
-                self._layer_idx = layer_index(layer.layer_name)
-            return self._layer_idx
-
-        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
-            meta = get_forward_context().attn_metadata
-            meta = meta.get(layer.layer_name) if isinstance(meta, dict) else meta
-            plan = getattr(meta, "kvrl_plan", None)
-            stock = functools.partial(super().do_kv_cache_update, layer, key, value, kv_cache, slot_mapping)
-            if plan is None:
-                return stock()
-            context().kv_update(plan, self._index(layer), layer.layer_name, LAYOUT, key, value, kv_cache,
-                                slot_mapping, stock)
-
-        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                    output_block_scale=None):
-            plan = getattr(attn_metadata, "kvrl_plan", None)
-            stock = functools.partial(super().forward, layer, query, key, value, kv_cache, attn_metadata, output,
-                                      output_scale, output_block_scale)
-            if plan is None:
-                return stock()
-            n = attn_metadata.num_actual_tokens
-            context().attention(plan, self._index(layer), layer.layer_name, LAYOUT, query[:n], kv_cache,
-                                self.scale, output[:n], stock)
-            return output
-
-    class KVRLFlashBackend(FlashAttentionBackend):
+    class KVRLFlashBackend(KVRLBackendMixin, FlashAttentionBackend):
         @staticmethod
         def get_name() -> str:
             return "CUSTOM"
@@ -210,11 +163,6 @@ def _backend_classes():
         @staticmethod
         def get_builder_cls():
             return KVRLFlashMetadataBuilder
-
-        @classmethod
-        def customize_spec(cls, spec):
-            spec = super().customize_spec(spec)
-            return KVRLSpec.from_spec(spec) if type(spec) is FullAttentionSpec else spec
 
     classes = {"KVRLFlashBackend": KVRLFlashBackend, "KVRLFlashImpl": KVRLFlashImpl,
                "KVRLFlashMetadataBuilder": KVRLFlashMetadataBuilder}

@@ -6,11 +6,12 @@
     out = engine.generate(prompts, Sampling(max_new_tokens=256), policy=make_policy("gkv", budget=512))
     out.tokens, out.logprobs, out.finish_reasons, out.traces     # as kvrl.engines.hf.HFEngine
 
-``policy`` is None (full cache: vLLM untouched), a :class:`kvrl.policies.KVPolicy`
-(per-head eviction inside vLLM; the rollouts carry the :class:`kvrl.cache.EvictionTrace`),
-a static pattern with ``death(T)`` such as :class:`kvrl.policies.HeadAllocation`, or
-:class:`kvrl.kernels.mixed.MixedGates` (RLKV's mixed-gate attention); ``death=`` takes a
-static ``[layers, B, H_kv, T]`` tensor as in the HF engine.
+``policy`` is a cache regime (:mod:`kvrl.policies.regime`) or anything
+:func:`kvrl.policies.as_regime` takes: None / ``Full()`` (vLLM untouched), a
+:class:`kvrl.policies.KVPolicy` / ``Evicting`` (per-head eviction inside vLLM; the rollouts
+carry the :class:`kvrl.cache.EvictionTrace`), a static pattern / ``Static``
+(:class:`kvrl.policies.HeadAllocation`, :class:`kvrl.policies.Window` or a death tensor
+``[layers, B, H_kv, T]``), or ``Mixed`` (RLKV's mixed-gate attention), as in the HF engine.
 
 Behaviour worth knowing:
 
@@ -20,9 +21,9 @@ Behaviour worth knowing:
 * Greedy decoding matches the HF engine; sampled tokens use vLLM's sampler (seed
   ``sampling.seed + i`` for prompt i) and sampled evictions one generator per request
   (seed ``sampling.seed + 1 + i``), so they are reproducible but not the HF engine's draws.
-* A policy is installed on the workers when a different object, or a modified one, is
-  passed; :meth:`push_gates` / :meth:`push_scorer` update the installed copy, and passing
-  the same unmodified object again keeps those pushes.
+* A regime is installed on the workers when a different one, or a modified one, is
+  passed; :meth:`push_cache_state` updates the installed copy's trainable state (gates, a
+  scorer), and passing the same unmodified regime or policy again keeps that push.
 * Refused with a clear error when a policy is active: prefix caching, speculative
   decoding, KV connectors, async scheduling, TP/PP > 1, sliding-window models, full CUDA
   graphs and fused RoPE+KV-cache passes (``runtime.check_config``), and preemption (a
@@ -45,7 +46,7 @@ from kvrl.engines.vllm import plugin
 from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.kernels.replay import NEVER
-from kvrl.policies.base import KVPolicy
+from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 WORKER_EXTENSION = "kvrl.engines.vllm.worker_ext.KVRLWorkerExtension"
 
@@ -127,52 +128,42 @@ class VLLMEngine:
         enc = self.tokenizer(prompts)
         return [list(ids) for ids in enc["input_ids"]]
 
-    def _install(self, policy, sample: bool, pattern_rows: dict | None) -> None:
-        if pattern_rows is not None:
-            self._rpc("kvrl_set_policy", None, sample=sample, pattern_rows=pattern_rows)
-            self._installed = None
-            return
-        key = (None if policy is None else _fingerprint(policy), sample)
+    def _install(self, regime, sample: bool) -> None:
+        key = (_fingerprint(regime), sample)
         if key != self._installed:
-            self._rpc("kvrl_set_policy", policy, sample=sample)
+            self._rpc("kvrl_set_policy", regime, sample=sample)
             self._installed = key
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: Sampling, policy=None,
-                 death: torch.Tensor | None = None) -> Rollouts:
+    def generate(self, prompts: list[str], sampling: Sampling, policy=None) -> Rollouts:
         """Decode ``prompts``; see the module docstring and ``HFEngine.generate``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        regime = as_regime(policy)
         ids = self.encode(prompts)
         B = len(ids)
         T = max(len(p) for p in ids) + sampling.max_new_tokens
         tag0 = uuid.uuid4().hex[:12]
         tags = [f"{tag0}-{i}" for i in range(B)]
-        pattern_rows = None
-        static = death is not None or (policy is not None and not isinstance(policy, KVPolicy)
-                                       and hasattr(policy, "death"))
-        if static:
-            if death is None:
-                death = policy.death(T)
-                death = death[:, None].expand(-1, B, -1, -1) if death.dim() == 3 else death
-            if death.shape[-1] < T:
-                raise ValueError(f"death covers {death.shape[-1]} positions, decoding needs {T}")
-            death = death.to(torch.int32).cpu()
-            pattern_rows = {tag: death[:, b].contiguous() for b, tag in enumerate(tags)}
-        self._install(None if static else policy, sampling.sample_evictions, pattern_rows)
+        keep = None  # per-request block cap (the KV manager's): only an evicting cache is bounded
+        match regime:
+            case Static():  # checked here; the workers read row i of the pattern for request i
+                death = regime.death(T, B).cpu()
+            case Evicting(policy=p):
+                keep = p.budget + p.interval
+        self._install(regime, sampling.sample_evictions)
         params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                  seed=sampling.seed + i, logprobs=0, ignore_eos=sampling.ignore_eos,
                                  extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
                                              "kvrl_seed": sampling.seed + 1 + i})
                   for i in range(B)]
-        keep = policy.budget + policy.interval if isinstance(policy, KVPolicy) else None
         rids = [kv_request_id(tags[i], len(ids[i]), keep) for i in range(B)]
         start = time.perf_counter()
         bs = self.block_size
         peaks = [-(-(max(len(p), keep) if keep is not None else len(p) + sampling.max_new_tokens) // bs)
                  for p in ids]
-        admit = self.admission == "always" or (self.admission == "policy" and (policy is not None or static))
+        admit = self.admission == "always" or (self.admission == "policy" and not isinstance(regime, Full))
         try:
             outs = self._run(rids, [TokensPrompt(prompt_token_ids=p) for p in ids], params, peaks if admit else None)
         except BaseException:
@@ -191,14 +182,15 @@ class VLLMEngine:
             out.finish_reasons.append("stop" if n < len(toks) else "length")
             out.texts.append(self.tokenizer.decode(toks[:n]))
         evict = 0.0
-        if policy is not None or death is not None:
-            lengths = torch.tensor([len(p) + len(t) for p, t in zip(ids, out.tokens)])
-            if static:
-                out.traces = EvictionTrace.from_death(death[..., :T], lengths)
-            elif isinstance(policy, KVPolicy):
+        lengths = torch.tensor([len(p) + len(t) for p, t in zip(ids, out.tokens)])
+        match regime:
+            case Evicting():
                 out.traces, evict = self._collect_traces(tags, T, lengths)
-        if policy is not None and not isinstance(policy, KVPolicy) or static:
-            self._rpc("kvrl_pop", tags)  # forget the requests' worker state
+            case Static():
+                out.traces = EvictionTrace.from_death(death[..., :T], lengths)
+                self._rpc("kvrl_pop", tags)  # forget the requests' worker state
+            case Mixed():
+                self._rpc("kvrl_pop", tags)
         out.timing = {"decode": decode, "evict": evict}
         return out
 
@@ -255,7 +247,7 @@ class VLLMEngine:
         logprob = torch.stack([events[g] for g in sorted(events)]) if events else None
         return EvictionTrace.from_death(death, lengths, logprob), evict
 
-    # ---- pushes ----
+    # ---- pushing weights and cache state ----
 
     def push_weights(self, weights, verify: bool = True) -> dict:
         """Full weights (a state dict / (name, tensor) pairs with checkpoint names, or a
@@ -264,18 +256,14 @@ class VLLMEngine:
             weights = {k: v.detach().cpu().contiguous() for k, v in dict(weights).items()}
         return self._rpc("kvrl_push_weights", weights, verify=verify)
 
-    def push_gates(self, gates) -> None:
-        """New gates [layers, kv_heads] for the installed MixedGates/HeadAllocation policy."""
-        gates = torch.as_tensor(gates, dtype=torch.float32).detach().cpu()
-        got = self._rpc("kvrl_push_gates", gates)
-        if got != float(gates.double().sum()):
-            raise RuntimeError(f"gate push not verified: worker holds sum {got}, sent {float(gates.double().sum())}")
-
-    def push_scorer(self, state_dict: dict) -> None:
-        """A state dict for the installed learned scorer (``LearnedScorer.scorer``)."""
-        sd = {k: v.detach().cpu().clone() for k, v in state_dict.items()}
-        if self._rpc("kvrl_push_scorer", sd) != len(sd):
-            raise RuntimeError("scorer push not verified")
+    def push_cache_state(self, state: dict) -> None:
+        """New trainable state (gates, a scorer's state dict: the regime's ``state()``) for
+        the regime installed on the workers; verified by checksum. The next ``generate``
+        with the same unmodified regime or policy runs with it."""
+        state = {k: torch.as_tensor(v).detach().cpu().clone() for k, v in state.items()}
+        held, sent = self._rpc("kvrl_push_cache_state", state), checksum(state)
+        if held != sent:
+            raise RuntimeError(f"cache state push not verified: the workers hold checksum {held}, sent {sent}")
 
     def close(self) -> None:
         """Drop the vLLM engine (frees its KV cache)."""

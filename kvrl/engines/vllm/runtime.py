@@ -14,21 +14,26 @@ side tensors indexed by the same (block, head, offset) hold each slot's true pos
 the policy's per-token state; they are compacted together with K/V. The last ``observe``
 post-RoPE queries of each request and layer sit in a ring buffer.
 
-Three modes, set per engine call with :meth:`WorkerContext.set_policy`:
+One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
+:meth:`WorkerContext.set_policy`, which dispatches on it once into a mode:
 
-* ``"token"`` — a :class:`kvrl.policies.KVPolicy`. All heads hold the same number of
-  slots, a deterministic function of the true length and the prompt length
+* ``Evicting`` → ``"token"``: a :class:`kvrl.policies.KVPolicy`. All heads hold the same
+  number of slots, a deterministic function of the true length and the prompt length
   (:func:`cache_len_after`), so the builder rewrites ``seq_lens`` and ``slot_mapping`` and
   vLLM's own attention kernel runs unchanged. After the attention of the forward that
   :func:`kvrl.policies.should_evict` names, the policy scores the cache (the same policy
   object as in the HF engine), selects, and the layer is compacted; deaths are recorded as
   in :class:`kvrl.cache.KVCache` (the last query position of the forward + 1).
-* ``"static"`` — a death pattern (:class:`kvrl.policies.HeadAllocation` or an explicit
-  ``death`` tensor): heads have their own lengths; keys are dropped once no later query can
-  see them (full heads keep everything, compressed heads sink + recent), attention over
-  the packed per-head caches uses the pattern's mask (torch).
-* ``"mixed"`` — RLKV's mixed-gate attention (:class:`kvrl.kernels.mixed.MixedGates`) over
-  the full cache, through :func:`kvrl.kernels.mixed.mixed_gate_attention` (torch).
+* ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it):
+  heads have their own lengths; keys are dropped once no later query can see them (full
+  heads keep everything, compressed heads sink + recent), attention over the packed
+  per-head caches uses the pattern's mask (torch).
+* ``Mixed`` → ``"mixed"``: RLKV's mixed-gate attention over the full cache, through
+  :func:`kvrl.kernels.mixed.mixed_gate_attention` (torch).
+* ``Full`` → no mode: vLLM untouched.
+
+:meth:`WorkerContext.push_cache_state` loads new trainable state (gates, a scorer) into the
+installed regime (``regime.load_state``) and returns its checksum.
 
 Refusals: a request seen for the first time with computed tokens (prefix caching, a KV
 connector) and a request whose computed tokens went back (preemption/recompute) raise
@@ -47,8 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvrl.kernels.replay import NEVER
-from kvrl.policies.base import KVPolicy, Observation
-
+from kvrl.policies.base import KVPolicy, Observation, should_evict
+from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 
 class EvictionRefused(RuntimeError):
@@ -190,9 +195,10 @@ class WorkerContext:
         self.runner = None
         self.vllm_config = None
         self.mode: str | None = None
-        self.policy: KVPolicy | None = None
-        self.pattern = None  # static mode: object with death(T), or dict tag -> [L, H, T]
-        self.mixed = None  # mixed mode: MixedGates
+        self.regime = None  # the installed regime (a copy of the engine's)
+        self.policy: KVPolicy | None = None  # token mode: the Evicting regime's policy
+        self.static: Static | None = None  # static mode
+        self.mixed: Mixed | None = None  # mixed mode
         self.sample = False
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
         self.finished: dict[str, ReqState] = {}  # tag -> state, until popped
@@ -202,7 +208,6 @@ class WorkerContext:
         self.n_slots = 0
         self.geometry: tuple[int, int] | None = None  # (layers, kv heads)
         self.device = torch.device("cpu")
-        self.evict_seconds = 0.0
 
     # ---- control (called through the worker extension) ----
 
@@ -213,39 +218,45 @@ class WorkerContext:
         self.geometry = (cfg.get_num_layers(vllm_config.parallel_config),
                          cfg.get_num_kv_heads(vllm_config.parallel_config))
 
-    def set_policy(self, policy=None, *, sample: bool = False, pattern_rows: dict | None = None) -> None:
-        """Install a policy for the next requests (None = full cache, vLLM untouched)."""
-        from kvrl.kernels.mixed import MixedGates
-
+    def set_policy(self, regime=None, *, sample: bool = False) -> None:
+        """Install a cache regime (or anything :func:`kvrl.policies.as_regime` takes) for the
+        next requests; ``Full`` leaves vLLM untouched."""
+        regime = as_regime(regime)
         # Engines call this between synchronous generate() calls: whatever is still listed
         # as active has finished (vLLM's runner forgets requests one step late).
         self.active.clear()
         self.finished.clear()
         self.free_slots, self.n_slots = [], 0
-        if policy is not None or pattern_rows is not None:
+        if not isinstance(regime, Full):
             check_config(self.vllm_config)
-        self.policy = self.pattern = self.mixed = None
+        self.regime = copy.deepcopy(regime)
+        self.policy = self.static = self.mixed = None
         self.sample = sample
-        if pattern_rows is not None:
-            self.mode, self.pattern = "static", pattern_rows
-        elif policy is None:
-            self.mode = None
-        elif isinstance(policy, KVPolicy):
-            self.mode, self.policy = "token", copy.deepcopy(policy)
-            if isinstance(getattr(self.policy, "scorer", None), torch.nn.Module):
-                self.policy.scorer.to(self.device)
-        elif isinstance(policy, MixedGates):
-            self.mode, self.mixed = "mixed", copy.deepcopy(policy)
-        elif hasattr(policy, "death"):
-            self.mode, self.pattern = "static", copy.deepcopy(policy)
-        else:
-            raise TypeError(f"unsupported policy {type(policy).__name__}: a KVPolicy, a static pattern with "
-                            "death(T) (HeadAllocation), or MixedGates")
+        match self.regime:
+            case Full():
+                self.mode = None
+            case Evicting(policy=policy):
+                self.mode, self.policy = "token", policy
+                module = policy.trainable()
+                if module is not None:
+                    module.to(self.device)
+            case Static():
+                self.mode, self.static = "static", self.regime
+            case Mixed():
+                self.mode, self.mixed = "mixed", self.regime
         state_size = self.policy.state_size if self.policy is not None else 0
         for name, side in list(self.side.items()):
             if (side.state.shape[-1] if side.state is not None else 0) != state_size:
                 del self.side[name]  # reallocated at the next write with the new state size
-        self.evict_seconds = 0.0
+
+    def push_cache_state(self, state: dict) -> str:
+        """Load new trainable state into the installed regime (``regime.load_state``, which
+        raises on a name or shape mismatch); returns the checksum of the state it now holds."""
+        if self.regime is None:
+            raise ValueError("no cache regime installed: generate once with the regime (Mixed, Evicting with "
+                             "a learned scorer) before pushing its state")
+        self.regime.load_state(state)
+        return checksum(self.regime.state())
 
     def pop(self, tags: list[str]) -> list[dict | None]:
         """Traces of finished requests: death [L, H, T] int32, sampled-eviction events
@@ -280,13 +291,7 @@ class WorkerContext:
         length = prompt_len + (params.max_tokens if params is not None and params.max_tokens else 0) + 1
         layers, heads = self.geometry
         if self.mode == "static":
-            if isinstance(self.pattern, dict):
-                if tag not in self.pattern:
-                    raise KeyError(f"no death pattern for request tag {tag!r}")
-                death = self.pattern[tag].to(torch.int32)
-            else:
-                death = self.pattern.death(length).to(torch.int32)
-                death = death[:, 0] if death.dim() == 4 else death
+            death = self.static.row(index, length - 1)  # covers prompt + max_tokens, as the engine's T
             if death.shape[:2] != (layers, heads):
                 raise ValueError(f"death pattern of shape {tuple(death.shape)}, the model has "
                                  f"(layers, kv_heads) = {(layers, heads)}")
@@ -345,8 +350,7 @@ class WorkerContext:
                     raise RuntimeError(f"kvrl cache length out of step for request {rid}: "
                                        f"{int(st.lens[0, 0])} vs {c_prev}")
                 m = done + q
-                row.evict = (m >= st.prompt_len and (m - st.prompt_len) % p.interval == 0
-                             and c_prev + q > p.budget)
+                row.evict = m >= st.prompt_len and should_evict(m - st.prompt_len, c_prev + q, p)
                 st.lens.fill_(cache_len_after(m, st.prompt_len, p))
             elif self.mode == "mixed":
                 st.lens.fill_(done + q)
@@ -499,9 +503,7 @@ class WorkerContext:
             g = row.m - st.prompt_len
             ev = st.events.setdefault(g, torch.zeros(*st.lens.shape))
             ev[layer_idx] = sel.logprob[0].float().cpu()
-        dt = time.perf_counter() - start
-        st.evict_seconds += dt
-        self.evict_seconds += dt
+        st.evict_seconds += time.perf_counter() - start
 
     def _static_attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout,
                           query: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:

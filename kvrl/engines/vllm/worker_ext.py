@@ -6,14 +6,15 @@ weights can also be pushed by file path. Every push is verified on the worker an
 a small report; a failed check raises.
 
 * ``kvrl_attach`` — hand the model runner to the worker context (:mod:`.runtime`).
-* ``kvrl_set_policy`` / ``kvrl_pop`` — install a policy; collect finished requests' traces.
+* ``kvrl_set_policy`` / ``kvrl_pop`` — install a cache regime; collect finished requests' traces.
 * ``kvrl_push_weights`` — full weights through vLLM's in-place reload path
   (``Worker.reload_weights``; ``model.load_weights`` after start-up breaks on CPU, where
   linear weights are repacked and the parameters emptied). Verified by comparing every
   readable parameter bitwise and every repacked linear layer functionally (its forward on
   a probe input vs ``x @ Wᵀ`` from the pushed tensors, stacked as vLLM stacks them).
-* ``kvrl_push_gates`` — new gates for the installed mixed-gate or head-allocation policy.
-* ``kvrl_push_scorer`` — a state dict for the installed learned scorer.
+* ``kvrl_push_cache_state`` — new trainable state (RLKV's gates, a learned scorer's state
+  dict) for the installed regime (``regime.load_state``); returns the checksum of what the
+  regime then holds, which the engine compares with the one of what it sent.
 """
 
 from __future__ import annotations
@@ -98,17 +99,14 @@ class KVRLWorkerExtension:
         context().attach(self.model_runner, self.vllm_config)
         return True
 
-    def kvrl_set_policy(self, policy=None, sample: bool = False, pattern_rows: dict | None = None) -> bool:
-        context().set_policy(policy, sample=sample, pattern_rows=pattern_rows)
+    def kvrl_set_policy(self, regime=None, sample: bool = False) -> bool:
+        context().set_policy(regime, sample=sample)
         return True
 
     def kvrl_pop(self, tags: list[str]) -> list:
         ctx = context()
         ctx._release_finished()
         return ctx.pop(tags)
-
-    def kvrl_evict_seconds(self) -> float:
-        return context().evict_seconds
 
     def kvrl_push_weights(self, source, verify: bool = True) -> dict:
         """Reload full weights (checkpoint names) from a dict/list of tensors or a
@@ -145,30 +143,6 @@ class KVRLWorkerExtension:
                              "(checkpoint names, e.g. model.layers.0.self_attn.q_proj.weight)")
         return report
 
-    def kvrl_push_gates(self, gates) -> float:
-        """New gates [layers, kv_heads] for the installed MixedGates or HeadAllocation;
-        returns their sum as stored (the caller compares)."""
-        ctx = context()
-        gates = torch.as_tensor(gates, dtype=torch.float32).clone()
-        target = ctx.mixed if ctx.mixed is not None else ctx.pattern
-        if target is None or not hasattr(target, "gates"):
-            raise ValueError("no gated policy installed: generate once with MixedGates or HeadAllocation first")
-        if tuple(target.gates.shape) != tuple(gates.shape):
-            raise ValueError(f"gates of shape {tuple(gates.shape)}, the policy has {tuple(target.gates.shape)}")
-        target.gates = gates.to(target.gates.dtype)
-        if not torch.equal(target.gates.float(), gates):
-            raise ValueError("pushed gates did not arrive")
-        return float(target.gates.double().sum())
-
-    def kvrl_push_scorer(self, state_dict: dict) -> int:
-        """Load a state dict into the installed learned scorer; returns tensors checked."""
-        ctx = context()
-        scorer = getattr(ctx.policy, "scorer", None)
-        if scorer is None:
-            raise ValueError("no learned-scorer policy installed: generate once with LearnedScorer first")
-        scorer.load_state_dict(state_dict)
-        mine = scorer.state_dict()
-        for k, v in state_dict.items():
-            if not torch.equal(mine[k].cpu(), torch.as_tensor(v).to(mine[k].dtype).cpu()):
-                raise ValueError(f"pushed scorer tensor {k} did not arrive")
-        return len(state_dict)
+    def kvrl_push_cache_state(self, state: dict) -> str:
+        """Load ``state`` into the installed regime; returns the checksum it then holds."""
+        return context().push_cache_state(state)

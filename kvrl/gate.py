@@ -1,0 +1,129 @@
+"""The config gate's checks that look outside the config: the model folder or hub id, an
+environment's constructor, and this machine (CUDA, the CPUs a local Ray can give its actors).
+
+`kvrl.config` calls the first two from its sections' `problems(cfg)`; `kvrl.run` calls
+`machine_problems` just before a job starts (not for `print_config` or `dry_run`, which plan
+for another machine). Each returns messages in the config's style ("KEY must be ... (got
+VALUE); set KEY=VALUE"). Nothing here imports Ray; torch is imported only to ask about CUDA
+when a CUDA device or GPUs are asked for, and an environment's module only to read its
+constructor's signature (nothing is built: building may need data files).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
+
+# rules on an environment's arguments that its signature cannot say: class path -> argument ->
+# (ok, rule); the fix is the constructor's default
+ENV_ARG_RULES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "kvrl.envs.math:MathEnv": {
+        "timeout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                    "must be > 0 seconds (at 0 every answer's check times out and scores 0)"),
+    },
+}
+
+
+def model_problems(path: str) -> list[str]:
+    """model.path: "tiny", a folder with a config.json, a known architecture, or a hub id org/name."""
+    fix = ("pass a local folder with a config.json (save_pretrained writes one), a hub id such as "
+           "Qwen/Qwen3-4B, or set model.path=tiny")
+    if path == "tiny" or path in json.loads(ARCHITECTURES.read_text()):
+        return []
+    local = Path(path).expanduser()
+    if local.exists():
+        if (local / "config.json").is_file():
+            return []
+        what = "a folder without a config.json" if local.is_dir() else "a file, not a model folder"
+        return [f"model.path={path!r} is {what}; {fix}"]
+    if HUB_ID.match(path):
+        return []  # fetched from the hub when the job loads it
+    return [f"model.path={path!r} is neither a folder here nor a hub id (org/name: letters, digits, - _ .); {fix}"]
+
+
+def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> list[str]:
+    """`env_id` names an environment (registered id or pkg.mod:Class) and `kwargs` fit its constructor."""
+    import kvrl.envs  # noqa: F401  (registers the built-in ids)
+    from kvrl.envs.registry import EnvNotFoundError, registered, resolve
+
+    try:
+        factory, defaults = resolve(env_id)
+    except EnvNotFoundError:
+        near = difflib.get_close_matches(env_id, registered(), n=1, cutoff=0.5) or registered()[:1]
+        return [f"{id_key}={env_id!r} is neither a registered environment ({', '.join(registered())}) nor a "
+                f"dotted path pkg.module:Class; set {id_key}={near[0]}"]
+    except (ImportError, AttributeError, ValueError) as err:
+        return [f"{id_key}={env_id!r} cannot be imported ({' '.join(str(err).split())}); set {id_key} to a "
+                "registered id or an importable pkg.module:Class"]
+    name = f"{factory.__module__}:{getattr(factory, '__qualname__', factory)}"
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: the constructor will say
+        return []
+    named = {p: v for p, v in params.items()
+             if v.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    listing = f"its arguments: {', '.join(named) or '(none)'}"
+    problems = []
+    if not any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values()):
+        for key in kwargs:
+            if key not in named:
+                near = difflib.get_close_matches(key, named, n=1, cutoff=0.6)
+                hint = f" (did you mean {kwargs_key}.{near[0]}?)" if near else ""
+                problems.append(f"{kwargs_key}.{key} is not an argument of {name}{hint}; {listing}")
+    given = {**defaults, **kwargs}
+    for key, p in named.items():
+        if p.default is inspect.Parameter.empty and key not in given:
+            problems.append(f"{kwargs_key}.{key} is required by {name} ({listing}); set {kwargs_key}.{key}=...")
+    for key, (ok, rule) in ENV_ARG_RULES.get(name, {}).items():
+        if key in given and not ok(given[key]):
+            default = named[key].default if key in named else inspect.Parameter.empty
+            fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
+            problems.append(f"{kwargs_key}.{key} {rule} (got {given[key]!r}){fix}")
+    return problems
+
+
+def machine_problems(cfg, ray: bool) -> list[str]:
+    """What this machine cannot give the run: CUDA for a `cuda` device, the CPUs (and GPUs) of the Ray
+    actors when Ray is local. `ray`: the job runs Ray actors (workers.*); with a cluster (workers.address
+    or $RAY_ADDRESS) the actors and their devices are the cluster's, which the controller checks."""
+    w = cfg.workers
+    local_ray = ray and not (w.address or os.environ.get("RAY_ADDRESS"))
+    problems = []
+    if local_ray:
+        have = w.num_cpus or os.cpu_count() or 1
+        need = w.rollout * w.rollout_cpus + w.learners * w.learner_cpus
+        if need > have:
+            scale = have / need
+            problems.append(
+                f"the Ray actors reserve {need:g} CPUs (workers.rollout={w.rollout} x workers.rollout_cpus="
+                f"{w.rollout_cpus:g} + workers.learners={w.learners} x workers.learner_cpus={w.learner_cpus:g}), "
+                f"the local Ray has {have} ({'workers.num_cpus' if w.num_cpus else 'the cores of this machine'}); "
+                f"set workers.rollout_cpus={int(w.rollout_cpus * scale * 100) / 100:g} workers.learner_cpus="
+                f"{int(w.learner_cpus * scale * 100) / 100:g} (fractions share a core), lower workers.rollout, or "
+                "run on a cluster (workers.address=HOST:PORT)")
+    gpus = w.rollout * w.rollout_gpus + w.learners * w.learner_gpus if local_ray else 0
+    here = cfg.device.startswith("cuda") and not (ray and not local_ray)  # this process or its local actors
+    if here or gpus:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = cfg.device.partition(":")[2]
+        if here and count == 0:
+            problems.append(f"device={cfg.device} but CUDA is not available here (torch {torch.__version__}); "
+                            "set device=cpu")
+        elif here and index.isdigit() and int(index) >= count:
+            problems.append(f"device={cfg.device} but this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1}); "
+                            "set device=cuda:0")
+        if gpus > count:
+            problems.append(f"the Ray actors reserve {gpus:g} GPUs (workers.rollout_gpus, workers.learner_gpus), "
+                            f"this machine has {count}; set workers.rollout_gpus=0 workers.learner_gpus=0 "
+                            "device=cpu, or run on a cluster (workers.address=HOST:PORT)")
+    return problems

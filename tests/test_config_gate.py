@@ -1,0 +1,198 @@
+"""The config gate: whatever can be known before Ray starts exits 2 with the key and the fix.
+
+Every case runs through `kvrl.run.main` in one fresh interpreter, which must not have imported
+Ray when the case is refused (that the gate comes before Ray is what makes it fast)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrl.config import ConfigError, available_recipes, load_config
+from kvrl.gate import env_problems, model_problems
+from kvrl.run import main
+
+REPO = Path(__file__).resolve().parent.parent
+CORES = os.cpu_count() or 1
+MANY = 2 * CORES + 2  # rollout actors at 0.5 CPU each that no machine of CORES cores hosts
+
+# (id, arguments, recipes folder: None = the repository's | "tmp" = the one the fixture writes, what stderr says)
+CASES = [
+    ("lr_inf", ["recipe=tiny_rl_full", "trainer.lr=inf"],
+     None, ["trainer.lr must be a finite number (got inf); set trainer.lr=0.003"]),
+    ("temperature_inf", ["recipe=tiny_rl_full", "sampling.temperature=inf"],
+     None, ["sampling.temperature must be a finite number (got inf); set sampling.temperature=1.0"]),
+    ("eps_high_inf", ["recipe=tiny_rl_full", "rl.eps_high=inf"],
+     None, ["rl.eps_high must be a finite number (got inf); set rl.eps_high=0.2"]),
+    ("seed_negative", ["recipe=tiny_rl_full", "seed=-1"], None, ["seed must be >= 0 (got -1); set seed=0"]),
+    ("window_over_budget", ["recipe=tiny_gkv_sparse", "kv.window=80"],
+     None, ["kv.budget must be >= kv.window + kv.sink + 1 = 85 (got 76)", "set kv.budget=85"]),
+    ("sink_over_budget_foresight", ["recipe=tiny_foresight", "kv.sink=60"],
+     None, ["kv.budget must be >= kv.window + kv.sink + 1 = 69 (got 48)"]),
+    ("budget_zero", ["recipe=tiny_gkv_distill", "kv.budget=0"],
+     None, ["kv.budget=0 keeps every token, but job=rl rl.algo=distill evicts with kv.policy=gkv", "set kv.budget=64"]),
+    ("eval_ignores_budget", ["recipe=tiny_eval", "kv.budget=64"],
+     None, ["kv.budget=64 would be ignored: job=eval_budgets evaluates the budgets of eval.budgets",
+            "set kv.budget=0"]),
+    ("model_path_malformed", ["recipe=tiny_rl_full", "model.path=/no/such/model"],
+     None, ["model.path='/no/such/model' is neither a folder here nor a hub id",
+            "pass a local folder with a config.json"]),
+    ("model_path_no_config", ["recipe=tiny_rl_full", "model.path={tmp}"],
+     None, ["is a folder without a config.json", "set model.path=tiny"]),
+    ("cuda_missing", ["recipe=tiny_pretrain", "device=cuda:99"], None, ["device=cuda:99 but", "set device="]),
+    ("cpus_num_cpus", ["recipe=tiny_rl_full", "workers.num_cpus=1"],
+     None, ["the Ray actors reserve 1.5 CPUs (workers.rollout=2 x workers.rollout_cpus=0.5 + workers.learners=1",
+            "the local Ray has 1 (workers.num_cpus)", "set workers.rollout_cpus=0.33"]),
+    ("cpus_machine", ["recipe=tiny_rl_full", f"workers.rollout={MANY}", f"trainer.batch_size={8 * MANY}"],
+     None, [f"the Ray actors reserve {MANY * 0.5 + 0.5:g} CPUs",
+            f"the local Ray has {CORES} (the cores of this machine)"]),
+    ("interpolation_open", ["recipe=tiny_rl_full", "run_name=${oops"],
+     None, ["command line: run_name is malformed: an interpolation is ${other.key}, closed by a brace (got '${oops')"]),
+    ("interpolation_unknown", ["recipe=tiny_rl_full", "run_name=${nope}"],
+     None, ["cannot resolve run_name: Interpolation key 'nope' not found"]),
+    ("list_open", ["recipe=tiny_eval", "eval.budgets=[0.25,"],
+     None, ["command line: eval.budgets is malformed: a list", "set e.g. eval.budgets=[0.25,0.5]"]),
+    ("mapping_open", ["recipe=tiny_rl_full", "env.kwargs={a:"],
+     None, ["command line: env.kwargs is malformed: a mapping is {name: value, ...}"]),
+    ("recipe_not_utf8", ["recipe=latin1"], "tmp", ["latin1.yaml: not UTF-8 (byte 0xe9 at offset 5, line 1)"]),
+    ("env_kwarg_typo", ["recipe=tiny_rl_full", "env.kwargs.n_digts=3"],
+     None, ["env.kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean env.kwargs.n_digits?); "
+            "its arguments: n_digits"]),
+    ("source_kwarg_typo", ["recipe=tiny_self_distill", "self_distill.source_kwargs.n_digts=3"],
+     None, ["self_distill.source_kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean "
+            "self_distill.source_kwargs.n_digits?)"]),
+    ("env_unknown", ["recipe=tiny_rl_full", "env.id=kvrl/mth-v0"],
+     None, ["env.id='kvrl/mth-v0' is neither a registered environment", "set env.id=kvrl/math-v0"]),
+    ("math_timeout_zero", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.timeout=0"],
+     None, ["env.kwargs.timeout must be > 0 seconds", "(got 0); set env.kwargs.timeout=5.0"]),
+    ("type_hint_recipe_value", ["recipe=tiny_rl_full", "trainer.steps=abc"],
+     None, ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=40"]),
+    ("type_hint_valid_for_rl", ["recipe=bare_rl", "trainer.steps=abc"],
+     "tmp", ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=20"]),
+    ("unknown_recipe", ["recipe=tiny_rl_ful"], None, ["did you mean recipe=tiny_rl_full?", "available recipes: "]),
+]
+
+SCRIPT = r"""
+import contextlib, io, json, os, sys
+from kvrl.run import main
+results = {}
+for case in json.load(sys.stdin):
+    os.environ.pop("KVRL_RECIPES_DIR", None)
+    if case["recipes"]:
+        os.environ["KVRL_RECIPES_DIR"] = case["recipes"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(case["argv"])
+    results[case["id"]] = {"rc": rc, "out": out.getvalue(), "err": err.getvalue(), "ray": "ray" in sys.modules}
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def tmp_recipes(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("recipes")
+    (folder / "latin1.yaml").write_bytes("# Caf\xe9 recipe\njob: eval_budgets\n".encode("latin-1"))
+    (folder / "bare_rl.yaml").write_text("# RL with the schema's defaults\njob: rl\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_recipes, tmp_path_factory) -> dict:
+    empty = tmp_path_factory.mktemp("not_a_model")
+    cases = [{"id": id_, "argv": [a.replace("{tmp}", str(empty)) for a in argv],
+              "recipes": str(tmp_recipes) if recipes == "tmp" else None} for id_, argv, recipes, _ in CASES]
+    env = {k: v for k, v in os.environ.items() if k not in ("KVRL_RECIPES_DIR", "RAY_ADDRESS")}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps(cases), cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case, expected", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
+def test_each_case_exits_2_before_ray_with_the_fix(outcomes, case, expected):
+    result = outcomes[case]
+    assert result["rc"] == 2, result
+    assert not result["ray"], "ray was imported before the gate refused the config"
+    err = result["err"]
+    assert err.startswith("kvrl: error: ") and "Traceback" not in err and result["out"] == "", err
+    for text in expected:
+        assert text in err, (text, err)
+
+
+# --- what the gate lets through ---
+
+def test_every_recipe_passes_the_gate_without_ray():
+    script = ("import sys; from kvrl.config import available_recipes, load_config\n"
+              "for name in available_recipes(): load_config([f'recipe={name}'])\n"
+              "assert 'ray' not in sys.modules\n")
+    env = {k: v for k, v in os.environ.items() if k != "KVRL_RECIPES_DIR"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("path", ["tiny", "Qwen/Qwen3-4B", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+                                  "my-org/my.model_2"])
+def test_model_paths_that_can_work(path):
+    assert model_problems(path) == []
+
+
+def test_a_saved_model_folder_passes(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert model_problems(str(tmp_path)) == []
+    assert model_problems(str(tmp_path / "config.json"))  # a file is not a model folder
+
+
+def test_readme_example_math_env_on_an_rl_recipe(tmp_path, monkeypatch):
+    """`env.id=kvrl/math-v0 env.kwargs.path=FILE` on a recipe over counts: the recipe's n_digits is dropped."""
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    cfg = load_config(["recipe=tiny_rl_full", "env.id=kvrl/math-v0", f"env.kwargs.path={data}"])
+    assert (cfg.env.id, cfg.env.kwargs) == ("kvrl/math-v0", {"path": str(data)})
+    from kvrl.envs import make
+
+    env = make(cfg.env.id, **cfg.env.kwargs)
+    env.reset(seed=0)
+    assert len(env.tasks(3)) == 3
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ([], {"n_digits": 24}),  # the recipe's
+    (["env.kwargs.n_digits=8"], {"n_digits": 8}),  # one key merges
+    (["env.kwargs={}"], {}),  # a mapping given whole replaces the recipe's: {} clears it
+    (["env.kwargs={n_digits: 8}"], {"n_digits": 8}),
+    (["env.id=kvrl/counts-v0"], {"n_digits": 24}),  # the same environment keeps its arguments
+    (["env.id=kvrl/chains-v0"], {}),  # another environment drops them
+    (["env.id=kvrl/chains-v0", "env.kwargs.min_depth=2"], {"min_depth": 2}),
+])
+def test_the_command_line_owns_the_kwargs_of_what_it_changes(monkeypatch, args, kwargs):
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    assert load_config(["recipe=tiny_rl_full", *args]).env.kwargs == kwargs
+
+
+def test_help_lists_a_broken_recipe_with_a_note(tmp_recipes, monkeypatch, capsys):
+    monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_recipes))
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "latin1" in ln)
+    assert "(unreadable: not UTF-8 (byte 0xe9 at offset 5, line 1); save the file as UTF-8)" in line
+    assert "RL with the schema's defaults" in out
+    assert "latin1" in available_recipes()
+
+
+def test_env_arguments_a_class_takes_through_kwargs_are_not_second_guessed():
+    assert env_problems("env.id", "kvrl.data.self_distill:SelfDistilledEnv", "env.kwargs", {"path": "x"}) == []
+    missing = env_problems("env.id", "kvrl.data.self_distill:SelfDistilledEnv", "env.kwargs", {})
+    assert missing == ["env.kwargs.path is required by kvrl.data.self_distill:SelfDistilledEnv (its arguments: "
+                       "path, env, env_kwargs); set env.kwargs.path=..."]
+    assert "cannot be imported" in env_problems("env.id", "no_such_pkg.envs:Env", "env.kwargs", {})[0]
+
+
+def test_a_type_hint_is_valid_for_the_job(monkeypatch):
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"set e\.g\. sampling\.temperature=2\.5$"):
+        load_config(["recipe=tiny_rl_full", "sampling.temperature=hot"])
