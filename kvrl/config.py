@@ -362,7 +362,7 @@ class Job:
 # cfg.job -> Job; the single list of jobs
 JOBS = {
     "eval_budgets": Job("kvrl.jobs.eval_budgets:main", sections=("model", "env", "eval")),
-    "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight")),
+    "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
     "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env")),
     "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main"),
     "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True,

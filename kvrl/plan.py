@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from kvrl.config import ConfigError
+from kvrl.config import JOBS, ConfigError
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
 
@@ -135,9 +135,16 @@ def dry_run(cfg) -> dict:
         f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "
         f"compressed {size(p['kv_kept_bytes_per_batch'])}",
     ]
-    if cfg.job in ("rl", "rlkv"):  # the RL loop's actors
+    if JOBS[cfg.job].ray:  # the RL loop's actors
+        engine = w.engine
+        if cfg.job == "foresight":
+            from kvrl.algos.foresight import ForesightRL
+
+            engine = ForesightRL.rollout_engine
+            lines.append(f"stage 1    traces ({w.engine}), Golden Eviction and SFT in this process, on {cfg.device}; "
+                         "stage 2 (eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors")
         lines += [
-            f"actors     {w.rollout} rollout ({w.engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
+            f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
             f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
             f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): the Ray cluster needs {p['cpus']:g} CPUs "
             f"and {p['gpus']:g} GPUs",

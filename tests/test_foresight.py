@@ -228,7 +228,7 @@ def test_sft_then_rl_stage(tiny, traces):
     rewards = torch.tensor([e.reward for e in episodes])
     assert rewards.std() > 0  # sampled evictions differ
     adv = group_advantages(rewards, 4)
-    loss, metrics = fk.rl_loss(policy, policy, fk.collate(episodes), adv, cfg.rl)
+    loss, metrics, _ = fk.rl_loss(policy, policy, fk.collate(episodes), adv, cfg.rl)
     assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-4) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["pool_changed"] == 0 and metrics["kl"] == pytest.approx(0.0, abs=1e-8)
     loss.backward()
@@ -247,15 +247,16 @@ def test_pipeline_job_runs_and_resumes(tmp_path, capsys):
     assert set(result["loss_ratio"]) == {"golden", "foresight_sft", "foresight_rl", *fk.RULE_BASED}
     assert len(load_traces(tmp_path / "traces" / "train")) == 8 and (tmp_path / "reward.png").exists()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2]
+    rl_rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rl_rows] == [1, 2]  # stage 2 ran on the Ray controller, in rl/
     assert [r["step"] for r in rows if r["stage"] == "sft"] == [2, 4, 5]  # every trainer.log_every, and the last
     capsys.readouterr()
     # a longer run resumes from the checkpoint: only step 3 is new, the data and SFT are reused
     assert main(args + ["trainer.steps=3"]) == 0
     captured = capsys.readouterr()
     assert "resumed from" in captured.out and "golden replays" not in captured.err
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2, 3]
+    rl_rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rl_rows] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("recipe", ["foresight_qwen3_4b", "foresight_qwen3_1_7b", "foresight_r1_qwen_7b"])
@@ -263,7 +264,9 @@ def test_cluster_recipes_dry_run(recipe, capsys):
     from kvrl.run import main
 
     assert main([f"recipe={recipe}", "dry_run=true"]) == 0
-    assert "KV cache" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "KV cache" in out
+    assert "2 rollout (hf" in out and "1 learner" in out  # stage 2 runs on Ray actors
 
 
 def test_config_errors_name_the_fix():

@@ -185,3 +185,18 @@ def test_generate_under_mixed_gates(engine):
         scores = engine.score(out, policy=mixed)
     for b, row in enumerate(out.logprobs):
         torch.testing.assert_close(scores.logprobs[b, :len(row)], torch.tensor(row), atol=1e-5, rtol=0)
+
+
+def test_requests_the_engine_cannot_serve_are_refused(engine):
+    """An empty batch, nothing to generate and a prompt beyond the model's positions fail
+    before decoding, naming the fix; a budget no sequence reaches warns."""
+    limit = engine.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="no prompts"):
+        engine.generate([], Sampling(max_new_tokens=4))
+    with pytest.raises(ValueError, match="max_new_tokens=0.*sampling.max_new_tokens >= 1"):
+        engine.generate(["3 ; 4 ; ?"], Sampling(max_new_tokens=0))
+    with pytest.raises(ValueError, match=f"prompt 1 has {limit + 1} tokens, the model holds {limit} positions"):
+        engine.generate(["3 ; ?", " ".join(["3"] * limit)], Sampling(max_new_tokens=4))
+    with pytest.warns(UserWarning, match="will never evict"):
+        engine.generate(["3 ; 4 ; ?"], Sampling(max_new_tokens=4),
+                        policy=make_policy("streaming", budget=500, interval=4, window=2, sink=1))

@@ -7,6 +7,7 @@ reward (the fraction of digits in the completion) a random model can learn in a 
 """
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +43,24 @@ class DigitsEnv(TextEnv):
         return Task(id=f"digits-{int(rng.integers(2**62)):x}", prompt=t["prompt"], answer=t["answer"])
 
 
+def scoring_process(task, completion):
+    return 0.0, {"pid": os.getpid()}
+
+
+class WhereScoredEnv(DigitsEnv):
+    """DigitsEnv with a metric-only reward that reports the process that scored the sample."""
+
+    def __init__(self, **ignored):
+        TextEnv.__init__(self, rewards=[Reward(digits, 1.0, "digits"), Reward(scoring_process, 0.0, "where")])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_local(tmp_path_factory):
+    # the rollout actors build this module's environments to score their samples: they must import it
+    here = str(Path(__file__).parent)
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})
     yield
     ray.shutdown()
 
@@ -162,6 +177,25 @@ def test_resume_refuses_changed_settings_and_a_second_run(random_model, tmp_path
             Controller(config(tmp_path, random_model, "trainer.steps=2"))
     finally:
         first.close()
+
+
+def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
+    """Scoring (math-verify can take seconds per answer) runs beside generation on each
+    rollout actor, in parallel and inside workers.timeout_s, not one by one in the driver."""
+    seen = []
+
+    class Scored(Controller):
+        def learn(self, samples):
+            seen.extend(s.info["pid"] for s in samples)
+            return super().learn(samples)
+
+    controller = Scored(config(tmp_path, random_model, f"env.id={__name__}:WhereScoredEnv", "trainer.steps=2"))
+    try:
+        workers = set(ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in controller.workers]))
+        controller.run()
+    finally:
+        controller.close()
+    assert len(seen) == 2 * 16 and set(seen) == workers and os.getpid() not in workers
 
 
 class Recording(Controller):
@@ -291,8 +325,8 @@ def test_collated_traces_replay_the_rollouts(random_model):
     from kvrl.engines.hf import HFEngine, Sampling
     from kvrl.models.tiny import load_model
     from kvrl.policies import make_policy
-    from kvrl.workers.learner import collate
-    from kvrl.workers.rollout import Sample
+    from kvrl.algos.base import collate
+    from kvrl.algos.base import Sample
 
     model, tok = load_model(random_model)
     engine = HFEngine(model, tok)
@@ -318,8 +352,8 @@ def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     from kvrl.algos.rl_full import RLFull
     from kvrl.engines.hf import HFEngine, Sampling
     from kvrl.models.tiny import load_model
-    from kvrl.workers.learner import collate
-    from kvrl.workers.rollout import Sample
+    from kvrl.algos.base import collate
+    from kvrl.algos.base import Sample
 
     algo = RLFull(config(tmp_path, random_model, "rl.kl_coef=0.1"))
     model, tok = load_model(random_model)

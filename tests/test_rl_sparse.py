@@ -24,8 +24,8 @@ from kvrl.algos.rl_sparse import RLSparse
 from kvrl.config import ConfigError, load_config
 from kvrl.engines.hf import Sampling
 from kvrl.envs import make
-from kvrl.workers.learner import collate
-from kvrl.workers.rollout import Sample
+from kvrl.algos.base import collate
+from kvrl.algos.base import Sample
 
 REPO = Path(__file__).resolve().parent.parent
 # a random model's sequences: 50-token prompts + 40 tokens; budget 40 evicts half of them

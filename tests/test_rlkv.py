@@ -19,8 +19,8 @@ from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
 from kvrl.engines.hf import Sampling
 from kvrl.policies import Mixed
 from kvrl.policies.heads import HeadAllocation
-from kvrl.workers.learner import collate
-from kvrl.workers.rollout import Sample
+from kvrl.algos.base import collate
+from kvrl.algos.base import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_RECIPES = ["rlkv_r1_llama_8b", "rlkv_r1_qwen_7b", "rlkv_qwen3_4b_thinking"]

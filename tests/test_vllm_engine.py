@@ -352,6 +352,18 @@ def test_scorer_and_gate_pushes_change_outputs_and_restore_exactly(engine):
 
 # ---------------------------------------------------------------- refusals and memory
 
+def test_requests_the_engine_cannot_serve_are_refused_like_hf(engine):
+    """The HF engine's refusals (test_hf_engine), with vLLM's max_model_len as the limit."""
+    with pytest.raises(ValueError, match="no prompts"):
+        engine.generate([], Sampling(max_new_tokens=4))
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        engine.generate(prompts(1), Sampling(max_new_tokens=0))
+    with pytest.raises(ValueError, match="prompt 0 has 257 tokens, the model holds 256 positions"):
+        engine.generate([" ".join(["3"] * 256)], Sampling(max_new_tokens=4))
+    out = engine.generate(prompts(1), Sampling(max_new_tokens=4))  # and it still serves
+    assert len(out.tokens) == 1
+
+
 def test_prefix_caching_is_refused_with_a_policy(engine):
     cfg = engine.llm.llm_engine.vllm_config
     cfg.cache_config.enable_prefix_caching = True

@@ -1,13 +1,17 @@
 """RL algorithms on the shared loop (``kvrl/workers/controller.py``) and the GRPO core.
 
-An algorithm is a class built from the typed config, ``Algo(cfg)``, that declares:
+An algorithm is a subclass of :class:`kvrl.algos.base.Algorithm` built from the typed
+config, ``Algo(cfg)``. The base gives the text rollout every algorithm but ForesightKV's
+shares (``make_env``: the environment, ``generate``: decode a shard and score it on the
+rollout worker, ``collate``: a learner's :class:`~kvrl.algos.base.Batch`, and
+``rollout_engine``: the engine the rollouts need); each algorithm declares:
 
 * ``rollout_policy(model)`` — the cache regime rollouts run under (:mod:`kvrl.policies.regime`:
   ``Full()``, ``Evicting(policy)``, ``Static(pattern)``, ``Mixed(gates, sink, recent)``);
 * ``setup(model, tokenizer) -> list[Parameter]`` — on a learner: anything it keeps beside
   the model (a reference model), and the parameters the optimizer updates;
 * ``loss(engine, batch) -> (loss, scores, metrics)`` — the learner loss on a collated
-  :class:`kvrl.workers.learner.Batch`, with the recomputed :class:`kvrl.engines.hf.Scores`
+  :class:`kvrl.algos.base.Batch`, with the recomputed :class:`kvrl.engines.hf.Scores`
   (the learner measures the train/inference mismatch from them);
 * ``state(model) -> Push`` / ``load(model, push)`` — the trainable state
   (:class:`kvrl.algos.push.Push`): pushed to every rollout worker after each update and
@@ -25,6 +29,7 @@ ALGOS = {
     "rl_sparse": "kvrl.algos.rl_sparse:RLSparse",
     "distill": "kvrl.algos.distill:Distill",
     "rlkv": "kvrl.algos.rlkv:RLKV",
+    "foresight": "kvrl.algos.foresight:ForesightRL",  # stage 2 of job=foresight
 }
 
 

@@ -6,7 +6,9 @@ with the LLM frozen — the pieces; the pipeline that runs them is ``kvrl/jobs/f
 * stage 1 loss (:func:`ranking_loss`): the pairwise ranking hinge on those labels;
 * stage 2 (:func:`rollout`, :func:`collate`, :func:`rl_loss`): episodes of the eviction MDP
   (``kvrl/eviction-v0``) and the GRPO loss over their decisions with the KL to stage 1;
-* evaluation (:func:`evaluate`, :func:`loss_ratios`): held-out loss ratios.
+* evaluation (:func:`evaluate`, :func:`loss_ratios`): held-out loss ratios;
+* :class:`ForesightRL` (``rl.algo=foresight``): stage 2 as an algorithm of the shared Ray
+  loop, episodes played on the rollout actors and the scorer trained on the learners.
 
 The scorer is :class:`kvrl.policies.LearnedScorer` (per-layer, per-KV-head MLPs on
 ``[k ‖ v ‖ 8·G attention features]``, hidden 16). Inference loads ``rl/scorer.safetensors``
@@ -32,13 +34,20 @@ batch, which is on-policy; ForesightKV takes exactly one update per batch).
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from kvrl.algos.base import Algorithm, Batch, Sample
 from kvrl.algos.grpo import grpo_loss
-from kvrl.data.traces import Trace
+from kvrl.algos.push import Push
+from kvrl.data.traces import Trace, load_traces
+from kvrl.engines.hf import Scores
+from kvrl.envs import Task, TextEnv
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
 from kvrl.policies import LearnedScorer, make_policy
 from kvrl.policies.golden import GoldenEviction, block_attention
@@ -180,8 +189,10 @@ def collate(episodes: list[Episode]) -> dict:
             "old": pad_stack([e.logprob for e in episodes], 0.0).flatten(1)}
 
 
-def rl_loss(policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: Tensor, rl) -> tuple[Tensor, dict]:
-    """The shared GRPO loss over decisions, with the k3 KL to the stage-1 scorer."""
+def rl_loss(policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: Tensor, rl,
+            num_items: float | None = None) -> tuple[Tensor, dict, Tensor]:
+    """The shared GRPO loss over decisions, with the k3 KL to the stage-1 scorer; its metrics;
+    and the decisions' log-probabilities under ``policy`` [B, D·H] (differentiable)."""
     flat = {k: batch[k].flatten(0, 1) for k in ("x", "layer", "candidates", "drawn", "n_evict")}
     B = batch["old"].shape[0]
     logp, inside = decision_logprobs(policy, flat)
@@ -195,10 +206,11 @@ def rl_loss(policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: 
     # cannot draw it, that term is left out (zero value and gradient) rather than infinite.
     ref_logp = torch.where(ref_inside & inside, ref_logp, logp.detach())
     loss, metrics = grpo_loss(logp, batch["old"], advantages, mask, eps_low=rl.eps_low, eps_high=rl.eps_high,
-                              ref_logprobs=ref_logp, beta=rl.kl_coef, aggregation=rl.aggregation)
+                              ref_logprobs=ref_logp, beta=rl.kl_coef, aggregation=rl.aggregation,
+                              num_items=num_items)
     metrics["pool_changed"] = float((~inside & mask).sum() / mask.sum().clamp(min=1))
     metrics["ref_outside"] = float((~ref_inside & mask).sum() / mask.sum().clamp(min=1))
-    return loss, metrics
+    return loss, metrics, logp
 
 
 @torch.no_grad()
@@ -240,3 +252,82 @@ def loss_ratios(model, traces: list[Trace], policies: dict, budget: int, interva
             total += float(run_policy(model, ids, t.prompt_len, policy).scores()[0].sum())
         result[name] = total / full
     return result
+
+
+# ---- stage 2 on the shared loop ---------------------------------------------------------------
+
+
+class ForesightRL(Algorithm):
+    """ForesightKV's stage 2 as ``rl.algo=foresight`` on the shared Ray controller.
+
+    ``job=foresight`` runs it after stage 1 with ``output_dir=<run>/rl``; it reads the
+    training traces from ``<run>/traces/train`` and starts from the stage-1 scorer
+    ``<run>/sft/scorer.safetensors``, which is also the KL reference.
+
+    * tasks: the training traces, shuffled per epoch (``Task.meta["trace"]``), drawn by
+      the controller; ``trainer.batch_size / rl.group_size`` traces per step;
+    * rollouts (rollout actors, on the HF engine's model: an episode is a teacher-forced
+      chunked pass): one episode of :class:`~kvrl.envs.eviction.EvictionEnv` per sample,
+      evictions drawn Top-K multinomially from the pushed scorer, the reward the MDP's;
+    * learner: the GRPO loss over decisions with the k3 KL to the stage-1 scorer
+      (:func:`rl_loss`); the train/inference mismatch is that of the drawn sets'
+      log-probabilities; the push is the scorer's state (``Push(cache=...)``).
+    """
+
+    rollout_engine = "hf"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        run = Path(cfg.output_dir).parent
+        self.traces, self.sft = run / "traces" / "train", run / "sft" / "scorer.safetensors"
+        self.policy = self.ref = None  # the scorer being trained and the stage-1 reference, on learners
+
+    def make_env(self, model=None):
+        traces = load_traces(self.traces)
+        if model is None:  # the controller: the task stream only
+            return TextEnv([Task(f"trace-{i}", "", None, {"trace": i}) for i in range(len(traces))])
+        kv, fs = self.cfg.kv, self.cfg.foresight
+        return EvictionEnv(traces, model, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink,
+                           eta=fs.eta, low_entropy=fs.low_entropy)
+
+    def rollout_policy(self, model) -> LearnedScorer:
+        return make_scorer(model, self.cfg.kv)
+
+    def generate(self, engine, regime, env, ids, tasks, seed, version):
+        samples, start = [], time.perf_counter()
+        for k, (sid, task) in enumerate(zip(ids, tasks)):
+            ep = rollout(env, regime.policy, task.meta["trace"], sample=True,
+                         generator=torch.Generator().manual_seed(seed + k))
+            samples.append(Sample(id=sid, prompt_ids=[], tokens=[], logprobs=ep.logprob.flatten().tolist(),
+                                  finish_reason="stop", text="", version=version, reward=ep.reward,
+                                  info=ep.info, data=ep))
+        return samples, {"tokens": 0, "seconds": time.perf_counter() - start}
+
+    def collate(self, samples, num_items, device) -> Batch:
+        decisions = {k: v.to(device) for k, v in collate([s.data for s in samples]).items()}
+        return Batch(sequences=[], prompt_lens=[], old_logprobs=decisions["old"],
+                     mask=(decisions["n_evict"] > 0).flatten(1).float(),
+                     advantages=torch.tensor([s.advantage for s in samples], device=device),
+                     rewards=torch.tensor([s.reward for s in samples], device=device), trace=None,
+                     num_items=num_items, data=decisions)
+
+    def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
+        from safetensors.torch import load_file
+
+        self.policy = make_scorer(model, self.cfg.kv)
+        self.policy.scorer.load_state_dict(load_file(self.sft))
+        self.ref = copy.deepcopy(self.policy)
+        self.ref.scorer.requires_grad_(False)
+        return list(self.policy.scorer.parameters())
+
+    def loss(self, engine, batch):
+        loss, metrics, logp = rl_loss(self.policy, self.ref, batch.data, batch.advantages, self.cfg.rl,
+                                      num_items=batch.num_items)
+        scores = Scores(logp, -logp, torch.zeros_like(logp), batch.mask)
+        return loss, scores, metrics
+
+    def state(self, model) -> Push:
+        return Push(cache={k: v.detach().cpu().clone() for k, v in self.policy.scorer.state_dict().items()})
+
+    def load(self, model, state: Push) -> None:
+        self.policy.scorer.load_state_dict(dict(state))

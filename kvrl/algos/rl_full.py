@@ -17,14 +17,16 @@ import copy
 
 import torch
 
+from kvrl.algos.base import Algorithm
 from kvrl.algos.grpo import grpo_loss
 from kvrl.algos.push import Push
 from kvrl.engines.hf import HFEngine
 from kvrl.policies import Full
 
 
-class RLFull:
+class RLFull(Algorithm):
     def __init__(self, cfg):
+        super().__init__(cfg)
         if cfg.kv.policy != "full":
             raise ValueError(f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; "
                              "set kv.policy=full (a compressed-cache algorithm trains under its policy)")

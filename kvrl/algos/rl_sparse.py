@@ -25,6 +25,7 @@ weight push it reuses unchanged):
 
 from __future__ import annotations
 
+from kvrl.algos.base import Algorithm
 from kvrl.algos.rl_full import RLFull
 from kvrl.policies import Evicting, make_policy
 
@@ -42,6 +43,7 @@ class RLSparse(RLFull):
             raise ValueError("rl_sparse needs a bounded cache: set kv.budget to the tokens kept per KV head, "
                              "e.g. kv.budget=2048 (the paper's)")
         # RLFull's state, without its full-cache check
+        Algorithm.__init__(self, cfg)
         self.rl, self.temperature, self.ref = cfg.rl, cfg.sampling.temperature, None
         self.kv = cfg.kv
 

@@ -33,6 +33,7 @@ import math
 import torch
 from torch import Tensor
 
+from kvrl.algos.base import Algorithm
 from kvrl.algos.grpo import grpo_loss
 from kvrl.algos.push import Push
 from kvrl.policies import Mixed
@@ -52,11 +53,12 @@ def adaptive_penalty(gates: Tensor, mean_reward: float | Tensor, beta: float, ta
     return weight * gates.abs().mean()
 
 
-class RLKV:
+class RLKV(Algorithm):
     """The algorithm of ``rl.algo=rlkv``: gates α [layers, kv_heads] trained with GRPO
     (no KL) plus :func:`adaptive_penalty`; see the module docstring."""
 
     def __init__(self, cfg):
+        super().__init__(cfg)
         if cfg.kv.policy != "full":
             raise ValueError(f"rlkv mixes full and sink+recent attention per head, but kv.policy={cfg.kv.policy!r}; "
                              "set kv.policy=full (the window is rlkv.sink / rlkv.recent)")

@@ -7,8 +7,8 @@ anything :func:`kvrl.policies.as_regime` takes; :func:`make_engine` builds the o
 """
 
 
-def make_engine(cfg, tokenizer=None):
-    """The generation engine of ``cfg.workers.engine`` for ``cfg.model``.
+def make_engine(cfg, tokenizer=None, kind: str | None = None):
+    """The generation engine ``kind`` (default ``cfg.workers.engine``) for ``cfg.model``.
 
     ``hf``: :class:`kvrl.engines.hf.HFEngine` on the loaded model, on ``cfg.device``.
     ``vllm``: :class:`kvrl.engines.vllm.VLLMEngine`, in-process (this process is vLLM's
@@ -19,7 +19,7 @@ def make_engine(cfg, tokenizer=None):
 
     from kvrl.models.tiny import load_model, resolve_path
 
-    if cfg.workers.engine == "vllm":
+    if (kind or cfg.workers.engine) == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from kvrl.engines.vllm import VLLMEngine
 

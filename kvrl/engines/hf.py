@@ -25,6 +25,7 @@ they are true RoPE positions, which the cache length stops being after an evicti
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +86,24 @@ class Scores:
     distributions: torch.Tensor | None = None
 
 
+def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions: int | None) -> None:
+    """What both engines refuse, or warn about, before decoding: an empty batch, nothing to
+    generate, a prompt the model's ``positions`` cannot hold (quadratic memory and
+    meaningless positions in HF, an error deep inside vLLM), and a budget no sequence reaches."""
+    if not prompt_lens:
+        raise ValueError("generate() got no prompts: pass at least one")
+    if sampling.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={sampling.max_new_tokens}: there is nothing to generate; "
+                         "set sampling.max_new_tokens >= 1")
+    longest = max(prompt_lens)
+    if positions is not None and longest >= positions:
+        raise ValueError(f"prompt {prompt_lens.index(longest)} has {longest} tokens, the model holds "
+                         f"{positions} positions: shorten it (or filter such tasks from the data set)")
+    if isinstance(regime, Evicting) and regime.policy.budget >= longest + sampling.max_new_tokens:
+        warnings.warn(f"kv budget {regime.policy.budget} >= the longest sequence ({longest} prompt + "
+                      f"{sampling.max_new_tokens} new tokens): the policy will never evict", stacklevel=3)
+
+
 class HFEngine:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
@@ -106,9 +125,11 @@ class HFEngine:
         a KVPolicy, a static pattern with ``death(T)``, a death tensor [layers, B, H_kv, T]
         with T >= longest prompt + max_new_tokens, ``Mixed``)."""
         regime = as_regime(policy)
+        cfg = self.model.config
+        check_request([len(x) for x in self.tokenizer(list(prompts))["input_ids"]] if prompts else [], sampling,
+                      regime, getattr(cfg, "max_position_embeddings", None))
         ids, pos = self.encode(prompts)
         B = ids.shape[0]
-        cfg = self.model.config
         T = int(pos.max()) + 1 + sampling.max_new_tokens
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         cache = KVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, regime,

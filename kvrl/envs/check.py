@@ -175,18 +175,9 @@ def _check_text(env: TextEnv, seed: int, n: int) -> None:
     _check_task(task, f"reset(seed={seed})")
     for completion in (f"The answer is \\boxed{{{task.answer or ''}}}.", JUNK_COMPLETION):
         what = f"step({completion!r})"
-        out = _call(what, env.step, completion)
-        if not (isinstance(out, tuple) and len(out) == 5):
-            raise EnvCheckError(f"{what} must return (obs, reward, terminated, truncated, info), got {_short(out)}")
-        _, reward, terminated, truncated, info = out
-        _check_reward(reward, what)
-        for flag, value in (("terminated", terminated), ("truncated", truncated)):
-            if type(value) is not bool:
-                raise EnvCheckError(f"{what} returned {flag}={value!r} ({type(value).__name__}); use a Python bool")
+        _, reward, terminated, truncated, info = _step(env, completion, what)
         if not terminated:
             raise EnvCheckError(f"{what} returned terminated=False; a text episode is one step: return True")
-        if not isinstance(info, dict):
-            raise EnvCheckError(f"{what} returned info of type {type(info).__name__}; return a dict")
         missing = [k for k in [*names, "reward"] if k not in info]
         if missing:
             raise EnvCheckError(f"{what} info lacks {missing}: report every reward by name plus 'reward'")
@@ -202,6 +193,22 @@ def _check_text(env: TextEnv, seed: int, n: int) -> None:
         raise EnvCheckError(f"tasks({n}) must return a list of {n} Tasks, got {_short(batch)}")
     for t in batch:
         _check_task(t, f"tasks({n})")
+
+
+def _step(env: Env, action, what: str) -> tuple:
+    """``env.step(action)``, checked to be Gymnasium's 5-tuple with a finite float reward,
+    bool flags and an info dict."""
+    out = _call(what, env.step, action)
+    if not (isinstance(out, tuple) and len(out) == 5):
+        raise EnvCheckError(f"{what} must return (obs, reward, terminated, truncated, info), got {_short(out)}")
+    _, reward, terminated, truncated, info = out
+    _check_reward(reward, what)
+    for flag, value in (("terminated", terminated), ("truncated", truncated)):
+        if type(value) is not bool:
+            raise EnvCheckError(f"{what} returned {flag}={value!r} ({type(value).__name__}); use a Python bool")
+    if not isinstance(info, dict):
+        raise EnvCheckError(f"{what} returned info of type {type(info).__name__}; return a dict")
+    return out
 
 
 # ---- trace environments ----------------------------------------------------------------
@@ -232,17 +239,7 @@ def _episode(env: Env, seed: int, action_fn: Callable, max_steps: int) -> list[f
     rewards = []
     for t in range(max_steps):
         action = _call(f"action_fn(obs, rng) at step {t}", action_fn, obs, rng)
-        what = f"step(action) at step {t}"
-        out = _call(what, env.step, action)
-        if not (isinstance(out, tuple) and len(out) == 5):
-            raise EnvCheckError(f"{what} must return (obs, reward, terminated, truncated, info), got {_short(out)}")
-        obs, reward, terminated, truncated, info = out
-        _check_reward(reward, what)
-        for flag, value in (("terminated", terminated), ("truncated", truncated)):
-            if type(value) is not bool:
-                raise EnvCheckError(f"{what} returned {flag}={value!r} ({type(value).__name__}); use a Python bool")
-        if not isinstance(info, dict):
-            raise EnvCheckError(f"{what} returned info of type {type(info).__name__}; return a dict")
+        obs, reward, terminated, truncated, info = _step(env, action, f"step(action) at step {t}")
         rewards.append(reward)
         if terminated or truncated:
             return rewards

@@ -8,34 +8,35 @@ resumes::
     traces/{train,heldout}/   full-cache traces with per-token loss and entropy (kvrl.data.traces)
     golden/ranking.pt         Golden-Eviction replays of the training traces (the stage 1 labels)
     sft/scorer.safetensors    stage 1: pairwise ranking loss (margin foresight.margin)
-    rl/checkpoint.pt          stage 2: GRPO on the eviction MDP (kvrl/eviction-v0), KL to stage 1
-    rl/scorer.safetensors     the final scorer; metrics.jsonl, reward.png, results.json
+    rl/                       stage 2: GRPO on the eviction MDP (kvrl/eviction-v0), KL to stage 1, on
+                              the shared Ray controller (rl.algo=foresight): metrics.jsonl,
+                              checkpoints/, scorer.safetensors (the final scorer)
+    metrics.jsonl, reward.png, results.json
 
-The pieces (replays, losses, episodes) are :mod:`kvrl.algos.foresight`. Stage 2 runs in this
-process: trajectories of the eviction MDP are cheap on the tiny reasoner, and moving them
-onto the shared Ray controller's rollout and learner actors is the next step for the
-cluster recipes.
+Stages 0-1 run in this process; stage 2 is :class:`kvrl.algos.foresight.ForesightRL` on the
+controller of every RL job: rollout actors play the episodes (``workers.rollout``), learner
+actors update the scorer (``workers.learners``), so a cluster run spreads over its nodes.
+The pieces (replays, losses, episodes) are :mod:`kvrl.algos.foresight`.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from kvrl.algos.foresight import (RULE_BASED, collate, evaluate, evict_scores, golden_replay, loss_ratios,
-                                  make_scorer, pad_stack, ranking_loss, ratio_of_sums, rl_loss, rollout,
-                                  scorer_state)
-from kvrl.algos.grpo import group_advantages
+from kvrl.algos.foresight import (RULE_BASED, evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack,
+                                  ranking_loss, scorer_state)
 from kvrl.data.traces import load_traces, write_splits
-from kvrl.envs.eviction import EvictionEnv
 from kvrl.models.tiny import load_model
 from kvrl.policies import LearnedScorer
-from kvrl.runlog import RunLog, pyplot, save_torch, setup_process, write_json
+from kvrl.runlog import OutputLock, RunLog, pyplot, save_torch, setup_process, write_json
+from kvrl.workers.controller import Controller
 
 SFT_WARMUP = 10  # ForesightKV's stage 1 warm-up steps before the cosine decay
 
@@ -74,95 +75,48 @@ def train_sft(policy: LearnedScorer, data: list[dict], cfg, log) -> list[dict]:
     return history
 
 
-def train_rl(policy: LearnedScorer, ref: LearnedScorer, env: EvictionEnv, heldout: EvictionEnv, cfg, out: Path,
-             runlog: RunLog) -> list[dict]:
-    """Stage 2: per step, ``trainer.batch_size / rl.group_size`` traces × ``rl.group_size``
-    sampled trajectories; group-normalised advantages; one GRPO update (ForesightKV's
-    single epoch without mini-batches); checkpoints every ``rl.checkpoint_every`` steps."""
-    rl, tr = cfg.rl, cfg.trainer
-    opt = torch.optim.AdamW(policy.scorer.parameters(), lr=tr.lr, weight_decay=tr.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, tr.warmup_steps)))
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    ckpt, history, start = out / "checkpoint.pt", [], 0
-    if ckpt.exists() and cfg.resume != "never":
-        state = torch.load(ckpt, weights_only=False)
-        policy.scorer.load_state_dict(state["scorer"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        env.load_state_dict(state["env"])
-        gen.set_state(state["generator"])
-        history, start = state["history"], state["step"]
-        # rows a crashed run logged after this checkpoint are redone: drop them, so every step is logged once
-        runlog.trim(lambda r: r["stage"] != "rl" or r["step"] <= start)
-        print(f"stage 2: resumed from {ckpt} at step {start}")
-    else:
-        env.reset(seed=cfg.seed)
-    n_traces = tr.batch_size // rl.group_size
-    bar = tqdm(range(start, tr.steps), desc="stage 2 (RL)", unit="step", initial=start, total=tr.steps)
-    for step in bar:
-        t0 = time.perf_counter()
-        # -- rollouts: G trajectories per trace, actions sampled Top-K multinomial
-        episodes = []
-        for _ in range(n_traces):
-            trace = env.next_trace()
-            episodes += [rollout(env, policy, trace, sample=True, generator=gen) for _ in range(rl.group_size)]
-        rewards = torch.tensor([e.reward for e in episodes])
-        advantages = group_advantages(rewards, rl.group_size, scale=rl.scale)
-        # -- one GRPO update
-        loss, metrics = rl_loss(policy, ref, collate(episodes), advantages, rl)
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.scorer.parameters(), tr.max_grad_norm or float("inf"))
-        opt.step()
-        sched.step()
-        row = {"stage": "rl", "step": step + 1, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
-               "loss_ratio": ratio_of_sums(episodes),
-               "hurt": sum(e.info["hurt"] for e in episodes) / len(episodes), "loss": loss.item(),
-               "grad_norm": float(grad_norm), "seconds": time.perf_counter() - t0, **metrics}
-        if (step + 1) % tr.log_every == 0 or step + 1 == tr.steps:
-            row.update({f"heldout_{k}": v for k, v in evaluate(heldout, policy, len(heldout.traces)).items()})
-        history.append(row)
-        bar.set_postfix(reward=f"{row['reward']:.3g}")
-        runlog.log(row)
-        if (rl.checkpoint_every and (step + 1) % rl.checkpoint_every == 0) or step + 1 == tr.steps:
-            save_torch({"scorer": policy.scorer.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "env": env.state_dict(), "generator": gen.get_state(),
-                        "history": history, "step": step + 1}, ckpt)
-    return history
+class ForesightController(Controller):
+    """The RL loop of stage 2; it leaves the trained scorer, not a copy of the frozen model."""
+
+    def finish(self) -> None:
+        state_ref, _ = self.learners[0].state.remote()
+        save_file(dict(self.get(state_ref, "learner 0 (state)").cache), self.out / "scorer.safetensors")
 
 
-def plot(history: list[dict], baselines: dict, path: Path) -> None:
-    """Stage 2's training reward, and the held-out loss ratio against Golden and the best rule."""
+def plot(records: list[dict], ratios: dict[str, float], path: Path) -> None:
+    """Stage 2's training reward, and every policy's held-out loss ratio."""
     plt = pyplot()
-    rl = [h for h in history if h.get("stage") == "rl"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    steps = [h["step"] for h in rl]
-    mean = torch.tensor([h["reward"] for h in rl])
-    std = torch.tensor([h["reward_std"] for h in rl])
+    steps = [r["step"] for r in records]
+    mean = torch.tensor([r["reward_mean"] for r in records])
+    std = torch.tensor([r["reward_std"] for r in records])
     a.plot(steps, mean, label="mean over the step's trajectories")
     a.fill_between(steps, mean - std, mean + std, alpha=0.2)
     a.set_xlabel("RL step")
     a.set_ylabel("reward  −Σ Δloss² (sampled evictions)")
     a.set_title("stage 2 training reward", fontsize=10)
     a.legend(fontsize=8)
-    ev = [h for h in rl if "heldout_loss_ratio" in h]
-    b.plot([0] + [h["step"] for h in ev], [baselines["sft"]] + [h["heldout_loss_ratio"] for h in ev], marker="o",
-           label="Foresight (top-k)")
-    for name, style in (("golden", "k--"), ("best rule-based", "r:")):
-        b.axhline(baselines[name], linestyle=style[1:], color=style[0], label=name)
-    b.set_yscale("log")
-    b.set_xlabel("RL step (0 = after SFT)")
-    b.set_ylabel("held-out loss ratio (compressed / full)")
-    b.set_title("held-out loss ratio", fontsize=10)
-    b.legend(fontsize=8)
+    names = sorted(ratios, key=ratios.get)
+    b.barh(names, [ratios[n] for n in names], color=["C2" if n.startswith("foresight") else "C0" for n in names])
+    b.set_xscale("log")
+    b.set_xlabel("held-out loss ratio (compressed / full), log scale")
+    b.set_title("held-out loss ratio at the training setting", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def main(cfg) -> dict:
-    setup_process(cfg.seed)
     out = Path(cfg.output_dir)
+    lock = OutputLock(out)  # one run per output_dir (stage 2's controller holds out/rl)
+    try:
+        return pipeline(cfg, out)
+    finally:
+        lock.release()
+
+
+def pipeline(cfg, out: Path) -> dict:
+    setup_process(cfg.seed)
     started = time.perf_counter()
     runlog = RunLog(out, fresh=cfg.resume == "never")
 
@@ -177,28 +131,25 @@ def main(cfg) -> dict:
     # ---- 2. Golden Eviction replays, 3. stage 1 (SFT)
     policy = make_scorer(model, kv)
     sft_path = out / "sft" / "scorer.safetensors"
-    if sft_path.exists() and cfg.resume != "never":
-        policy.scorer.load_state_dict(load_file(sft_path))
-    else:
+    sft_trained = not (sft_path.exists() and cfg.resume != "never")
+    if sft_trained:
         data = build_ranking_data(model, train, policy, out / "golden" / "ranking.pt")
         runlog = RunLog(out, fresh=True)  # SFT starts over, and RL after it: so do their logs
         train_sft(policy, data, cfg, runlog.log)
         sft_path.parent.mkdir(parents=True, exist_ok=True)
         save_file(scorer_state(policy), sft_path)
     print(f"stage 1 done ({time.perf_counter() - started:.0f} s)")
-    ref = make_scorer(model, kv)
-    ref.scorer.load_state_dict(policy.scorer.state_dict())
-    ref.scorer.requires_grad_(False)
 
-    # ---- 4. stage 2 (RL) on the eviction MDP
-    env_kwargs = dict(model=model, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink,
-                      eta=fs.eta, low_entropy=fs.low_entropy)
-    env = EvictionEnv(train, **env_kwargs)
-    held_env = EvictionEnv(heldout, shuffle=False, **env_kwargs)
-    sft_eval = evaluate(held_env, policy, len(heldout))
-    (out / "rl").mkdir(exist_ok=True)
-    history = train_rl(policy, ref, env, held_env, cfg, out / "rl", runlog)
-    save_file(scorer_state(policy), out / "rl" / "scorer.safetensors")
+    # ---- 4. stage 2 (RL) on the eviction MDP, on the Ray controller
+    rl_cfg = replace(cfg, output_dir=str(out / "rl"), rl=replace(cfg.rl, algo="foresight"),
+                     resume="never" if sft_trained else cfg.resume)  # a new stage 1 starts stage 2 over
+    controller = ForesightController(rl_cfg)
+    try:
+        controller.run()
+        records = controller.runlog.records()
+    finally:
+        controller.close()
+    policy.scorer.load_state_dict(load_file(out / "rl" / "scorer.safetensors"))
     print(f"stage 2 done ({time.perf_counter() - started:.0f} s)")
 
     # ---- 5. held-out loss ratios at the training setting, and the plots
@@ -207,12 +158,10 @@ def main(cfg) -> dict:
     sft.scorer.load_state_dict(load_file(sft_path))
     ratios = loss_ratios(model, heldout, {"golden": "golden", "foresight_sft": sft, "foresight_rl": policy,
                                           **{n: n for n in RULE_BASED}}, **setting)
-    baselines = {"sft": sft_eval["loss_ratio"], "golden": ratios["golden"],
-                 "best rule-based": min(ratios[n] for n in RULE_BASED)}
-    plot(history, baselines, out / "reward.png")
+    plot(records, ratios, out / "reward.png")
     result = {"setting": setting, "heldout_traces": len(heldout), "loss_ratio": ratios,
-              "reward_first": history[0]["reward"] if history else None,
-              "reward_last": history[-1]["reward"] if history else None,
+              "reward_first": records[0]["reward_mean"] if records else None,
+              "reward_last": records[-1]["reward_mean"] if records else None,
               "minutes": (time.perf_counter() - started) / 60, "plot": str(out / "reward.png")}
     write_json(out / "results.json", result)
     runlog.close()

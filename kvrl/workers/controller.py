@@ -9,7 +9,8 @@ One step, top to bottom (:meth:`Controller.run`):
 1. tasks       the controller owns the environment and its cursor: batch_size / G tasks
 2. rollouts    G samples per task, split into one shard per RolloutWorker; every sample
                is stamped with the policy version of the weights that generated it
-3. rewards     ``env.score(task, completion)``, here in the controller
+3. rewards     ``env.score(task, completion)``, scored on the rollout workers with the
+               samples (``Algorithm.generate``): in parallel, within workers.timeout_s
 4. advantages  normalised within each task's group; truncated samples zeroed (grpo.py)
 5. update      the samples split across the learners, which recompute logprobs (the
                train/inference mismatch is measured before the update) and step
@@ -46,12 +47,12 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from tqdm import tqdm
 
 from kvrl.algos import make_algo
+from kvrl.algos.base import Sample
 from kvrl.algos.grpo import group_advantages, mask_truncated
-from kvrl.envs import make
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
                          plot_rewards, seal, write_json)
 from kvrl.workers.learner import Learner
-from kvrl.workers.rollout import RolloutWorker, Sample
+from kvrl.workers.rollout import RolloutWorker
 
 TIMINGS = ("rollout_s", "learn_s", "step_s", "gen_tokens_per_s")  # metrics that vary between identical runs
 
@@ -88,7 +89,7 @@ class Controller:
         kill a worker there)."""
         self.cfg, self.on_dispatch = cfg, on_dispatch
         self.algo = make_algo(cfg)  # a bad algorithm setting fails here, before any actor starts
-        self.env = make(cfg.env.id, **cfg.env.kwargs)
+        self.env = self.algo.make_env()  # the task stream; the rollout workers score with their own copies
         self.env.reset(seed=cfg.seed)
         self.out = Path(cfg.output_dir)
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
@@ -134,16 +135,13 @@ class Controller:
         while self.step < steps:
             start = time.perf_counter()
             # ---- 1-2. this step's rollouts (dispatched by the previous step, or just above)
-            step, tasks = pending.step, pending.tasks
+            step = pending.step
             samples, gen = self.collect(pending)
             # ---- one step ahead: the next generation starts now, with the weights the
             # workers hold (version t), and runs while the learners train on this step
             pending = self.dispatch(step + 1) if cfg.rl.async_steps and step + 1 < steps else None
-            # ---- 3. rewards
-            infos = []
-            for k, s in enumerate(samples):
-                s.reward, info = self.env.score(tasks[k // G], s.text)
-                infos.append(info)
+            # ---- 3. rewards: scored on the rollout workers
+            infos = [s.info for s in samples]
             # ---- 4. advantages
             rewards = torch.tensor([s.reward for s in samples])
             truncated = torch.tensor([s.finish_reason == "length" for s in samples])
@@ -199,9 +197,9 @@ class Controller:
         env_state = self.env.state_dict()
         tasks = self.env.tasks(cfg.trainer.batch_size // G)
         ids = [f"{step}/{t}/{g}" for t in range(len(tasks)) for g in range(G)]
-        prompts = [task.prompt for task in tasks for _ in range(G)]
+        sample_tasks = [task for task in tasks for _ in range(G)]
         parts = np.array_split(np.arange(len(ids)), len(self.workers))
-        args = {i: ([ids[k] for k in part], [prompts[k] for k in part],
+        args = {i: ([ids[k] for k in part], [sample_tasks[k] for k in part],
                     int(np.random.SeedSequence([cfg.seed, step, i]).generate_state(1)[0] >> 1))
                 for i, part in enumerate(parts)}
         refs = {i: self.workers[i].generate.remote(*args[i]) for i in args}

@@ -15,58 +15,20 @@ import math
 import os
 import socket
 import sys
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from kvrl.algos import make_algo
+from kvrl.algos.base import Sample
 from kvrl.algos.push import Push
-from kvrl.cache import EvictionTrace
 from kvrl.engines.hf import HFEngine
-from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
+from kvrl.policies.regime import checksum
 from kvrl.runlog import disk_full_names, setup_process
-from kvrl.workers.rollout import Sample, checksum
-
-
-@dataclass
-class Batch:
-    """A learner's share of one step, collated for ``Algorithm.loss``.
-
-    Tensors are [B, T] left-aligned like :class:`kvrl.engines.hf.Scores` (column j =
-    generated token j), zero beyond each sample.
-    """
-
-    sequences: list[list[int]]  # prompt + generated ids
-    prompt_lens: list[int]
-    old_logprobs: torch.Tensor  # behaviour logprobs [B, T]
-    mask: torch.Tensor  # [B, T] 1 on generated tokens
-    advantages: torch.Tensor  # [B]
-    rewards: torch.Tensor  # [B] raw rewards (RLKV's adaptive penalty reads their mean)
-    trace: EvictionTrace | None  # the samples' traces batched; None = full cache
-    num_items: float  # normaliser of the whole step (all learners): tokens or sequences
-
-
-def collate(samples: list[Sample], num_items: float, device) -> Batch:
-    T = max(len(s.tokens) for s in samples)
-    old = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for s in samples], device=device)
-    mask = torch.tensor([[1.0] * len(s.tokens) + [0.0] * (T - len(s.tokens)) for s in samples], device=device)
-    trace = None
-    if any(s.trace is not None for s in samples):
-        # per-sample traces of different lengths -> one batch; padding keys are never seen
-        L = max(len(s.prompt_ids) + len(s.tokens) for s in samples)
-        death = torch.cat([F.pad(s.trace.full(), (0, L - s.trace.death.shape[-1]), value=NEVER) for s in samples], 1)
-        lengths = torch.cat([s.trace.lengths for s in samples])
-        trace = EvictionTrace.from_death(death.to(device), lengths.to(device))
-    return Batch(sequences=[s.prompt_ids + s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
-                 old_logprobs=old, mask=mask, advantages=torch.tensor([s.advantage for s in samples], device=device),
-                 rewards=torch.tensor([s.reward for s in samples], device=device),
-                 trace=trace, num_items=num_items)
 
 
 @ray.remote
@@ -126,7 +88,7 @@ class Learner:
     def step(self, samples: list[Sample], num_items: float) -> dict:
         """One optimizer step on this learner's samples; returns its metrics."""
         tr = self.cfg.trainer
-        batch = collate(samples, num_items, self.cfg.device)
+        batch = self.algo.collate(samples, num_items, self.cfg.device)
         loss, scores, metrics = self.algo.loss(self.engine, batch)
         with torch.no_grad():
             # train/inference mismatch before the update: |behaviour − recomputed| per token

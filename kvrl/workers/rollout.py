@@ -1,7 +1,9 @@
 """RolloutWorker: a Ray actor wrapping a rollout engine; samples come back version-stamped.
 
-The worker only generates: the controller owns the environment (tasks, rewards) and the
-learner owns the optimizer. Its engine (``workers.engine``) is the reference
+The worker generates and scores: the controller owns the environment's task stream, the
+worker scores its samples with its own copy of the environment (``Algorithm.generate``), and
+the learner owns the optimizer. Its engine (``workers.engine``, or the one the algorithm's
+rollouts need) is the reference
 :class:`kvrl.engines.hf.HFEngine` or :class:`kvrl.engines.vllm.VLLMEngine`, in-process in
 the actor; both have the ``generate(prompts, Sampling, policy) -> Rollouts`` contract. The
 trainable state arrives through :meth:`RolloutWorker.load` from the object store, tagged
@@ -24,41 +26,17 @@ checksums (``Push.digest``); the worker loads each part that is present:
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 import ray
 import torch
 
 from kvrl.algos import make_algo
+from kvrl.algos.base import Sample
 from kvrl.algos.push import Push
-from kvrl.cache import EvictionTrace
 from kvrl.engines import make_engine
-from kvrl.engines.hf import Sampling
 from kvrl.models.tiny import resolve_path
 from kvrl.policies import as_regime
 from kvrl.policies.regime import checksum
 from kvrl.runlog import setup_process
-
-
-@dataclass
-class Sample:
-    """One generated completion, from the worker to the controller to a learner.
-
-    ``id`` is ``"step/task/g"``: unique within a run, which is how the controller checks
-    that every sample of a step is trained on exactly once, even after a worker died.
-    """
-
-    id: str
-    prompt_ids: list[int]
-    tokens: list[int]  # generated ids, without padding or EOS
-    logprobs: list[float]  # behaviour logprobs of `tokens` (at the sampling temperature)
-    finish_reason: str  # "stop" (EOS) or "length" (cut at max_new_tokens)
-    text: str
-    version: int  # policy version of the weights that generated it
-    trace: EvictionTrace | None = None  # this sample's eviction trace; None = full cache
-    reward: float = 0.0  # set by the controller from env.score
-    advantage: float = 0.0  # set by the controller (kvrl.algos.grpo)
 
 
 @ray.remote
@@ -67,8 +45,9 @@ class RolloutWorker:
         setup_process()  # actors share cores: one thread each (kvrl.runlog)
         self.cfg, self.rank = cfg, rank
         self.algo = make_algo(cfg)
-        self.engine = make_engine(cfg)
+        self.engine = make_engine(cfg, kind=self.algo.rollout_engine)
         model = getattr(self.engine, "model", None)
+        self.env = self.algo.make_env(model)  # scores the samples here, in parallel across the actors
         if model is None:  # vLLM holds the weights; the policy needs the architecture only
             from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -96,21 +75,9 @@ class RolloutWorker:
                                    f"of version {version}, the learner's is {digest.get(part)}")
         self.version = version
 
-    def generate(self, ids: list[str], prompts: list[str], seed: int) -> tuple[list[Sample], dict]:
-        """One shard: a sample per (id, prompt), in order, generated in chunks of
-        sampling.batch_size with seeds seed, seed+1, ... (so a redone shard is identical)."""
+    def generate(self, ids: list[str], tasks: list, seed: int) -> tuple[list[Sample], dict]:
+        """One shard: a scored sample per (id, task), in order (``Algorithm.generate``), each
+        stamped with the version of the weights this worker holds when it starts."""
         if self.version is None:
             raise RuntimeError(f"rollout worker {self.rank} has no pushed weights: call load() first")
-        version, sc = self.version, self.cfg.sampling
-        samples, tokens, start = [], 0, time.perf_counter()
-        for c, lo in enumerate(range(0, len(prompts), sc.batch_size)):
-            hi = lo + sc.batch_size
-            sampling = Sampling(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, seed=seed + c)
-            out = self.engine.generate(prompts[lo:hi], sampling, policy=self.regime)
-            for b, sid in enumerate(ids[lo:hi]):
-                samples.append(Sample(
-                    id=sid, prompt_ids=out.prompt_ids[b], tokens=out.tokens[b], logprobs=out.logprobs[b],
-                    finish_reason=out.finish_reasons[b], text=out.texts[b], version=version,
-                    trace=None if out.traces is None else out.trace(b)))
-                tokens += len(out.tokens[b])
-        return samples, {"tokens": tokens, "seconds": time.perf_counter() - start}
+        return self.algo.generate(self.engine, self.regime, self.env, ids, tasks, seed, self.version)

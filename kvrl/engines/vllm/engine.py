@@ -41,7 +41,7 @@ import uuid
 import torch
 
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import Rollouts, Sampling
+from kvrl.engines.hf import Rollouts, Sampling, check_request
 from kvrl.engines.vllm import plugin
 from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
 from kvrl.engines.vllm.patches import apply_patches
@@ -103,6 +103,7 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         cfg = self.llm.llm_engine.vllm_config.model_config
         self.layers = cfg.get_num_layers(self.llm.llm_engine.vllm_config.parallel_config)
+        self.max_model_len = cfg.max_model_len  # a prompt must leave room for a token
         self.kv_heads = cfg.get_num_kv_heads(self.llm.llm_engine.vllm_config.parallel_config)
         self._installed: tuple | None = None  # (fingerprint, sample) of the installed policy
         cache = self.llm.llm_engine.vllm_config.cache_config
@@ -141,7 +142,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         regime = as_regime(policy)
-        ids = self.encode(prompts)
+        ids = self.encode(prompts) if prompts else []
+        check_request([len(p) for p in ids], sampling, regime, self.max_model_len)
         B = len(ids)
         T = max(len(p) for p in ids) + sampling.max_new_tokens
         tag0 = uuid.uuid4().hex[:12]

@@ -1,0 +1,124 @@
+"""What an algorithm and the shared loop exchange: samples, learner batches, and the text rollout.
+
+:class:`Algorithm` is the base of every ``rl.algo``. Its rollout side is text generation,
+which RL-Full, RL-Sparse, Distill and RLKV share: the rollout worker asks it for the
+environment (:meth:`Algorithm.make_env`), then for each shard of a step to
+:meth:`Algorithm.generate` samples, which decodes the tasks' prompts with the worker's engine
+under the rollout regime and scores every completion with the environment right there, in
+parallel across the rollout actors and inside ``workers.timeout_s``. The learner turns its
+share of samples into a :class:`Batch` with :meth:`Algorithm.collate`. ForesightKV's stage 2
+(:class:`kvrl.algos.foresight.ForesightRL`) overrides the three: its rollouts are episodes
+of the eviction MDP, not text.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvrl.cache import EvictionTrace
+from kvrl.engines.hf import Sampling
+from kvrl.envs import Task, make
+from kvrl.kernels import NEVER
+
+
+@dataclass
+class Sample:
+    """One rollout, from a rollout worker to the controller to a learner.
+
+    ``id`` is ``"step/task/g"``: unique within a run, which is how the controller checks
+    that every sample of a step is trained on exactly once, even after a worker died.
+    """
+
+    id: str
+    prompt_ids: list[int]
+    tokens: list[int]  # generated ids, without padding or EOS
+    logprobs: list[float]  # behaviour logprobs of the sample's actions (text: of `tokens`, at the temperature)
+    finish_reason: str  # "stop" (EOS) or "length" (cut at max_new_tokens)
+    text: str
+    version: int  # policy version of the weights that generated it
+    trace: EvictionTrace | None = None  # this sample's eviction trace; None = full cache
+    reward: float = 0.0  # the environment's reward, scored on the rollout worker
+    info: dict = field(default_factory=dict)  # the environment's metrics of this sample
+    advantage: float = 0.0  # set by the controller (kvrl.algos.grpo)
+    data: object = None  # what else the algorithm's learner needs (ForesightKV: the episode's decisions)
+
+
+@dataclass
+class Batch:
+    """A learner's share of one step, collated for ``Algorithm.loss``.
+
+    Tensors are [B, T] left-aligned like :class:`kvrl.engines.hf.Scores` (column j =
+    generated token j, or decision j), zero beyond each sample.
+    """
+
+    sequences: list[list[int]]  # prompt + generated ids
+    prompt_lens: list[int]
+    old_logprobs: torch.Tensor  # behaviour logprobs [B, T]
+    mask: torch.Tensor  # [B, T] 1 on generated tokens
+    advantages: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B] raw rewards (RLKV's adaptive penalty reads their mean)
+    trace: EvictionTrace | None  # the samples' traces batched; None = full cache
+    num_items: float  # normaliser of the whole step (all learners): tokens or sequences
+    data: object = None  # the algorithm's own collated data (ForesightKV: the decisions)
+
+
+def collate(samples: list[Sample], num_items: float, device) -> Batch:
+    """Text samples -> a left-aligned batch with their traces batched."""
+    T = max(len(s.tokens) for s in samples)
+    old = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for s in samples], device=device)
+    mask = torch.tensor([[1.0] * len(s.tokens) + [0.0] * (T - len(s.tokens)) for s in samples], device=device)
+    trace = None
+    if any(s.trace is not None for s in samples):
+        # per-sample traces of different lengths -> one batch; padding keys are never seen
+        L = max(len(s.prompt_ids) + len(s.tokens) for s in samples)
+        death = torch.cat([F.pad(s.trace.full(), (0, L - s.trace.death.shape[-1]), value=NEVER) for s in samples], 1)
+        lengths = torch.cat([s.trace.lengths for s in samples])
+        trace = EvictionTrace.from_death(death.to(device), lengths.to(device))
+    return Batch(sequences=[s.prompt_ids + s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
+                 old_logprobs=old, mask=mask, advantages=torch.tensor([s.advantage for s in samples], device=device),
+                 rewards=torch.tensor([s.reward for s in samples], device=device),
+                 trace=trace, num_items=num_items)
+
+
+class Algorithm:
+    """The shared part of every algorithm (see :mod:`kvrl.algos` for the whole contract)."""
+
+    rollout_engine: str | None = None  # the engine its rollouts need; None = workers.engine
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def make_env(self, model=None):
+        """The environment: the controller draws tasks from it (``model`` None), each rollout
+        worker scores its samples with its own copy (``model``: the engine's, if it has one)."""
+        return make(self.cfg.env.id, **self.cfg.env.kwargs)
+
+    def rollout_policy(self, model):
+        """The cache regime rollouts run under (anything :func:`kvrl.policies.as_regime` takes)."""
+        return None
+
+    def generate(self, engine, regime, env, ids: list[str], tasks: list[Task], seed: int,
+                 version: int) -> tuple[list[Sample], dict]:
+        """A shard: a sample per (id, task), in order, decoded in chunks of sampling.batch_size
+        with seeds seed, seed+1, ... (so a redone shard is identical) and scored by ``env``."""
+        sc = self.cfg.sampling
+        samples, tokens, start = [], 0, time.perf_counter()
+        for c, lo in enumerate(range(0, len(tasks), sc.batch_size)):
+            chunk = tasks[lo:lo + sc.batch_size]
+            sampling = Sampling(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, seed=seed + c)
+            out = engine.generate([t.prompt for t in chunk], sampling, policy=regime)
+            for b, (sid, task) in enumerate(zip(ids[lo:lo + sc.batch_size], chunk)):
+                reward, info = env.score(task, out.texts[b])
+                samples.append(Sample(
+                    id=sid, prompt_ids=out.prompt_ids[b], tokens=out.tokens[b], logprobs=out.logprobs[b],
+                    finish_reason=out.finish_reasons[b], text=out.texts[b], version=version,
+                    trace=None if out.traces is None else out.trace(b), reward=reward, info=info))
+                tokens += len(out.tokens[b])
+        return samples, {"tokens": tokens, "seconds": time.perf_counter() - start}
+
+    def collate(self, samples: list[Sample], num_items: float, device) -> Batch:
+        return collate(samples, num_items, device)
