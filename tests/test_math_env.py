@@ -200,3 +200,16 @@ def test_worker_recovers_after_a_crash():
     verify._WORKER._proc.kill()  # e.g. the OOM killer
     verify._WORKER._proc.wait()
     assert math_equal("2", "2")
+
+
+def test_a_prompt_the_model_cannot_hold_names_its_row(tmp_path):
+    from kvrl.engines.hf import check_prompts
+    from kvrl.models.tiny import build_tokenizer
+
+    path = tmp_path / "long.jsonl"
+    rows = [{"question": "3 ; 4", "answer": "1"}, {"question": " ".join(["3"] * 40), "answer": "2"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = MathEnv(path, template="{question}")
+    check_prompts(env.data[:1], build_tokenizer(), 32)
+    with pytest.raises(ValueError, match=r"long\.jsonl:2: the prompt has 41 tokens, the model holds 32 positions"):
+        check_prompts(env.data, build_tokenizer(), 32)

@@ -1,5 +1,6 @@
 """kvrl.runlog: metrics that survive a crash, checkpoints that verify themselves, one run per directory."""
 
+import errno
 import json
 import os
 import signal
@@ -39,6 +40,13 @@ def test_atomic_leaves_the_old_file_when_the_writer_fails(tmp_path):
             tmp.write_text("half")
             raise RuntimeError("crash")
     assert target.read_text() == "old" and list(tmp_path.iterdir()) == [target]
+
+
+def test_a_full_disk_names_the_file(tmp_path):
+    with pytest.raises(OSError, match=r"no space left on device while writing .*results\.json"):
+        with atomic(tmp_path / "results.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")  # what a write on a full disk raises
+    assert not (tmp_path / "results.json").exists()
 
 
 def checkpoint(root, step: int, payload: bytes):

@@ -104,6 +104,18 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
                       f"{sampling.max_new_tokens} new tokens): the policy will never evict", stacklevel=3)
 
 
+def check_prompts(tasks, tokenizer, positions: int | None) -> None:
+    """Refuse a data set with a prompt the model cannot hold, naming the row (``file:line``
+    of a loaded data set) before a run starts rather than when a rollout reaches it."""
+    if positions is None or not tasks:
+        return
+    lengths = [len(ids) for ids in tokenizer([t.prompt for t in tasks])["input_ids"]]
+    for task, n in zip(tasks, lengths):
+        if n >= positions:
+            raise ValueError(f"{task.meta.get('source', task.id)}: the prompt has {n} tokens, the model holds "
+                             f"{positions} positions; drop or shorten that row")
+
+
 class HFEngine:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer

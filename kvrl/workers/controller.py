@@ -49,6 +49,8 @@ from tqdm import tqdm
 from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.grpo import group_advantages, mask_truncated
+from kvrl.engines.hf import check_prompts
+from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
                          plot_rewards, seal, write_json)
 from kvrl.workers.learner import Learner
@@ -91,6 +93,12 @@ class Controller:
         self.algo = make_algo(cfg)  # a bad algorithm setting fails here, before any actor starts
         self.env = self.algo.make_env()  # the task stream; the rollout workers score with their own copies
         self.env.reset(seed=cfg.seed)
+        if getattr(self.env, "data", None):  # a data set: a row no rollout could serve fails now, by file:line
+            from transformers import AutoConfig, AutoTokenizer
+
+            path = resolve_path(cfg.model.path)
+            check_prompts(self.env.data, AutoTokenizer.from_pretrained(path),
+                          getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None))
         self.out = Path(cfg.output_dir)
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
         self.own_ray = connect(cfg)
