@@ -14,7 +14,7 @@ Accuracy: greedy decoding of fresh counts tasks with the vLLM engine (the scorer
 inside it) under Foresight-RL, R-KV, G-KV and StreamingLLM at one budget, and Foresight-RL
 in the HF reference engine for comparison. Prints one JSON line.
 
-    python -m kvrl.run recipe=tiny_foresight          # trains the scorers (~15 min)
+    python -m kvrl.run recipe=tiny_foresight          # trains the scorers (~6 min)
     python benchmarks/foresight_loss_ratio.py [--run outputs/tiny_foresight]
 """
 
