@@ -54,6 +54,15 @@ class WhereScoredEnv(DigitsEnv):
         TextEnv.__init__(self, rewards=[Reward(digits, 1.0, "digits"), Reward(scoring_process, 0.0, "where")])
 
 
+class FailsInActors(DigitsEnv):
+    """Builds in the driver, raises in a rollout actor (as an engine that cannot start does)."""
+
+    def __init__(self, **ignored):
+        if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+            raise RuntimeError("this environment cannot start on a rollout actor")
+        super().__init__()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_local(tmp_path_factory):
     # the rollout actors build this module's environments to score their samples: they must import it
@@ -196,6 +205,11 @@ def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
     finally:
         controller.close()
     assert len(seen) == 2 * 16 and set(seen) == workers and os.getpid() not in workers
+
+
+def test_a_worker_that_cannot_start_reports_its_own_error(random_model, tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 failed to start.*cannot start on a rollout actor"):
+        Controller(config(tmp_path, random_model, f"env.id={__name__}:FailsInActors"))
 
 
 class Recording(Controller):

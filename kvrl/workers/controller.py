@@ -249,6 +249,8 @@ class Controller:
                 try:
                     out[i] = self.get(ref, f"rollout worker {i} ({method})")
                 except RayActorError as err:
+                    if err.actor_init_failed:  # its engine or environment cannot start: a restart fails the same way
+                        raise RuntimeError(f"rollout worker {i} failed to start: {err}") from None
                     if self.lives[i] == life:  # a death not seen yet
                         self.lives[i] += 1
                         self.restarts[i] += 1
