@@ -327,7 +327,7 @@ class ForesightRL(Algorithm):
         return loss, scores, metrics
 
     def state(self, model) -> Push:
-        return Push(cache={k: v.detach().cpu().clone() for k, v in self.policy.scorer.state_dict().items()})
+        return Push(cache=scorer_state(self.policy))
 
     def load(self, model, state: Push) -> None:
         self.policy.scorer.load_state_dict(dict(state))

@@ -64,7 +64,6 @@ class Pending:
     """One step's generation, in flight on the rollout workers."""
 
     step: int
-    tasks: list  # the step's tasks; sample k belongs to tasks[k // G]
     env_state: dict  # the environment before these tasks were drawn: what a checkpoint saves
     args: dict[int, tuple]  # worker -> its generate() arguments (to redo the shard)
     refs: dict[int, ray.ObjectRef]
@@ -211,7 +210,7 @@ class Controller:
                     int(np.random.SeedSequence([cfg.seed, step, i]).generate_state(1)[0] >> 1))
                 for i, part in enumerate(parts)}
         refs = {i: self.workers[i].generate.remote(*args[i]) for i in args}
-        pending = Pending(step, tasks, env_state, args, refs, time.perf_counter(), self.push_args, list(self.lives))
+        pending = Pending(step, env_state, args, refs, time.perf_counter(), self.push_args, list(self.lives))
         if self.on_dispatch is not None:
             self.on_dispatch(self, step)
         return pending
@@ -342,16 +341,17 @@ class Controller:
             path = None if cfg.resume == "never" else Path(cfg.resume)
             if path is not None and (why := damage(path)):
                 raise ValueError(f"resume={cfg.resume}: {why}; pass another checkpoint or resume=auto")
+        settings = json.loads(json.dumps(flatten(cfg)))  # as a checkpoint's config.json holds them
         if path is not None and (path / "config.json").exists():
             saved = json.loads((path / "config.json").read_text())
-            changed = config_changes(saved, json.loads(json.dumps(flatten(cfg))), cfg.RESUMABLE)
+            changed = config_changes(saved, settings, cfg.RESUMABLE)
             if changed:
                 raise ValueError(f"{self.out} holds a run whose settings differ from this one's (checkpoint {path}):"
                                  f"\n  " + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to "
                                  "continue it, or start fresh in another output_dir=... (or resume=never to "
                                  "overwrite this one)")
         self.runlog = RunLog(self.out, fresh=path is None, tensorboard=cfg.logging.tensorboard,
-                             wandb=cfg.logging.wandb, name=cfg.run_name, config=flatten(cfg))
+                             wandb=cfg.logging.wandb, name=cfg.run_name, config=settings)
         if path is None:
             return
         state = torch.load(path / "controller.pt", weights_only=False)
