@@ -59,7 +59,7 @@ class EvictionTrace:
         stored as never, so equal behaviour gives equal traces.
     lengths : Tensor [B] int64
         Positions ``0 … lengths[b]−1`` belong to sequence b (prompt + generated tokens,
-        without EOS); the rest of T is padding of the batch.
+        the stop token included); the rest of T is padding of the batch.
     logprob : Tensor [events, layers, B, H_kv] float32 or None
         Sampled evictions only: log-probability of each eviction's action (0 where a row
         evicted nothing). Events are in decoding order.

@@ -62,6 +62,11 @@ def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "
 class ModelConfig:
     path: str = "tiny"  # "tiny" = the shipped kvrl/models/weights/tiny_reasoner; else a dir or hub id
     dtype: str = checked("float32", lambda v: v in DTYPES, f"must be one of {' | '.join(DTYPES)}")  # parameter dtype
+    # ids that end a sample; [] = all of the generation config's eos_token_id and the tokenizer's EOS
+    stop_ids: List[int] = field(default_factory=list)
+    # prompt + generated tokens a sequence may hold (vLLM sizes its KV cache check by it); 0 = the longest
+    # prompt of a data set + sampling.max_new_tokens, else the model's max_position_embeddings
+    max_model_len: int = checked(0, ge=0)
 
     def problems(self, cfg: "Config") -> list[str]:
         from kvrl.gate import model_problems  # a folder with a config.json, or a well-formed hub id
@@ -73,6 +78,9 @@ class ModelConfig:
 class EnvConfig:
     id: str = "kvrl/counts-v0"  # registered environment id, or a dotted path pkg.mod:Class
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
+    chat_template: bool = True  # render prompts with the tokenizer's chat template when it has one; false = raw
+    system_prompt: str = ""  # the chat's system message; "" = none
+    thinking: bool = True  # Qwen3's enable_thinking (other templates ignore it)
     num_eval_tasks: int = checked(256, ge=1)  # tasks drawn for evaluation
 
     def problems(self, cfg: "Config") -> list[str]:
@@ -123,6 +131,11 @@ class TrainerConfig:
     weight_decay: float = checked(0.0, ge=0)  # AdamW weight decay
     log_every: int = checked(50, ge=1)  # steps between metric log lines
     max_grad_norm: float = checked(1.0, ge=0)  # clip the global gradient norm to this (0 = no clipping)
+    # padded tokens (samples x longest prompt+completion) a learner scores and backpropagates at once; its
+    # share of a step is split into such micro-batches and their gradients summed; 0 = the whole share at once
+    micro_batch_tokens: int = checked(0, ge=0)
+    # recompute each decoder layer's activations in backward instead of keeping them (full-model training)
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -180,6 +193,8 @@ class WorkersConfig:
     num_cpus: int = checked(0, ge=0)  # CPUs a private local Ray may use; 0 = all of this machine
     # rollout engine: hf (kvrl's reference) | vllm (vLLM with kvrl's plugin: pip install .[cpu] or .[gpu])
     engine: str = checked("hf", lambda v: v in ("hf", "vllm"), "must be hf | vllm")
+    # vLLM's KV cache per engine in GiB; 0 = $VLLM_CPU_KVCACHE_SPACE or 1 GiB on CPU, vLLM's own sizing on GPU
+    kv_cache_gib: float = checked(0.0, ge=0)
     # RolloutWorker actors, each wrapping an engine; a step's samples are split across them
     rollout: int = checked(2, ge=1)
     # CPUs reserved per rollout actor (fractions pack several actors on a core)
@@ -322,7 +337,7 @@ class Config:
     # what a resumed run may change (a key, or a section with its dot); anything else must equal the checkpoint's
     RESUMABLE: ClassVar[tuple[str, ...]] = ("trainer.steps", "logging.", "resume", "print_config", "dry_run",
                                             "rl.checkpoint_every", "workers.address", "workers.num_cpus",
-                                            "workers.timeout_s", "workers.max_restarts")
+                                            "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib")
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     seed: int = checked(0, ge=0)  # seed for every random number generator

@@ -1,5 +1,5 @@
 """The config gate's checks that look outside the config: the model folder or hub id, an
-environment's constructor, and this machine (CUDA, the CPUs a local Ray can give its actors).
+environment's constructor, and this machine (CUDA, the CPUs a local Ray can give its actors, the KV cache layout vLLM would pick on this CPU).
 
 `kvrl.config` calls the first two from its sections' `problems(cfg)`; `kvrl.run` calls
 `machine_problems` just before a job starts (not for `print_config` or `dry_run`, which plan
@@ -109,6 +109,13 @@ def machine_problems(cfg, ray: bool) -> list[str]:
                 f"set workers.rollout_cpus={int(w.rollout_cpus * scale * 100) / 100:g} workers.learner_cpus="
                 f"{int(w.learner_cpus * scale * 100) / 100:g} (fractions share a core), lower workers.rollout, or "
                 "run on a cluster (workers.address=HOST:PORT)")
+    if w.engine == "vllm" and cfg.model.dtype == "bfloat16" and not cfg.device.startswith("cuda") and (local_ray or not ray):
+        import torch
+
+        if torch.cpu._is_amx_tile_supported():  # vLLM's CPU attention then picks its AMX cache layout
+            problems.append("model.dtype=bfloat16 with workers.engine=vllm on this CPU makes vLLM store its KV cache in "
+                            "the AMX layout, which kvrl's eviction cannot read; set model.dtype=float32 (or "
+                            "workers.engine=hf)")
     gpus = w.rollout * w.rollout_gpus + w.learners * w.learner_gpus if local_ray else 0
     here = cfg.device.startswith("cuda") and not (ray and not local_ray)  # this process or its local actors
     if here or gpus:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from kvrl.config import JOBS, ConfigError
+from kvrl.envs.chat import Chat, encode_prompts
+from kvrl.policies.base import geometry
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
 
@@ -52,8 +54,8 @@ def model_config(path: str):
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+    g = geometry(config)
+    return 2 * g["layers"] * g["kv_heads"] * g["head_dim"] * torch.finfo(getattr(torch, dtype)).bits // 8
 
 
 def size(n: float) -> str:
@@ -81,7 +83,7 @@ def prompt_tokens(cfg) -> int | None:
     except (OSError, ValueError, ImportError):
         return None
     prompts = [t.prompt for t in env.tasks(16)]
-    return round(sum(len(ids) for ids in tokenizer(prompts)["input_ids"]) / len(prompts))
+    return round(sum(len(ids) for ids in encode_prompts(tokenizer, prompts, Chat.of(cfg.env))) / len(prompts))
 
 
 def plan(cfg) -> dict:

@@ -196,3 +196,20 @@ def test_a_type_hint_is_valid_for_the_job(monkeypatch):
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
     with pytest.raises(ConfigError, match=r"set e\.g\. sampling\.temperature=2\.5$"):
         load_config(["recipe=tiny_rl_full", "sampling.temperature=hot"])
+
+
+@pytest.mark.parametrize("amx, dtype, refused", [(True, "bfloat16", True), (True, "float32", False),
+                                                 (False, "bfloat16", False)])
+def test_vllm_bf16_on_an_amx_cpu_is_refused_before_the_engine_starts(monkeypatch, amx, dtype, refused):
+    """vLLM's CPU attention stores a bf16 cache in its AMX layout where the CPU has AMX; kvrl's
+    eviction cannot read that layout, so the gate refuses the combination with the fix."""
+    import torch
+
+    from kvrl.gate import machine_problems
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cfg = load_config(["recipe=tiny_rl_full", "workers.engine=vllm", "sampling.temperature=1.0", f"model.dtype={dtype}"])
+    problems = [p for p in machine_problems(cfg, ray=True) if "AMX" in p]
+    assert bool(problems) == refused
+    if refused:
+        assert "set model.dtype=float32" in problems[0]

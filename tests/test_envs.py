@@ -247,3 +247,20 @@ def test_builtin_entry_points_are_lazy():
     code = "import sys, kvrl.envs as e; print(e.registered()); print('kvrl.envs.chains' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "'kvrl/chains-v0'" in out and "'kvrl/math-v0'" in out and out.strip().endswith("False")
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("Let me think. 3+4=7 so \\boxed{6}? no.</think>The answer is \\boxed{7}.", "The answer is \\boxed{7}."),
+    ("<think>maybe \\boxed{6}</think>\n\\boxed{7}", "\n\\boxed{7}"),
+    ("<think>maybe \\boxed{6} and then I was cut off", ""),
+    ("no thinking block: \\boxed{7}", "no thinking block: \\boxed{7}"),
+])
+def test_answers_are_read_after_the_thinking_block(completion, answer):
+    from kvrl.envs.chat import after_thinking
+    from kvrl.envs.math import MathEnv
+
+    assert after_thinking(completion) == answer
+    env = MathEnv()
+    task = env.tasks(1)[0]
+    _, info = env.score(task, completion)  # the rewards see only the answer part
+    assert info["has_boxed"] == float("\\boxed" in answer)

@@ -106,7 +106,7 @@ def test_decode_under_a_window_is_replayed_by_one_forward(random_model):
     prompts = _prompts(4, seed=3)
     engine = HFEngine(model, tok)
     n_new = 20
-    ids, pos = engine.encode(prompts)
+    ids, pos = engine.pad(engine.encode(prompts))
     T = int(pos.max()) + 1 + n_new
     death = Static(Window.of(model.config, sink=2, recent=6)).death(T, len(prompts))
     out = engine.generate(prompts, Sampling(max_new_tokens=n_new, temperature=1.0, seed=7), policy=Static(death))

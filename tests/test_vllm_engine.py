@@ -131,6 +131,34 @@ def test_full_cache_matches_hf(engine, hf):
     assert diff < TOL
 
 
+def test_stop_ids_end_both_engines_alike(engine, hf, monkeypatch):
+    """Any of several stop ids (Qwen3 has two, Llama-3 instruct three) ends a sequence in
+    both engines: the stop token is kept with its logprob and the reason is "stop"."""
+    batch = prompts()
+    free = hf.generate(batch, Sampling(max_new_tokens=NEW, ignore_eos=True))
+    stops = [free.tokens[0][5], free.tokens[1][9]]
+    want = [next((row[:i + 1] for i, t in enumerate(row) if t in stops), row) for row in free.tokens]
+    assert sum(len(w) < NEW for w in want) >= 2, "the test needs rows that stop"
+    monkeypatch.setattr(engine, "stop_ids", stops)
+    for out in (HFEngine(hf.model, hf.tokenizer, stop_ids=stops).generate(batch, Sampling(max_new_tokens=NEW)),
+                engine.generate(batch, Sampling(max_new_tokens=NEW))):
+        assert out.tokens == want
+        assert out.finish_reasons == ["stop" if len(w) < NEW else "length" for w in want]
+        assert max_lp_diff(out.logprobs, [lp[:len(w)] for lp, w in zip(free.logprobs, want)]) < TOL
+        assert out.texts[0] == hf.tokenizer.decode(want[0][:-1]), "the text leaves the stop token out"
+
+
+def test_model_length_limit_cuts_both_engines_alike(engine, hf):
+    """A sequence that reaches max_model_len is cut there ("length") in both engines."""
+    long = " ".join(["3 ;"] * 120)  # 241 tokens of the 256 the engine holds
+    n = len(engine.encode([long])[0])
+    sampling = Sampling(max_new_tokens=NEW, ignore_eos=True)
+    ref = HFEngine(hf.model, hf.tokenizer, max_model_len=engine.max_model_len).generate([long], sampling)
+    out = engine.generate([long], sampling)
+    assert len(out.tokens[0]) == len(ref.tokens[0]) == engine.max_model_len - n < NEW
+    assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons == ["length"]
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_policy_matches_hf(engine, hf, name):
     batch = prompts()
@@ -182,10 +210,10 @@ def hf_mixed(model, ids, gates, n, eos):
             logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True,
                            kvrl_mixed=gates).logits[0, -1].float()
             t = int(logits.argmax())
+            toks.append(t)  # the stop token is kept, as the engines keep it
+            lps.append(float(logits.log_softmax(-1)[t]))
             if t == eos:
                 break
-            toks.append(t)
-            lps.append(float(logits.log_softmax(-1)[t]))
             x, pos = torch.tensor([[t]]), pos[:, -1:] + 1
         return toks, lps
     finally:

@@ -35,9 +35,9 @@ class Sample:
 
     id: str
     prompt_ids: list[int]
-    tokens: list[int]  # generated ids, without padding or EOS
+    tokens: list[int]  # generated ids, without padding; a stopped sample ends with its stop token
     logprobs: list[float]  # behaviour logprobs of the sample's actions (text: of `tokens`, at the temperature)
-    finish_reason: str  # "stop" (EOS) or "length" (cut at max_new_tokens)
+    finish_reason: str  # "stop" (a stop id) or "length" (cut at max_new_tokens or the model length)
     text: str
     version: int  # policy version of the weights that generated it
     trace: EvictionTrace | None = None  # this sample's eviction trace; None = full cache
@@ -60,10 +60,29 @@ class Batch:
     old_logprobs: torch.Tensor  # behaviour logprobs [B, T]
     mask: torch.Tensor  # [B, T] 1 on generated tokens
     advantages: torch.Tensor  # [B]
-    rewards: torch.Tensor  # [B] raw rewards (RLKV's adaptive penalty reads their mean)
+    rewards: torch.Tensor  # raw rewards of the learner's whole share (RLKV's adaptive penalty reads their mean)
     trace: EvictionTrace | None  # the samples' traces batched; None = full cache
     num_items: float  # normaliser of the whole step (all learners): tokens or sequences
     data: object = None  # the algorithm's own collated data (ForesightKV: the decisions)
+    # the micro-batch that also carries the learner's per-step terms (RLKV's penalty on the gates);
+    # the others carry only their samples' terms, so the summed gradient is the whole share's
+    first: bool = True
+
+
+def micro_batches(samples: list[Sample], tokens: int) -> list[list[Sample]]:
+    """Consecutive runs of ``samples`` whose padded size (count x longest prompt + completion)
+    stays within ``tokens`` (0: one run); a sample longer than that is a run of its own."""
+    parts: list[list[Sample]] = []
+    longest = 0
+    for s in samples:
+        n = len(s.prompt_ids) + len(s.tokens)
+        if parts and (tokens == 0 or (len(parts[-1]) + 1) * max(longest, n) <= tokens):
+            parts[-1].append(s)
+            longest = max(longest, n)
+        else:
+            parts.append([s])
+            longest = n
+    return parts
 
 
 def collate(samples: list[Sample], num_items: float, device) -> Batch:

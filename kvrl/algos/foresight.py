@@ -19,8 +19,9 @@ own evaluation samples by mistake (methods.md §4), kvrl's default is determinis
 
 Scale note: the features of every eviction step are stored (Golden replays and stage 2
 trajectories): O(steps·layers·H·(B+L)·(2D+8G)) floats per trace, small for the tiny
-reasoner; :func:`kvrl.policies.golden.block_attention` materialises the T×T attention of every
-layer at once, which long traces of the cluster recipes would need to do blockwise.
+reasoner; the Golden oracle (:func:`kvrl.policies.golden.record_attention`) keeps O(T) per
+layer (queries, keys, log-sum-exps; no T×T attention map) and scores each eviction step's
+cached keys against the future queries chunk by chunk.
 
 Action log-probability (stage 2): actions are ForesightKV's Top-K multinomial draws (E
 slots without replacement from the softmax over the 2E highest-scoring candidates) and
@@ -50,7 +51,7 @@ from kvrl.engines.hf import Scores
 from kvrl.envs import Task, TextEnv
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
 from kvrl.policies import LearnedScorer, make_policy
-from kvrl.policies.golden import GoldenEviction, block_attention
+from kvrl.policies.golden import GoldenEviction, record_attention
 from kvrl.policies.learned import topk_pool, topk_set_logprob
 
 RULE_BASED = ("streaming", "h2o", "snapkv", "rkv", "gkv")
@@ -87,8 +88,8 @@ def golden_replay(model, trace: Trace, features: LearnedScorer) -> dict:
     drops and supervises every step), and the eviction trace the oracle induces
     (:class:`kvrl.cache.EvictionTrace` death [layers, 1, H, T])."""
     kv = dict(budget=features.budget, interval=features.interval, window=features.window, sink=features.sink)
-    blocks, starts = block_attention(model, torch.tensor(trace.ids), trace.prompt_len, features.interval)
-    golden = GoldenEviction(**kv, blocks=blocks, starts=starts)
+    attention = record_attention(model, torch.tensor(trace.ids), trace.prompt_len, features.interval)
+    golden = GoldenEviction(**kv, attention=attention)
     run = ChunkedPass(model, torch.tensor(trace.ids), trace.prompt_len, features)
     steps = []
     while run.advance():
@@ -243,8 +244,7 @@ def loss_ratios(model, traces: list[Trace], policies: dict, budget: int, interva
         for t in traces:
             ids = torch.tensor(t.ids)
             if p == "golden":
-                blocks, starts = block_attention(model, ids, t.prompt_len, interval)
-                policy = GoldenEviction(**kv, blocks=blocks, starts=starts)
+                policy = GoldenEviction(**kv, attention=record_attention(model, ids, t.prompt_len, interval))
             elif isinstance(p, str):
                 policy = make_policy(p, model.config, **kv)
             else:

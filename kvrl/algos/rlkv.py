@@ -92,9 +92,11 @@ class RLKV(Algorithm):
         pg, metrics = grpo_loss(scores.logprobs, batch.old_logprobs, batch.advantages, scores.mask,
                                 eps_low=rl.eps_low, eps_high=rl.eps_high, aggregation=rl.aggregation,
                                 num_items=batch.num_items)
-        # r̄ of this learner's part: the reference's micro-batch mean (the whole step with one learner)
+        # r̄ of this learner's share: the reference's micro-batch mean (the whole step with one learner),
+        # added once per share (on its first micro-batch)
         mean_reward = batch.rewards.float().mean().item()
         penalty = adaptive_penalty(self.gates, mean_reward, self.rlkv.l1_coef, self.rlkv.tau)
+        penalty = penalty if batch.first else penalty * 0.0
         g = self.gates.detach()
         metrics.update(pg_loss=pg.item(), penalty=penalty.item(), gate_mean=g.mean().item(),
                        gate_min=g.min().item(), gate_max=g.max().item(),

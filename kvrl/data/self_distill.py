@@ -15,7 +15,7 @@ Contract:
   at most all of its tasks — ``env.*`` is the RL env that reads the result), decoded in batches of
   ``sampling.batch_size`` with ``workers.engine`` (``vllm`` or ``hf``), greedy, full cache,
   at most ``sampling.max_new_tokens`` new tokens, under a progress bar;
-* kept: reward > 0 (the environment's score), finished by EOS; bucket b holds output
+* kept: reward > 0 (the environment's score), finished by a stop id; bucket b holds output
   lengths in ``[edges[b], edges[b+1])``; ``counts[b]`` of them are drawn at random
   (seeded), or all when fewer were solved (the shortfall is reported, never padded);
 * written: ``output_dir/tasks.jsonl`` (one task per line: id, prompt, answer, meta,

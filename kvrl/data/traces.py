@@ -3,7 +3,7 @@ correct and long enough, with the full-cache loss and entropy of every generated
 
 :func:`write_splits` (job ``foresight_traces``, also the first stage of ``job=foresight``)
 writes ``output_dir/traces/{train,heldout}/shard-NNNNN.parquet``: one row per trace with
-``task_id``, ``ids`` (prompt + completion token ids, no EOS), ``prompt_len``, ``loss`` and
+``task_id``, ``ids`` (prompt + completion token ids, ending with the stop token), ``prompt_len``, ``loss`` and
 ``entropy`` (float32 lists, one per generated token, teacher-forced under the full cache
 by :meth:`kvrl.engines.hf.HFEngine.score`). A shard is written atomically once full, so an
 interrupted run resumes after its last complete shard (the task stream is replayed from

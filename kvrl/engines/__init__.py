@@ -13,17 +13,27 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
     ``hf``: :class:`kvrl.engines.hf.HFEngine` on the loaded model, on ``cfg.device``.
     ``vllm``: :class:`kvrl.engines.vllm.VLLMEngine`, in-process (this process is vLLM's
     engine core and worker, as reference/vllm.md measured fastest on a small machine), with
-    ``tokenizer`` or the model folder's.
+    ``tokenizer`` or the model folder's, and ``workers.kv_cache_gib`` of KV cache.
+    Both stop on ``model.stop_ids`` (default: the model's own), hold
+    ``model.max_model_len`` tokens per sequence (0: the model's positions) and render
+    prompts with the chat template when ``env.chat_template`` (:class:`kvrl.envs.chat.Chat`).
     """
     import os
 
     from kvrl.models.tiny import load_model, resolve_path
 
+    from kvrl.envs.chat import Chat
+
+    m = cfg.model
+    limits = {"stop_ids": m.stop_ids or None, "max_model_len": m.max_model_len or None, "chat": Chat.of(cfg.env)}
     if (kind or cfg.workers.engine) == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from kvrl.engines.vllm import VLLMEngine
 
-        return VLLMEngine(resolve_path(cfg.model.path), tokenizer, dtype=cfg.model.dtype, seed=cfg.seed)
+        if limits["max_model_len"] is None:
+            del limits["max_model_len"]  # vLLM's own default
+        return VLLMEngine(resolve_path(m.path), tokenizer, dtype=m.dtype, seed=cfg.seed,
+                          kv_cache_gib=cfg.workers.kv_cache_gib or None, **limits)
     from kvrl.engines.hf import HFEngine
 
-    return HFEngine(*load_model(cfg.model.path, cfg.model.dtype, cfg.device))
+    return HFEngine(*load_model(m.path, m.dtype, cfg.device), **limits)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvrl.cache import EvictionTrace, KVCache
+from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
@@ -52,10 +53,13 @@ class Sampling:
 
 @dataclass
 class Rollouts:
-    """Per sequence: generated token ids (without padding or EOS), their behaviour
-    logprobs, ``"stop"`` (EOS) or ``"length"``, the decoded text, and the prompt ids; for
-    the batch: the eviction trace (None with the full cache) and timings in seconds
-    (``decode``: the whole loop, ``evict``: scoring, selection and compaction)."""
+    """Per sequence: generated token ids (without padding; a stopped sequence ends with
+    its stop token, which is an action the policy took and is trained like any other),
+    their behaviour logprobs, ``"stop"`` (a stop id was generated) or ``"length"`` (cut at
+    ``max_new_tokens`` or at the model's length limit), the decoded text (without the stop
+    token), and the prompt ids; for the batch: the eviction trace (None with the full cache)
+    and timings in seconds (``decode``: the whole loop, ``evict``: scoring, selection and
+    compaction)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -64,6 +68,11 @@ class Rollouts:
     prompt_ids: list[list[int]] = field(default_factory=list)
     traces: EvictionTrace | None = None
     timing: dict = field(default_factory=dict)
+
+    def append(self, tokens: list[int], logprobs: list[float], finish_reason: str, text: str) -> None:
+        for part, value in zip((self.tokens, self.logprobs, self.finish_reasons, self.texts),
+                               (tokens, logprobs, finish_reason, text)):
+            part.append(value)
 
     def trace(self, b: int) -> EvictionTrace:
         """Sequence b's trace, trimmed to its length (:meth:`EvictionTrace.for_sequence`)."""
@@ -104,32 +113,75 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
                       f"{sampling.max_new_tokens} new tokens): the policy will never evict", stacklevel=3)
 
 
-def check_prompts(tasks, tokenizer, positions: int | None) -> None:
+def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = None) -> int:
     """Refuse a data set with a prompt the model cannot hold, naming the row (``file:line``
-    of a loaded data set) before a run starts rather than when a rollout reaches it."""
-    if positions is None or not tasks:
-        return
-    lengths = [len(ids) for ids in tokenizer([t.prompt for t in tasks])["input_ids"]]
+    of a loaded data set) before a run starts rather than when a rollout reaches it.
+    Returns the longest prompt's length in tokens (rendered by ``chat`` as the engines do)."""
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [t.prompt for t in tasks], chat)] if tasks else [0]
     for task, n in zip(tasks, lengths):
-        if n >= positions:
+        if positions is not None and n >= positions:
             raise ValueError(f"{task.meta.get('source', task.id)}: the prompt has {n} tokens, the model holds "
                              f"{positions} positions; drop or shorten that row")
+    return max(lengths)
+
+
+def default_stop_ids(generation_config, tokenizer) -> list[int]:
+    """Every id that ends a generation: the generation config's ``eos_token_id`` (an id or a
+    list: Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>``, Llama-3 instruct on three)
+    and the tokenizer's EOS. Both engines stop on exactly this set unless told otherwise."""
+    ids = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model has no EOS id in its generation config or tokenizer: pass stop ids "
+                         "(model.stop_ids=[...]) so that generation can end")
+    return ids
+
+
+def finish(tokenizer, row: list[int], logps: list[float], stops, limit: int) -> tuple[list[int], list[float], str, str]:
+    """One sequence's (tokens, logprobs, finish reason, text) from its raw decode: it ends
+    at its first stop id, kept (``"stop"``), or at ``limit`` tokens (``"length"``)."""
+    row = row[:limit]
+    n = next((i + 1 for i, t in enumerate(row) if t in stops), None)
+    if n is None:
+        return row, logps[:len(row)], "length", tokenizer.decode(row)
+    return row[:n], logps[:n], "stop", tokenizer.decode(row[:n - 1])
 
 
 class HFEngine:
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    """The reference engine over a transformers model.
+
+    stop_ids: the ids that end a sequence; default those of the model's generation config
+    and the tokenizer (:func:`default_stop_ids`). max_model_len: prompt + generated tokens
+    a sequence may hold (default the config's ``max_position_embeddings``): a sequence that
+    reaches it is cut (``"length"``), as vLLM does. chat: prompts are rendered through the
+    tokenizer's chat template (:class:`kvrl.envs.chat.Chat`); None: raw prompts.
+    """
+
+    def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, max_model_len: int | None = None,
+                 chat: Chat | None = None):
+        self.model, self.tokenizer, self.chat = model, tokenizer, chat
+        self.stop_ids = list(stop_ids) if stop_ids else default_stop_ids(getattr(model, "generation_config", None),
+                                                                          tokenizer)
+        self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None)
         model.set_attn_implementation("kvrl_replay")
 
     @property
     def device(self):
         return self.model.device
 
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        """Token ids per prompt (rendered by ``chat`` when set), as every engine encodes them."""
+        return encode_prompts(self.tokenizer, prompts, self.chat)
+
+    def pad(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded input ids [B, P] and true positions [B, P] (-1 at padding)."""
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
-        mask = enc["attention_mask"].to(self.device)
-        return enc["input_ids"].to(self.device), mask.cumsum(-1) * mask - 1
+        P = max(len(x) for x in ids)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        out = torch.tensor([[pad] * (P - len(x)) + x for x in ids], device=self.device)
+        pos = torch.arange(P, device=self.device) - torch.tensor([P - len(x) for x in ids], device=self.device)[:, None]
+        return out, pos.masked_fill(pos < 0, -1)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: Sampling, policy=None) -> Rollouts:
@@ -138,16 +190,19 @@ class HFEngine:
         with T >= longest prompt + max_new_tokens, ``Mixed``)."""
         regime = as_regime(policy)
         cfg = self.model.config
-        check_request([len(x) for x in self.tokenizer(list(prompts))["input_ids"]] if prompts else [], sampling,
-                      regime, getattr(cfg, "max_position_embeddings", None))
-        ids, pos = self.encode(prompts)
+        prompt_ids = self.encode(prompts)
+        check_request([len(x) for x in prompt_ids], sampling, regime, self.max_model_len)
+        ids, pos = self.pad(prompt_ids)
         B = ids.shape[0]
         T = int(pos.max()) + 1 + sampling.max_new_tokens
+        # generated tokens each row may hold: max_new_tokens, or up to the model's length limit
+        limits = (pos[:, -1] + 1).neg().add(self.max_model_len or T).clamp(max=sampling.max_new_tokens)
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
         cache = KVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, regime,
                         sample=sampling.sample_evictions, device=self.device,
                         generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
-        eos = self.tokenizer.eos_token_id
+        stops = torch.tensor([] if sampling.ignore_eos else self.stop_ids, dtype=torch.long, device=self.device)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]  # after a stop
         step_ids, step_pos = ids, pos
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         tokens, logps = [], []
@@ -165,18 +220,20 @@ class HFEngine:
                 else:
                     logp = torch.log_softmax(logits, -1)
                     nxt = logits.argmax(-1)
-                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
                 tokens.append(nxt)
                 logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
-                if not sampling.ignore_eos:
-                    done |= nxt == eos
+                done |= torch.isin(nxt, stops) | (limits <= step + 1)
                 if bool(done.all()):
                     break
                 step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
         finally:
             self.model.set_attn_implementation(previous)
-        out = self._collect(torch.stack(tokens, 1), torch.stack(logps, 1), sampling.ignore_eos)
-        out.prompt_ids = [row[row >= 0].tolist() for row in torch.where(pos >= 0, ids, -1).cpu()]
+        out = Rollouts([], [], [])
+        stop_set = set(stops.tolist())
+        for row, lp, limit in zip(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), limits.tolist()):
+            out.append(*finish(self.tokenizer, row, lp, stop_set, limit))
+        out.prompt_ids = prompt_ids
         lengths = torch.tensor([len(p) + len(t) for p, t in zip(out.prompt_ids, out.tokens)])
         if isinstance(regime, (Evicting, Static)):
             out.traces = cache.trace(lengths)
@@ -190,17 +247,6 @@ class HFEngine:
         self.model.load_state_dict(dict(weights))
         return {"checksum": checksum(self.model.state_dict())}
 
-    def _collect(self, toks: torch.Tensor, logps: torch.Tensor, ignore_eos: bool = False) -> Rollouts:
-        eos = self.tokenizer.eos_token_id
-        out = Rollouts([], [], [])
-        for row, lp in zip(toks.tolist(), logps.tolist()):
-            n = row.index(eos) if eos in row and not ignore_eos else len(row)
-            out.tokens.append(row[:n])
-            out.logprobs.append(lp[:n])
-            out.finish_reasons.append("stop" if n < len(row) else "length")
-            out.texts.append(self.tokenizer.decode(row[:n]))
-        return out
-
     def score(self, sequences, prompt_lens: list[int] | None = None, *, policy=None,
               trace: EvictionTrace | None = None, temperature: float = 1.0,
               distributions: bool = False) -> Scores:
@@ -213,7 +259,10 @@ class HFEngine:
         None; under ``Mixed`` it is RLKV's mixed-gate attention (``"kvrl_mixed"``). An
         ``Evicting`` policy is replayed from its recorded trace. Logprobs are of
         ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
-        ``torch.no_grad()`` unless training).
+        ``torch.no_grad()`` unless training). Memory: no [B, S, V] logits exist unless
+        ``distributions`` — the LM head runs on the generated positions' hidden states chunk
+        by chunk (:func:`kvrl.kernels.logprobs.token_logprobs`), forward and backward; it
+        must be a plain ``nn.Linear`` (ValueError otherwise).
         """
         regime = as_regime(policy)
         if isinstance(sequences, Rollouts):
@@ -246,18 +295,44 @@ class HFEngine:
             if trace.death.shape[1] != B:
                 raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
             extra = {"kvrl_replay": trace.replay(pos)}
-        self.model.set_attn_implementation(attention)
-        try:
-            logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits.float()
-        finally:
-            self.model.set_attn_implementation("kvrl_replay")
-        logp = torch.log_softmax(logits / temperature, -1)
         G = int(n_gen.max())
         j = torch.arange(G, device=self.device)
         mask = j < n_gen[:, None]
         col = (S - n_gen[:, None] + j).clamp(max=S - 1)  # column of generated token j
-        lp = logp.gather(1, (col - 1)[..., None].expand(-1, -1, logp.shape[-1]))  # [B, G, V]
-        token_lp = lp.gather(-1, ids.gather(1, col)[..., None]).squeeze(-1) * mask
-        entropy = -(lp.exp() * lp).sum(-1) * mask
-        return Scores(token_lp, -token_lp, entropy, mask,
-                      distributions=lp * mask[..., None] if distributions else None)
+        if distributions:
+            # distillation needs the whole next-token distributions: dense logits [B, S, V]
+            self.model.set_attn_implementation(attention)
+            try:
+                logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits.float()
+            finally:
+                self.model.set_attn_implementation("kvrl_replay")
+            logp = torch.log_softmax(logits / temperature, -1)
+            lp = logp.gather(1, (col - 1)[..., None].expand(-1, -1, logp.shape[-1]))  # [B, G, V]
+            token_lp = lp.gather(-1, ids.gather(1, col)[..., None]).squeeze(-1) * mask
+            entropy = -(lp.exp() * lp).sum(-1) * mask
+            return Scores(token_lp, -token_lp, entropy, mask, distributions=lp * mask[..., None])
+        # Otherwise no [B, S, V] logits: the transformer body's final hidden states at the
+        # positions that predict generated tokens, then the LM head chunk by chunk
+        # (kvrl.kernels.logprobs; memory O(chunk·V + N·D), also in backward).
+        from kvrl.kernels.logprobs import token_logprobs
+        head = self.model.get_output_embeddings()
+        if type(head) is not torch.nn.Linear:
+            raise ValueError(f"score() computes logprobs from the LM head's weight and needs a plain torch.nn.Linear "
+                             f"output layer; {type(self.model).__name__}.get_output_embeddings() is "
+                             f"{type(head).__name__}")
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
+                raise ValueError(f"score() does not apply the model's {attr}={getattr(self.model.config, attr)} "
+                                 "(its logits are not the LM head's); use score(..., distributions=True) for it")
+        self.model.set_attn_implementation(attention)
+        try:
+            hidden = self.model.get_decoder()(input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False,
+                                              **extra).last_hidden_state  # no K/V kept: nothing decodes after
+        finally:
+            self.model.set_attn_implementation("kvrl_replay")
+        rows = hidden.gather(1, (col - 1)[..., None].expand(-1, -1, hidden.shape[-1]))[mask]  # [N, D]
+        lp, ent = token_logprobs(rows, head.weight, ids.gather(1, col)[mask], temperature=temperature,
+                                 bias=head.bias)
+        token_lp = torch.zeros(B, G, device=self.device).masked_scatter(mask, lp.float())
+        entropy = torch.zeros(B, G, device=self.device).masked_scatter(mask, ent.float())
+        return Scores(token_lp, -token_lp, entropy, mask)

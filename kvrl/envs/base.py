@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvrl.envs.chat import after_thinking
 from kvrl.envs.verify import extract_boxed
 
 
@@ -219,7 +220,10 @@ class TextEnv(Env):
         return None, reward, True, False, info
 
     def score(self, task: Task, completion: str) -> tuple[float, dict]:
-        """``(Σ weight·fn(task, completion), info)``; info has every reward's value by name."""
+        """``(Σ weight·fn(task, completion), info)``; info has every reward's value by name.
+        The rewards see the answer part of the completion: after its thinking block
+        (:func:`kvrl.envs.chat.after_thinking`)."""
+        completion = after_thinking(completion)
         info: dict[str, Any] = {}
         total = 0.0
         for r in self.rewards:

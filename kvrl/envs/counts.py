@@ -40,15 +40,27 @@ def make_count_task(rng: np.random.Generator, n_digits: int = 24) -> dict:
 
 
 class CountsEnv(TextEnv):
-    """Running counts over ``n_digits`` digits; tasks drawn from ``np_random``."""
+    """Running counts over ``n_digits`` digits; tasks drawn from ``np_random``.
 
-    def __init__(self, n_digits: int = 24):
+    overlong_penalty: the weight of a penalty on text past the reference completion's length
+    (:func:`overlong`; 0 = a metric only), for runs where stopping is what is learned.
+    """
+
+    def __init__(self, n_digits: int = 24, overlong_penalty: float = 0.0):
         if n_digits < 1:
             raise ValueError(f"n_digits must be >= 1 (got {n_digits})")
-        super().__init__(rewards=[Reward(correct, 1.0, "correct"), Reward(exact_cot, 0.0, "exact_cot")])
+        super().__init__(rewards=[Reward(correct, 1.0, "correct"), Reward(exact_cot, 0.0, "exact_cot"),
+                                  Reward(overlong, -overlong_penalty, "overlong")])
         self.n_digits = n_digits
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = make_count_task(rng, self.n_digits)
         return Task(id=f"counts-{int(rng.integers(2**62)):x}", prompt=t["prompt"], answer=t["answer"],
                     meta={"completion": t["completion"], "digits": t["digits"]})
+
+
+def overlong(task: Task, completion: str) -> float:
+    """Words past the reference completion's length, as a fraction of it (0 when the
+    completion stopped in time): what a model that does not stop after its answer pays."""
+    words = len(task.meta["completion"].split())
+    return max(0, len(completion.split()) - words) / words

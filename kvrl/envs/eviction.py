@@ -30,7 +30,7 @@ from torch import Tensor
 
 from kvrl.cache import KVCache
 from kvrl.envs.base import TraceEnv
-from kvrl.policies.base import KVPolicy
+from kvrl.policies.base import KVPolicy, geometry
 from kvrl.policies.golden import block_bounds
 from kvrl.policies.learned import LearnedScorer
 
@@ -56,7 +56,7 @@ class ChunkedPass:
         self.ends = block_bounds(self.ids.shape[1], prompt_len, policy.interval)
         self.cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, self.ids.shape[1], policy,
                              device=model.device)
-        self.scaling = cfg.head_dim ** -0.5
+        self.scaling = geometry(cfg)["head_dim"] ** -0.5
         self.chunk, self.logits = 0, []
 
     @torch.no_grad()
@@ -181,10 +181,8 @@ class EvictionEnv(TraceEnv):
                              f"{budget + interval} tokens, so nothing would be evicted; lower the budget or keep "
                              "longer traces (foresight.min_tokens)")
         self.model = model
-        c = self.model.config
         self.features = LearnedScorer(budget=budget, interval=interval, window=window, sink=sink,
-                                      group=c.num_attention_heads // c.num_key_value_heads, head_dim=c.head_dim,
-                                      layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads)
+                                      **geometry(self.model.config))
         self.eta, self.low_entropy, self.shuffle = eta, low_entropy, shuffle
         longest = max(len(t.ids) for t in self.traces)
         self.max_steps = 1 + -(-longest // interval)  # an eviction per chunk at most, plus the end

@@ -28,7 +28,7 @@ def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, poli
     texts, tokens, rewards, infos = [], [], [], []
     for i in tqdm(range(0, len(tasks), batch_size), desc=desc, leave=False):
         batch = tasks[i:i + batch_size]
-        T = max(len(engine.tokenizer(t.prompt)["input_ids"]) for t in batch) + max_new_tokens + 1
+        T = max(len(ids) for ids in engine.encode([t.prompt for t in batch])) + max_new_tokens
         out = engine.generate([t.prompt for t in batch], Sampling(max_new_tokens),
                               policy=policy if policy_fn is None else policy_fn(batch, T))
         texts += out.texts
@@ -37,8 +37,8 @@ def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, poli
             r, info = env.score(t, text)
             rewards.append(r)
             infos.append(info)
-    prompt_len = [len(engine.tokenizer(t.prompt)["input_ids"]) for t in tasks]
-    seq_len = [p + len(g) + 1 for p, g in zip(prompt_len, tokens)]  # + EOS
+    prompt_len = [len(ids) for ids in engine.encode([t.prompt for t in tasks])]
+    seq_len = [p + len(g) for p, g in zip(prompt_len, tokens)]  # a stopped sample ends with its stop token
     return {"acc": float(np.mean(rewards)), "texts": texts, "tokens": tokens,
             "mean_seq_len": float(np.mean(seq_len)),
             "cot_fraction": float(np.mean([(s - p) / s for s, p in zip(seq_len, prompt_len)])),

@@ -5,7 +5,7 @@
 RLKV (seed 000, §3.3 and Appendix B) trains its gates on problems the base model solves,
 so rewards stay dense while the gates close. The candidates (``self_distill.source``) are
 decoded greedily with the full cache on ``workers.engine``; the solved ones (reward > 0,
-finished by EOS) are bucketed by output length and ``self_distill.counts[b]`` drawn per
+finished by a stop id) are bucketed by output length and ``self_distill.counts[b]`` drawn per
 bucket (:func:`kvrl.data.self_distill.select`). Writes ``output_dir/tasks.jsonl``, which
 :class:`kvrl.data.self_distill.SelfDistilledEnv` reads as an RL recipe's environment, and
 ``output_dir/summary.json``.

@@ -14,7 +14,7 @@ What the cache does in an engine call is one of four regimes (:mod:`kvrl.policie
 ``as_regime`` builds one from None, a policy, a pattern or a death tensor.
 """
 
-from kvrl.policies.base import (KVPolicy, Observation, Selection, plackett_luce_logprob,
+from kvrl.policies.base import (KVPolicy, Observation, Selection, geometry, plackett_luce_logprob,
                                 should_evict)
 from kvrl.policies.gkv import GKV
 from kvrl.policies.h2o import H2O
@@ -36,13 +36,11 @@ def make_policy(name: str, model_config=None, **kwargs) -> KVPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown KV policy {name!r}; known policies: {', '.join(POLICIES)}")
     if POLICIES[name] is LearnedScorer and model_config is not None:
-        c = model_config
-        kwargs = {"group": c.num_attention_heads // c.num_key_value_heads, "head_dim": c.head_dim,
-                  "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, **kwargs}
+        kwargs = {**geometry(model_config), **kwargs}
     return POLICIES[name](**kwargs)
 
 
 __all__ = ["GKV", "H2O", "POLICIES", "REGIMES", "RKV", "Evicting", "Full", "HeadAllocation", "KVPolicy",
            "LearnedScorer", "Mixed", "Observation", "Regime", "ScorerMLP", "Selection", "SnapKV", "Static",
-           "StreamingLLM", "Window", "as_regime", "checksum", "make_policy", "plackett_luce_logprob",
+           "StreamingLLM", "Window", "as_regime", "checksum", "geometry", "make_policy", "plackett_luce_logprob",
            "should_evict"]

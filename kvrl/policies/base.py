@@ -77,6 +77,16 @@ class Selection:
     evicted: Tensor | None = None
 
 
+def geometry(config) -> dict[str, int]:
+    """The attention shape of a transformers config: ``layers``, ``kv_heads``, ``group``
+    (query heads per KV head) and ``head_dim``. Qwen2 (R1-Distill-Qwen) and older Llama
+    configs carry no ``head_dim``: it is then ``hidden_size // num_attention_heads``, as
+    in their attention modules."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {"layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
+            "group": config.num_attention_heads // config.num_key_value_heads, "head_dim": head_dim}
+
+
 def should_evict(generated: int, cache_len: int, policy: KVPolicy) -> bool:
     """Whether the engine evicts after the forward that just wrote to the cache.
 

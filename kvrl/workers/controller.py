@@ -50,6 +50,7 @@ from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.grpo import group_advantages, mask_truncated
 from kvrl.engines.hf import check_prompts
+from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
                          plot_rewards, seal, write_json)
@@ -96,8 +97,12 @@ class Controller:
             from transformers import AutoConfig, AutoTokenizer
 
             path = resolve_path(cfg.model.path)
-            check_prompts(self.env.data, AutoTokenizer.from_pretrained(path),
-                          getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None))
+            positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+            longest = check_prompts(self.env.data, AutoTokenizer.from_pretrained(path),
+                                    cfg.model.max_model_len or positions, Chat.of(cfg.env))
+            if not cfg.model.max_model_len:  # the engines size their KV checks for what this data needs
+                need = longest + cfg.sampling.max_new_tokens
+                cfg.model.max_model_len = min(need, positions) if positions else need
         self.out = Path(cfg.output_dir)
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
         self.own_ray = connect(cfg)

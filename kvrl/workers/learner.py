@@ -23,12 +23,38 @@ import torch
 import torch.distributed as dist
 
 from kvrl.algos import make_algo
-from kvrl.algos.base import Sample
+from kvrl.algos.base import Sample, micro_batches
 from kvrl.algos.push import Push
 from kvrl.engines.hf import HFEngine
 from kvrl.models.tiny import load_model
 from kvrl.policies.regime import checksum
 from kvrl.runlog import disk_full_names, setup_process
+
+
+# metrics that add up over micro-batches (each is already divided by the whole step's count)
+SUMMED = ("tokens", "pg_loss", "penalty")
+
+
+def merge_metrics(results: list[tuple[dict, int]]) -> dict:
+    """The share's metrics from its micro-batches' (metrics, scored tokens): sums for
+    :data:`SUMMED`, extremes for ``*_max`` / ``*_min``, token-weighted means otherwise."""
+    if len(results) == 1:
+        return dict(results[0][0])
+    weight = sum(n for _, n in results) or 1
+    merged = {}
+    for key, value in results[0][0].items():
+        values = [m[key] for m, _ in results]
+        if not isinstance(value, (int, float)) or key.startswith("gate"):  # gates: the same in every part
+            merged[key] = value
+        elif key in SUMMED:
+            merged[key] = sum(values)
+        elif key.endswith("_max"):
+            merged[key] = max(values)
+        elif key.endswith("_min"):
+            merged[key] = min(values)
+        else:
+            merged[key] = sum(v * n for v, (_, n) in zip(values, results)) / weight
+    return merged
 
 
 @ray.remote
@@ -43,6 +69,8 @@ class Learner:
         for p in self.params:
             p.requires_grad_(True)
         model.train()
+        if cfg.trainer.gradient_checkpointing:  # activations of one layer at a time, recomputed in backward
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, self.tokenizer = HFEngine(model, tokenizer), tokenizer
         tr = cfg.trainer
         self.opt = torch.optim.AdamW(self.params, lr=tr.lr, betas=(0.9, 0.99), weight_decay=tr.weight_decay)
@@ -86,29 +114,45 @@ class Learner:
     # ---- the update ------------------------------------------------------------------------
 
     def step(self, samples: list[Sample], num_items: float) -> dict:
-        """One optimizer step on this learner's samples; returns its metrics."""
+        """One optimizer step on this learner's samples; returns its metrics.
+
+        The share is scored in micro-batches of at most ``trainer.micro_batch_tokens`` padded
+        tokens (:func:`kvrl.algos.base.micro_batches`); each loss is divided by the whole
+        step's ``num_items``, so the summed gradients are the whole share's."""
         tr = self.cfg.trainer
-        batch = self.algo.collate(samples, num_items, self.cfg.device)
-        loss, scores, metrics = self.algo.loss(self.engine, batch)
-        with torch.no_grad():
-            # train/inference mismatch before the update: |behaviour − recomputed| per token
-            on = batch.mask.bool()
-            gap = (scores.logprobs.detach() - batch.old_logprobs).abs()[on]
-            metrics.update(mismatch_max=gap.max().item() if on.any() else 0.0,
-                           mismatch_mean=gap.mean().item() if on.any() else 0.0,
-                           entropy=scores.entropies.detach()[on].mean().item() if on.any() else 0.0)
+        parts = micro_batches(samples, tr.micro_batch_tokens)
+        rewards = torch.tensor([s.reward for s in samples], device=self.cfg.device)
         lr = tr.lr * min(1.0, (self.version + 1) / max(1, tr.warmup_steps))
         for group in self.opt.param_groups:
             group["lr"] = lr
+        if self.ds is None:
+            self.opt.zero_grad(set_to_none=True)
+        total, results = 0.0, []
+        for i, part in enumerate(parts):
+            batch = self.algo.collate(part, num_items, self.cfg.device)
+            batch.rewards, batch.first = rewards, i == 0
+            loss, scores, metrics = self.algo.loss(self.engine, batch)
+            with torch.no_grad():
+                # train/inference mismatch before the update: |behaviour − recomputed| per token
+                on = batch.mask.bool()
+                gap = (scores.logprobs.detach() - batch.old_logprobs).abs()[on]
+                metrics.update(mismatch_max=gap.max().item() if on.any() else 0.0,
+                               mismatch_mean=gap.mean().item() if on.any() else 0.0,
+                               entropy=scores.entropies.detach()[on].mean().item() if on.any() else 0.0)
+            if self.ds is not None:
+                # DeepSpeed averages gradients over ranks; the loss already divides by the whole
+                # step's count, so scale by the world size to get the sum back. Reduce and step
+                # only after the last micro-batch.
+                self.ds.set_gradient_accumulation_boundary(i == len(parts) - 1)
+                self.ds.backward(loss * self.world)
+            else:
+                loss.backward()
+            total += loss.item()
+            results.append((metrics, int(on.sum())))
         if self.ds is not None:
-            # DeepSpeed averages gradients over ranks; the loss already divides by the whole
-            # step's count, so scale by the world size to get the sum back.
-            self.ds.backward(loss * self.world)
             self.ds.step()
             grad_norm = float(self.ds.get_global_grad_norm() or 0.0)
         else:
-            self.opt.zero_grad(set_to_none=True)
-            loss.backward()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             if self.world > 1:
                 flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per step
@@ -121,7 +165,8 @@ class Learner:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
             self.opt.step()
         self.version += 1
-        metrics.update(loss=loss.item(), grad_norm=grad_norm, lr=lr, version=self.version,
+        metrics = merge_metrics(results)
+        metrics.update(loss=total, grad_norm=grad_norm, lr=lr, version=self.version, micro_batches=len(parts),
                        ids=[s.id for s in samples])
         if self.world > 1:  # the controller checks that data-parallel learners stay identical
             metrics["checksum"] = checksum(self.algo.state(self.engine.model))

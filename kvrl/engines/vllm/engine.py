@@ -41,8 +41,9 @@ import uuid
 import torch
 
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import Rollouts, Sampling, check_request
+from kvrl.engines.hf import Rollouts, Sampling, check_request, default_stop_ids, finish
 from kvrl.engines.vllm import plugin
+from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.kernels.replay import NEVER
@@ -69,6 +70,11 @@ class VLLMEngine:
         KV cache memory; default ``VLLM_CPU_KVCACHE_SPACE`` or 1 GiB on CPU, vLLM's own
         sizing on GPU.
     seed : int
+    stop_ids : list[int], optional
+        The ids that end a sequence; default the model folder's generation config and the
+        tokenizer's EOS (:func:`kvrl.engines.hf.default_stop_ids`), as the HF engine.
+    chat : kvrl.envs.chat.Chat, optional
+        Render prompts through the tokenizer's chat template; None: raw prompts.
     **llm_kwargs
         Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``max_num_seqs``,
         ``block_size``). ``enforce_eager`` defaults to True, prefix caching and async
@@ -76,7 +82,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model: str, tokenizer=None, *, dtype: str = "float32", kv_cache_gib: float | None = None,
-                 seed: int = 0, **llm_kwargs):
+                 seed: int = 0, stop_ids: list[int] | None = None, chat: Chat | None = None, **llm_kwargs):
         os.environ[plugin.ENV] = "1"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         plugin.register()
@@ -100,7 +106,16 @@ class VLLMEngine:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.chat = tokenizer, chat
+        if not stop_ids:
+            from transformers import GenerationConfig
+
+            try:
+                generation = GenerationConfig.from_pretrained(model)
+            except OSError:  # no generation_config.json: the tokenizer's EOS alone
+                generation = None
+            stop_ids = default_stop_ids(generation, tokenizer)
+        self.stop_ids = list(stop_ids)
         cfg = self.llm.llm_engine.vllm_config.model_config
         self.layers = cfg.get_num_layers(self.llm.llm_engine.vllm_config.parallel_config)
         self.max_model_len = cfg.max_model_len  # a prompt must leave room for a token
@@ -125,9 +140,8 @@ class VLLMEngine:
     # ---- generation ----
 
     def encode(self, prompts: list[str]) -> list[list[int]]:
-        """Token ids per prompt, as the HF engine encodes them (without its padding)."""
-        enc = self.tokenizer(prompts)
-        return [list(ids) for ids in enc["input_ids"]]
+        """Token ids per prompt (rendered by ``chat`` when set), as the HF engine encodes them."""
+        return encode_prompts(self.tokenizer, prompts, self.chat)
 
     def _install(self, regime, sample: bool) -> None:
         key = (_fingerprint(regime), sample)
@@ -155,8 +169,10 @@ class VLLMEngine:
             case Evicting(policy=p):
                 keep = p.budget + p.interval
         self._install(regime, sampling.sample_evictions)
+        # vLLM would add the generation config's EOS ids to ours: ignore_eos leaves exactly ours
+        stops = [] if sampling.ignore_eos else self.stop_ids
         params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                 seed=sampling.seed + i, logprobs=0, ignore_eos=sampling.ignore_eos,
+                                 seed=sampling.seed + i, logprobs=0, ignore_eos=True, stop_token_ids=stops,
                                  extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
                                              "kvrl_seed": sampling.seed + 1 + i})
                   for i in range(B)]
@@ -172,17 +188,12 @@ class VLLMEngine:
             self._installed = None  # the next call re-installs, clearing the workers' request state
             raise
         decode = time.perf_counter() - start
-        eos = self.tokenizer.eos_token_id
         out = Rollouts([], [], [], prompt_ids=ids)
         for o in outs:
             c = o.outputs[0]
             toks = list(c.token_ids)
-            lps = [float(d[t].logprob) for t, d in zip(toks, c.logprobs)]
-            n = toks.index(eos) if (eos in toks and not sampling.ignore_eos) else len(toks)
-            out.tokens.append(toks[:n])
-            out.logprobs.append(lps[:n])
-            out.finish_reasons.append("stop" if n < len(toks) else "length")
-            out.texts.append(self.tokenizer.decode(toks[:n]))
+            out.append(*finish(self.tokenizer, toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)],
+                               set(stops), len(toks)))
         evict = 0.0
         lengths = torch.tensor([len(p) + len(t) for p, t in zip(ids, out.tokens)])
         match regime:
