@@ -204,6 +204,7 @@ class WorkersConfig:
     learners: int = checked(1, ge=1)
     learner_cpus: float = checked(0.5, ge=0)  # CPUs reserved per learner actor
     learner_gpus: float = checked(0.0, ge=0)  # GPUs per learner actor
+    gpu_gib: float = checked(80.0, lambda v: v > 0, "must be > 0")  # memory of each GPU: dry_run checks the fit
     # learner optimizer: ddp (torch AdamW, all-reduced grads) | deepspeed (ZeRO)
     backend: str = checked("ddp", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed")
     # DeepSpeed ZeRO stage for backend=deepspeed: 1 | 2

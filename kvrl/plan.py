@@ -16,6 +16,9 @@ them); under a token policy the cache peaks at ``kv.budget + kv.interval``
 the deployment (training keeps the full cache under the mixed attention): a fraction
 ``s = rlkv.sparsity`` of the heads keeps ``rlkv.eval_sink + rlkv.eval_recent`` tokens, the
 others all T, so ``(1 − s)·T + s·min(T, sink + recent)`` per head on average.
+
+For the Ray jobs it estimates the peak memory of a learner and of a rollout actor per GPU
+(:func:`memory`) and warns, with the fix, when one exceeds ``workers.gpu_gib``.
 """
 
 from __future__ import annotations
@@ -117,6 +120,52 @@ def plan(cfg) -> dict:
     }
 
 
+# algorithms whose learner trains every weight of the model (the others train gates or a scorer)
+FULL_MODEL = ("rl_full", "rl_sparse", "distill")
+LOGIT_CHUNK = 1024  # rows of logits HFEngine.score holds at once (kvrl.kernels.logprobs)
+
+
+def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
+    """Peak bytes per GPU of a learner and of a rollout actor, by part (estimates; GPU, so
+    attention is flex/flash and keeps no T×T map).
+
+    learner: weights (+ a frozen copy for rl.kl_coef > 0 or distill's teacher), gradients
+    and AdamW state of what it trains (ZeRO shards both the fp32 master + moments, 12
+    bytes per parameter, over the learners), activations of one micro-batch
+    (``trainer.micro_batch_tokens``, else the learner's whole share) kept for backward —
+    ``(6·hidden + 4·intermediate)`` values per token and layer, or one ``hidden`` per
+    token and layer plus one layer's worth with ``trainer.gradient_checkpointing`` — and
+    one chunk of float32 logits with its softmax and gradient. rollout: weights and the KV
+    cache of ``sampling.batch_size`` sequences at their peak cached length.
+    """
+    w, tr = cfg.workers, cfg.trainer
+    width = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+    algo = "rlkv" if cfg.job == "rlkv" else "foresight" if cfg.job == "foresight" else cfg.rl.algo
+    trained = p["params"] if algo in FULL_MODEL else 0  # gates and scorers are a few thousand values
+    copies = 2 if (algo == "rl_full" and cfg.rl.kl_coef > 0) or algo == "distill" else 1
+    if w.backend == "deepspeed":
+        grads, optimizer = trained * width / w.learners, 12 * trained / w.learners
+    else:
+        grads, optimizer = trained * width, 2 * trained * width
+    share = max(1, tr.batch_size // w.learners)
+    tokens = tr.micro_batch_tokens or share * p["tokens_per_sequence"]
+    H, L = config.hidden_size, config.num_hidden_layers
+    per_layer = (6 * H + 4 * config.intermediate_size) * width
+    if algo == "foresight":  # the scorer learns from episode features, not through the model
+        activations = logits = 0
+    elif tr.gradient_checkpointing:
+        activations = tokens * (L * H * width + per_layer)
+        logits = 3 * 4 * min(tokens, LOGIT_CHUNK) * config.vocab_size
+    else:
+        activations = tokens * L * per_layer
+        logits = 3 * 4 * min(tokens, LOGIT_CHUNK) * config.vocab_size
+    return {
+        "learner": {"weights": copies * p["weights_bytes"], "gradients": grads, "optimizer": optimizer,
+                    "activations": activations, "logits": logits},
+        "rollout": {"weights": p["weights_bytes"], "kv cache": p["kv_kept_bytes_per_batch"]},
+    }
+
+
 def dry_run(cfg) -> dict:
     p = plan(cfg)
     w, tr = cfg.workers, cfg.trainer
@@ -154,6 +203,18 @@ def dry_run(cfg) -> dict:
             f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
             f"new tokens each",
         ]
+        p["memory"] = memory(cfg, model_config(cfg.model.path), p)
+        for actor, parts in p["memory"].items():
+            total = sum(parts.values())
+            gpus = w.learner_gpus if actor == "learner" else w.rollout_gpus
+            fit = (f" of the {w.gpu_gib:g} GiB GPU (workers.gpu_gib)" if gpus else " (no GPU: host memory)")
+            lines.append(f"{'memory' if actor == 'learner' else '':<10} {actor} peak ~{size(total)}{fit}: "
+                         + " + ".join(f"{k} {size(v)}" for k, v in parts.items() if v))
+            if gpus and total > w.gpu_gib * 2 ** 30:
+                lines.append(f"WARNING    the {actor} does not fit: " + (
+                    "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing=true, "
+                    "or more learners with workers.backend=deepspeed" if actor == "learner" else
+                    "lower sampling.batch_size or kv.budget"))
     else:
         lines.append(f"process    one, on {cfg.device}; {tr.steps} steps of {tr.batch_size}")
     print("\n".join(lines))

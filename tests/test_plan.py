@@ -29,3 +29,28 @@ def test_unknown_model_says_what_to_pass(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here; an unknown hub id must fail cleanly
     assert main(["recipe=tiny_rl_full", "dry_run=true", f"model.path={tmp_path}/nope"]) == 2
     assert "pass a local folder with a config.json" in capsys.readouterr().err
+
+
+CLUSTER = ["rlkv_r1_llama_8b", "rlkv_r1_qwen_7b", "rlkv_qwen3_4b_thinking", "gkv_r1_qwen_7b", "gkv_r1_llama_8b",
+           "foresight_qwen3_4b", "foresight_qwen3_1_7b", "foresight_r1_qwen_7b"]
+
+
+@pytest.mark.parametrize("recipe", CLUSTER)
+def test_every_cluster_recipe_fits_80_gb_gpus(recipe, capsys):
+    from kvrl.plan import dry_run
+
+    p = dry_run(load_config([f"recipe={recipe}"]))
+    out = capsys.readouterr().out
+    assert "rollout peak" in out and "learner peak" in out and "WARNING" not in out, out
+    for actor, parts in p["memory"].items():
+        assert parts["weights"] <= sum(parts.values()) < 80 * 2 ** 30, (actor, parts)
+
+
+def test_a_learner_that_would_not_fit_is_warned_with_the_fix(capsys):
+    """G-KV's learner share (32 samples x ~4K tokens) in one pass keeps ~665 GB of activations."""
+    from kvrl.plan import dry_run
+
+    p = dry_run(load_config(["recipe=gkv_r1_qwen_7b", "trainer.micro_batch_tokens=0",
+                             "trainer.gradient_checkpointing=false"]))
+    assert p["memory"]["learner"]["activations"] > 500 * 2 ** 30
+    assert "WARNING    the learner does not fit: set trainer.micro_batch_tokens" in capsys.readouterr().out
