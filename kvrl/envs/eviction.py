@@ -57,7 +57,7 @@ class ChunkedPass:
         self.cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, self.ids.shape[1], policy,
                              device=model.device)
         self.scaling = geometry(cfg)["head_dim"] ** -0.5
-        self.chunk, self.logits = 0, []
+        self.chunk, self.losses, self.entropies = 0, [], []
 
     @torch.no_grad()
     def advance(self) -> bool:
@@ -78,7 +78,14 @@ class ChunkedPass:
                                  use_cache=True, kvrl_cache=self.cache)
             finally:
                 self.model.set_attn_implementation(previous)
-            self.logits.append(out.logits[0].float())
+            # score the tokens this chunk predicts now (P..T-1 over the whole pass), so that no
+            # [T, V] logits are kept: one chunk's [end - start, V] at a time
+            first = max(start, self.prompt_len - 1)
+            last = min(end, T - 1)
+            if first < last:
+                logp = torch.log_softmax(out.logits[0, first - start:last - start].float(), -1)
+                self.losses.append(-logp.gather(-1, self.ids[0, first + 1:last + 1, None]).squeeze(-1))
+                self.entropies.append(-(logp.exp() * logp).sum(-1))
             if due:
                 return True
         return False
@@ -94,10 +101,7 @@ class ChunkedPass:
     def scores(self) -> tuple[Tensor, Tensor]:
         """Per generated token: loss and entropy [T − prompt_len] under the pass so far
         (call after :meth:`advance` returned False)."""
-        logp = torch.log_softmax(torch.cat(self.logits), -1)[self.prompt_len - 1:-1]  # predicts tokens P..T-1
-        target = self.ids[0, self.prompt_len:]
-        loss = -logp.gather(-1, target[:, None]).squeeze(-1)
-        return loss, -(logp.exp() * logp).sum(-1)
+        return torch.cat(self.losses), torch.cat(self.entropies)
 
 
 def run_policy(model, ids: Tensor, prompt_len: int, policy: KVPolicy) -> ChunkedPass:
