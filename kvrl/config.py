@@ -226,13 +226,12 @@ class DistillConfig:
 @dataclass
 class RLKVConfig:
     # RLKV (seed 000, methods.md §3): one gate per (layer, KV head) trained with GRPO (job=rlkv, rl.algo=rlkv)
-    # and head reallocation from the exported gates (job=eval_budgets with rlkv.gates). Defaults: Table 3.
+    # and head reallocation from the exported gates (job=eval with eval.settings.NAME: {policy: heads, run: DIR}). Defaults: Table 3.
     # β of the adaptive L1 penalty 1(r̄ > τ)·β·(exp(r̄) − 1)·mean|α| (Qwen3-4B: 2.5e-3)
     l1_coef: float = checked(1.0e-3, lambda v: v >= 0, "must be >= 0 (the L1 penalty weight)")
     tau: float = 0.5  # τ: no penalty while the batch's mean reward r̄ ≤ τ (Qwen-2.5-7B-R1: 0.55)
     sink: int = checked(128, ge=0)  # training window of the compressed branch: sink tokens ...
     recent: int = checked(256, lambda v: v >= 1, "must be >= 1 (a token must see itself)")  # ... and recent tokens
-    gates: str = ""  # exported gates (a gates.safetensors, or the rlkv run's output_dir) to evaluate; "" = none
     # fraction of (layer, KV head) pairs compressed at deployment, lowest gates first
     sparsity: float = checked(0.5, lambda v: 0 <= v <= 1, "must be a fraction in [0, 1] (of the heads compressed)")
     # deployment window of a compressed head (the paper's 16 sink + 64 recent)
@@ -288,17 +287,34 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    # KV budgets to evaluate, as fractions of the average sequence length
-    budgets: List[float] = checked([0.25, 0.5], lambda v: len(v) > 0 and all(0 < b <= 1 for b in v),
-                                   "must be fractions in (0, 1]")
+    # job=eval's lines: zoo names (full streaming h2o snapkv rkv gkv learned), window, or eval.settings entries
+    policies: List[str] = checked(["full", "streaming", "h2o", "snapkv", "rkv", "gkv"], lambda v: len(v) > 0,
+                                  "must name at least one policy")
+    # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}}
+    settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    # KV budgets: <= 1 a fraction of the full cache's mean sequence length, > 1 a number of tokens
+    budgets: List[float] = checked([0.25, 0.5], lambda v: len(v) > 0 and all(b > 0 for b in v),
+                                   "must be fractions in (0, 1] or token counts > 1")
+    samples: int = checked(1, ge=1)  # samples per task; accuracy is their mean (pass@1)
+    pass_k: List[int] = checked([1], lambda v: all(k >= 1 for k in v), "must be >= 1")  # pass@k for k <= samples
 
     def problems(self, cfg: "Config") -> list[str]:
-        """The eval job's budgets are eval.budgets (fractions of the mean sequence), not kv.budget."""
+        """The eval job's budgets are eval.budgets, not kv.budget; every line names a known kind."""
+        from kvrl.eval.suite import KINDS
+
+        problems = []
         if cfg.kv.budget > 0:
-            return [f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of eval.budgets "
-                    f"({cli_value(self.budgets)}, fractions of the mean sequence length); set kv.budget=0 (and "
-                    "eval.budgets to the fractions to evaluate)"]
-        return []
+            problems.append(f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
+                            f"eval.budgets ({cli_value(self.budgets)}: fractions of the mean sequence length or "
+                            "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)")
+        for name in self.policies:
+            kind = self.settings.get(name, {}).get("policy", name)
+            if kind not in KINDS:
+                near = difflib.get_close_matches(str(kind), KINDS, n=1)
+                problems.append(f"eval.policies entry {name!r} is {kind!r}, not one of {', '.join(KINDS)} and no "
+                                f"eval.settings.{name}.policy says which; "
+                                + (f"set it to {near[0]}" if near else f"add eval.settings.{name}.policy=KIND"))
+        return problems
 
 
 @dataclass
@@ -377,7 +393,7 @@ class Job:
 
 # cfg.job -> Job; the single list of jobs
 JOBS = {
-    "eval_budgets": Job("kvrl.jobs.eval_budgets:main", sections=("model", "env", "eval")),
+    "eval": Job("kvrl.jobs.eval:main", sections=("model", "env", "eval")),
     "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
     "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env")),
     "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main"),

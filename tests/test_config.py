@@ -83,9 +83,9 @@ def test_malformed_argument_shows_the_syntax(capsys):
 
 
 def test_unknown_job_lists_the_jobs(capsys):
-    assert main(["job=eval_budget"]) == 2
+    assert main(["job=evl"]) == 2
     err = capsys.readouterr().err
-    assert "did you mean job=eval_budgets?" in err and all(job in err for job in JOBS)
+    assert "did you mean job=eval?" in err and all(job in err for job in JOBS)
 
 
 def test_help_lists_recipes_jobs_and_keys(capsys):
@@ -109,7 +109,7 @@ def test_printed_config_round_trips_as_a_recipe(capsys, tmp_path, monkeypatch):
 
 def test_unknown_key_in_a_recipe_names_file_and_key(capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("# a recipe with a typo\njob: eval_budgets\ntrainer:\n  lrr: 0.1\n")
+    bad.write_text("# a recipe with a typo\njob: eval\ntrainer:\n  lrr: 0.1\n")
     monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
     assert main(["recipe=bad"]) == 2
     err = capsys.readouterr().err
@@ -135,7 +135,7 @@ def test_recipe_values_and_cli_overrides():
     assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.output_dir) == ("tiny_foresight", "foresight", "learned",
                                                                     "outputs/tiny_foresight")
     cfg = load_config(["recipe=tiny_eval"])
-    assert (cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("eval_budgets", "full", [0.25, 0.5])
+    assert (cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("eval", "full", [0.25, 0.5, 0.75])
     cfg = load_config(["recipe=tiny_pretrain", "trainer.steps=10", "run_name=x"])
     assert (cfg.trainer.steps, cfg.trainer.lr, cfg.output_dir) == (10, 3e-3, "outputs/x")
 
@@ -156,7 +156,7 @@ def test_a_renamed_key_names_the_new_one(capsys, tmp_path, monkeypatch, old, new
     err = capsys.readouterr().err
     assert f"command line: {old} was renamed {new} (" in err and f"set {new}=0.04" in err
     section, _, leaf = old.partition(".")
-    (tmp_path / "old.yaml").write_text(f"job: eval_budgets\n{section}:\n  {leaf}: 0.5\n")
+    (tmp_path / "old.yaml").write_text(f"job: eval\n{section}:\n  {leaf}: 0.5\n")
     monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
     assert main(["recipe=old"]) == 2
     err = capsys.readouterr().err
@@ -172,17 +172,17 @@ def test_every_base_is_used_and_is_not_a_recipe():
 
 def test_a_recipe_overrides_its_base(capsys, tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
-    (tmp_path / "base" / "method.yaml").write_text("# shared\njob: eval_budgets\nkv:\n  sink: 2\n  window: 3\n")
+    (tmp_path / "base" / "method.yaml").write_text("# shared\njob: eval\nkv:\n  sink: 2\n  window: 3\n")
     (tmp_path / "model.yaml").write_text("# one model\nbase: method\nkv:\n  window: 5\n")
     monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_path))
     cfg = load_config(["recipe=model", "kv.sink=1"])
-    assert (cfg.job, cfg.kv.sink, cfg.kv.window) == ("eval_budgets", 1, 5)  # command line > recipe > base
+    assert (cfg.job, cfg.kv.sink, cfg.kv.window) == ("eval", 1, 5)  # command line > recipe > base
     assert list(available_recipes()) == ["model"]
     # an unknown base names the available ones; a typo in a base names the base's file
     (tmp_path / "other.yaml").write_text("base: methd\n")
     assert main(["recipe=other"]) == 2
     assert "unknown base 'methd'" in (err := capsys.readouterr().err) and "available bases: method" in err
-    (tmp_path / "base" / "method.yaml").write_text("job: eval_budgets\nkv:\n  windw: 3\n")
+    (tmp_path / "base" / "method.yaml").write_text("job: eval\nkv:\n  windw: 3\n")
     assert main(["recipe=model"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "base" / "method.yaml") in err and "did you mean kv.window?" in err

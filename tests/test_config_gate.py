@@ -35,7 +35,7 @@ CASES = [
     ("budget_zero", ["recipe=tiny_gkv_distill", "kv.budget=0"],
      None, ["kv.budget=0 keeps every token, but job=rl rl.algo=distill evicts with kv.policy=gkv", "set kv.budget=64"]),
     ("eval_ignores_budget", ["recipe=tiny_eval", "kv.budget=64"],
-     None, ["kv.budget=64 would be ignored: job=eval_budgets evaluates the budgets of eval.budgets",
+     None, ["kv.budget=64 would be ignored: job=eval evaluates the budgets of eval.budgets",
             "set kv.budget=0"]),
     ("model_path_malformed", ["recipe=tiny_rl_full", "model.path=/no/such/model"],
      None, ["model.path='/no/such/model' is neither a folder here nor a hub id",
@@ -94,7 +94,7 @@ print(json.dumps(results))
 @pytest.fixture(scope="module")
 def tmp_recipes(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("recipes")
-    (folder / "latin1.yaml").write_bytes("# Caf\xe9 recipe\njob: eval_budgets\n".encode("latin-1"))
+    (folder / "latin1.yaml").write_bytes("# Caf\xe9 recipe\njob: eval\n".encode("latin-1"))
     (folder / "bare_rl.yaml").write_text("# RL with the schema's defaults\njob: rl\n")
     return folder
 

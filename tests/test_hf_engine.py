@@ -87,7 +87,7 @@ def test_replay_is_exact_in_float64(name):
     show it: the shipped reasoner sampled at temperature 2 under tiny_gkv_sparse's budget.
     There float32 decoding and replay differ by up to ~1e-4 on rare tokens, each being
     that far from the exact value (benchmarks/replay_precision.py); in float64 they agree
-    to float32 rounding (both engines round logits to float32 before the softmax)."""
+    to float32 rounding (both compute the log-softmax in float64 and round its result to float32)."""
     model, tok = load_model("tiny")
     engine = HFEngine(model.double().eval(), tok)
     env = make("kvrl/counts-v0")
@@ -104,6 +104,7 @@ def test_replay_is_exact_in_float64(name):
             scores = engine.score(out, trace=trace, temperature=2.0)
         diffs.append(max(float((scores.logprobs[b, :len(lp)] - torch.tensor(lp)).abs().max())
                          for b, lp in enumerate(out.logprobs)))
+    print(f"float64 replay: {diffs[0]:.1e}")
     assert diffs[0] <= 1e-6, diffs
     assert diffs[1] > 1e-5, diffs  # a replay that evicts one step late is caught
 

@@ -154,6 +154,27 @@ def test_gradients_reach_only_the_gates(engine):
     assert torch.equal(state["gates"], algo.gates.detach().clamp(0, 1))
 
 
+def test_checkpointed_layers_recompute_the_mixed_attention(engine):
+    """trainer.gradient_checkpointing=true: backward, after score() returned, recomputes each
+    layer under the same mixed-gate attention; the gates' gradient equals the plain one."""
+    gates = torch.tensor([[0.9, 0.6], [0.2, 0.4], [0.8, 0.1], [0.5, 0.7]])
+    out = engine.generate(["3 1 4 1 5 ;", "9 2 6 ;"], Sampling(max_new_tokens=8, temperature=1.0, seed=3))
+    model = engine.model
+    grads = []
+    for checkpointed in (False, True):
+        g = gates.clone().requires_grad_(True)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        try:
+            engine.score(out, policy=Mixed(g, sink=2, recent=4)).logprobs.sum().backward()
+        finally:
+            model.gradient_checkpointing_disable()
+            model.eval()
+        grads.append(g.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
 def test_rlkv_config_errors_say_the_fix():
     with pytest.raises(ConfigError, match="workers.engine=vllm"):
         rlkv_config("workers.engine=hf")
@@ -185,7 +206,7 @@ def test_export_roundtrip_and_ranking(tmp_path):
                                 sink=4, recent=12)
         n = int(s * 8 + 0.5)
         assert sorted(alloc.compressed_mask().flatten().nonzero().flatten().tolist()) == sorted(order[8 - n:])
-    with pytest.raises(FileNotFoundError, match="rlkv.gates="):
+    with pytest.raises(FileNotFoundError, match="an rlkv run's output_dir"):
         load_gates(tmp_path / "missing")
 
 
@@ -301,12 +322,12 @@ def test_eval_job_reallocates_heads_in_both_engines(tmp_path, capsys):
         for engine in ("hf", "vllm"):
             out = tmp_path / f"{name}-{engine}"
             args = ["recipe=tiny_eval", "env.num_eval_tasks=16", "sampling.max_new_tokens=64", f"output_dir={out}",
-                    f"rlkv.gates={tmp_path / name}", "rlkv.eval_sink=4", "rlkv.eval_recent=12",
-                    f"workers.engine={engine}", "eval.budgets=[0.5]"]
+                    "eval.policies=[rlkv]", f"eval.settings.rlkv.run={tmp_path / name}", "eval.settings.rlkv.sink=4",
+                    "eval.settings.rlkv.recent=12", "eval.settings.rlkv.sparsities=[0.5]", f"workers.engine={engine}"]
             assert main(args) == 0
-            rows = json.loads((out / "results.json").read_text())["rows"]
-            assert rows[-1]["policy"] == "rlkv s=0.5" and rows[-1]["compressed_heads"] == 4
-            acc[name, engine] = [r["acc"] for r in rows]
+            rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+            assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("rlkv", "s=0.5")]
+            acc[name, engine] = [r["accuracy"] for r in rows]
     capsys.readouterr()
     assert acc["good", "hf"] == acc["good", "vllm"] and acc["inverted", "hf"] == acc["inverted", "vllm"]
     assert acc["good", "hf"][-1] == 1.0 and acc["inverted", "hf"][-1] < 0.5

@@ -13,7 +13,7 @@ Contract:
 * ``score(sequences, prompt_lens, trace=None) -> Scores`` gives teacher-forced per-token
   logprobs, losses and entropies of the generated tokens in one forward, under the
   replayed trace (``"kvrl_replay"``), under full attention, or under RLKV's mixed-gate
-  attention (``policy=Mixed``, ``"kvrl_mixed"``: the learner of ``rl.algo=rlkv``).
+  attention (``policy=Mixed``, :mod:`kvrl.kernels.mixed`: the learner of ``rl.algo=rlkv``).
 
 Every other engine is checked against this one. It runs its own decode loop rather than
 ``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
@@ -213,7 +213,9 @@ class HFEngine:
             for step in range(sampling.max_new_tokens):
                 cache.begin(step_pos, generated=step)  # this forward writes generated token step-1
                 logits = self.model(input_ids=step_ids, position_ids=step_pos.clamp(min=0),
-                                    past_key_values=cache, use_cache=True, kvrl_cache=cache).logits[:, -1].float()
+                                    past_key_values=cache, use_cache=True, kvrl_cache=cache).logits[:, -1]
+                # at least float32, float64 for a float64 model: score() works in the same precision
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 if sampling.temperature > 0:
                     logp = torch.log_softmax(logits / sampling.temperature, -1)
                     nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
@@ -222,7 +224,7 @@ class HFEngine:
                     nxt = logits.argmax(-1)
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
                 tokens.append(nxt)
-                logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1))
+                logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1).float())
                 done |= torch.isin(nxt, stops) | (limits <= step + 1)
                 if bool(done.all()):
                     break
@@ -256,7 +258,7 @@ class HFEngine:
         :class:`Rollouts` (its prompts and generated tokens). ``policy`` is a cache regime
         or anything :func:`kvrl.policies.as_regime` takes. Attention replays ``trace`` (the
         batch's trace, in the same order), or a ``Static`` pattern, or is full when both are
-        None; under ``Mixed`` it is RLKV's mixed-gate attention (``"kvrl_mixed"``). An
+        None; under ``Mixed`` it is RLKV's mixed-gate attention (:mod:`kvrl.kernels.mixed`). An
         ``Evicting`` policy is replayed from its recorded trace. Logprobs are of
         ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
         ``torch.no_grad()`` unless training). Memory: no [B, S, V] logits exist unless
@@ -275,14 +277,14 @@ class HFEngine:
         ids = torch.tensor([[pad] * (S - len(s)) + list(s) for s in sequences], device=self.device)
         pos = torch.arange(S, device=self.device) - (S - lens)[:, None]
         pos = pos.masked_fill(pos < 0, -1)
-        attention = "kvrl_replay"
+        extra = None
         match regime:
             case Mixed():
                 # RLKV's learner: the rollout engines' mixed-gate attention over the padded batch;
                 # the gates may require grad (the gradient then reaches them through the mix)
                 if trace is not None:
                     raise ValueError("mixed gates attend over the whole sequence: pass no trace with policy=Mixed")
-                attention, extra = "kvrl_mixed", {"kvrl_mixed": regime, "kvrl_key_pos": pos}
+                extra = {"kvrl_mixed": regime, "kvrl_key_pos": pos}
             case Evicting() if trace is None:
                 raise ValueError("a dynamic KV policy is replayed from its recorded trace: pass trace=rollouts.traces")
             case Static() if trace is None:
@@ -291,7 +293,7 @@ class HFEngine:
                 cfg = self.model.config
                 trace = EvictionTrace.from_death(torch.full((cfg.num_hidden_layers, B, cfg.num_key_value_heads, S),
                                                             NEVER, dtype=torch.int32, device=self.device), lens)
-        if attention == "kvrl_replay":
+        if extra is None:
             if trace.death.shape[1] != B:
                 raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
             extra = {"kvrl_replay": trace.replay(pos)}
@@ -301,11 +303,8 @@ class HFEngine:
         col = (S - n_gen[:, None] + j).clamp(max=S - 1)  # column of generated token j
         if distributions:
             # distillation needs the whole next-token distributions: dense logits [B, S, V]
-            self.model.set_attn_implementation(attention)
-            try:
-                logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits.float()
-            finally:
-                self.model.set_attn_implementation("kvrl_replay")
+            logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # as generate()
             logp = torch.log_softmax(logits / temperature, -1)
             lp = logp.gather(1, (col - 1)[..., None].expand(-1, -1, logp.shape[-1]))  # [B, G, V]
             token_lp = lp.gather(-1, ids.gather(1, col)[..., None]).squeeze(-1) * mask
@@ -324,12 +323,10 @@ class HFEngine:
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
                 raise ValueError(f"score() does not apply the model's {attr}={getattr(self.model.config, attr)} "
                                  "(its logits are not the LM head's); use score(..., distributions=True) for it")
-        self.model.set_attn_implementation(attention)
-        try:
-            hidden = self.model.get_decoder()(input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False,
-                                              **extra).last_hidden_state  # no K/V kept: nothing decodes after
-        finally:
-            self.model.set_attn_implementation("kvrl_replay")
+        # the model stays on "kvrl_replay" (it runs mixed gates too), so that layers checkpointed
+        # for training recompute in backward, after this returns, the attention they ran here
+        hidden = self.model.get_decoder()(input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False,
+                                          **extra).last_hidden_state  # no K/V kept: nothing decodes after
         rows = hidden.gather(1, (col - 1)[..., None].expand(-1, -1, hidden.shape[-1]))[mask]  # [N, D]
         lp, ent = token_logprobs(rows, head.weight, ids.gather(1, col)[mask], temperature=temperature,
                                  bias=head.bias)

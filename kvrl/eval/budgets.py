@@ -3,7 +3,7 @@
 :func:`evaluate` decodes tasks in either engine under a cache regime (a KV policy, a static
 pattern such as :class:`kvrl.policies.Window` — sink+recent on every head — or RLKV's
 head allocation) and scores them with the environment. The budget table job is
-``kvrl/jobs/eval_budgets.py``; the benchmarks call :func:`evaluate`.
+``kvrl/jobs/eval.py`` (the suite); the benchmarks call :func:`evaluate`.
 """
 
 from __future__ import annotations

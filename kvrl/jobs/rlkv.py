@@ -8,7 +8,7 @@ L1 penalty, pushed to vLLM rollouts after every update). At the end, instead of 
 the frozen model, the run leaves in ``output_dir``:
 
 * ``gates.tsv`` / ``gates.safetensors`` (gates + head ranking; :mod:`kvrl.policies.heads`),
-  which ``recipe=tiny_eval rlkv.gates=<output_dir>`` deploys as head reallocation;
+  which ``job=eval`` deploys as head reallocation (``eval.settings.NAME: {policy: heads, run: <output_dir>}``);
 * ``gates.png`` (the distribution and the [layer, head] map), ``reward_gates.png`` (reward,
   mean and min gate per step, where the penalty was on) and ``reward.png``.
 """

@@ -103,8 +103,16 @@ def replay_attention(module, query, key, value, attention_mask, *, scaling, drop
                      position_ids=None, kvrl_replay: Replay | None = None, **kwargs):
     """transformers attention function: query [B, Hq, Q, D], key/value [B, Hkv, K, D]
     -> (out [B, Q, Hq, D], None)."""
+    if kvrl_replay is None and kwargs.get("kvrl_mixed") is not None:
+        # RLKV's learner: mixed gates under the same implementation, so a checkpointed layer's
+        # recompute in backward (after score() returned) runs the attention its forward ran
+        from kvrl.kernels.mixed import mixed_attention
+
+        return mixed_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                               position_ids=position_ids, **kwargs)
     if kvrl_replay is None:
-        raise ValueError("attn_implementation='kvrl_replay' needs model(..., kvrl_replay=Replay(...))")
+        raise ValueError("attn_implementation='kvrl_replay' needs model(..., kvrl_replay=Replay(...)) "
+                         "(or kvrl_mixed=Mixed(...))")
     groups = query.shape[1] // key.shape[1]
     if kvrl_replay.flex:
         if not query.shape[2] == key.shape[2] == kvrl_replay.key_pos.shape[1]:

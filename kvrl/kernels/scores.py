@@ -81,21 +81,44 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     return probs * visible
 
 
+_DIRECTIONS = ("last", "first")
+_TILE_ELEMENTS = 1 << 22  # elements of one [B, H, tile, tile] block (16 MiB in float32)
+_MAX_TILE = 2048  # keeps the tile's index codes (≤ tile·(tile+1) + tile) exact in float32
+
+
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5, *,
-                   eps: float = 1e-6) -> torch.Tensor:
-    """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` (methods.md §8 step 7).
+                   retain_direction: str = "last", eps: float = 1e-6,
+                   tile: int | None = None) -> torch.Tensor:
+    """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` / R-KV's ``cal_similarity``
+    (methods.md §8 step 7 and R-KV step 5).
 
     1. cosine similarity of the keys (norm + ``eps``), diagonal set to 0, invalid rows and
        columns set to 0;
-    2. for every column n, the entry in the **latest** row m (largest slot) with
-       ``cos(m, n) > threshold`` is zeroed — each token's most recent near-duplicate does not
-       count it, so with copies at slots 10 < 30 < 45, slot 10 is penalised by 30 and 45,
-       slot 30 by 10 only, slot 45 by neither (the newest copy survives);
+    2. for every column n, one near-duplicate entry is zeroed: with ``retain_direction``
+       ``"last"`` the entry in the **latest** row m (largest slot, m ≠ n) with
+       ``cos(m, n) > threshold`` — each token's most recent near-duplicate does not count
+       it, so with copies at slots 10 < 30 < 45, slot 10 is penalised by 30 and 45, slot 30
+       by 10 only, slot 45 by neither (the newest copy survives); with ``"first"`` the entry
+       in the **earliest** such row — slot 10 is penalised by neither, 30 by 45 only, 45 by
+       10 and 30 (the oldest copy survives);
     3. row sums ÷ number of valid tokens; invalid slots −inf; softmax over the N slots.
+
+    ``"first"`` follows R-KV's vLLM port (``vLLM/rkv/algo.py::cal_similarity``), which fixed
+    the original ``rkv/utils.py``, where rows without a near-duplicate min-reduce over 0s
+    and so nearly always pick slot 0. R-KV zeroes, per row i, its entry at its last/first
+    near-duplicate j and averages columns; cosine is symmetric, so that is this
+    column-per-row rule transposed. R-KV's fallbacks for a row without any near-duplicate
+    (zero column 0 for ``"last"``, column N−1 for ``"first"``) are not reproduced.
 
     Every sample uses its own keys (R-KV reads ``key_states[0]`` for the whole batch; that
     bug is not reproduced). Slot order must be position order among valid slots, so that
     "latest row" means "most recent token".
+
+    Cost: the N×N cosines are computed once per unordered pair, tile by tile (one
+    [B, H, tile, tile] float32 block at a time, on or below the diagonal), so the work is
+    about half a float32 ``keys @ keysᵀ`` and the memory is the normalised keys plus one
+    tile. Row sums come from ``k̂_m · Σ_n k̂_n − k̂_m · k̂_m`` minus the zeroed entries,
+    which are recomputed as dot products and subtracted from the row that held them.
 
     Parameters
     ----------
@@ -103,26 +126,83 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     valid : Tensor [B, H, N] bool
     threshold : float
         Near-duplicate cosine threshold (0.5, hard-coded in both references).
+    retain_direction : {"last", "first"}
+        Which near-duplicate of each token does not count it (R-KV's ``retain_direction``).
     eps : float
         Added to the key norms (G-KV: 1e-6; R-KV: 1e-8).
+    tile : int, optional
+        Side of the square cosine blocks; default: about 2²² elements per [B, H] block, at
+        most 2048.
 
     Returns
     -------
     Tensor [B, H, N] float32
         Redundancy, a distribution over the valid slots (0 at invalid slots).
     """
+    if retain_direction not in _DIRECTIONS:
+        raise ValueError(f"retain_direction={retain_direction!r} is not one of {_DIRECTIONS}")
+    b, h, n, d = keys.shape
     k = keys.float()
-    k = k / (k.norm(dim=-1, keepdim=True) + eps)
-    cos = k @ k.transpose(-1, -2)  # [B, H, N(rows m), N(columns n)]
-    n = cos.shape[-1]
-    slots = torch.arange(n, device=keys.device)
-    pair = valid[..., :, None] & valid[..., None, :] & (slots[:, None] != slots[None, :])
-    cos = cos.masked_fill(~pair, 0.0)
-    latest = torch.where((cos > threshold) & pair, slots[:, None], -1).amax(-2)  # per column
-    cos = cos.masked_fill(slots[:, None] == latest[..., None, :], 0.0)
-    score = cos.sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)
+    norm = k.norm(dim=-1, keepdim=True) + eps
+    k = (k / norm).masked_fill_(~valid[..., None], 0.0)  # invalid slots: cos 0 with everything
+    # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix.
+    rowsum = (k @ k.sum(-2)[..., None])[..., 0] - (1 - eps / norm[..., 0]).square() * valid
+    pick = _exempt_rows(k, valid, threshold, retain_direction == "last", tile)
+    # Zero entry (pick[n], n): subtract cos(pick[n], n) from row pick[n].
+    found = pick >= 0
+    row = pick.clamp(min=0)
+    step = max(1, (_TILE_ELEMENTS // 4) // max(1, b * h * d))
+    for j0 in range(0, n, step):  # gather the picked rows' keys a chunk of columns at a time
+        j1 = min(j0 + step, n)
+        picked = k.gather(2, row[..., j0:j1, None].expand(-1, -1, -1, d))
+        cos = (picked * k[..., j0:j1, :]).sum(-1) * found[..., j0:j1]
+        rowsum.scatter_add_(-1, row[..., j0:j1], -cos)
+    score = rowsum / valid.sum(-1, keepdim=True).clamp(min=1)
     # A head without any valid slot would be all -inf (NaN after softmax); make it 0.
     return score.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool,
+                 tile: int | None) -> torch.Tensor:
+    """For every column n of the normalised keys k [B, H, N, D] (invalid rows zero): the
+    latest (``last``) or earliest valid row m ≠ n with ``cos(m, n) > threshold``; −1 if none.
+
+    Tiles (I, J) on and below the diagonal, block = cos(rows I, columns J): its column-wise
+    extreme gives the candidate rows of I for the columns J and, off the diagonal, by
+    symmetry its row-wise extreme gives the candidate rows of J for the columns I. A block is
+    compared with the threshold and multiplied by an index code
+    ``(a_i + 1)(t + 1) + (a_j + 1)`` in place (a = the local index, reversed for "first"),
+    so one max along either axis finds the extreme hit's row or column (0 = no hit)."""
+    b, h, n, _ = k.shape
+    t = tile or int((_TILE_ELEMENTS // max(1, b * h)) ** 0.5)
+    t = max(1, min(t, n, _MAX_TILE))
+    local = torch.arange(t, device=k.device)
+    if not last:
+        local = local.flip(0)
+    code = ((local[:, None] + 1) * (t + 1) + local[None, :] + 1).float()  # [t, t], < 2^24
+    none = -1 if last else n
+    better = torch.maximum if last else torch.minimum
+
+    def decode(v: torch.Tensor, offset: int, rows: bool) -> torch.Tensor:
+        a = (v // (t + 1) if rows else v % (t + 1)) - 1
+        return torch.where(v > 0, offset + (a if last else t - 1 - a), none)
+
+    out = torch.full((b, h, n), none, dtype=torch.long, device=k.device)
+    for i0 in range(0, n, t):
+        i1 = min(i0 + t, n)
+        for j0 in range(0, i1, t):
+            j1 = min(j0 + t, n)
+            blk = k[:, :, i0:i1] @ k[:, :, j0:j1].transpose(-1, -2)  # [B, H, ti, tj]
+            if j0 == i0:
+                blk.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
+            blk.gt_(threshold)
+            if threshold < 0:  # invalid slots have cos 0, which passes: mask them explicitly
+                blk.mul_(valid[:, :, i0:i1, None]).mul_(valid[:, :, None, j0:j1])
+            blk.mul_(code[:i1 - i0, :j1 - j0])
+            out[..., j0:j1] = better(out[..., j0:j1], decode(blk.amax(-2).long(), i0, True))
+            if j0 < i0:
+                out[..., i0:i1] = better(out[..., i0:i1], decode(blk.amax(-1).long(), j0, False))
+    return out if last else out.masked_fill_(out == n, -1)
 
 
 def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str) -> torch.Tensor:

@@ -158,8 +158,8 @@ def load_gates(path: str | Path) -> Tensor:
     if path.is_dir():
         path = path / GATES_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no RLKV gates at {path}: pass rlkv.gates=<an rlkv run's output_dir, "
-                                f"or its {GATES_FILE} / gates.tsv> (python -m kvrl.run recipe=tiny_rlkv writes them)")
+        raise FileNotFoundError(f"no RLKV gates at {path}: point eval.settings.NAME.run at an rlkv run's "
+                                f"output_dir, or its {GATES_FILE} / gates.tsv (python -m kvrl.run recipe=tiny_rlkv writes them)")
     if path.suffix == ".tsv":
         return torch.from_numpy(np.loadtxt(path, delimiter="\t", ndmin=2)).float()
     from safetensors.torch import load_file

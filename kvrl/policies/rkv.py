@@ -10,6 +10,12 @@ from kvrl.kernels.scores import key_redundancy, pool_slots, window_attention
 from kvrl.policies.base import KVPolicy, Observation
 
 
+def check_threshold(threshold: float) -> None:
+    """The near-duplicate cosine threshold of R-KV and G-KV must lie in [0, 1]."""
+    if not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold={threshold}: must be in [0, 1] (a cosine; the references use 0.5)")
+
+
 @dataclass(kw_only=True)
 class RKV(KVPolicy):
     """R-KV (Cai et al. 2025, https://arxiv.org/abs/2505.24133), ``R1KV`` in Zefan-Cai/R-KV.
@@ -21,7 +27,8 @@ class RKV(KVPolicy):
       meaned over the observation queries, then ``max_pool1d(kernel_size, padding=k//2)``
       along the candidate slots (:func:`kvrl.kernels.scores.pool_slots`; the reference
       pools ``[:-window]``);
-    * redundancy: :func:`kvrl.kernels.scores.key_redundancy`, not normalised.
+    * redundancy: :func:`kvrl.kernels.scores.key_redundancy` with ``threshold`` and
+      ``retain_direction``, not normalised.
 
     Departures from the reference, on purpose: every sample uses its own keys (the
     reference reads ``key_states[0]`` for the whole batch, issue #20); R-KV's column-0
@@ -40,10 +47,26 @@ class RKV(KVPolicy):
     kernel_size : int, default 7
     window : int, default 8
     interval : int, default 128
+    threshold : float, default 0.5
+        Near-duplicate cosine threshold: ``cal_similarity(threshold=0.5)`` in R-KV's
+        ``rkv/utils.py`` (``R1KV`` never passes it, so 0.5 is the only value the reference
+        runs). In [0, 1]: below 0 the reference's zeroed diagonal would itself count as a
+        near-duplicate; at 1 practically no pair qualifies (only exact copies, by rounding),
+        which leaves the plain mean cosine.
+    retain_direction : {"last", "first"}, default "last"
+        Which near-duplicate of each token does not count it: R-KV's ``retain_direction``
+        (``R1KV(retain_direction=...)`` → ``cal_similarity``). ``"last"``: the most recent
+        one, so the newest copy of a repeated key survives; ``"first"``: the earliest one,
+        so the oldest copy survives. ``"first"`` follows the fixed version in R-KV's
+        ``vLLM/rkv/algo.py`` (the original ``rkv/utils.py`` min-reduces over 0s and so
+        nearly always exempts slot 0). See :func:`kvrl.kernels.scores.key_redundancy`.
+        The ``*_percent`` directions (with ``retain_ratio``) are not implemented.
     """
 
     mix_lambda: float = 0.1
     kernel_size: int = 7
+    threshold: float = 0.5
+    retain_direction: str = "last"
 
     def __post_init__(self):
         super().__post_init__()
@@ -51,6 +74,9 @@ class RKV(KVPolicy):
             raise ValueError(f"mix_lambda={self.mix_lambda}: must be in [0, 1]")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size}: must be odd and ≥ 1 (1 = no pooling)")
+        check_threshold(self.threshold)
+        if self.retain_direction not in ("last", "first"):
+            raise ValueError(f"retain_direction={self.retain_direction!r}: must be 'last' or 'first'")
 
     def score(self, obs: Observation) -> tuple[Tensor, None]:
         """Keep-scores [B, H, N]."""
@@ -60,5 +86,5 @@ class RKV(KVPolicy):
         candidates = valid & ~self.always_kept(obs.key_pos)
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
         importance = pool_slots(attn.sum(2) / n_queries, candidates, self.kernel_size, "max")
-        redundancy = key_redundancy(obs.keys, valid)
+        redundancy = key_redundancy(obs.keys, valid, self.threshold, retain_direction=self.retain_direction)
         return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, None

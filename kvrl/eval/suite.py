@@ -1,0 +1,166 @@
+"""The evaluation suite's parts: which cache each row runs, what each sample is, what a row reports.
+
+Contract:
+
+* :class:`PolicySpec` names one line of the comparison (``eval.policies`` /
+  ``eval.settings``) and builds its cache regime at a budget: ``full``, any zoo member,
+  ``window`` (sink + recent on every head), ``learned`` (a ForesightKV scorer loaded from
+  a run directory), ``heads`` (RLKV's head reallocation from an RLKV run's gates, at
+  its ``sparsities`` instead of budgets).
+* :func:`error_mode` classifies a sample by deterministic rules (the README lists them):
+  ``correct`` (reward > 0), ``repetition`` (its last :data:`LOOP_WINDOW` words are one
+  short span repeated: at most :data:`LOOP_DISTINCT` distinct n-grams, RLKV's "repetition
+  loops"), ``no_answer`` (no final answer after the thinking block, or none at all),
+  ``wrong`` (an answer that is not the gold one).
+* :func:`summarise` turns a row's samples into its metrics: accuracy (the mean reward over
+  every sample = pass@1) with its standard error over tasks, pass@k (the unbiased
+  estimator of Chen et al. 2021) for k <= samples per task, mean generated length, the
+  share cut at the length limit, error-mode shares, KV retention and peak KV tokens per
+  sequence, decode tokens/s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvrl.envs.chat import after_thinking
+from kvrl.envs.verify import extract_boxed
+from kvrl.policies import POLICIES, Full, Static, Window, make_policy
+from kvrl.policies.heads import head_allocation
+
+KINDS = ("full", "window", "heads", *POLICIES)
+MODES = ("correct", "wrong", "no_answer", "repetition")
+LOOP_WINDOW, LOOP_N, LOOP_DISTINCT = 120, 4, 12
+
+
+@dataclass
+class PolicySpec:
+    """One policy line: ``name`` (its label), ``kind`` (a :data:`KINDS` entry) and its own
+    keyword arguments (a zoo member's, e.g. ``alpha``; ``run`` for learned / heads;
+    ``sparsities`` for heads)."""
+
+    name: str
+    kind: str
+    kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, name: str, settings: dict) -> PolicySpec:
+        own = dict(settings.get(name, {}))
+        kind = own.pop("policy", name)
+        if kind not in KINDS:
+            raise ValueError(f"eval policy {name!r} is {kind!r}, which is none of {', '.join(KINDS)}; set "
+                             f"eval.settings.{name}.policy to one of them")
+        return cls(name, kind, own)
+
+    @property
+    def budgeted(self) -> bool:
+        return self.kind not in ("full", "heads")
+
+    def points(self, budgets: list[int]) -> list:
+        """The x values of this line: token budgets, RLKV sparsities, or one point (full)."""
+        if self.kind == "full":
+            return [None]
+        if self.kind == "heads":
+            return list(self.kwargs.get("sparsities", [0.5]))
+        return budgets
+
+    def regime(self, config, point, kv: dict):
+        """The cache regime at ``point`` (a budget in tokens, or a sparsity for heads).
+        ``kv``: interval, window, sink."""
+        kw = {k: v for k, v in self.kwargs.items() if k not in ("run", "sparsities")}
+        if self.kind == "full":
+            return Full()
+        if self.kind == "window":
+            return Static(Window.of(config, kv["sink"], point - kv["sink"]))
+        if self.kind == "heads":
+            return head_allocation(self._run(), point, config, **kw)
+        policy = make_policy(self.kind, config if self.kind == "learned" else None, budget=point, **kv, **kw)
+        if self.kind == "learned":
+            from safetensors.torch import load_file
+
+            policy.scorer.load_state_dict(load_file(self._scorer()))
+        return policy
+
+    def _run(self) -> Path:
+        if "run" not in self.kwargs:
+            raise ValueError(f"eval policy {self.name!r} ({self.kind}) needs the run that trained it: set "
+                             f"eval.settings.{self.name}.run=<output_dir of that run>")
+        return Path(self.kwargs["run"])
+
+    def _scorer(self) -> Path:
+        run = self._run()
+        for path in (run, run / "rl" / "scorer.safetensors", run / "sft" / "scorer.safetensors"):
+            if path.is_file():
+                return path
+        raise FileNotFoundError(f"no ForesightKV scorer in {run} (rl/scorer.safetensors or sft/scorer.safetensors): "
+                                f"run `python -m kvrl.run recipe=tiny_foresight output_dir={run}` or point "
+                                f"eval.settings.{self.name}.run at a scorer.safetensors")
+
+
+def repeats(text: str) -> bool:
+    """Whether the text ends in a loop: its last LOOP_WINDOW words hold at most
+    LOOP_DISTINCT distinct LOOP_N-grams (a healthy text has almost as many as words)."""
+    words = text.split()[-LOOP_WINDOW:]
+    if len(words) < LOOP_WINDOW:
+        return False
+    grams = {tuple(words[i:i + LOOP_N]) for i in range(len(words) - LOOP_N + 1)}
+    return len(grams) <= LOOP_DISTINCT
+
+
+def error_mode(text: str, reward: float) -> str:
+    """``correct`` | ``repetition`` | ``no_answer`` | ``wrong`` (module docstring)."""
+    if reward > 0:
+        return "correct"
+    if repeats(text):
+        return "repetition"
+    return "no_answer" if extract_boxed(after_thinking(text)) is None else "wrong"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of a task with c correct among n samples: 1 − C(n−c, k)/C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def kv_usage(trace, prompt_len: int) -> tuple[float, float]:
+    """(retention, peak tokens) of one sequence's trace: the mean over decoding steps, layers
+    and KV heads of the share of the sequence so far still cached, and the largest number
+    of cached tokens at any step (mean over layers and heads)."""
+    T = int(trace.lengths[0])
+    death = trace.full()[:, 0, :, :T].long().clamp(max=T)  # [L, H, T]; NEVER -> T
+    if T <= prompt_len:
+        return 1.0, float(T)
+    # keys 0..q are seen at step q; those with death <= q are gone: alive(q) = q + 1 − dead by q
+    dead = torch.zeros(*death.shape[:2], T + 1).scatter_add_(-1, death, torch.ones(death.shape)).cumsum(-1)
+    q = torch.arange(prompt_len, T)
+    alive = (q + 1).float() - dead[..., q]  # [L, H, steps]
+    return float((alive / (q + 1)).mean()), float(alive.mean((0, 1)).max())
+
+
+def summarise(samples: list[dict], ks: list[int]) -> dict:
+    """A row's metrics from its samples (dicts with task, reward, tokens, finish, mode,
+    retention, peak_kv, seconds)."""
+    by_task: dict[str, list[dict]] = {}
+    for s in samples:
+        by_task.setdefault(s["task"], []).append(s)
+    per_task = np.array([np.mean([s["reward"] > 0 for s in group]) for group in by_task.values()])
+    n = min(len(g) for g in by_task.values())
+    row = {
+        "accuracy": float(per_task.mean()),
+        "accuracy_se": float(per_task.std(ddof=1) / math.sqrt(len(per_task))) if len(per_task) > 1 else 0.0,
+        "tasks": len(by_task), "samples": len(samples),
+        **{f"pass@{k}": float(np.mean([pass_at_k(len(g), sum(s["reward"] > 0 for s in g), k)
+                                       for g in by_task.values()])) for k in ks if k <= n},
+        "gen_tokens": float(np.mean([s["tokens"] for s in samples])),
+        "truncated": float(np.mean([s["finish"] == "length" for s in samples])),
+        **{f"mode/{m}": float(np.mean([s["mode"] == m for s in samples])) for m in MODES},
+        "kv_retention": float(np.mean([s["retention"] for s in samples])),
+        "peak_kv_tokens": float(np.mean([s["peak_kv"] for s in samples])),
+    }
+    seconds = sum(s["seconds"] for s in samples)
+    row["decode_tokens_per_s"] = sum(s["tokens"] for s in samples) / seconds if seconds > 0 else 0.0
+    return row

@@ -1,0 +1,118 @@
+"""job=eval: the evaluation suite on a real architecture (a small random Qwen3 with its chat
+template) over a local math file, in both engines, and its resume."""
+
+import json
+
+import pytest
+
+from kvrl.eval.suite import error_mode, kv_usage, pass_at_k, repeats
+from kvrl.models import shrunk
+from kvrl.run import main
+
+ROW_FIELDS = {"policy", "kind", "point", "budget", "accuracy", "accuracy_se", "tasks", "samples", "pass@1", "pass@2",
+              "gen_tokens", "truncated", "mode/correct", "mode/wrong", "mode/no_answer", "mode/repetition",
+              "kv_retention", "peak_kv_tokens", "decode_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    model = shrunk.build("qwen3", root / "qwen3")
+    data = root / "gsm.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                                        "answer": f"He has {a} + {b}.\n#### {a + b}"}) + "\n"
+                            for a, b in [(3, 4), (12, 7), (5, 5), (21, 13), (8, 1)]))
+    return model, data
+
+
+def args(setup, out, *extra):
+    model, data = setup
+    return ["recipe=tiny_eval", f"model.path={model}", "env.id=kvrl/math-v0", f"env.kwargs={{path: {data}}}",
+            "env.num_eval_tasks=5", "eval.policies=[full,streaming,gkv]", "eval.budgets=[40]", "eval.samples=2",
+            "eval.pass_k=[1,2]", "sampling.max_new_tokens=32", "sampling.temperature=0", "kv.interval=8",
+            "kv.window=4", "kv.sink=2", f"output_dir={out}", *extra]
+
+
+def read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
+    assert main(args(setup, tmp_path)) == 0
+    rows = read(tmp_path / "rows.jsonl")
+    assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("streaming", "40"), ("gkv", "40")]
+    for r in rows:
+        assert ROW_FIELDS <= r.keys(), ROW_FIELDS - r.keys()
+        assert r["tasks"] == 5 and r["samples"] == 10
+        assert sum(r[f"mode/{m}"] for m in ("correct", "wrong", "no_answer", "repetition")) == pytest.approx(1.0)
+    assert rows[0]["kv_retention"] == 1.0 and rows[1]["kv_retention"] < 1.0
+    assert rows[1]["peak_kv_tokens"] <= 40 + 8  # the budget plus one interval
+    samples = read(tmp_path / "samples.jsonl")
+    assert len(samples) == 30 and {"completion", "reward", "info", "mode", "finish"} <= samples[0].keys()
+    for name in ("accuracy.png", "error_modes.png", "retention.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+        assert f"]({name})" in (tmp_path / "report.md").read_text()
+    assert "| gkv | 40 |" in (tmp_path / "report.md").read_text()
+
+
+def test_an_interrupted_evaluation_resumes_without_regenerating(setup, tmp_path, monkeypatch, capsys):
+    """Sampled at temperature 1 in batches of 2, killed after 13 samples (the 14th line torn):
+    the rerun generates only the batches with a sample missing (the 7th batch, half on disk,
+    and the 8 after it: 18 prompts) and ends with exactly the samples of an uninterrupted run
+    (batches and seeds are a fixed grid); a third run generates nothing."""
+    from kvrl.engines.hf import HFEngine
+
+    sampled = ("sampling.temperature=1.0", "sampling.batch_size=2")
+    assert main(args(setup, tmp_path / "whole", *sampled)) == 0
+    whole = read(tmp_path / "whole" / "samples.jsonl")
+    out = tmp_path / "cut"
+    out.mkdir()
+    lines = (tmp_path / "whole" / "samples.jsonl").read_text().splitlines()
+    (out / "samples.jsonl").write_text("\n".join(lines[:13]) + "\n" + lines[13][:40])
+    generated = []
+    real = HFEngine.generate
+    monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: generated.append(len(prompts))
+                        or real(self, prompts, *a, **k))
+    assert main(args(setup, out, *sampled)) == 0
+    assert sum(generated) == 18
+    strip = lambda rows: sorted((json.dumps({k: v for k, v in r.items() if k != "seconds"}, sort_keys=True)  # noqa: E731
+                                 for r in rows))
+    assert strip(read(out / "samples.jsonl")) == strip(whole)
+    generated.clear()
+    assert main(args(setup, out, *sampled)) == 0
+    assert generated == []
+
+
+@pytest.mark.vllm
+def test_both_engines_give_the_same_greedy_completions(setup, tmp_path, capsys):
+    pytest.importorskip("vllm")
+    for engine in ("hf", "vllm"):
+        assert main(args(setup, tmp_path / engine, f"workers.engine={engine}", "workers.kv_cache_gib=0.05")) == 0
+    key = lambda s: (s["policy"], s["point"], s["task"], s["sample"])  # noqa: E731
+    hf, vl = ({key(s): s["completion"] for s in read(tmp_path / e / "samples.jsonl")} for e in ("hf", "vllm"))
+    assert hf == vl
+
+
+def test_the_rules_of_the_metrics():
+    loop = "x = 1 + 1 " * 40
+    assert repeats(loop) and not repeats(" ".join(str(i) for i in range(200)))
+    assert error_mode("so \\boxed{7}", 1.0) == "correct"
+    assert error_mode(loop, 0.0) == "repetition"
+    assert error_mode("</think> I do not know", 0.0) == "no_answer"
+    assert error_mode("<think>\\boxed{7}</think> hmm", 0.0) == "no_answer"  # the box is inside the thinking
+    assert error_mode("\\boxed{8}", 0.0) == "wrong"
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 4, 2) == 1.0 and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(2, 1, 1) == pytest.approx(0.5)
+
+
+def test_kv_usage_of_a_trace():
+    import torch
+
+    from kvrl.cache import EvictionTrace
+    from kvrl.kernels import NEVER
+
+    death = torch.full((1, 1, 1, 10), NEVER, dtype=torch.int32)
+    death[0, 0, 0, 1], death[0, 0, 0, 2] = 6, 7  # keys 1 and 2 evicted before steps 6 and 7
+    retention, peak = kv_usage(EvictionTrace.from_death(death, torch.tensor([10])), prompt_len=4)
+    alive = [5, 6, 6, 6, 7, 8]  # steps 4..9: seen q + 1 keys minus the dead ones
+    assert peak == 8 and retention == pytest.approx(sum(a / (q + 1) for a, q in zip(alive, range(4, 10))) / 6)
