@@ -481,7 +481,7 @@ def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     _, _, metrics = algo.loss(engine, batch)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
     with torch.no_grad():
-        model.lm_head.weight.mul_(1.5)
+        model.lm_head.weight.mul_(3.0)
     loss, _, metrics = algo.loss(engine, batch)
     assert metrics["kl"] > 1e-3 and loss.requires_grad
 
