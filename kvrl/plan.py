@@ -215,6 +215,14 @@ def dry_run(cfg) -> dict:
                     "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing=true, "
                     "or more learners with workers.backend=deepspeed" if actor == "learner" else
                     "lower sampling.batch_size or kv.budget"))
+    elif cfg.job == "eval":
+        ev = cfg.eval
+        lines.append(f"eval       {len(ev.policies)} policies ({', '.join(ev.policies)}) x budgets "
+                     f"{', '.join(f'{b:g}' for b in ev.budgets)}; {cfg.env.num_eval_tasks} tasks x {ev.samples} samples "
+                     f"of up to {cfg.sampling.max_new_tokens} new tokens each, on {w.engine} ({cfg.device})"
+                     + "".join(f"; KV per sequence at {b:g} tokens: "
+                               f"{size(p['kv_bytes_per_token'] * min(b + cfg.kv.interval, p['tokens_per_sequence']))}"
+                               for b in ev.budgets if b > 1))
     else:
         lines.append(f"process    one, on {cfg.device}; {tr.steps} steps of {tr.batch_size}")
     print("\n".join(lines))

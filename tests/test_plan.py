@@ -54,3 +54,10 @@ def test_a_learner_that_would_not_fit_is_warned_with_the_fix(capsys):
                              "trainer.gradient_checkpointing=false"]))
     assert p["memory"]["learner"]["activations"] > 500 * 2 ** 30
     assert "WARNING    the learner does not fit: set trainer.micro_batch_tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe", ["eval_math_qwen3_4b", "eval_math_r1_qwen_7b", "eval_math_r1_llama_8b"])
+def test_eval_math_recipes_plan_the_papers_budgets(recipe, capsys):
+    assert main([f"recipe={recipe}", "dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "x budgets 128, 256, 512, 1024, 2048, 4096" in out and "KV per sequence at 4096 tokens" in out
