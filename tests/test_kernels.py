@@ -71,7 +71,7 @@ def test_window_attention_rejects_bad_options():
         window_attention(q, k, pos, qpos, 1.0, order="pool")
 
 
-def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6):
+def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6, direction="last"):
     b_, h_, n_, _ = keys.shape
     out = torch.zeros(b_, h_, n_, dtype=torch.float64)
     for b in range(b_):
@@ -80,10 +80,10 @@ def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6):
             k = k / (k.norm(dim=-1, keepdim=True) + eps)
             ok = [n for n in range(n_) if valid[b, h, n]]
             cos = {(m, n): float(k[m] @ k[n]) for m in ok for n in ok if m != n}
-            for n in ok:  # zero the latest row similar to column n
+            for n in ok:  # zero the latest (first: earliest) row similar to column n
                 rows = [m for m in ok if m != n and cos[m, n] > threshold]
                 if rows:
-                    cos[max(rows), n] = 0.0
+                    cos[max(rows) if direction == "last" else min(rows), n] = 0.0
             rowsum = {m: sum(v for (mm, _), v in cos.items() if mm == m) / len(ok) for m in ok}
             z = sum(math.exp(v) for v in rowsum.values())
             for m in ok:
@@ -91,7 +91,8 @@ def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6):
     return out
 
 
-def test_key_redundancy_matches_loop():
+@pytest.mark.parametrize("direction", ["last", "first"])
+def test_key_redundancy_matches_loop(direction):
     torch.manual_seed(1)
     b, h, n, d = 2, 2, 10, 4
     base = torch.randn(b, h, 3, d)
@@ -99,9 +100,131 @@ def test_key_redundancy_matches_loop():
     valid = torch.ones(b, h, n, dtype=torch.bool)
     valid[1, :, :3] = False
     valid[0, 1, 5] = False
-    got = key_redundancy(keys, valid)
-    torch.testing.assert_close(got.double(), naive_redundancy(keys, valid), rtol=1e-5, atol=1e-7)
-    assert (got[~valid] == 0).all()
+    want = naive_redundancy(keys, valid, direction=direction)
+    for tile in (None, 1, 3):
+        got = key_redundancy(keys, valid, retain_direction=direction, tile=tile)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+        assert (got[~valid] == 0).all()
+
+
+def dense_redundancy(keys, valid, threshold=0.5, *, eps=1e-6, first=False):
+    """The dense implementation the tiled ``key_redundancy`` replaced, kept as its reference
+    (N×N cosines and masks); ``first=True`` takes the earliest row instead of the latest."""
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + eps)
+    cos = k @ k.transpose(-1, -2)  # [B, H, N(rows m), N(columns n)]
+    n = cos.shape[-1]
+    slots = torch.arange(n, device=keys.device)
+    pair = valid[..., :, None] & valid[..., None, :] & (slots[:, None] != slots[None, :])
+    cos = cos.masked_fill(~pair, 0.0)
+    if first:
+        latest = torch.where((cos > threshold) & pair, slots[:, None], n).amin(-2)
+    else:
+        latest = torch.where((cos > threshold) & pair, slots[:, None], -1).amax(-2)  # per column
+    cos = cos.masked_fill(slots[:, None] == latest[..., None, :], 0.0)
+    score = cos.sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)
+    return score.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+def unit(x):
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def redundancy_case(name):
+    """(keys [B, H, N, D], valid [B, H, N]) for the equivalence tests."""
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    b, h, n, d = 2, 3, 70, 16
+    valid = torch.ones(b, h, n, dtype=torch.bool)
+    if name == "random":
+        keys = torch.randn(b, h, n, d, generator=gen) + 0.7 * torch.randn(b, h, 1, d, generator=gen)
+    elif name == "clustered":  # many near-duplicates, as in real caches
+        centres = torch.randn(b, h, 5, d, generator=gen)
+        keys = centres[:, :, torch.randint(0, 5, (n,), generator=gen)] + 0.5 * torch.randn(b, h, n, d, generator=gen)
+    elif name == "exact_duplicates":  # copies scattered across tiles, some of them invalid
+        keys = torch.randn(b, h, n, d, generator=gen)
+        for group in ([1, 3, 5, 40, 69], [0, 2, 33, 34], [10, 11]):
+            keys[:, :, group] = 3 * keys[:, :, group[:1]]
+        valid[0, 0, [3, 33]] = False
+    elif name == "near_threshold":  # cosines 0.5 ± 1e-4, 0.5 ± 1e-3 (far from float rounding)
+        axis = unit(torch.randn(b, h, 1, d, generator=gen))
+        other = unit(torch.randn(b, h, n, d, generator=gen))
+        other = unit(other - (other * axis).sum(-1, keepdim=True) * axis)  # orthogonal to axis
+        c = 0.5 + torch.tensor([-1e-3, -1e-4, 1e-4, 1e-3])[torch.randint(0, 4, (n,), generator=gen)]
+        keys = 5 * (c[:, None] * axis + (1 - c[:, None] ** 2).sqrt() * other)
+        keys[:, :, ::7] = 5 * axis  # copies of the axis: each slot's cos with them is c
+    elif name == "holes":  # invalid slots in the middle, NaN garbage in some of them
+        centres = torch.randn(b, h, 4, d, generator=gen)
+        keys = centres[:, :, torch.randint(0, 4, (n,), generator=gen)] + 0.4 * torch.randn(b, h, n, d, generator=gen)
+        valid[:, :, 20:31] = False
+        valid[1, 2, ::3] = False
+        keys[0, 1, 25] = float("nan")
+    elif name == "all_invalid_heads":
+        keys = torch.randn(b, h, n, d, generator=gen)
+        keys[:, :, 30:] = keys[:, :, :40]
+        valid[0, 1] = False
+        valid[1, :] = False
+    elif name == "ragged":  # left padding of a different length per row and head
+        centres = torch.randn(b, h, 6, d, generator=gen)
+        keys = centres[:, :, torch.randint(0, 6, (n,), generator=gen)] + 0.6 * torch.randn(b, h, n, d, generator=gen)
+        for i, pad in enumerate([0, 3, 17, 45, 69, 1]):
+            valid[i // h, i % h, :pad] = False
+    elif name == "bf16":
+        centres = torch.randn(b, h, 5, d, generator=gen)
+        keys = (centres[:, :, torch.randint(0, 5, (n,), generator=gen)]
+                + 0.5 * torch.randn(b, h, n, d, generator=gen)).bfloat16()
+    return keys, valid
+
+
+CASES = ["random", "clustered", "exact_duplicates", "near_threshold", "holes", "all_invalid_heads", "ragged", "bf16"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("direction", ["last", "first"])
+def test_key_redundancy_equals_dense(case, direction):
+    """The tiled kernel against the dense implementation it replaced, within 1e-6."""
+    keys, valid = redundancy_case(case)
+    for threshold in (0.5, 0.0, 0.8, -0.3):
+        want = dense_redundancy(keys, valid, threshold, first=direction == "first")
+        for tile in (None, 5, 32):
+            got = key_redundancy(keys, valid, threshold, retain_direction=direction, tile=tile)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+            assert (got - want).abs().max() <= 1e-6
+            assert (got[~valid] == 0).all()
+    dead = ~valid.any(-1)
+    assert (key_redundancy(keys, valid)[dead] == 0).all()
+
+
+def test_key_redundancy_equals_dense_at_scale():
+    """A few hundred slots, default tiles (several per row), both directions."""
+    gen = torch.Generator().manual_seed(5)
+    centres = torch.randn(2, 2, 32, 64, generator=gen)
+    keys = centres[:, :, torch.randint(0, 32, (600,), generator=gen)] + 0.7 * torch.randn(2, 2, 600, 64, generator=gen)
+    valid = torch.rand(2, 2, 600, generator=gen) > 0.1
+    for direction in ("last", "first"):
+        want = dense_redundancy(keys, valid, first=direction == "first")
+        for tile in (None, 128):
+            got = key_redundancy(keys, valid, retain_direction=direction, tile=tile)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_key_redundancy_equals_dense_on_cuda():
+    """The device path (larger default blocks) against the dense version on the same device;
+    fp32 matmuls (no TF32), so only the block sizes differ."""
+    keys, valid = redundancy_case("clustered")
+    keys, valid = keys.cuda(), valid.cuda()
+    for direction in ("last", "first"):
+        want = dense_redundancy(keys, valid, first=direction == "first")
+        for tile in (None, 16):
+            got = key_redundancy(keys, valid, retain_direction=direction, tile=tile)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_key_redundancy_rejects_unknown_direction():
+    with pytest.raises(ValueError, match="retain_direction"):
+        key_redundancy(torch.zeros(1, 1, 2, 2), torch.ones(1, 1, 2, dtype=torch.bool), retain_direction="middle")
 
 
 @pytest.mark.parametrize("mode", ["max", "avg"])

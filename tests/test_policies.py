@@ -32,9 +32,17 @@ POLICY_KWARGS = {
 assert set(POLICY_KWARGS) == set(POLICIES)
 
 
-@pytest.fixture(params=sorted(POLICY_KWARGS))
+# Non-default knobs that reference recipes need, through the same contract.
+VARIANTS = {
+    "rkv_first": ("rkv", dict(budget=12, window=4, retain_direction="first", threshold=0.3)),
+    "gkv_no_score_cache": ("gkv", dict(budget=12, window=4, kernel_size=5, mix_lambda=0.1, score_cache=False)),
+}
+
+
+@pytest.fixture(params=sorted(POLICY_KWARGS) + sorted(VARIANTS))
 def policy(request) -> KVPolicy:
-    return make_policy(request.param, **POLICY_KWARGS[request.param])
+    name, kwargs = VARIANTS.get(request.param, (request.param, POLICY_KWARGS.get(request.param)))
+    return make_policy(name, **kwargs)
 
 
 def make_obs(policy: KVPolicy, seed: int = 0, invalid=INVALID) -> Observation:
@@ -303,6 +311,106 @@ def test_redundancy_term_in_scores(cls):
     np.testing.assert_allclose(scores[0, 0, candidates].numpy(), want[candidates], rtol=1e-5, atol=1e-7)
 
 
+def copies_keys():
+    """Copies of e0 at slots 1 < 3 < 5, a pair of e1 copies at 0 and 6, e2 at 2, and slot 4
+    with cos 0.4 to the e0 copies. Returns (keys [7, 4], cos [7, 7] with a zero diagonal)."""
+    e = np.eye(4)
+    keys = np.stack([e[1], e[0], e[2], e[0], 0.4 * e[0] + math.sqrt(0.84) * e[3], e[0], e[1]])
+    cos = keys @ keys.T
+    np.fill_diagonal(cos, 0.0)
+    return keys, cos
+
+
+# Rows of the entries zeroed per column n ((row, column) pairs), worked out by hand from
+# "the latest/earliest row m != n with cos(m, n) > threshold":
+#   threshold 0.5, last:  col 0 <- 6, col 6 <- 0, col 1 <- 5, col 3 <- 5, col 5 <- 3
+#   threshold 0.5, first: col 0 <- 6, col 6 <- 0, col 1 <- 3, col 3 <- 1, col 5 <- 1
+#   threshold 0.3, last:  col 0 <- 6, col 6 <- 0, col 1 <- 5, col 3 <- 5, col 5 <- 4, col 4 <- 5
+ZEROED = {
+    (0.5, "last"): [(6, 0), (0, 6), (5, 1), (5, 3), (3, 5)],
+    (0.5, "first"): [(6, 0), (0, 6), (3, 1), (1, 3), (1, 5)],
+    (0.3, "last"): [(6, 0), (0, 6), (5, 1), (5, 3), (4, 5), (5, 4)],
+}
+# The resulting row sums (divided by the 7 valid slots before the softmax), by hand:
+#   0.5 last:  slot 1 penalised by 3 and 5 (+0.4 from slot 4), 3 by 1 only, 5 by neither;
+#   0.5 first: the reverse: 1 by neither, 3 by 5 only, 5 by 1 and 3;
+#   0.3 last:  slot 4 now near-duplicates the copies: its latest (5) exempts it, 5 exempts 4.
+ROWSUMS = {
+    (0.5, "last"): [0, 2.4, 0, 1.4, 1.2, 0.4, 0],
+    (0.5, "first"): [0, 0.4, 0, 1.4, 1.2, 2.4, 0],
+    (0.3, "last"): [0, 2.4, 0, 2.4, 0.8, 0, 0],
+}
+
+
+@pytest.mark.parametrize("threshold,direction", sorted(ZEROED))
+def test_redundancy_retain_direction_and_threshold(threshold, direction):
+    keys, cos = copies_keys()
+    for m, n in ZEROED[threshold, direction]:
+        cos[m, n] = 0.0
+    rowsum = cos.sum(1)
+    np.testing.assert_allclose(rowsum, ROWSUMS[threshold, direction], atol=1e-12)
+    red = softmax(rowsum / 7)
+    got = key_redundancy(torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
+                         torch.ones(1, 1, 7, dtype=torch.bool), threshold, retain_direction=direction)
+    np.testing.assert_allclose(got[0, 0].numpy(), red, rtol=1e-5, atol=1e-7)
+    if threshold == 0.5:  # which copy of e0 survives (is least redundant)
+        survivor, oldest_penalised = (5, 1) if direction == "last" else (1, 5)
+        assert got[0, 0, survivor] < got[0, 0, 3] < got[0, 0, oldest_penalised]
+
+
+def copies_obs():
+    keys, _ = copies_keys()
+    return Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), values=torch.zeros(1, 1, 7, 4),
+                       queries=torch.ones(1, 1, 1, 4), key_pos=torch.arange(7).view(1, 1, 7),
+                       query_pos=torch.tensor([[6]]), state=None, layer=0, scaling=0.5)
+
+
+@pytest.mark.parametrize("threshold,direction", sorted(ZEROED))
+def test_policies_pass_threshold_and_direction(threshold, direction):
+    """mix_lambda = 0 leaves -redundancy: R-KV raw, G-KV ÷ its max over the candidates 0..5."""
+    red = softmax(np.array(ROWSUMS[threshold, direction]) / 7)
+    obs = copies_obs()
+    scores, _ = RKV(budget=3, window=1, mix_lambda=0.0, threshold=threshold, retain_direction=direction).score(obs)
+    np.testing.assert_allclose(scores[0, 0, :6].numpy(), -red[:6], rtol=1e-5, atol=1e-7)
+    if direction == "last":  # G-KV has no retain_direction: the reference always runs "last"
+        scores, _ = GKV(budget=3, window=1, mix_lambda=0.0, threshold=threshold).score(obs)
+        np.testing.assert_allclose(scores[0, 0, :6].numpy(), -red[:6] / red[:6].max(), rtol=1e-5, atol=1e-7)
+
+
+def test_gkv_without_score_cache():
+    """score_cache=False (the reference without --enable_score_cache, its "R-KV" recipe):
+    λ·maxpool(S) − (1−λ)·R with S and R unnormalised and no smoothing; the state is ignored."""
+    lam, scale = 0.1, 0.5
+    keys = np.array([[1.0, 0, 0, 0], [0.6, 0.8, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0.6, 0.8, 0],
+                     [0, 0, 0, 1], [0.5, 0.5, 0.5, 0.5]])
+    queries = np.array([[[1.0, 0.5, -0.5, 0.0]], [[-0.5, 1.0, 0.0, 0.5]]])  # [Hq = 2, W = 1, D]
+    # S: softmax per query head over all 7 keys, max over the 2 heads, the window slot 6 dropped
+    s = np.max([softmax(keys @ q[0] * scale) for q in queries], axis=0)[:6]
+    pooled = np.array([s[max(0, i - 1):i + 2].max() for i in range(6)])  # max_pool1d(3) over candidates
+    cos = (keys / np.linalg.norm(keys, axis=1, keepdims=True)) @ (keys / np.linalg.norm(keys, axis=1, keepdims=True)).T
+    np.fill_diagonal(cos, 0.0)
+    # Near-duplicates (cos > 0.5): (0, 1) 0.6, (1, 2) 0.8, (1, 6) 0.7, (2, 4) 0.6, (3, 4) 0.8,
+    # (4, 6) 0.7; the window key 6 has cos 0.5 with 0, 2, 3, 5: not above (eps makes it 0.499999).
+    # Latest rows: col 0 <- 1, col 1 <- 6 (of 0, 2, 6), col 2 <- 4, col 3 <- 4, col 4 <- 6, col 6 <- 4.
+    for m, n in [(1, 0), (6, 1), (4, 2), (4, 3), (6, 4), (4, 6)]:
+        cos[m, n] = 0.0
+    np.testing.assert_allclose(cos.sum(1), [1.1, 1.98, 1.9, 1.3, 0.48, 0.5, 2.0], atol=1e-12)
+    red = softmax(cos.sum(1) / 7)[:6]
+    want = lam * pooled - (1 - lam) * red
+    policy = GKV(budget=4, window=1, mix_lambda=lam, kernel_size=3, score_cache=False)
+    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), values=torch.zeros(1, 1, 7, 4),
+                      queries=torch.tensor(queries, dtype=torch.float32).view(1, 2, 1, 4),
+                      key_pos=torch.arange(7).view(1, 1, 7), query_pos=torch.tensor([[6]]),
+                      state=None, layer=0, scaling=scale)
+    scores, state = policy.score(obs)
+    np.testing.assert_allclose(scores[0, 0, :6].numpy(), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(state[0, 0, :6, 0].numpy(), s, rtol=1e-5)  # F = S, unnormalised
+    stale = Observation(**{**vars(obs), "state": torch.linspace(5, 1, 7).view(1, 1, 7, 1)})
+    torch.testing.assert_close(policy.score(stale)[0], scores)  # no smoothing with a stored F
+    cached = GKV(budget=4, window=1, mix_lambda=lam, kernel_size=3)
+    assert not torch.allclose(cached.score(stale)[0], cached.score(obs)[0])  # ... which G-KV does
+
+
 def test_rkv_importance():
     """Logits max over the group, softmax over the candidates only, mean over queries, max-pool 7."""
     rng = np.random.default_rng(0)
@@ -484,6 +592,9 @@ def test_window_is_sink_recent_on_every_head():
     (lambda: GKV(budget=20, window=16, sink=4), "budget"),
     (lambda: RKV(budget=64, interval=0), "interval"),
     (lambda: GKV(budget=64, mode="median"), "mode"),
+    (lambda: GKV(budget=64, threshold=-0.1), "threshold"),
+    (lambda: RKV(budget=64, threshold=1.5), "threshold"),
+    (lambda: RKV(budget=64, retain_direction="middle"), "retain_direction"),
     (lambda: make_policy("snapkv", budget=64, kernel_size=4), "kernel_size"),
     (lambda: make_policy("learned", budget=200, group=0, head_dim=8, layers=1, kv_heads=1), "group"),
     (lambda: HeadAllocation(gates=torch.ones(2, 4), sparsity=1.5, layers=2, kv_heads=4), "sparsity"),

@@ -82,8 +82,11 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
 
 
 _DIRECTIONS = ("last", "first")
-_TILE_ELEMENTS = 1 << 22  # elements of one [B, H, tile, tile] block (16 MiB in float32)
-_MAX_TILE = 2048  # keeps the tile's index codes (≤ tile·(tile+1) + tile) exact in float32
+# Elements of one [B, H, tile, tile] cosine block: 16 MiB of float32 on a CPU (cache-sized);
+# 256 MiB elsewhere, where fewer, larger blocks save kernel launches (one block for a
+# vLLM request with 8 KV heads up to N ≈ 2900).
+_BLOCK_ELEMENTS = {"cpu": 1 << 22, "other": 1 << 26}
+_MAX_TILE = 4094  # keeps the blocks' index codes (< (tile + 1)² ≤ 2²⁴) exact in float32
 
 
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5, *,
@@ -114,11 +117,21 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     bug is not reproduced). Slot order must be position order among valid slots, so that
     "latest row" means "most recent token".
 
+    Caveat: this is R-KV's relation, which methods.md §8 also gives for G-KV. G-KV's Triton
+    kernel, read line by line (and emulated in a loop), differs as soon as a token has two or
+    more near-duplicates: it walks the rows from the last in blocks of 16 and, in each
+    64-column tile, zeroes each row's largest near-duplicate column that no earlier-visited
+    (later) row block has zeroed yet — with copies at 10 < 30 < 45 it penalises 10 by 30 and
+    45, 30 by 10 and 45 by 10. That rule is not reproduced.
+
     Cost: the N×N cosines are computed once per unordered pair, tile by tile (one
     [B, H, tile, tile] float32 block at a time, on or below the diagonal), so the work is
-    about half a float32 ``keys @ keysᵀ`` and the memory is the normalised keys plus one
-    tile. Row sums come from ``k̂_m · Σ_n k̂_n − k̂_m · k̂_m`` minus the zeroed entries,
-    which are recomputed as dot products and subtracted from the row that held them.
+    about half a float32 ``keys @ keysᵀ`` plus four passes over each block, and the memory is
+    the normalised keys plus one block. Row sums come from ``k̂_m·Σ_n k̂_n − k̂_m·k̂_m``
+    minus the zeroed entries, which are recomputed as dot products and subtracted from the
+    rows that held them. Up to float32 rounding this equals the dense computation (N×N
+    cosines, masks, ``torch.where``) it replaced; only a cosine within rounding of the
+    threshold can be decided differently.
 
     Parameters
     ----------
@@ -131,8 +144,8 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     eps : float
         Added to the key norms (G-KV: 1e-6; R-KV: 1e-8).
     tile : int, optional
-        Side of the square cosine blocks; default: about 2²² elements per [B, H] block, at
-        most 2048.
+        Side of the square cosine blocks (at most 4094); default: about 2²² elements per
+        [B, H, tile, tile] block on a CPU, 2²⁶ elsewhere.
 
     Returns
     -------
@@ -151,7 +164,7 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     # Zero entry (pick[n], n): subtract cos(pick[n], n) from row pick[n].
     found = pick >= 0
     row = pick.clamp(min=0)
-    step = max(1, (_TILE_ELEMENTS // 4) // max(1, b * h * d))
+    step = max(1, _block_elements(k) // 4 // max(1, b * h * d))
     for j0 in range(0, n, step):  # gather the picked rows' keys a chunk of columns at a time
         j1 = min(j0 + step, n)
         picked = k.gather(2, row[..., j0:j1, None].expand(-1, -1, -1, d))
@@ -160,6 +173,10 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     score = rowsum / valid.sum(-1, keepdim=True).clamp(min=1)
     # A head without any valid slot would be all -inf (NaN after softmax); make it 0.
     return score.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+
+def _block_elements(x: torch.Tensor) -> int:
+    return _BLOCK_ELEMENTS["cpu" if x.device.type == "cpu" else "other"]
 
 
 def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool,
@@ -174,7 +191,7 @@ def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: b
     ``(a_i + 1)(t + 1) + (a_j + 1)`` in place (a = the local index, reversed for "first"),
     so one max along either axis finds the extreme hit's row or column (0 = no hit)."""
     b, h, n, _ = k.shape
-    t = tile or int((_TILE_ELEMENTS // max(1, b * h)) ** 0.5)
+    t = tile or int((_block_elements(k) // max(1, b * h)) ** 0.5)
     t = max(1, min(t, n, _MAX_TILE))
     local = torch.arange(t, device=k.device)
     if not last:

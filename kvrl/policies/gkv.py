@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kvrl.kernels.scores import key_redundancy, pool_slots, window_attention
 from kvrl.policies.base import KVPolicy, Observation
+from kvrl.policies.rkv import check_threshold
 
 _MODES = ("max", "mean", "sum")
 
@@ -23,14 +24,16 @@ class GKV(KVPolicy):
 
     1. local score S: softmax of each observation query over all visible keys (window
        included, causal), max over the GQA group, non-candidate columns dropped, mean over
-       the queries; then ``S ÷ max_candidates S``;
-    2. global score F from the previous F (state, S = 1) with decay ``alpha``:
+       the queries; then ``S ÷ max_candidates S`` (with ``score_cache`` only);
+    2. global score F from the previous F (state, S = 1) with decay ``alpha`` (with
+       ``score_cache`` only; without it F = S):
        ``max``: ``max(α·F_old, S)``; ``mean``: ``α·F_old + (1−α)·S``; ``sum`` (H2O mode):
        ``α·F_old + S``. Tokens without a stored F (NaN) use ``F_old = S`` in max/mean and
        ``0`` in sum, as the reference;
     3. optional ``max_pool1d(F, kernel_size)`` over the candidates (off by default;
        :func:`kvrl.kernels.scores.pool_slots`);
-    4. redundancy R (:func:`kvrl.kernels.scores.key_redundancy`) ÷ its max over candidates;
+    4. redundancy R (:func:`kvrl.kernels.scores.key_redundancy` with ``threshold``, the
+       "last" direction) ÷ its max over candidates (with ``score_cache`` only);
     5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
 
     The new state is the pre-pooling F of every candidate. Always-kept slots get NaN, like
@@ -50,6 +53,24 @@ class GKV(KVPolicy):
     mode : {"max", "mean", "sum"}, default "max"
     kernel_size : int, default 0
         0 = no pooling; the reference's ``enable_pooling`` uses 5 (odd values only).
+    threshold : float, default 0.5
+        Near-duplicate cosine threshold, in [0, 1]: ``cal_similarity_triton(threshold=0.5)``
+        in ``gkv/utils/compression_score.py`` (``ScoreBasedKV`` never passes it, so 0.5 is
+        the only value the reference runs). There is no ``retain_direction``: the reference
+        stores one (``--retain_direction``) but passes it to neither similarity function;
+        its Triton kernel has one fixed rule, approximated here by "last" (see the caveat
+        in :func:`kvrl.kernels.scores.key_redundancy`).
+    score_cache : bool, default True
+        The reference's ``enable_score_cache`` (``ScoreBasedKV.update_kv``): True is G-KV
+        (``S ÷ max S``, smoothing with the stored F, ``R ÷ max R``); False drops all three,
+        as the reference's own "SnapKV" and "R-KV" recipes run (``scripts/inference.sh``):
+        ``score = mix_lambda·pool(S) − (1 − mix_lambda)·R`` from this eviction alone, with S
+        and R unnormalised. The state is still returned (F = S) but never read. G-KV's
+        R-KV recipe is ``GKV(score_cache=False, kernel_size=5, mix_lambda=0.1)``, its SnapKV
+        recipe ``GKV(score_cache=False, kernel_size=5, mix_lambda=1.0)`` (``enable_pooling``
+        uses ``ScoreBasedKV``'s kernel_size 5, which the CLI does not expose; the script runs
+        every recipe with window 16). The reference's ``disable_norm`` (smoothing without the
+        two normalisations; no recipe uses it) is not expressed.
     """
 
     window: int = 16
@@ -57,6 +78,8 @@ class GKV(KVPolicy):
     alpha: float = 0.8
     mode: str = "max"
     kernel_size: int = 0
+    threshold: float = 0.5
+    score_cache: bool = True
     state_size: ClassVar[int] = 1
 
     def __post_init__(self):
@@ -69,6 +92,7 @@ class GKV(KVPolicy):
             raise ValueError(f"mode={self.mode!r}: must be one of {_MODES}")
         if self.kernel_size < 0 or (self.kernel_size and self.kernel_size % 2 == 0):
             raise ValueError(f"kernel_size={self.kernel_size}: must be 0 (no pooling) or odd, e.g. 5")
+        check_threshold(self.threshold)
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, 1] (F; NaN outside the candidates)."""
@@ -79,18 +103,21 @@ class GKV(KVPolicy):
         tiny = torch.finfo(torch.float32).tiny  # guards a head whose candidates all have 0
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
         local = attn.sum(2) / n_queries * candidates
-        local = local / local.amax(-1, keepdim=True).clamp(min=tiny)
-        old = self.previous_state(obs)[..., 0]
-        a = self.alpha
-        if self.mode == "sum":
-            glob = a * old.nan_to_num(0.0) + local
-        else:
-            old = torch.where(old.isnan(), local, old)
-            glob = torch.maximum(a * old, local) if self.mode == "max" else a * old + (1 - a) * local
+        glob = local
+        if self.score_cache:
+            local = local / local.amax(-1, keepdim=True).clamp(min=tiny)
+            old = self.previous_state(obs)[..., 0]
+            a = self.alpha
+            if self.mode == "sum":
+                glob = a * old.nan_to_num(0.0) + local
+            else:
+                old = torch.where(old.isnan(), local, old)
+                glob = torch.maximum(a * old, local) if self.mode == "max" else a * old + (1 - a) * local
         pooled = pool_slots(glob, candidates, self.kernel_size, "max") if self.kernel_size else glob
         score = self.mix_lambda * pooled
         if self.mix_lambda < 1:
-            red = key_redundancy(obs.keys, valid) * candidates
-            red = red / red.amax(-1, keepdim=True).clamp(min=tiny)
+            red = key_redundancy(obs.keys, valid, self.threshold) * candidates
+            if self.score_cache:
+                red = red / red.amax(-1, keepdim=True).clamp(min=tiny)
             score = score - (1 - self.mix_lambda) * red
         return score, glob.masked_fill(~candidates, float("nan"))[..., None]

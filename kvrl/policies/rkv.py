@@ -51,8 +51,8 @@ class RKV(KVPolicy):
         Near-duplicate cosine threshold: ``cal_similarity(threshold=0.5)`` in R-KV's
         ``rkv/utils.py`` (``R1KV`` never passes it, so 0.5 is the only value the reference
         runs). In [0, 1]: below 0 the reference's zeroed diagonal would itself count as a
-        near-duplicate; at 1 practically no pair qualifies (only exact copies, by rounding),
-        which leaves the plain mean cosine.
+        near-duplicate; at 1 no pair qualifies (up to float rounding of exact copies), which
+        leaves the plain mean cosine.
     retain_direction : {"last", "first"}, default "last"
         Which near-duplicate of each token does not count it: R-KV's ``retain_direction``
         (``R1KV(retain_direction=...)`` → ``cal_similarity``). ``"last"``: the most recent
