@@ -153,12 +153,17 @@ def test_pretraining_loss_falls(tmp_path):
 
 @pytest.mark.skipif(not (TINY_PATH / "config.json").exists(), reason="shipped weights missing")
 def test_eval_job_prints_the_budget_table(tmp_path, capsys):
+    """recipe=tiny_eval with its shipped artefacts (ForesightKV scorer, RLKV gates), shrunk:
+    every line prints, and a quarter-length window loses what the full cache solves."""
     from kvrl.run import main
 
-    assert main(["recipe=tiny_eval", "env.num_eval_tasks=16", f"output_dir={tmp_path}"]) == 0
+    assert main(["recipe=tiny_eval", "env.num_eval_tasks=16", "eval.policies=[window,foresight,rlkv]",
+                 "eval.budgets=[0.25]", "eval.settings.rlkv.sparsities=[0.5]", f"output_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert "full" in out and "sink4+recent" in out
+    assert all(name in out for name in ("full", "window", "foresight", "rlkv"))
     import json
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["full", "sink4+recent", "sink4+recent"]
-    assert rows[0]["acc"] > rows[1]["acc"]
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("window", "26"), ("foresight", "26"),
+                                                         ("rlkv", "s=0.5")]
+    assert rows[0]["accuracy"] > rows[1]["accuracy"]
+    assert (tmp_path / "report.md").exists()
