@@ -151,14 +151,13 @@ def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
     tokens = tr.micro_batch_tokens or share * p["tokens_per_sequence"]
     H, L = config.hidden_size, config.num_hidden_layers
     per_layer = (6 * H + 4 * config.intermediate_size) * width
+    logits = 3 * 4 * min(tokens, LOGIT_CHUNK) * config.vocab_size
     if algo == "foresight":  # the scorer learns from episode features, not through the model
         activations = logits = 0
     elif tr.gradient_checkpointing:
         activations = tokens * (L * H * width + per_layer)
-        logits = 3 * 4 * min(tokens, LOGIT_CHUNK) * config.vocab_size
     else:
         activations = tokens * L * per_layer
-        logits = 3 * 4 * min(tokens, LOGIT_CHUNK) * config.vocab_size
     return {
         "learner": {"weights": copies * p["weights_bytes"], "gradients": grads, "optimizer": optimizer,
                     "activations": activations, "logits": logits},

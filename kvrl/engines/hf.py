@@ -165,6 +165,8 @@ class HFEngine:
         self.stop_ids = list(stop_ids) if stop_ids else default_stop_ids(getattr(model, "generation_config", None),
                                                                           tokenizer)
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None)
+        # fills left padding and the rows that stopped; a tokenizer without a pad token gets a stop id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         model.set_attn_implementation("kvrl_replay")
 
     @property
@@ -178,8 +180,7 @@ class HFEngine:
     def pad(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded input ids [B, P] and true positions [B, P] (-1 at padding)."""
         P = max(len(x) for x in ids)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
-        out = torch.tensor([[pad] * (P - len(x)) + x for x in ids], device=self.device)
+        out = torch.tensor([[self.pad_id] * (P - len(x)) + x for x in ids], device=self.device)
         pos = torch.arange(P, device=self.device) - torch.tensor([P - len(x) for x in ids], device=self.device)[:, None]
         return out, pos.masked_fill(pos < 0, -1)
 
@@ -202,7 +203,6 @@ class HFEngine:
                         sample=sampling.sample_evictions, device=self.device,
                         generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
         stops = torch.tensor([] if sampling.ignore_eos else self.stop_ids, dtype=torch.long, device=self.device)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]  # after a stop
         step_ids, step_pos = ids, pos
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
         tokens, logps = [], []
@@ -222,7 +222,7 @@ class HFEngine:
                 else:
                     logp = torch.log_softmax(logits, -1)
                     nxt = logits.argmax(-1)
-                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
                 tokens.append(nxt)
                 logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1).float())
                 done |= torch.isin(nxt, stops) | (limits <= step + 1)
@@ -273,8 +273,7 @@ class HFEngine:
         lens = torch.tensor([len(s) for s in sequences], device=self.device)
         n_gen = lens - torch.tensor(prompt_lens, device=self.device)
         B, S = len(sequences), int(lens.max())
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (S - len(s)) + list(s) for s in sequences], device=self.device)
+        ids = torch.tensor([[self.pad_id] * (S - len(s)) + list(s) for s in sequences], device=self.device)
         pos = torch.arange(S, device=self.device) - (S - lens)[:, None]
         pos = pos.masked_fill(pos < 0, -1)
         extra = None
