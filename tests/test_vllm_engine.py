@@ -179,6 +179,24 @@ def test_policy_matches_hf(engine, hf, name):
     assert full.tokens != out.tokens or max_lp_diff(full.logprobs, out.logprobs) > 1e-3
 
 
+@pytest.mark.parametrize("name", ["h2o", "gkv"])
+def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name):
+    """16 requests of 19-37 prompt tokens run at once: at each eviction step the engine
+    evicts every due request of a layer in one padded batch (some right after prefill,
+    some later, caches of different lengths). Each must still equal its HF run alone."""
+    batch = prompts(16, seed=5)
+    sampling = Sampling(max_new_tokens=NEW)
+    policy = token_policy(name)
+    tokens, logprobs, _, traces = hf_alone(hf, batch, sampling, policy)
+    out = engine.generate(batch, sampling, policy=policy)
+    lengths = sorted(len(p) for p in out.prompt_ids)
+    assert lengths[0] < BUDGET < lengths[-1] and len(set(lengths)) >= 4, lengths
+    assert out.tokens == tokens, name
+    assert max_lp_diff(out.logprobs, logprobs) < TOL, name
+    for b, trace in enumerate(traces):
+        assert torch.equal(out.trace(b).death, trace.death), (name, b)
+
+
 @pytest.mark.parametrize("sparsity", [0.25, 0.75])
 def test_head_allocation_matches_hf(engine, hf, sparsity):
     batch = prompts()
@@ -480,12 +498,15 @@ def test_flash_compact_kernel_matches_reference_interpreted(monkeypatch, layout)
     flash_compact_ref(want, bt, keep, counts)
     flash_compact(got, bt, keep, counts)
     assert torch.equal(want, got)
-    k_before, _ = flash_read(kv, bt[0], 90)
-    k_after, v_after = flash_read(want, bt[0], 37)
-    assert torch.equal(k_after, k_before.gather(1, keep[0][..., None].expand(-1, -1, k_before.shape[-1])))
-    flash_write(want, bt[0], torch.tensor([1]), torch.tensor([5]), torch.ones(1, 64), torch.zeros(1, 64))
-    k2, v2 = flash_read(want, bt[0], 6)
-    assert (k2[1, 5] == 1).all() and (v2[1, 5] == 0).all()
+    k_before, _ = flash_read(kv, bt, 90)  # [R, H, N, D], every request at once
+    k_after, _ = flash_read(want, bt, 37)
+    for r, k in enumerate(counts.tolist()):
+        moved = k_before[r].gather(1, keep[r, :, :k, None].expand(-1, -1, k_before.shape[-1]))
+        assert torch.equal(k_after[r, :, :k], moved)
+    flash_write(want, bt, torch.tensor([2]), torch.tensor([1]), torch.tensor([5]), torch.ones(1, 64),
+                torch.zeros(1, 64))
+    k2, v2 = flash_read(want, bt, 6)
+    assert (k2[2, 1, 5] == 1).all() and (v2[2, 1, 5] == 0).all() and torch.equal(k2[:2], k_after[:2, :, :6])
 
 
 @pytest.mark.gpu

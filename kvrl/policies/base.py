@@ -133,6 +133,24 @@ def plackett_luce_logprob(scores: Tensor, candidates: Tensor, evicted: Tensor) -
     return ((xs - tail_lse)[..., :e] * drawn).sum(-1)
 
 
+def gumbel_noise(scores: Tensor, key_pos: Tensor, generator) -> Tensor:
+    """Standard Gumbel noise [B, H, N] float32 for sampled selections.
+
+    ``generator`` is one ``torch.Generator`` (or None) for the whole batch, or a list with
+    one per batch row: row b then draws [H, n_b], n_b = its last valid slot + 1, so its
+    noise does not depend on the rows it is batched with — the vLLM engine evicts the
+    requests of a step together, each from its own seeded generator (0 at the padding).
+    """
+    if not isinstance(generator, (list, tuple)):
+        return -torch.empty_like(scores, dtype=torch.float32).exponential_(generator=generator).log()
+    idx = torch.arange(1, key_pos.shape[-1] + 1, device=key_pos.device)
+    ends = ((key_pos >= 0).any(1) * idx).amax(-1).tolist()  # [B]
+    out = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+    for b, (g, n) in enumerate(zip(generator, ends)):
+        out[b, :, :n] = -torch.empty(scores.shape[1], n, device=scores.device).exponential_(generator=g).log()
+    return out
+
+
 @dataclass(kw_only=True)
 class KVPolicy:
     """Base KV policy: budget, eviction schedule, protected tokens, and selection.
@@ -203,7 +221,7 @@ class KVPolicy:
         return obs.keys.new_full((*obs.key_pos.shape, self.state_size), float("nan"), dtype=torch.float32)
 
     def select(self, obs: Observation, scores: Tensor, *, sample: bool = False,
-               generator: torch.Generator | None = None) -> Selection:
+               generator: torch.Generator | list | None = None) -> Selection:
         """Choose K = min(budget, N) slots per (batch, KV head).
 
         Always kept: the first ``sink`` and the last ``window`` valid slots. The rest is
@@ -230,8 +248,9 @@ class KVPolicy:
         scores : Tensor [B, H, N]
             From :meth:`score`.
         sample : bool
-        generator : torch.Generator, optional
-            Source of the Gumbel noise (on the scores' device).
+        generator : torch.Generator or list of them, optional
+            Source of the Gumbel noise (on the scores' device); one per batch row in a list
+            (:func:`gumbel_noise`).
 
         Returns
         -------
@@ -246,7 +265,7 @@ class KVPolicy:
         logprob = evicted = None
         priority = scores
         if sample:
-            gumbel = -torch.empty_like(scores).exponential_(generator=generator).log()
+            gumbel = gumbel_noise(scores, key_pos, generator)
             evict_key = torch.where(candidates, gumbel - scores.detach(), float("-inf"))
             n_evict = (valid.sum(-1) - k).clamp(min=0)  # [B, H]
             order = evict_key.topk(int(n_evict.max()) if n_evict.numel() else 0, dim=-1).indices

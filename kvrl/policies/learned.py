@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvrl.kernels.scores import window_attention
-from kvrl.policies.base import KVPolicy, Observation
+from kvrl.policies.base import KVPolicy, Observation, gumbel_noise
 
 HIDDEN = 16  # ForesightKV's SelectionModel hidden width
 DECAY = 0.9  # ForesightKV's decayed-cumsum factor
@@ -146,7 +146,7 @@ class LearnedScorer(KVPolicy):
         return x, torch.cat([cum, decayed], -1)
 
     def act(self, key_pos: Tensor, scores: Tensor, *, sample: bool = True,
-            generator: torch.Generator | None = None) -> TopKDraw:
+            generator: torch.Generator | list | None = None) -> TopKDraw:
         """ForesightKV's eviction action for slots at ``key_pos`` [B, H, N] with keep-scores
         ``scores`` [B, H, N] (from :meth:`score`; differentiable).
 
@@ -167,7 +167,7 @@ class LearnedScorer(KVPolicy):
         n_evict = (valid.sum(-1) - k).clamp(min=0)  # [B, H]
         if sample:
             pool = topk_pool(evict, candidates, n_evict)
-            gumbel = -torch.empty_like(evict).exponential_(generator=generator).log()
+            gumbel = gumbel_noise(evict, key_pos, generator)
             key = torch.where(pool, evict.detach() + gumbel, float("-inf"))
         else:
             pool = candidates

@@ -19,12 +19,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
 from kvrl.engines.vllm.runtime import PagedLayout
+from kvrl.kernels.scores import gather_slots
 from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
 
@@ -40,21 +42,40 @@ class CPULayout(PagedLayout):
         return flat[:, :, :bs * d].view(nb, h, d, bs), flat[:, :, bs * d:].view(nb, h, bs, d)
 
     def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Keys come back as a transposed view of a [R, H, D, N] tensor: copying whole
+        [D, bs] block regions keeps runs of bs contiguous elements, where a [.., N, D] copy
+        would transpose every block element by element (3-5x slower on a CPU); matmuls
+        take the transposed operand as it is."""
         kt, v = self.views(kv_cache)
         _, h, d, bs = kt.shape
-        nblk = -(-n // bs)
-        b = blocks[:nblk].long()
-        keys = kt[b].permute(1, 0, 3, 2).reshape(h, nblk * bs, d)[:, :n]
-        values = v[b].permute(1, 0, 2, 3).reshape(h, nblk * bs, d)[:, :n]
-        return keys, values
+        r, nblk = blocks.shape[0], -(-n // bs)
+        b = blocks[:, :nblk].reshape(-1).long()
+        k_t = kt.index_select(0, b).view(r, nblk, h, d, bs).permute(0, 2, 3, 1, 4).reshape(r, h, d, nblk * bs)
+        values = v.index_select(0, b).view(r, nblk, h, bs, d).transpose(1, 2).reshape(r, h, nblk * bs, d)
+        return k_t[..., :n].transpose(-1, -2), values[:, :, :n]
 
-    def write(self, kv_cache: Tensor, blocks: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
+    def write(self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
               values: Tensor) -> None:
         kt, v = self.views(kv_cache)
         bs = kt.shape[-1]
-        blk, off = blocks[slots // bs].long(), slots % bs
+        blk, off = blocks[rows, slots // bs].long(), slots % bs
         kt[blk, heads, :, off] = keys.to(kt.dtype)
         v[blk, heads, off] = values.to(v.dtype)
+
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Whole blocks at a time: the kept slots are gathered into full blocks (the tail of
+        the last one repeats slot 0: it lies beyond every head's cache) in the block's own
+        layout (K as [D, bs], from the transposed keys of :meth:`read`) and copied block by
+        block, instead of a strided scatter per token."""
+        kt, v = self.views(kv_cache)
+        r, h, k = keep.shape
+        d, bs = kt.shape[2:]
+        nblk = -(-k // bs)
+        b = blocks[:, :nblk].long()
+        full = F.pad(keep, (0, nblk * bs - k))
+        k_t = keys.transpose(-1, -2).gather(-1, full[:, :, None, :].expand(-1, -1, d, -1))  # [R, H, D, nblk·bs]
+        kt[b] = k_t.view(r, h, d, nblk, bs).permute(0, 3, 1, 2, 4).to(kt.dtype)
+        v[b] = gather_slots(values, full).view(r, h, nblk, bs, d).transpose(1, 2).to(v.dtype)
 
 
 LAYOUT = CPULayout()
@@ -71,8 +92,8 @@ def check_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) 
     kc, vc = kv.view(nb, h, 2 * block_size, head_size).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
-    keys, values = LAYOUT.read(kv, torch.arange(nb), nb * block_size)
-    if not (torch.equal(keys[:, slots].transpose(0, 1), key) and torch.equal(values[:, slots].transpose(0, 1), value)):
+    keys, values = LAYOUT.read(kv, torch.arange(nb)[None], nb * block_size)
+    if not (torch.equal(keys[0, :, slots].transpose(0, 1), key) and torch.equal(values[0, :, slots].transpose(0, 1), value)):
         raise NotImplementedError(
             f"kvrl cannot read vLLM's CPU KV cache layout for isa={isa!r}, dtype={dtype}; kvrl supports the "
             "'vec'/'vec16' layouts (K transposed [D, bs] then V [bs, D] per block and head)")

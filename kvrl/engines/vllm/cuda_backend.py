@@ -36,19 +36,19 @@ from kvrl.engines.vllm.runtime import PagedLayout
 
 
 def flash_read(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """K, V [H, n, D] of logical slots 0..n−1 (slot j in block ``blocks[j // bs]``)."""
-    _, h, bs, d2 = kv_cache.shape
-    j = torch.arange(n, device=kv_cache.device)
-    blk, off = blocks.to(kv_cache.device)[j // bs].long(), j % bs
-    x = kv_cache[blk, :, off]  # [n, H, 2D]
-    return x[..., :d2 // 2].transpose(0, 1), x[..., d2 // 2:].transpose(0, 1)
-
-
-def flash_write(kv_cache: Tensor, blocks: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
-                values: Tensor) -> None:
-    """Store keys/values [M, D] at (head ``heads[i]``, logical slot ``slots[i]``)."""
+    """K, V [R, H, n, D] of logical slots 0..n−1 (request r's slot j in block ``blocks[r, j // bs]``)."""
     bs, d2 = kv_cache.shape[2], kv_cache.shape[3]
-    blk, off = blocks.to(kv_cache.device)[slots // bs].long(), slots % bs
+    j = torch.arange(n, device=kv_cache.device)
+    blk = blocks.to(kv_cache.device)[:, j // bs].long()  # [R, n]
+    x = kv_cache[blk, :, j % bs]  # [R, n, H, 2D]
+    return x[..., :d2 // 2].transpose(1, 2), x[..., d2 // 2:].transpose(1, 2)
+
+
+def flash_write(kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
+                values: Tensor) -> None:
+    """Store keys/values [M, D] at (request ``rows[i]``, head ``heads[i]``, logical slot ``slots[i]``)."""
+    bs, d2 = kv_cache.shape[2], kv_cache.shape[3]
+    blk, off = blocks.to(kv_cache.device)[rows, slots // bs].long(), slots % bs
     kv_cache[blk, heads, off, :d2 // 2] = keys.to(kv_cache.dtype)
     kv_cache[blk, heads, off, d2 // 2:] = values.to(kv_cache.dtype)
 
@@ -124,13 +124,13 @@ class FlashLayout(PagedLayout):
     def read(self, kv_cache, blocks, n):
         return flash_read(kv_cache, blocks, n)
 
-    def write(self, kv_cache, blocks, heads, slots, keys, values):
-        flash_write(kv_cache, blocks, heads, slots, keys, values)
+    def write(self, kv_cache, blocks, rows, heads, slots, keys, values):
+        flash_write(kv_cache, blocks, rows, heads, slots, keys, values)
 
-    def compact(self, kv_cache, blocks, keep, keys=None, values=None):
-        counts = torch.tensor([keep.shape[1]], device=kv_cache.device)
+    def compact(self, kv_cache, blocks, keep, keys, values):
+        counts = torch.full((keep.shape[0],), keep.shape[2], device=kv_cache.device)
         op = flash_compact if kv_cache.is_cuda else flash_compact_ref
-        op(kv_cache, blocks[None], keep[None], counts)
+        op(kv_cache, blocks, keep, counts)
 
 
 LAYOUT = FlashLayout()

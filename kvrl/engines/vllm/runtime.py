@@ -24,6 +24,14 @@ One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
   :func:`kvrl.policies.should_evict` names, the policy scores the cache (the same policy
   object as in the HF engine), selects, and the layer is compacted; deaths are recorded as
   in :class:`kvrl.cache.KVCache` (the last query position of the forward + 1).
+  The builder plans each step once (:class:`StepPlan`): the slot remap, the ring slots of
+  the observation queries, and which requests evict (:class:`EvictBatch`). Every layer then
+  evicts all of those requests together: one read of their caches (shorter ones padded to
+  the longest with position −1, which policies never keep or count), one ``score`` and
+  ``select`` over the batch (sampled draws use each request's own generator, so a draw
+  does not depend on what it was batched with), one death-table write and one compaction
+  scatter — no Python loop over requests or heads. Non-evicting steps cost one vectorised
+  write per layer (positions, NaN state, ring queries).
 * ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it):
   heads have their own lengths; keys are dropped once no later query can see them (full
   heads keep everything, compressed heads sink + recent), attention over the packed
@@ -52,6 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvrl.kernels.replay import NEVER
+from kvrl.kernels.scores import gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
@@ -79,34 +88,31 @@ def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
 class PagedLayout:
     """How one attention layer's paged cache tensor stores K and V.
 
-    A request's logical slot j of KV head h lives in block ``blocks[j // bs]`` at offset
-    ``j % bs``. Subclasses implement :meth:`read` and :meth:`write`.
+    Request r's logical slot j of KV head h lives in block ``blocks[r, j // bs]`` at offset
+    ``j % bs``; every method takes the block tables of several requests at once
+    (``blocks`` [R, max_blocks]), so one call serves a whole batch. Subclasses implement
+    :meth:`read` and :meth:`write`, and may replace :meth:`compact` with a kernel.
     """
 
     def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """K, V [H, n, D] of logical slots 0..n−1 of every head."""
+        """K, V [R, H, n, D] of logical slots 0..n−1 of every head of every request."""
         raise NotImplementedError
 
-    def write(self, kv_cache: Tensor, blocks: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
+    def write(self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
               values: Tensor) -> None:
-        """Store keys/values [M, D] at (head ``heads[i]``, logical slot ``slots[i]``)."""
+        """Store keys/values [M, D] at (request ``rows[i]``, head ``heads[i]``, logical slot ``slots[i]``)."""
         raise NotImplementedError
 
-    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor | None = None,
-                values: Tensor | None = None) -> None:
-        """In place, per head h: slot j ← slot ``keep[h, j]`` (keep [H, K] ascending).
-        ``keys``/``values`` [H, N, D], when given, are the slots already read."""
-        h, k = keep.shape
-        if keys is None:
-            keys, values = self.read(kv_cache, blocks, int(keep.max()) + 1)
-        heads = torch.arange(h, device=keep.device).repeat_interleave(k)
-        flat = keep.reshape(-1)
-        self.write(kv_cache, blocks, heads, torch.arange(k, device=keep.device).repeat(h),
-                   keys[heads, flat], values[heads, flat])
-
-
-def _address(blocks: Tensor, slots: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    return blocks[slots // block_size].long(), slots % block_size
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor, values: Tensor) -> None:
+        """In place, per request r and head h: slot j ← slot ``keep[r, h, j]`` (keep [R, H, K]
+        ascending); ``keys``/``values`` [R, H, N, D] are the slots already read. Default: one
+        scatter of every kept slot."""
+        r, h, k = keep.shape
+        rows = torch.arange(r, device=keep.device).repeat_interleave(h * k)
+        heads = torch.arange(h, device=keep.device).repeat_interleave(k).repeat(r)
+        slots = torch.arange(k, device=keep.device).repeat(r * h)
+        self.write(kv_cache, blocks, rows, heads, slots, gather_slots(keys, keep).flatten(0, 2),
+                   gather_slots(values, keep).flatten(0, 2))
 
 
 @dataclass
@@ -126,21 +132,36 @@ class SideStore:
         return cls(pos, state)
 
     def read(self, blocks: Tensor, n: int) -> tuple[Tensor, Tensor | None]:
-        """pos [H, n] int64 and state [H, n, S] of logical slots 0..n−1."""
-        h, bs = self.pos.shape[1:]
+        """pos [R, H, n] int64 and state [R, H, n, S] of logical slots 0..n−1 (blocks [R, nb])."""
+        r, (h, bs) = blocks.shape[0], self.pos.shape[1:]
         nblk = -(-n // bs)
-        b = blocks[:nblk].long()
-        pos = self.pos[b].permute(1, 0, 2).reshape(h, nblk * bs)[:, :n].long()
+        b = blocks[:, :nblk].long()
+        pos = self.pos[b].transpose(1, 2).reshape(r, h, nblk * bs)[..., :n].long()
         state = None
         if self.state is not None:
-            state = self.state[b].permute(1, 0, 2, 3).reshape(h, nblk * bs, -1)[:, :n]
+            state = self.state[b].transpose(1, 2).reshape(r, h, nblk * bs, -1)[:, :, :n]
         return pos, state
 
-    def write(self, blocks: Tensor, heads: Tensor, slots: Tensor, pos: Tensor, state: Tensor | None) -> None:
-        blk, off = _address(blocks, slots, self.pos.shape[2])
+    def write(self, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, pos: Tensor,
+              state: Tensor | None) -> None:
+        bs = self.pos.shape[2]
+        blk, off = blocks[rows, slots // bs].long(), slots % bs
         self.pos[blk, heads, off] = pos.to(torch.int32)
         if self.state is not None:
             self.state[blk, heads, off] = float("nan") if state is None else state
+
+    def write_prefix(self, blocks: Tensor, pos: Tensor, state: Tensor | None) -> None:
+        """pos [R, H, K] and state [R, H, K, S] into logical slots 0..K−1, whole blocks at a
+        time (the rest of the last block gets position −1 / no state)."""
+        r, h, k = pos.shape
+        bs = self.pos.shape[2]
+        nblk = -(-k // bs)
+        b = blocks[:, :nblk].long()
+        self.pos[b] = F.pad(pos.to(torch.int32), (0, nblk * bs - k), value=-1).view(r, h, nblk, bs).transpose(1, 2)
+        if self.state is not None:
+            state = torch.full((r, h, k, self.state.shape[-1]), float("nan"), device=pos.device) if state is None else state
+            padded = F.pad(state.float(), (0, 0, 0, nblk * bs - k), value=float("nan"))
+            self.state[b] = padded.view(r, h, nblk, bs, -1).transpose(1, 2)
 
 
 @dataclass
@@ -150,8 +171,12 @@ class ReqState:
     tag: str
     index: int
     prompt_len: int
-    death: Tensor  # [L, H, T] int32 (NEVER = not evicted); the pattern itself in static mode
-    lens: Tensor  # [L, H] int64 cache entries after the last forward
+    length: int  # prompt + max_tokens + 1: the trace's T
+    # [L, H, T] int32 (NEVER = not evicted): the pattern itself in static mode; in token mode
+    # the request's row of WorkerContext.deaths while it runs, copied out when it finishes.
+    death: Tensor | None
+    lens: Tensor | None  # static mode: [L, H] int64 cache entries per head after the last forward
+    clen: int = 0  # token mode: cache entries per head (the same for all) after the last forward
     done: int = 0  # true length after the last planned forward
     qslot: int = -1
     generator: torch.Generator | None = None
@@ -165,13 +190,29 @@ class RowPlan:
     start: int  # first token of the row in the batch
     q: int  # tokens of the row in this forward
     done: int  # true length before the forward
-    lens: Tensor  # [L, H] cache entries before the forward
     blocks: Tensor  # the row's block table (physical ids), on the cache's device
-    evict: bool = False  # token mode: this forward ends with an eviction
+    lens: Tensor | None = None  # static mode: [L, H] cache entries before the forward
 
     @property
     def m(self) -> int:
         return self.done + self.q
+
+
+@dataclass
+class EvictBatch:
+    """Token mode: the requests whose forward ends with an eviction, planned once per step
+    and evicted together at every layer (one read, score, select, compaction and death
+    update per layer for all of them)."""
+
+    rows: list[RowPlan]
+    n: int  # slots to read: the longest cache among them (the others are padded)
+    blocks: Tensor  # [R, ceil(n / bs)] their block tables
+    pad: Tensor  # [R, 1, n] bool: slots beyond the request's cache (position −1 for the policy)
+    qslot: Tensor  # [R] ring slots
+    qslot_host: Tensor  # [R] the same, for the death table on the host
+    m: Tensor  # [R] int32 true length after the forward = the death time of what is evicted
+    generators: list | None  # sampling: each request's own generator
+    events: Tensor | None  # sampling: [R, L, H] logprobs; row r is a view in rows[r].req.events
 
 
 @dataclass
@@ -186,6 +227,7 @@ class StepPlan:
     q_ring: Tensor
     slot_addr: tuple | None = None  # token mode: (block, offset, position) of the new tokens
     fresh: Tensor | None = None  # ring slots of requests new in this forward (their rows are cleared)
+    evict: EvictBatch | None = None  # token mode: the requests that evict after this forward
 
 
 class WorkerContext:
@@ -206,6 +248,9 @@ class WorkerContext:
         self.rings: dict[int, tuple[Tensor, Tensor]] = {}
         self.free_slots: list[int] = []
         self.n_slots = 0
+        # token mode: death times of the running requests, row = ring slot: [slots, L, H, T]
+        # int32 on the host, T ≥ every running request's length (one write per evicting layer)
+        self.deaths: Tensor | None = None
         self.geometry: tuple[int, int] | None = None  # (layers, kv heads)
         self.device = torch.device("cpu")
 
@@ -266,9 +311,7 @@ class WorkerContext:
         for tag in tags:
             st = self.finished.pop(tag, None)
             if st is None and tag in by_tag:  # finished, but vLLM's runner has not said so yet
-                st = self.active.pop(by_tag[tag])
-                if st.qslot >= 0:
-                    self.free_slots.append(st.qslot)
+                st = self._release(by_tag[tag])
             out.append(None if st is None else {"death": st.death, "events": st.events,
                                                  "evict_seconds": st.evict_seconds})
         return out
@@ -278,10 +321,15 @@ class WorkerContext:
     def _release_finished(self) -> None:
         live = self.runner.requests
         for rid in [r for r in self.active if r not in live]:
-            st = self.active.pop(rid)
-            if st.qslot >= 0:
-                self.free_slots.append(st.qslot)
+            st = self._release(rid)
             self.finished[st.tag] = st
+
+    def _release(self, rid: str) -> ReqState:
+        st = self.active.pop(rid)
+        if self.mode == "token":
+            st.death = self.deaths[st.qslot, :, :, :st.length].clone()
+        self.free_slots.append(st.qslot)
+        return st
 
     def _new_request(self, rid: str, prompt_len: int) -> ReqState:
         params = self.runner.requests[rid].sampling_params
@@ -290,13 +338,13 @@ class WorkerContext:
         index = int(extra.get("kvrl_index", 0))
         length = prompt_len + (params.max_tokens if params is not None and params.max_tokens else 0) + 1
         layers, heads = self.geometry
+        death = lens = None
         if self.mode == "static":
             death = self.static.row(index, length - 1)  # covers prompt + max_tokens, as the engine's T
             if death.shape[:2] != (layers, heads):
                 raise ValueError(f"death pattern of shape {tuple(death.shape)}, the model has "
                                  f"(layers, kv_heads) = {(layers, heads)}")
-        else:
-            death = torch.full((layers, heads, length), NEVER, dtype=torch.int32)
+            lens = torch.zeros(layers, heads, dtype=torch.long)
         gen = None
         if self.sample:
             gen = torch.Generator(device=self.device).manual_seed(int(extra.get("kvrl_seed", 0)))
@@ -304,8 +352,22 @@ class WorkerContext:
             slot = self.free_slots.pop()
         else:
             slot, self.n_slots = self.n_slots, self.n_slots + 1
-        return ReqState(tag, index, prompt_len, death, torch.zeros(layers, heads, dtype=torch.long),
-                        qslot=slot, generator=gen)
+        if self.mode == "token":
+            self._death_rows(slot + 1, length)[slot] = NEVER
+        return ReqState(tag, index, prompt_len, length, death, lens, qslot=slot, generator=gen)
+
+    def _death_rows(self, slots: int, length: int) -> Tensor:
+        """The death table with room for ``slots`` requests of ``length`` tokens (grown, kept)."""
+        layers, heads = self.geometry
+        old = self.deaths
+        if old is None or old.shape[0] < slots or old.shape[-1] < length:
+            cap = max(slots, old.shape[0] if old is not None else 0)
+            cap = -(-cap // 8) * 8  # grow in steps of 8 requests: few copies
+            self.deaths = torch.full((cap, layers, heads, max(length, old.shape[-1] if old is not None else 0)),
+                                     NEVER, dtype=torch.int32)
+            if old is not None:
+                self.deaths[:old.shape[0], :, :, :old.shape[-1]] = old
+        return self.deaths
 
     def plan_step(self, cm, block_size: int) -> StepPlan | None:
         """Plan one forward from the common attention metadata; in token mode rewrite
@@ -326,6 +388,8 @@ class WorkerContext:
         bt_dev = cm.block_table_tensor
         rows: list[RowPlan] = []
         fresh: list[int] = []
+        evicting: list[int] = []
+        token = self.mode == "token"
         for i, rid in enumerate(req_ids):
             done = int(ncomp[i])
             st = self.active.get(rid)
@@ -342,49 +406,65 @@ class WorkerContext:
                     "tokens); a recompute does not replay the evictions. Give vLLM more KV cache "
                     "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
             q = qsl[i + 1] - qsl[i]
-            row = RowPlan(st, qsl[i], q, done, st.lens.clone(), bt_dev[i])
-            if self.mode == "token":
+            row = RowPlan(st, qsl[i], q, done, bt_dev[i])
+            if token:
                 p = self.policy
-                c_prev = cache_len_after(done, st.prompt_len, p)
-                if int(st.lens[0, 0]) != c_prev:
+                if st.clen != cache_len_after(done, st.prompt_len, p):
                     raise RuntimeError(f"kvrl cache length out of step for request {rid}: "
-                                       f"{int(st.lens[0, 0])} vs {c_prev}")
+                                       f"{st.clen} vs {cache_len_after(done, st.prompt_len, p)}")
                 m = done + q
-                row.evict = m >= st.prompt_len and should_evict(m - st.prompt_len, c_prev + q, p)
-                st.lens.fill_(cache_len_after(m, st.prompt_len, p))
-            elif self.mode == "mixed":
-                st.lens.fill_(done + q)
-            # static: lens are updated by the layers (appends, then drops)
+                if m >= st.prompt_len and should_evict(m - st.prompt_len, st.clen + q, p):
+                    evicting.append(i)
+            elif self.mode == "static":  # lens are updated by the layers (appends, then drops)
+                row.lens = st.lens.clone()
             st.done = done + q
             rows.append(row)
 
         total = qsl[n]
-        tok_row = np.repeat(np.arange(n), [r.q for r in rows])
-        offs = np.arange(total) - np.repeat(np.asarray(qsl[:n]), [r.q for r in rows])
+        counts = np.asarray([r.q for r in rows])
+        tok_row = np.repeat(np.arange(n), counts)
+        offs = np.arange(total) - np.repeat(np.asarray(qsl[:n]), counts)
         done_arr = np.asarray([r.done for r in rows])
         positions = torch.from_numpy(done_arr[tok_row] + offs)
-        # queries to keep: the last `observe` of each row (ring index = position % W)
-        q_tok = q_slot = q_ring = torch.zeros(0, dtype=torch.long)
-        if self.mode == "token":
-            w = self.policy.observe
-            m_arr = np.asarray([r.m for r in rows])
-            keep = positions.numpy() >= (m_arr[tok_row] - w)
-            q_tok = torch.from_numpy(np.nonzero(keep)[0])
-            q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
-            q_ring = positions[q_tok] % w
-            # remap: token j of a row goes to logical slot c_prev + j
-            c_prev = np.asarray([int(r.lens[0, 0]) for r in rows])
-            logical = torch.from_numpy(c_prev[tok_row] + offs)
-            rowt = torch.from_numpy(tok_row)
-            phys = bt[rowt, logical // block_size].long() * block_size + logical % block_size
-            cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
         dev = cm.slot_mapping.device
-        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), q_tok.to(dev), q_slot.to(dev), q_ring.to(dev),
+        none = torch.zeros(0, dtype=torch.long)
+        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none, none,
                         fresh=torch.tensor(fresh, dtype=torch.long, device=dev) if fresh else None)
-        if self.mode == "token":
-            plan.kernel_seq_lens = torch.tensor([int(r.lens[0, 0]) + r.q for r in rows],
-                                                dtype=cm.seq_lens.dtype).to(cm.seq_lens.device)
+        if not token:
+            return plan
+        # queries to keep: the last `observe` of each row (ring index = position % W)
+        w = self.policy.observe
+        keep = positions.numpy() >= (done_arr + counts)[tok_row] - w
+        q_tok = torch.from_numpy(np.nonzero(keep)[0])
+        q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
+        plan.q_tok, plan.q_slot, plan.q_ring = q_tok.to(dev), q_slot.to(dev), (positions[q_tok] % w).to(dev)
+        # remap: token j of a row goes to logical slot c_prev + j
+        c_prev = np.asarray([r.req.clen for r in rows])
+        logical = torch.from_numpy(c_prev[tok_row] + offs)
+        phys = bt[torch.from_numpy(tok_row), logical // block_size].long() * block_size + logical % block_size
+        cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
+        plan.kernel_seq_lens = torch.from_numpy(c_prev + counts).to(cm.seq_lens.device, cm.seq_lens.dtype)
+        for r in rows:
+            r.req.clen = cache_len_after(r.m, r.req.prompt_len, self.policy)
+        if evicting:
+            plan.evict = self._evict_batch([rows[i] for i in evicting], (c_prev + counts)[evicting],
+                                           bt_dev[evicting], block_size)
         return plan
+
+    def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
+        dev = blocks.device
+        width = -(-int(n.max()) // block_size) * block_size  # whole blocks: reads are views, not copies
+        pad = torch.arange(width, device=dev)[None, None, :] >= torch.from_numpy(n).to(dev)[:, None, None]
+        qslot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)
+        m = torch.tensor([r.m for r in rows], dtype=torch.int32)
+        generators = events = None
+        if self.sample:
+            generators = [r.req.generator for r in rows]
+            events = torch.zeros(len(rows), *self.geometry)
+            for i, r in enumerate(rows):
+                r.req.events[r.m - r.req.prompt_len] = events[i]
+        return EvictBatch(rows, width, blocks[:, :width // block_size], pad, qslot.to(dev), qslot, m,
+                          generators, events)
 
     # ---- layer side ----
 
@@ -436,8 +516,9 @@ class WorkerContext:
             slots = (lens[:, None] + j[None, :]).reshape(-1)
             heads = torch.arange(h, device=dev).repeat_interleave(row.q)
             toks = j.repeat(h) + row.start
-            layout.write(kv_cache, row.blocks, heads, slots, key[toks, heads], value[toks, heads])
-            side.write(row.blocks, heads, slots, plan.positions[toks], None)
+            zero = torch.zeros_like(heads)
+            layout.write(kv_cache, row.blocks[None], zero, heads, slots, key[toks, heads], value[toks, heads])
+            side.write(row.blocks[None], zero, heads, slots, plan.positions[toks], None)
 
     def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
                   kv_cache: Tensor, scale: float, output: Tensor, stock_forward) -> None:
@@ -445,19 +526,18 @@ class WorkerContext:
         if plan.mode == "token":
             stock_forward()
             self._observe(plan, layer_idx, query)
-            for row in plan.rows:
-                if row.evict:
-                    self._evict_token(row, layer_idx, layer_name, layout, kv_cache, scale)
+            if plan.evict is not None:
+                self._evict(plan.evict, layer_idx, layer_name, layout, kv_cache, scale)
             return
         if plan.mode == "mixed":
             from kvrl.kernels.mixed import mixed_gate_attention
 
             mg = self.mixed
             for row in plan.rows:
-                k, v = layout.read(kv_cache, row.blocks, row.m)
+                k, v = layout.read(kv_cache, row.blocks[None], row.m)
                 qpos = plan.positions[row.start:row.start + row.q]
                 q = query[row.start:row.start + row.q].transpose(0, 1)[None]
-                out = mixed_gate_attention(q, k[None], v[None], qpos[None], torch.arange(row.m, device=q.device)[None],
+                out = mixed_gate_attention(q, k, v, qpos[None], torch.arange(row.m, device=q.device)[None],
                                            mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
                 output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
             return
@@ -472,38 +552,35 @@ class WorkerContext:
         q[plan.q_slot, :, plan.q_ring] = query[plan.q_tok].to(q.dtype)
         p[plan.q_slot, plan.q_ring] = plan.positions[plan.q_tok]
 
-    def _evict_token(self, row: RowPlan, layer_idx: int, layer_name: str, layout: PagedLayout, kv_cache: Tensor,
-                     scale: float) -> None:
+    def _evict(self, eb: EvictBatch, layer_idx: int, layer_name: str, layout: PagedLayout, kv_cache: Tensor,
+               scale: float) -> None:
+        """Score, select and compact this layer's cache of every request in ``eb`` at once.
+        Shorter caches are padded to the longest (position −1: no policy keeps or counts
+        them, and each request keeps ``budget`` of its own slots)."""
         start = time.perf_counter()
-        st, policy = row.req, self.policy
-        n = int(row.lens[layer_idx, 0]) + row.q
-        side = self.side[layer_name]
-        keys, values = layout.read(kv_cache, row.blocks, n)
-        pos, state = side.read(row.blocks, n)
+        policy, side = self.policy, self.side[layer_name]
+        keys, values = layout.read(kv_cache, eb.blocks, eb.n)  # [R, H, N, D]
+        pos, state = side.read(eb.blocks, eb.n)
+        pos = pos.masked_fill(eb.pad, -1)
         qbuf, qpos = self.rings[layer_idx]
-        qp = qpos[st.qslot]
-        order = torch.nonzero(qp >= 0).squeeze(-1)
-        order = order[qp[order].argsort()]
-        obs = Observation(keys[None], values[None], qbuf[st.qslot][:, order][None], pos[None], qp[order][None],
-                          None if state is None else state[None], layer_idx, scale)
+        qp = qpos[eb.qslot]  # [R, W] ring order; −1 = no query yet
+        order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
+        queries = qbuf[eb.qslot].gather(2, order[:, None, :, None].expand(-1, qbuf.shape[1], -1, qbuf.shape[3]))
+        obs = Observation(keys, values, queries, pos, qp.gather(-1, order), state, layer_idx, scale)
         scores, new_state = policy.score(obs)
-        sel = policy.select(obs, scores, sample=self.sample, generator=st.generator)
-        keep = sel.keep[0]  # [H, K]
-        h, k = keep.shape
-        kept = torch.zeros(h, n, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
-        eh, en = (~kept & (pos >= 0)).nonzero(as_tuple=True)
-        st.death[layer_idx, eh.cpu(), pos[eh, en].cpu()] = row.m  # the last query of the forward saw it
-        layout.compact(kv_cache, row.blocks, keep, keys, values)
-        heads = torch.arange(h, device=keep.device).repeat_interleave(k)
-        slots = torch.arange(k, device=keep.device).repeat(h)
-        flat = keep.reshape(-1)
-        side.write(row.blocks, heads, slots, pos[heads, flat],
-                   None if new_state is None else new_state[0][heads, flat].float())
+        sel = policy.select(obs, scores, sample=self.sample, generator=eb.generators)
+        keep = sel.keep  # [R, H, K]
+        kept = torch.zeros(pos.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
+        r, h, j = (~kept & (pos >= 0)).nonzero(as_tuple=True)
+        r, h, dead = r.cpu(), h.cpu(), pos[r, h, j].cpu()
+        self.deaths[eb.qslot_host[r], layer_idx, h, dead] = eb.m[r]  # the last query of the forward saw them
+        layout.compact(kv_cache, eb.blocks, keep, keys, values)
+        side.write_prefix(eb.blocks, pos.gather(-1, keep), None if new_state is None else gather_slots(new_state, keep))
         if sel.logprob is not None:
-            g = row.m - st.prompt_len
-            ev = st.events.setdefault(g, torch.zeros(*st.lens.shape))
-            ev[layer_idx] = sel.logprob[0].float().cpu()
-        st.evict_seconds += time.perf_counter() - start
+            eb.events[:, layer_idx] = sel.logprob.float().cpu()
+        share = (time.perf_counter() - start) / len(eb.rows)
+        for row in eb.rows:
+            row.req.evict_seconds += share
 
     def _static_attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout,
                           query: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:
@@ -515,8 +592,10 @@ class WorkerContext:
             dev = kv_cache.device
             lens = (row.lens[layer_idx] + row.q).to(dev)  # [H] after this forward's appends
             n = int(lens.max())
-            keys, values = layout.read(kv_cache, row.blocks, n)
-            pos, _ = side.read(row.blocks, n)
+            blocks = row.blocks[None]
+            keys, values = layout.read(kv_cache, blocks, n)
+            pos, _ = side.read(blocks, n)
+            keys, values, pos = keys[0], values[0], pos[0]
             pos = pos.masked_fill(torch.arange(n, device=dev)[None, :] >= lens[:, None], -1)
             death = st.death[layer_idx].to(dev).gather(-1, pos.clamp(min=0)).long()  # [H, N]
             qpos = plan.positions[row.start:row.start + row.q]
@@ -537,8 +616,9 @@ class WorkerContext:
                 idx = alive[hh].nonzero().squeeze(-1)
                 heads = torch.full_like(idx, hh)
                 slots = torch.arange(idx.numel(), device=dev)
-                layout.write(kv_cache, row.blocks, heads, slots, keys[hh, idx], values[hh, idx])
-                side.write(row.blocks, heads, slots, pos[hh, idx], None)
+                zero = torch.zeros_like(idx)
+                layout.write(kv_cache, blocks, zero, heads, slots, keys[hh, idx], values[hh, idx])
+                side.write(blocks, zero, heads, slots, pos[hh, idx], None)
 
 
 def check_config(vllm_config) -> None:
@@ -589,5 +669,5 @@ def layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 
 
-__all__ = ["CONTEXT", "NEVER", "EvictionRefused", "PagedLayout", "ReqState", "RowPlan", "SideStore", "StepPlan",
+__all__ = ["CONTEXT", "NEVER", "EvictBatch", "EvictionRefused", "PagedLayout", "ReqState", "RowPlan", "SideStore", "StepPlan",
            "WorkerContext", "cache_len_after", "check_config", "context", "layer_index"]
