@@ -395,7 +395,7 @@ class Job:
 JOBS = {
     "eval": Job("kvrl.jobs.eval:main", sections=("model", "env", "eval")),
     "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
-    "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env")),
+    "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env"), ray=True),
     "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main"),
     "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True,
               algos={"rl_full": (), "rl_sparse": ("kv",), "distill": ("distill", "kv")}),

@@ -18,12 +18,14 @@ the deployment (training keeps the full cache under the mixed attention): a frac
 others all T, so ``(1 − s)·T + s·min(T, sink + recent)`` per head on average.
 
 For the Ray jobs it estimates the peak memory of a learner and of a rollout actor per GPU
-(:func:`memory`) and warns, with the fix, when one exceeds ``workers.gpu_gib``.
+(:func:`memory`), and for ForesightKV's data step that of a trace actor (generation and
+scoring, :mod:`kvrl.data.traces`), and warns, with the fix, when one exceeds ``workers.gpu_gib``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -123,6 +125,7 @@ def plan(cfg) -> dict:
 # algorithms whose learner trains every weight of the model (the others train gates or a scorer)
 FULL_MODEL = ("rl_full", "rl_sparse", "distill")
 LOGIT_CHUNK = 1024  # rows of logits HFEngine.score holds at once (kvrl.kernels.logprobs)
+VLLM_GPU_SHARE = 0.9  # vLLM's default gpu_memory_utilization: without workers.kv_cache_gib its KV cache fills it
 
 
 def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
@@ -165,6 +168,34 @@ def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
     }
 
 
+def trace_memory(cfg, config, p: dict) -> dict[str, float]:
+    """Peak bytes of a trace actor (:mod:`kvrl.data.traces`): the generation engine's weights
+    and full-cache KV (``hf``: every sequence of the batch at full length; ``vllm``:
+    ``workers.kv_cache_gib``, else vLLM's own sizing: 90 % of the GPU, or 1 GiB on CPU), the
+    HF scorer's weights (a second copy beside vLLM) and one scoring forward of up to
+    ``SCORE_TOKENS`` tokens: without grad, one layer's activations at a time, the final
+    hidden states and a chunk of float32 logits with its softmax.
+    """
+    from kvrl.data.traces import SCORE_TOKENS
+
+    w, T = cfg.workers, p["tokens_per_sequence"]
+    width = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
+    if w.engine == "hf":
+        kv = p["kv_full_bytes_per_batch"]
+    elif w.kv_cache_gib:
+        kv = w.kv_cache_gib * 2 ** 30
+    elif w.rollout_gpus:
+        kv = VLLM_GPU_SHARE * w.gpu_gib * 2 ** 30 - p["weights_bytes"]
+    else:
+        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2 ** 30
+    rows = min(cfg.sampling.batch_size, max(1, SCORE_TOKENS // T))
+    H = config.hidden_size
+    forward = rows * T * ((6 * H + 4 * config.intermediate_size) * width + H * width)
+    logits = 3 * 4 * min(rows * cfg.sampling.max_new_tokens, LOGIT_CHUNK) * config.vocab_size
+    return {"weights": p["weights_bytes"], "kv cache": kv,
+            "scoring weights": p["weights_bytes"] if w.engine == "vllm" else 0, "scoring forward": forward + logits}
+
+
 def dry_run(cfg) -> dict:
     p = plan(cfg)
     w, tr = cfg.workers, cfg.trainer
@@ -185,14 +216,23 @@ def dry_run(cfg) -> dict:
         f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "
         f"compressed {size(p['kv_kept_bytes_per_batch'])}",
     ]
-    if JOBS[cfg.job].ray:  # the RL loop's actors
+    traces = cfg.job in ("foresight", "foresight_traces")
+    if traces:  # the data step's actors
+        fs = cfg.foresight
+        shards = -(-fs.traces // fs.shard_size) + -(-fs.heldout // fs.shard_size)
+        engines = w.engine + (" + hf scoring" if w.engine == "vllm" else "")
+        lines.append(f"traces     {min(w.rollout, shards)} rollout actors ({engines}, {w.rollout_cpus:g} CPU + "
+                     f"{w.rollout_gpus:g} GPU each), stopped once the data is written: {fs.traces} train + "
+                     f"{fs.heldout} held-out traces in {shards} shards, a batch of {cfg.sampling.batch_size} "
+                     "prompts per actor at a time")
+    if JOBS[cfg.job].ray and cfg.job != "foresight_traces":  # the RL loop's actors
         engine = w.engine
         if cfg.job == "foresight":
             from kvrl.algos.foresight import ForesightRL
 
             engine = ForesightRL.rollout_engine
-            lines.append(f"stage 1    traces ({w.engine}), Golden Eviction and SFT in this process, on {cfg.device}; "
-                         "stage 2 (eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors")
+            lines.append(f"stage 1    Golden Eviction and SFT in this process, on {cfg.device}; stage 2 "
+                         "(eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors")
         lines += [
             f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
             f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
@@ -202,18 +242,25 @@ def dry_run(cfg) -> dict:
             f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
             f"new tokens each",
         ]
-        p["memory"] = memory(cfg, model_config(cfg.model.path), p)
-        for actor, parts in p["memory"].items():
+    if JOBS[cfg.job].ray:
+        fixes = {"learner": "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing"
+                            "=true, or more learners with workers.backend=deepspeed",
+                 "rollout": "lower sampling.batch_size or kv.budget",
+                 "trace actor": "set workers.kv_cache_gib (vLLM's cache: it then runs fewer sequences at once) so that "
+                                "the HF scorer fits beside it" if w.engine == "vllm" else
+                                "lower sampling.batch_size or set workers.engine=vllm"}
+        config = model_config(cfg.model.path)
+        p["memory"] = {} if cfg.job == "foresight_traces" else memory(cfg, config, p)
+        if traces:
+            p["memory"]["trace actor"] = trace_memory(cfg, config, p)
+        for k, (actor, parts) in enumerate(p["memory"].items()):
             total = sum(parts.values())
             gpus = w.learner_gpus if actor == "learner" else w.rollout_gpus
             fit = (f" of the {w.gpu_gib:g} GiB GPU (workers.gpu_gib)" if gpus else " (no GPU: host memory)")
-            lines.append(f"{'memory' if actor == 'learner' else '':<10} {actor} peak ~{size(total)}{fit}: "
-                         + " + ".join(f"{k} {size(v)}" for k, v in parts.items() if v))
+            lines.append(f"{'memory' if k == 0 else '':<10} {actor} peak ~{size(total)}{fit}: "
+                         + " + ".join(f"{name} {size(v)}" for name, v in parts.items() if v))
             if gpus and total > w.gpu_gib * 2 ** 30:
-                lines.append(f"WARNING    the {actor} does not fit: " + (
-                    "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing=true, "
-                    "or more learners with workers.backend=deepspeed" if actor == "learner" else
-                    "lower sampling.batch_size or kv.budget"))
+                lines.append(f"WARNING    the {actor} does not fit: {fixes[actor]}")
     elif cfg.job == "eval":
         ev = cfg.eval
         lines.append(f"eval       {len(ev.policies)} policies ({', '.join(ev.policies)}) x budgets "

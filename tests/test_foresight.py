@@ -1,5 +1,6 @@
 """ForesightKV: the action log-probability, the chunked eviction pass, Golden Eviction, the
-eviction MDP environment, both training stages and the pipeline job (``kvrl.jobs.foresight``)."""
+eviction MDP environment, the trace data on Ray actors, both training stages and the
+pipeline job (``kvrl.jobs.foresight``)."""
 
 import itertools
 import json
@@ -235,6 +236,44 @@ def test_sft_then_rl_stage(tiny, traces):
     assert policy.scorer.w1.grad.abs().sum() > 0
 
 
+def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkeypatch):
+    """The data step's shards come from trace actors, none from this process; a deleted shard is
+    made again, alone, by another actor (there is one missing shard, so one actor) with the
+    same rows, and the finished shards are left as they were."""
+    import pyarrow.parquet as pq
+    import ray
+
+    from kvrl.data import traces as data
+
+    def here(*args, **kwargs):
+        raise AssertionError("the trace actors generate and score, not this process")
+
+    monkeypatch.setattr(HFEngine, "generate", here)  # here only: the actors import kvrl.engines.hf afresh
+    monkeypatch.setattr(HFEngine, "score", here)
+    cfg = load_config(["recipe=tiny_foresight", f"output_dir={tmp_path}", "workers.engine=hf", "workers.rollout=2",
+                       "foresight.traces=8", "foresight.heldout=4", "foresight.shard_size=4", "foresight.min_tokens=0",
+                       "sampling.batch_size=8", "sampling.temperature=1.0"])  # sampled: the seeds must follow the shard
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
+             log_to_driver=False)
+    try:
+        data.write_splits(cfg)  # round 1: actor 0 makes train/0, actor 1 train/1; round 2: actor 0 heldout/0
+        files = sorted((tmp_path / "traces").rglob("shard-*.parquet"))
+        assert [f.relative_to(tmp_path / "traces").as_posix() for f in files] == [
+            "heldout/shard-00000.parquet", "train/shard-00000.parquet", "train/shard-00001.parquet"]
+        first = {f: pq.read_table(f) for f in files}
+        made = {f: f.stat().st_mtime_ns for f in files}
+        lost = tmp_path / "traces" / "train" / "shard-00001.parquet"
+        lost.unlink()
+        data.write_splits(cfg)
+    finally:
+        ray.shutdown()
+    assert pq.read_table(lost).equals(first[lost])
+    assert all(f.stat().st_mtime_ns == made[f] for f in files if f != lost)
+    train = load_traces(tmp_path / "traces" / "train")
+    assert len(train) == 8 and len({t.task_id for t in train}) == 8  # shards draw different tasks
+    assert all(len(t.loss) == len(t.ids) - t.prompt_len for t in train)
+
+
 @pytest.mark.slow
 def test_pipeline_job_runs_and_resumes(tmp_path, capsys):
     from kvrl.run import main
@@ -267,6 +306,7 @@ def test_cluster_recipes_dry_run(recipe, capsys):
     out = capsys.readouterr().out
     assert "KV cache" in out
     assert "2 rollout (hf" in out and "1 learner" in out  # stage 2 runs on Ray actors
+    assert "traces     2 rollout actors (vllm + hf scoring" in out and "trace actor peak" in out  # and the data step
 
 
 def test_config_errors_name_the_fix():

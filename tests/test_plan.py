@@ -56,6 +56,21 @@ def test_a_learner_that_would_not_fit_is_warned_with_the_fix(capsys):
     assert "WARNING    the learner does not fit: set trainer.micro_batch_tokens" in capsys.readouterr().out
 
 
+def test_the_trace_actors_are_planned_and_vllm_sizing_its_own_cache_is_warned(capsys):
+    """A ForesightKV trace actor holds vLLM and the HF scorer; vLLM's own sizing fills 90 % of
+    the GPU, so the recipes give it workers.kv_cache_gib."""
+    from kvrl.plan import dry_run
+
+    p = dry_run(load_config(["recipe=foresight_qwen3_4b", "workers.kv_cache_gib=0"]))
+    parts = p["memory"]["trace actor"]
+    assert parts["scoring weights"] == parts["weights"] == p["weights_bytes"] and parts["scoring forward"] > 0
+    assert "WARNING    the trace actor does not fit: set workers.kv_cache_gib" in capsys.readouterr().out
+    assert main(["recipe=tiny_foresight", "job=foresight_traces", "dry_run=true"]) == 0
+    out = capsys.readouterr().out
+    assert "traces     2 rollout actors (vllm + hf scoring" in out and "trace actor peak" in out
+    assert "learner" not in out  # the data step alone starts no learner
+
+
 @pytest.mark.parametrize("recipe", ["eval_math_qwen3_4b", "eval_math_r1_qwen_7b", "eval_math_r1_llama_8b"])
 def test_eval_math_recipes_plan_the_papers_budgets(recipe, capsys):
     assert main([f"recipe={recipe}", "dry_run=true"]) == 0

@@ -13,10 +13,15 @@ resumes::
                               checkpoints/, scorer.safetensors (the final scorer)
     metrics.jsonl, reward.png, results.json
 
-Stages 0-1 run in this process; stage 2 is :class:`kvrl.algos.foresight.ForesightRL` on the
-controller of every RL job: rollout actors play the episodes (``workers.rollout``), learner
-actors update the scorer (``workers.learners``), so a cluster run spreads over its nodes.
-The pieces (replays, losses, episodes) are :mod:`kvrl.algos.foresight`.
+The traces are generated and scored on ``workers.rollout`` Ray actors
+(:mod:`kvrl.data.traces`), stopped once the data is written; stage 2 is
+:class:`kvrl.algos.foresight.ForesightRL` on the controller of every RL job: rollout actors
+play the episodes (``workers.rollout``), learner actors update the scorer
+(``workers.learners``), so a cluster run spreads over its nodes. Both use one Ray (started
+here unless this runs under ``ray job submit``). The Golden Eviction replays, stage 1 and
+the held-out evaluation run in this process: the replays' features (every eviction step's
+keys and values) would only travel back here for the SFT, which trains a scorer of a few
+thousand weights. The pieces (replays, losses, episodes) are :mod:`kvrl.algos.foresight`.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import ray
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
@@ -36,7 +42,7 @@ from kvrl.data.traces import load_traces, write_splits
 from kvrl.models.tiny import load_model
 from kvrl.policies import LearnedScorer
 from kvrl.runlog import OutputLock, RunLog, pyplot, save_torch, setup_process, write_json
-from kvrl.workers.controller import Controller
+from kvrl.workers.controller import Controller, connect
 
 SFT_WARMUP = 10  # ForesightKV's stage 1 warm-up steps before the cosine decay
 
@@ -109,18 +115,21 @@ def plot(records: list[dict], ratios: dict[str, float], path: Path) -> None:
 def main(cfg) -> dict:
     out = Path(cfg.output_dir)
     lock = OutputLock(out)  # one run per output_dir (stage 2's controller holds out/rl)
+    started, own_ray = time.perf_counter(), False
     try:
-        return pipeline(cfg, out)
+        own_ray = connect(cfg)  # one Ray for the trace actors and stage 2's, not one each
+        return pipeline(cfg, out, started)
     finally:
+        if own_ray:
+            ray.shutdown()
         lock.release()
 
 
-def pipeline(cfg, out: Path) -> dict:
+def pipeline(cfg, out: Path, started: float) -> dict:
     setup_process(cfg.seed)
-    started = time.perf_counter()
     runlog = RunLog(out, fresh=cfg.resume == "never")
 
-    # ---- 1. trace data (full cache, kept when correct and long enough)
+    # ---- 1. trace data (full cache, kept when correct and long enough), on the trace actors
     fs, kv = cfg.foresight, cfg.kv
     splits = write_splits(cfg)
     model, _ = load_model(cfg.model.path, cfg.model.dtype, cfg.device)

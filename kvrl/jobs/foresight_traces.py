@@ -4,7 +4,8 @@
 
 Full-cache reasoning traces, kept when correct and at least ``foresight.min_tokens`` long,
 with the full-cache loss and entropy of every generated token, in resumable parquet shards
-under ``output_dir/traces/{train,heldout}`` (:mod:`kvrl.data.traces`).
+under ``output_dir/traces/{train,heldout}``, generated on ``workers.rollout`` Ray actors
+(:mod:`kvrl.data.traces`).
 """
 
 from __future__ import annotations

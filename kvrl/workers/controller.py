@@ -2,7 +2,9 @@
 
 Jobs build one (``kvrl/jobs/rl.py``: ``python -m kvrl.run recipe=tiny_rl_full``), call
 :meth:`Controller.run` and :meth:`Controller.close`; subclasses change what a run leaves
-behind (:meth:`Controller.finish`).
+behind (:meth:`Controller.finish`). Its Ray plumbing (:func:`connect`, :func:`reserve`,
+:func:`get`, :func:`raise_if_start_failed`) also serves ForesightKV's trace actors
+(:mod:`kvrl.data.traces`).
 
 One step, top to bottom (:meth:`Controller.run`):
 
@@ -85,6 +87,35 @@ def connect(cfg) -> bool:
     return True
 
 
+def reserve(cfg, rollout: int, learners: int) -> None:
+    """Fail now unless the Ray cluster has the CPUs and GPUs of ``rollout`` rollout and
+    ``learners`` learner actors (Ray would otherwise leave them pending forever)."""
+    w = cfg.workers
+    for kind, need in (("CPU", rollout * w.rollout_cpus + learners * w.learner_cpus),
+                       ("GPU", rollout * w.rollout_gpus + learners * w.learner_gpus)):
+        have = ray.cluster_resources().get(kind, 0)
+        if need > have:
+            raise ValueError(f"the actors ask for {need:g} {kind}s, the Ray cluster has {have:g}: lower "
+                             f"workers.rollout_{kind.lower()}s / workers.learner_{kind.lower()}s (fractions "
+                             "share a device) or workers.rollout / workers.learners")
+
+
+def get(refs, what: str, timeout_s: float):
+    """ray.get with workers.timeout_s: a stuck actor fails the run with its name."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise TimeoutError(f"{what} took longer than workers.timeout_s={timeout_s:g}s; raise it if the work is "
+                           "slow, else see the actors' logs (/tmp/ray/session_latest/logs)") from None
+
+
+def raise_if_start_failed(err: RayActorError, name: str) -> None:
+    """An actor whose engine or environment cannot start fails the run with its own error: a
+    restart would fail the same way, and Ray would report it as restarts."""
+    if err.actor_init_failed:
+        raise RuntimeError(f"{name} failed to start: {err}") from None
+
+
 class Controller:
     def __init__(self, cfg, on_dispatch=None):
         """on_dispatch(controller, step): called right after a step's shards are sent (tests
@@ -107,13 +138,7 @@ class Controller:
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
         self.own_ray = connect(cfg)
         w = cfg.workers
-        for kind, need in (("CPU", w.rollout * w.rollout_cpus + w.learners * w.learner_cpus),
-                           ("GPU", w.rollout * w.rollout_gpus + w.learners * w.learner_gpus)):
-            have = ray.cluster_resources().get(kind, 0)
-            if need > have:  # Ray would otherwise leave the actors pending forever
-                raise ValueError(f"the actors ask for {need:g} {kind}s, the Ray cluster has {have:g}: lower "
-                                 f"workers.rollout_{kind.lower()}s / workers.learner_{kind.lower()}s (fractions "
-                                 "share a device) or workers.rollout / workers.learners")
+        reserve(cfg, w.rollout, w.learners)
         self.workers = [RolloutWorker.options(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus,
                                               max_restarts=w.max_restarts, max_task_retries=0).remote(cfg, i)
                         for i in range(w.rollout)]
@@ -253,8 +278,7 @@ class Controller:
                 try:
                     out[i] = self.get(ref, f"rollout worker {i} ({method})")
                 except RayActorError as err:
-                    if err.actor_init_failed:  # its engine or environment cannot start: a restart fails the same way
-                        raise RuntimeError(f"rollout worker {i} failed to start: {err}") from None
+                    raise_if_start_failed(err, f"rollout worker {i}")
                     if self.lives[i] == life:  # a death not seen yet
                         self.lives[i] += 1
                         self.restarts[i] += 1
@@ -378,13 +402,7 @@ class Controller:
     # ---- plumbing ------------------------------------------------------------------------------
 
     def get(self, refs, what: str):
-        """ray.get with workers.timeout_s: a stuck actor fails the run with its name."""
-        try:
-            return ray.get(refs, timeout=self.cfg.workers.timeout_s)
-        except GetTimeoutError:
-            raise TimeoutError(f"{what} took longer than workers.timeout_s={self.cfg.workers.timeout_s:g}s; "
-                               "raise it if the work is slow, else see the actors' logs "
-                               "(/tmp/ray/session_latest/logs)") from None
+        return get(refs, what, self.cfg.workers.timeout_s)
 
     def close(self) -> None:
         if self.runlog is not None:
