@@ -169,7 +169,7 @@ def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
 
 
 def trace_memory(cfg, config, p: dict) -> dict[str, float]:
-    """Peak bytes of a trace actor (:mod:`kvrl.data.traces`): the generation engine's weights
+    """Peak bytes of a trace actor (:mod:`kvrl.workers.traces`): the generation engine's weights
     and full-cache KV (``hf``: every sequence of the batch at full length; ``vllm``:
     ``workers.kv_cache_gib``, else vLLM's own sizing: 90 % of the GPU, or 1 GiB on CPU), the
     HF scorer's weights (a second copy beside vLLM) and one scoring forward of up to

@@ -243,7 +243,7 @@ def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkey
     import pyarrow.parquet as pq
     import ray
 
-    from kvrl.data import traces as data
+    from kvrl.workers import traces as data
 
     def here(*args, **kwargs):
         raise AssertionError("the trace actors generate and score, not this process")

@@ -544,3 +544,17 @@ if __name__ == "__main__":
     assert res.returncode == 0, res.stderr[-3000:]
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("TRACE")][0]
     assert int(line.split()[1]) > 0
+
+
+def test_death_table_follows_the_attached_model():
+    """The worker context is per process: a death table left by an engine on another model
+    (another layer/head count) is replaced, not indexed out of bounds (CI ran the arch matrix
+    before this module)."""
+    from kvrl.engines.vllm.runtime import WorkerContext
+
+    ctx = WorkerContext()
+    ctx.geometry = (2, 4)
+    assert ctx._death_rows(3, 50).shape == (8, 2, 4, 50)
+    ctx.geometry = (4, 2)
+    table = ctx._death_rows(1, 20)
+    assert table.shape == (8, 4, 2, 20) and (table == NEVER).all()

@@ -14,7 +14,7 @@ resumes::
     metrics.jsonl, reward.png, results.json
 
 The traces are generated and scored on ``workers.rollout`` Ray actors
-(:mod:`kvrl.data.traces`), stopped once the data is written; stage 2 is
+(:mod:`kvrl.workers.traces`), stopped once the data is written; stage 2 is
 :class:`kvrl.algos.foresight.ForesightRL` on the controller of every RL job: rollout actors
 play the episodes (``workers.rollout``), learner actors update the scorer
 (``workers.learners``), so a cluster run spreads over its nodes. Both use one Ray (started
@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from kvrl.algos.foresight import (RULE_BASED, evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack,
                                   ranking_loss, scorer_state)
-from kvrl.data.traces import load_traces, write_splits
+from kvrl.data.traces import load_traces
+from kvrl.workers.traces import write_splits
 from kvrl.models.tiny import load_model
 from kvrl.policies import LearnedScorer
 from kvrl.runlog import OutputLock, RunLog, pyplot, save_torch, setup_process, write_json

@@ -5,14 +5,15 @@
 Full-cache reasoning traces, kept when correct and at least ``foresight.min_tokens`` long,
 with the full-cache loss and entropy of every generated token, in resumable parquet shards
 under ``output_dir/traces/{train,heldout}``, generated on ``workers.rollout`` Ray actors
-(:mod:`kvrl.data.traces`).
+(:mod:`kvrl.workers.traces`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvrl.data.traces import load_traces, write_splits
+from kvrl.data.traces import load_traces
+from kvrl.workers.traces import write_splits
 from kvrl.runlog import setup_process
 
 

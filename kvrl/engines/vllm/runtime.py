@@ -371,6 +371,8 @@ class WorkerContext:
         """The death table with room for ``slots`` requests of ``length`` tokens (grown, kept)."""
         layers, heads = self.geometry
         old = self.deaths
+        if old is not None and old.shape[1:3] != (layers, heads):  # another model attached
+            old = None
         if old is None or old.shape[0] < slots or old.shape[-1] < length:
             cap = max(slots, old.shape[0] if old is not None else 0)
             cap = -(-cap // 8) * 8  # grow in steps of 8 requests: few copies
