@@ -19,7 +19,7 @@ others all T, so ``(1 − s)·T + s·min(T, sink + recent)`` per head on average
 
 For the Ray jobs it estimates the peak memory of a learner and of a rollout actor per GPU
 (:func:`memory`), and for ForesightKV's data step that of a trace actor (generation and
-scoring, :mod:`kvrl.data.traces`), and warns, with the fix, when one exceeds ``workers.gpu_gib``.
+scoring, :mod:`kvrl.workers.traces`), and warns, with the fix, when one exceeds ``workers.gpu_gib``.
 """
 
 from __future__ import annotations

@@ -39,11 +39,11 @@ from tqdm import tqdm
 from kvrl.algos.foresight import (RULE_BASED, evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack,
                                   ranking_loss, scorer_state)
 from kvrl.data.traces import load_traces
-from kvrl.workers.traces import write_splits
 from kvrl.models.tiny import load_model
 from kvrl.policies import LearnedScorer
 from kvrl.runlog import OutputLock, RunLog, pyplot, save_torch, setup_process, write_json
 from kvrl.workers.controller import Controller, connect
+from kvrl.workers.traces import write_splits
 
 SFT_WARMUP = 10  # ForesightKV's stage 1 warm-up steps before the cosine decay
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvrl.data.traces import load_traces
-from kvrl.workers.traces import write_splits
 from kvrl.runlog import setup_process
+from kvrl.workers.traces import write_splits
 
 
 def main(cfg) -> dict[str, Path]:

@@ -4,7 +4,7 @@ Jobs build one (``kvrl/jobs/rl.py``: ``python -m kvrl.run recipe=tiny_rl_full``)
 :meth:`Controller.run` and :meth:`Controller.close`; subclasses change what a run leaves
 behind (:meth:`Controller.finish`). Its Ray plumbing (:func:`connect`, :func:`reserve`,
 :func:`get`, :func:`raise_if_start_failed`) also serves ForesightKV's trace actors
-(:mod:`kvrl.data.traces`).
+(:mod:`kvrl.workers.traces`).
 
 One step, top to bottom (:meth:`Controller.run`):
 

@@ -102,7 +102,7 @@ class PagedLayout:
     Request r's logical slot j of KV head h lives in block ``blocks[r, j // bs]`` at offset
     ``j % bs``; every method takes the block tables of several requests at once
     (``blocks`` [R, max_blocks]), so one call serves a whole batch. Subclasses implement
-    :meth:`read` and :meth:`write`, and may replace :meth:`compact` with a kernel.
+    all three methods (:meth:`compact` with whole-block copies or a kernel).
     """
 
     def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
@@ -116,14 +116,8 @@ class PagedLayout:
 
     def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor, values: Tensor) -> None:
         """In place, per request r and head h: slot j ← slot ``keep[r, h, j]`` (keep [R, H, K]
-        ascending); ``keys``/``values`` [R, H, N, D] are the slots already read. Default: one
-        scatter of every kept slot."""
-        r, h, k = keep.shape
-        rows = torch.arange(r, device=keep.device).repeat_interleave(h * k)
-        heads = torch.arange(h, device=keep.device).repeat_interleave(k).repeat(r)
-        slots = torch.arange(k, device=keep.device).repeat(r * h)
-        self.write(kv_cache, blocks, rows, heads, slots, gather_slots(keys, keep).flatten(0, 2),
-                   gather_slots(values, keep).flatten(0, 2))
+        ascending); ``keys``/``values`` [R, H, N, D] are the slots already read."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -402,6 +396,7 @@ class WorkerContext:
         rows: list[RowPlan] = []
         fresh: list[int] = []
         evicting: list[int] = []
+        c_prev: list[int] = []  # token mode: cache entries before the forward
         token = self.mode == "token"
         for i, rid in enumerate(req_ids):
             done = int(ncomp[i])
@@ -422,12 +417,14 @@ class WorkerContext:
             row = RowPlan(st, qsl[i], q, done, bt_dev[i])
             if token:
                 p = self.policy
-                if st.clen != cache_len_after(done, st.prompt_len, p):
-                    raise RuntimeError(f"kvrl cache length out of step for request {rid}: "
-                                       f"{st.clen} vs {cache_len_after(done, st.prompt_len, p)}")
+                want = cache_len_after(done, st.prompt_len, p)
+                if st.clen != want:
+                    raise RuntimeError(f"kvrl cache length out of step for request {rid}: {st.clen} vs {want}")
                 m = done + q
                 if m >= st.prompt_len and should_evict(m - st.prompt_len, st.clen + q, p):
                     evicting.append(i)
+                c_prev.append(st.clen)
+                st.clen = cache_len_after(m, st.prompt_len, p)
             elif self.mode == "static":  # lens are updated by the layers (appends, then drops)
                 row.lens = st.lens.clone()
             st.done = done + q
@@ -452,13 +449,11 @@ class WorkerContext:
         q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
         plan.q_tok, plan.q_slot, plan.q_ring = q_tok.to(dev), q_slot.to(dev), (positions[q_tok] % w).to(dev)
         # remap: token j of a row goes to logical slot c_prev + j
-        c_prev = np.asarray([r.req.clen for r in rows])
+        c_prev = np.asarray(c_prev)
         logical = torch.from_numpy(c_prev[tok_row] + offs)
         phys = bt[torch.from_numpy(tok_row), logical // block_size].long() * block_size + logical % block_size
         cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
         plan.kernel_seq_lens = torch.from_numpy(c_prev + counts).to(cm.seq_lens.device, cm.seq_lens.dtype)
-        for r in rows:
-            r.req.clen = cache_len_after(r.m, r.req.prompt_len, self.policy)
         if evicting:
             plan.evict = self._evict_batch([rows[i] for i in evicting], (c_prev + counts)[evicting],
                                            bt_dev[evicting], block_size)
