@@ -25,6 +25,7 @@ to adjust a layer's spec), and the plugin registers the pair with
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, fields
 
@@ -40,6 +41,7 @@ def request_id(tag: str, prompt_len: int, keep: int | None) -> str:
     return f"kvrl.{tag}" if keep is None else f"kvrl.{tag}.p{prompt_len}.k{keep}"
 
 
+@functools.lru_cache(maxsize=4096)  # the scheduler asks for every running request at every step
 def parse_cap(request_id: str) -> tuple[int, int] | None:
     """(prompt length, keep) from a kvrl request id, or None."""
     m = _CAP.match(request_id)

@@ -227,11 +227,11 @@ class StepPlan:
     mode: str
     rows: list[RowPlan]
     positions: Tensor  # [T] true positions of the forward's tokens (cache device)
-    q_tok: Tensor  # queries to keep: token indices, ring slots and ring indices
-    q_slot: Tensor
-    q_ring: Tensor
-    slot_addr: tuple | None = None  # token mode: (block, offset, position) of the new tokens
-    fresh: Tensor | None = None  # ring slots of requests new in this forward (their rows are cleared)
+    q_tok: Tensor  # queries to keep: token indices, and their rows of the flattened ring [slots·W]
+    q_flat: Tensor
+    # token mode: flat indices into a side store's pos [nb·H·bs] of every (new token, head),
+    # and their positions (int32) — the same for every layer of the forward
+    side_addr: tuple | None = None
     evict: EvictBatch | None = None  # token mode: the requests that evict after this forward
 
 
@@ -250,7 +250,11 @@ class WorkerContext:
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
         self.finished: dict[str, ReqState] = {}  # tag -> state, until popped
         self.side: dict[str, SideStore] = {}
-        self.rings: dict[int, tuple[Tensor, Tensor]] = {}
+        # token mode: the last `observe` post-RoPE queries per layer, [slots, W, Hq, D] (ring
+        # index = position % W), and their positions [slots, W] (−1 = none yet), which are
+        # the same for every layer and so written once per step
+        self.rings: dict[int, Tensor] = {}
+        self.ring_pos: Tensor | None = None
         self.free_slots: list[int] = []
         self.n_slots = 0
         # token mode: death times of the running requests, row = ring slot: [slots, L, H, T]
@@ -438,16 +442,20 @@ class WorkerContext:
         positions = torch.from_numpy(done_arr[tok_row] + offs)
         dev = cm.slot_mapping.device
         none = torch.zeros(0, dtype=torch.long)
-        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none, none,
-                        fresh=torch.tensor(fresh, dtype=torch.long, device=dev) if fresh else None)
+        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
         if not token:
             return plan
-        # queries to keep: the last `observe` of each row (ring index = position % W)
+        # queries to keep: the last `observe` of each row, at ring index position % W
         w = self.policy.observe
         keep = positions.numpy() >= (done_arr + counts)[tok_row] - w
         q_tok = torch.from_numpy(np.nonzero(keep)[0])
         q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
-        plan.q_tok, plan.q_slot, plan.q_ring = q_tok.to(dev), q_slot.to(dev), (positions[q_tok] % w).to(dev)
+        q_pos = positions[q_tok]
+        plan.q_tok, plan.q_flat = q_tok.to(dev), (q_slot * w + q_pos % w).to(dev)
+        ring_pos = self._ring_pos(w, dev)
+        if fresh:  # slots are reused: forget the previous request's queries
+            ring_pos[torch.tensor(fresh, dtype=torch.long, device=dev)] = -1
+        ring_pos.view(-1).index_copy_(0, plan.q_flat, q_pos.to(dev))
         # remap: token j of a row goes to logical slot c_prev + j
         c_prev = np.asarray(c_prev)
         logical = torch.from_numpy(c_prev[tok_row] + offs)
@@ -483,18 +491,26 @@ class WorkerContext:
             side = self.side[layer_name] = SideStore.like(kv_cache, state_size)
         return side
 
-    def ring_for(self, layer: int, query: Tensor) -> tuple[Tensor, Tensor]:
-        w = self.policy.observe
+    def _ring_pos(self, w: int, device) -> Tensor:
+        """The ring's positions [slots, W], grown to hold every slot in use (kept)."""
+        old = self.ring_pos
+        if old is None or old.shape[0] < self.n_slots or old.shape[1] != w:
+            grown = torch.full((max(self.n_slots, 2 * (old.shape[0] if old is not None else 4)), w), -1,
+                               dtype=torch.long, device=device)
+            if old is not None and old.shape[1] == w:
+                grown[:old.shape[0]] = old
+            self.ring_pos = grown
+        return self.ring_pos
+
+    def ring_for(self, layer: int, query: Tensor) -> Tensor:
+        """This layer's ring of queries [slots, W, Hq, D], as many slots as the positions'."""
         ring = self.rings.get(layer)
-        need = max(self.n_slots, 1)
-        if ring is None or ring[0].shape[0] < need or ring[0].shape[1:] != (query.shape[1], w, query.shape[2]):
-            cap = max(need, 2 * (ring[0].shape[0] if ring is not None else 4))
-            q = query.new_zeros(cap, query.shape[1], w, query.shape[2])
-            p = torch.full((cap, w), -1, dtype=torch.long, device=query.device)
-            if ring is not None and ring[0].shape[1:] == q.shape[1:]:
-                q[:ring[0].shape[0]] = ring[0]
-                p[:ring[1].shape[0]] = ring[1]
-            ring = self.rings[layer] = (q, p)
+        shape = (self.ring_pos.shape[0], self.ring_pos.shape[1], *query.shape[1:])
+        if ring is None or ring.shape != shape or ring.dtype != query.dtype:
+            grown = query.new_zeros(shape)
+            if ring is not None and ring.shape[1:] == shape[1:]:
+                grown[:ring.shape[0]] = ring
+            ring = self.rings[layer] = grown
         return ring
 
     def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
@@ -508,13 +524,16 @@ class WorkerContext:
         total = plan.positions.shape[0]
         if plan.mode == "token":
             stock_write()  # with the remapped slot_mapping
-            if plan.slot_addr is None:  # the same for every layer of the forward
+            if plan.side_addr is None:  # the same for every layer of the forward
                 slots = slot_mapping[:total].long()
-                plan.slot_addr = (slots // bs, slots % bs, plan.positions[:, None].to(torch.int32))
-            blk, off, pos = plan.slot_addr
-            side.pos[blk, :, off] = pos
+                h = kv_cache.shape[1]
+                heads = torch.arange(h, device=slots.device)
+                flat = ((slots // bs)[:, None] * h + heads) * bs + (slots % bs)[:, None]  # [T, H]
+                plan.side_addr = (flat.view(-1), plan.positions.to(torch.int32).repeat_interleave(h))
+            flat, pos = plan.side_addr
+            side.pos.view(-1).index_copy_(0, flat, pos)
             if side.state is not None:
-                side.state[blk, :, off] = float("nan")
+                side.state.view(-1, side.state.shape[-1]).index_fill_(0, flat, float("nan"))
             return
         # static: every head appends at its own length
         h, dev = kv_cache.shape[1], kv_cache.device
@@ -554,11 +573,8 @@ class WorkerContext:
     def _observe(self, plan: StepPlan, layer_idx: int, query: Tensor) -> None:
         if plan.q_tok.numel() == 0:
             return
-        q, p = self.ring_for(layer_idx, query)
-        if plan.fresh is not None:  # slots are reused: forget the previous request's queries
-            p[plan.fresh] = -1
-        q[plan.q_slot, :, plan.q_ring] = query[plan.q_tok].to(q.dtype)
-        p[plan.q_slot, plan.q_ring] = plan.positions[plan.q_tok]
+        ring = self.ring_for(layer_idx, query)
+        ring.view(-1, *query.shape[1:]).index_copy_(0, plan.q_flat, query.index_select(0, plan.q_tok))
 
     def _evict(self, eb: EvictBatch, layer_idx: int, layer_name: str, layout: PagedLayout, kv_cache: Tensor,
                scale: float) -> None:
@@ -570,10 +586,11 @@ class WorkerContext:
         keys, values = layout.read(kv_cache, eb.blocks, eb.n)  # [R, H, N, D]
         pos, state = side.read(eb.blocks, eb.n)
         pos = pos.masked_fill(eb.pad, -1)
-        qbuf, qpos = self.rings[layer_idx]
-        qp = qpos[eb.qslot]  # [R, W] ring order; −1 = no query yet
+        qbuf = self.rings[layer_idx]  # [slots, W, Hq, D]
+        qp = self.ring_pos[eb.qslot]  # [R, W] ring order; −1 = no query yet
         order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
-        queries = qbuf[eb.qslot].gather(2, order[:, None, :, None].expand(-1, qbuf.shape[1], -1, qbuf.shape[3]))
+        queries = qbuf[eb.qslot].gather(1, order[:, :, None, None].expand(-1, -1, *qbuf.shape[2:]))
+        queries = queries.transpose(1, 2).contiguous()  # [R, Hq, W, D]
         obs = Observation(keys, values, queries, pos, qp.gather(-1, order), state, layer_idx, scale)
         scores, new_state = policy.score(obs)
         sel = policy.select(obs, scores, sample=self.sample, generator=eb.generators)
