@@ -214,8 +214,10 @@ class KVCache(Cache):
         """Announce the next forward: true positions pos [B, Q] (−1 = padding) of its
         tokens, after which ``generated`` generated tokens are in the cache."""
         self.step_pos = pos
+        # One schedule for the batch, due when the shortest row (the smallest budget) is
+        # over; rows within their own budget then keep everything (apply).
         self.evict_now = self.policy is not None and should_evict(
-            generated, self.get_seq_length() + pos.shape[1], self.policy)
+            generated, self.get_seq_length() + pos.shape[1], self.policy, int(pos.amax(-1).min()) + 1)
         if self.evict_now and self.sample:
             self.logprobs.append(torch.zeros(len(self.layers), *self.death.shape[1:3], device=pos.device))
 
@@ -228,7 +230,7 @@ class KVCache(Cache):
         obs = self.observation(layer_idx, scaling)
         scores, state = self.policy.score(obs)
         sel = self.policy.select(obs, scores, sample=self.sample, generator=self.generator)
-        self.apply(layer_idx, sel.keep, state)
+        self.apply(layer_idx, sel.keep, state, sel.count)
         if sel.logprob is not None:
             self.logprobs[-1][layer_idx] = sel.logprob
         self.evict_seconds += time.perf_counter() - start
@@ -239,24 +241,34 @@ class KVCache(Cache):
         return Observation(layer.keys, layer.values, layer.queries, layer.key_pos, layer.query_pos,
                            layer.state, layer_idx, scaling)
 
-    def apply(self, layer_idx: int, keep: Tensor, state: Tensor | None) -> None:
+    def apply(self, layer_idx: int, keep: Tensor, state: Tensor | None, count: Tensor | None = None) -> None:
         """Keep slots keep [B, H, K] of layer ``layer_idx`` (state: the policy's updated
-        per-token state) and record the deaths of the others. :meth:`evict` calls it with
-        the policy's own selection; ForesightKV's eviction MDP calls it with an action
-        chosen outside the forward (:mod:`kvrl.envs.eviction`)."""
+        per-token state) and record the deaths of the others; with ``count`` [B], row b
+        keeps only ``keep[b, :, :count[b]]`` (:class:`kvrl.policies.Selection`): the slots
+        after it stay in the layout as padding. :meth:`evict` calls it with the policy's
+        own selection; ForesightKV's eviction MDP calls it with an action chosen outside
+        the forward (:mod:`kvrl.envs.eviction`)."""
         layer = self.layers[layer_idx]
         valid = layer.key_pos >= 0
-        over = valid.sum(-1).amax(-1) > self.policy.budget  # [B]: rows that evict when decoded alone
+        length = layer.key_pos.amax((-2, -1)) + 1  # [B] true lengths: the newest token is cached
+        over = valid.sum(-1).amax(-1) > self.policy.budget_at(length)  # [B]: rows that evict when decoded alone
         if state is not None and not bool(over.all()):
             # The schedule is shared by the batch, but a row within its budget would not
             # have been scored alone: it keeps all its keys (K >= its valid count) and its state.
             previous = self.policy.previous_state(self.observation(layer_idx, 1.0))
             state = torch.where(over[:, None, None, None], state, previous)
-        kept = torch.zeros_like(valid).scatter_(-1, keep, True)
+        if count is None:  # an action: every slot of keep is kept
+            count = torch.full((keep.shape[0],), keep.shape[-1])
+        mine = (torch.arange(keep.shape[-1], device=keep.device) < count.to(keep.device)[:, None, None]).expand_as(keep)
+        kept = torch.zeros_like(valid).scatter_(-1, keep, mine)
         b, h, n = (valid & ~kept).nonzero(as_tuple=True)
         # The last query of row b in this forward saw the key; the next one does not.
         self.death[layer_idx, b, h, layer.key_pos[b, h, n]] = (self.step_pos[b, -1] + 1).to(self.death.dtype)
         layer.compact(keep, state)
+        if not bool(mine.all()):  # a row below K in ratio mode: its fill becomes padding
+            layer.key_pos = layer.key_pos.masked_fill(~mine, -1)
+            if layer.state is not None:
+                layer.state = layer.state.masked_fill(~mine[..., None], float("nan"))
 
     def trace(self, lengths: Tensor) -> EvictionTrace:
         """The recorded trace; lengths [B] = prompt + generated tokens of each row."""

@@ -35,7 +35,7 @@ import re
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, List, Sequence, get_origin
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, get_origin
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -96,6 +96,10 @@ class KVConfig:
     interval: int = checked(16, ge=1)  # evict every this many decoded tokens
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
     sink: int = checked(4, ge=0)  # leading tokens that are never evicted
+    # G-KV's ratio mode: an eviction keeps max(kv.budget, floor(ratio x tokens seen so far, prompt included));
+    # null = the fixed kv.budget. job=eval applies it to its token-policy lines at every eval.budgets floor
+    budget_ratio: Optional[float] = checked(None, lambda v: v is None or 0 < v <= 1,
+                                            "must be null (a fixed budget) or a fraction in (0, 1]")
     kwargs: Dict[str, Any] = field(default_factory=dict)  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
 
     def problems(self, cfg: "Config") -> list[str]:
@@ -112,6 +116,10 @@ class KVConfig:
             return [f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy always "
                     f"keeps the kv.sink first and kv.window newest tokens and chooses at least one by score; set "
                     f"kv.budget={fix} (or lower kv.window / kv.sink)"]
+        if "budget_ratio" in self.kwargs:
+            return [f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which the "
+                    f"memory plan and the engines' block caps read too; set kv.budget_ratio="
+                    f"{self.kwargs['budget_ratio']} instead"]
         return []
 
 
@@ -307,8 +315,17 @@ class EvalConfig:
             problems.append(f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
                             f"eval.budgets ({cli_value(self.budgets)}: fractions of the mean sequence length or "
                             "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)")
+        no_ratio = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation",
+                    "full": "the full cache"}
         for name in self.policies:
             kind = self.settings.get(name, {}).get("policy", name)
+            if kind in no_ratio and "budget_ratio" in self.settings.get(name, {}):
+                problems.append(f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
+                                f"eval.settings.{name}.budget_ratio is set; drop it")
+            elif kind == "window" and cfg.kv.budget_ratio is not None:
+                problems.append(f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
+                                f"kv.budget_ratio is set; drop {name} from eval.policies, or give the ratio to the "
+                                "token-policy lines only (eval.settings.NAME.budget_ratio)")
             if kind not in KINDS:
                 near = difflib.get_close_matches(str(kind), KINDS, n=1)
                 problems.append(f"eval.policies entry {name!r} is {kind!r}, not one of {', '.join(KINDS)} and no "
@@ -341,6 +358,10 @@ class ForesightConfig:
         kv = cfg.kv
         if kv.policy != "learned":
             problems.append(f"kv.policy is {kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
+        if kv.budget_ratio is not None:
+            problems.append(f"kv.budget_ratio={kv.budget_ratio}: ForesightKV's eviction MDP and Golden Eviction keep "
+                            "the fixed kv.budget; set kv.budget_ratio=null (job=eval runs a trained scorer in ratio "
+                            "mode: eval.settings.NAME: {policy: learned, run: DIR, budget_ratio: R})")
         g, n = cfg.rl.group_size, cfg.trainer.batch_size
         if n % g or n < g:
             problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
@@ -427,6 +448,8 @@ def schema_keys(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, An
 
 def cli_value(value: Any) -> str:
     """`value` as it would be typed after `key=` on the command line."""
+    if value is None:
+        return "null"
     if isinstance(value, list):
         return "[" + ",".join(map(str, value)) + "]"
     return str(value).lower() if isinstance(value, bool) else str(value)

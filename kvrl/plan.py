@@ -12,7 +12,8 @@ token. With the full cache a sequence caches every token up to ``T = prompt +
 sampling.max_new_tokens``, the prompt being the mean of 16 of the environment's tasks when
 the environment and a local tokenizer are at hand (the plan says when it could not count
 them); under a token policy the cache peaks at ``kv.budget + kv.interval``
-(it is cut back to the budget every interval tokens). For ``job=rlkv`` the estimate is of
+(it is cut back to the budget every interval tokens; with ``kv.budget_ratio`` the budget
+is that of the whole sequence, ``max(kv.budget, ⌊ratio·T⌋)``). For ``job=rlkv`` the estimate is of
 the deployment (training keeps the full cache under the mixed attention): a fraction
 ``s = rlkv.sparsity`` of the heads keeps ``rlkv.eval_sink + rlkv.eval_recent`` tokens, the
 others all T, so ``(1 − s)·T + s·min(T, sink + recent)`` per head on average.
@@ -25,6 +26,7 @@ scoring, :mod:`kvrl.workers.traces`), and warns, with the fix, when one exceeds 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -104,7 +106,10 @@ def plan(cfg) -> dict:
     T = cfg.sampling.max_new_tokens + (prompt or 0)
     kept = T
     if cfg.kv.policy != "full" and cfg.kv.budget > 0:
-        kept = min(T, cfg.kv.budget + cfg.kv.interval)
+        # the budget at the longest length (KVPolicy.budget_at: G-KV's ratio mode grows it with the length)
+        ratio = cfg.kv.budget_ratio
+        budget = cfg.kv.budget if ratio is None else max(cfg.kv.budget, math.floor(T * ratio))
+        kept = min(T, budget + cfg.kv.interval)
     if cfg.job == "rlkv":
         r = cfg.rlkv
         kept = round((1 - r.sparsity) * T + r.sparsity * min(T, r.eval_sink + r.eval_recent))
@@ -199,7 +204,9 @@ def trace_memory(cfg, config, p: dict) -> dict[str, float]:
 def dry_run(cfg) -> dict:
     p = plan(cfg)
     w, tr = cfg.workers, cfg.trainer
-    kept = (f"kv.policy={cfg.kv.policy} (budget {cfg.kv.budget} + interval {cfg.kv.interval})"
+    budget = (f"budget {cfg.kv.budget}" if cfg.kv.budget_ratio is None else
+              f"budget max({cfg.kv.budget}, {cfg.kv.budget_ratio:g} x {p['tokens_per_sequence']} tokens)")
+    kept = (f"kv.policy={cfg.kv.policy} ({budget} + interval {cfg.kv.interval})"
             if p["kept_tokens_per_sequence"] < p["tokens_per_sequence"] else "kept (no eviction)")
     if cfg.job == "rlkv":
         r = cfg.rlkv

@@ -174,3 +174,33 @@ def test_policy_state_is_compacted_with_the_cache(engine, batch, monkeypatch, na
                     else:
                         assert state1[b, h, j].isnan().all()
     assert checked > 100
+
+
+def test_ratio_mode_keeps_the_budget_of_each_length_and_rows_match_alone(engine, batch):
+    """G-KV's ratio mode over prompts of different lengths: every eviction, at true length
+    t (after prefill, then every INTERVAL tokens), leaves max(BUDGET, ⌊t/2⌋) keys; the rows
+    of one eviction step keep different counts (the shorter ones are filled up to the
+    longest and padded), and each row decodes exactly as it does alone."""
+    policy = make("gkv", engine.model, budget_ratio=0.5)
+    sampling = Sampling(max_new_tokens=NEW, ignore_eos=True)
+    out = engine.generate(batch, sampling, policy=policy)
+    death = out.traces.full().long()
+    prompt = [len(p) for p in out.prompt_ids]
+    assert len(set(prompt)) == len(batch)
+    kept = {}  # eviction time -> keys kept, per row
+    for b, n in enumerate(out.traces.lengths.tolist()):
+        d = death[:, b, :, :n]  # [L, H, n]
+        k = torch.arange(n)
+        q = torch.arange(n)[:, None, None, None]
+        visible = ((k <= q) & (q < d)).sum(-1)  # [n(queries), L, H]
+        times = sorted(set(d[d != NEVER].tolist()))
+        assert times and all((t - prompt[b]) % INTERVAL == 0 for t in times), "evictions off schedule"
+        for t in times:
+            assert (visible[t] == max(BUDGET, t // 2) + 1).all(), (b, t)  # the next query: kept keys + itself
+            kept.setdefault(t - prompt[b], []).append(max(BUDGET, t // 2))
+        alone = engine.generate([batch[b]], sampling, policy=policy)
+        assert alone.tokens[0] == out.tokens[b]
+        np.testing.assert_allclose(alone.logprobs[0], out.logprobs[b], atol=1e-5)
+        assert torch.equal(alone.trace(0).death, out.trace(b).death), b
+    assert any(len(set(counts)) > 1 for counts in kept.values()), "no step where rows kept different counts"
+    assert max(max(c) for c in kept.values()) > BUDGET, "the ratio never raised the budget"

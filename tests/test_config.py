@@ -124,6 +124,26 @@ def test_validation_messages_say_the_fix():
     assert "model.dtype must be one of float32 | bfloat16 | float16 (got 'float64')" in message
 
 
+def test_budget_ratio_is_a_fraction_and_refused_where_the_budget_is_fixed():
+    assert load_config(["recipe=tiny_gkv_sparse", "kv.budget_ratio=0.25"]).kv.budget_ratio == 0.25
+    assert load_config(["recipe=tiny_eval", "kv.budget_ratio=0.2", "eval.policies=[gkv,rkv]"]).kv.budget_ratio == 0.2
+    cases = [
+        (["recipe=tiny_gkv_sparse", "kv.budget_ratio=1.5"],
+         "kv.budget_ratio must be null (a fixed budget) or a fraction in (0, 1] (got 1.5); set kv.budget_ratio=null"),
+        (["recipe=tiny_gkv_sparse", "kv.kwargs.budget_ratio=0.2"], "set kv.budget_ratio=0.2 instead"),
+        (["kv.budget_ratio=0.2"], "kv.budget_ratio=0.2: ForesightKV's eviction MDP"),  # the default recipe
+        (["recipe=tiny_eval", "kv.budget_ratio=0.2"],
+         "eval.policies entry 'window' is a fixed sink + recent window, which has no ratio mode, but "
+         "kv.budget_ratio is set"),
+        (["recipe=tiny_eval", "eval.settings={w: {policy: window, budget_ratio: 0.2}}", "eval.policies=[w]"],
+         "but eval.settings.w.budget_ratio is set"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ConfigError) as info:
+            load_config(argv)
+        assert message in str(info.value), argv
+
+
 @pytest.mark.parametrize("recipe", sorted(available_recipes()))
 def test_every_recipe_loads_and_names_a_known_job(recipe):
     cfg = load_config([f"recipe={recipe}"])

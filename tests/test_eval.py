@@ -9,9 +9,9 @@ from kvrl.eval.suite import error_mode, kv_usage, pass_at_k, repeats
 from kvrl.models import shrunk
 from kvrl.run import main
 
-ROW_FIELDS = {"policy", "kind", "point", "budget", "accuracy", "accuracy_se", "tasks", "samples", "pass@1", "pass@2",
-              "gen_tokens", "truncated", "mode/correct", "mode/wrong", "mode/no_answer", "mode/repetition",
-              "kv_retention", "peak_kv_tokens", "decode_tokens_per_s"}
+ROW_FIELDS = {"policy", "kind", "point", "budget", "budget_ratio", "accuracy", "accuracy_se", "tasks", "samples",
+              "pass@1", "pass@2", "gen_tokens", "truncated", "mode/correct", "mode/wrong", "mode/no_answer",
+              "mode/repetition", "kv_retention", "peak_kv_tokens", "decode_tokens_per_s"}
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +38,29 @@ def read(path):
 
 
 def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
-    assert main(args(setup, tmp_path)) == 0
+    ratio = ["eval.policies=[full,streaming,gkv,gkv_ratio]",
+             "eval.settings={gkv_ratio: {policy: gkv, budget_ratio: 0.75}}"]
+    assert main(args(setup, tmp_path, *ratio)) == 0
     rows = read(tmp_path / "rows.jsonl")
-    assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("streaming", "40"), ("gkv", "40")]
+    assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("streaming", "40"), ("gkv", "40"),
+                                                         ("gkv_ratio", "40")]
     for r in rows:
         assert ROW_FIELDS <= r.keys(), ROW_FIELDS - r.keys()
         assert r["tasks"] == 5 and r["samples"] == 10
         assert sum(r[f"mode/{m}"] for m in ("correct", "wrong", "no_answer", "repetition")) == pytest.approx(1.0)
     assert rows[0]["kv_retention"] == 1.0 and rows[1]["kv_retention"] < 1.0
     assert rows[1]["peak_kv_tokens"] <= 40 + 8  # the budget plus one interval
+    assert [r["budget_ratio"] for r in rows] == [None, None, None, 0.75]
     samples = read(tmp_path / "samples.jsonl")
-    assert len(samples) == 30 and {"completion", "reward", "info", "mode", "finish"} <= samples[0].keys()
+    assert len(samples) == 40 and {"completion", "reward", "info", "mode", "finish"} <= samples[0].keys()
+    # G-KV's ratio mode: the budget grows to 3/4 of the sequence (~34 prompt + 32 new tokens: up to 50)
+    longest = max(s["prompt_tokens"] + s["tokens"] for s in samples if s["policy"] == "gkv_ratio")
+    assert 40 + 8 < rows[3]["peak_kv_tokens"] <= max(40, 0.75 * longest) + 8
     for name in ("accuracy.png", "error_modes.png", "retention.png"):
         assert (tmp_path / name).stat().st_size > 1000
         assert f"]({name})" in (tmp_path / "report.md").read_text()
     assert "| gkv | 40 |" in (tmp_path / "report.md").read_text()
+    assert "| gkv_ratio | max(40, 0.75·L) |" in (tmp_path / "report.md").read_text()
 
 
 def test_an_interrupted_evaluation_resumes_without_regenerating(setup, tmp_path, monkeypatch, capsys):

@@ -8,15 +8,18 @@ from kvrl.run import main
 
 
 def test_kv_memory_of_a_known_architecture_without_weights():
-    cfg = load_config(["recipe=tiny_rl_full", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
-                       "model.dtype=bfloat16", "kv.policy=gkv", "kv.budget=2048", "kv.interval=128",
-                       "sampling.max_new_tokens=8192", "sampling.batch_size=16"])
-    p = plan(cfg)
+    cfg_args = ["recipe=tiny_rl_full", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "model.dtype=bfloat16",
+                "kv.policy=gkv", "kv.budget=2048", "kv.interval=128", "sampling.max_new_tokens=8192",
+                "sampling.batch_size=16"]
+    p = plan(load_config(cfg_args))
     assert p["params"] == 8_030_261_248  # Llama-3.1-8B, counted on the meta device
     assert p["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, bf16
     assert p["kept_tokens_per_sequence"] == 2048 + 128  # the cache peaks one interval above the budget
     assert p["kv_full_bytes_per_batch"] == 16 * 8192 * p["kv_bytes_per_token"]
     assert p["cpus"] == 1.5 and p["rollout_actors"] == 2
+    # G-KV's ratio mode: the budget of the whole sequence, max(2048, 0.5 x 8192 new tokens)
+    ratio = plan(load_config([*cfg_args, "kv.budget_ratio=0.5"]))
+    assert ratio["tokens_per_sequence"] == 8192 and ratio["kept_tokens_per_sequence"] == 4096 + 128
 
 
 def test_dry_run_prints_the_plan_and_loads_nothing(capsys):

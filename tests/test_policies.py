@@ -471,15 +471,15 @@ def test_h2o_accumulates_across_two_evictions():
                            state=state, layer=0, scaling=d ** -0.5)
 
     # eviction 1 right after prefill (generated = 0): the last `interval` prompt queries
-    assert should_evict(0, prompt, policy)
+    assert should_evict(0, prompt, policy, prompt)
     pos1 = list(range(prompt))
     obs1 = observation(pos1, None, prompt - interval)
     scores1, state1 = policy.score(obs1)
     keep = policy.select(obs1, scores1).keep[0, 0].tolist()
     kept = [pos1[i] for i in keep]
     # decode `interval` tokens, then eviction 2 sees the compacted cache + the new tokens
-    assert not should_evict(interval - 1, len(kept) + interval - 1, policy)
-    assert should_evict(interval, len(kept) + interval, policy)
+    assert not should_evict(interval - 1, len(kept) + interval - 1, policy, prompt + interval - 1)
+    assert should_evict(interval, len(kept) + interval, policy, prompt + interval)
     pos2 = kept + list(range(prompt, prompt + interval))
     state2 = torch.cat([state1[:, :, keep], torch.full((1, 1, interval, 1), float("nan"))], 2)
     scores2, _ = policy.score(observation(pos2, state2, prompt))
@@ -542,10 +542,92 @@ def test_streaming_keeps_sink_and_recent():
 
 def test_should_evict_schedule():
     policy = StreamingLLM(budget=8, interval=4, window=2)
-    assert should_evict(0, 9, policy)  # a long prompt is compressed right after prefill
-    assert not should_evict(0, 8, policy)  # ... only when it exceeds the budget
-    assert not should_evict(3, 11, policy)
-    assert should_evict(8, 12, policy)
+    assert should_evict(0, 9, policy, 9)  # a long prompt is compressed right after prefill
+    assert not should_evict(0, 8, policy, 8)  # ... only when it exceeds the budget
+    assert not should_evict(3, 11, policy, 12)
+    assert should_evict(8, 12, policy, 17)
+
+
+def test_budget_at_is_gkv_ratio_mode():
+    """G-KV ``ScoreBasedKV.update_kv``, compress_mode="ratio": ``int(cur_len * r)`` when
+    ``budget / cur_len < r``, else ``budget`` (score_based.py @345e290)."""
+    small = dict(budget=8, window=2, sink=1)
+    fixed, ratio = StreamingLLM(**small), StreamingLLM(**small, budget_ratio=0.25)
+    assert [fixed.budget_at(n) for n in (5, 40, 1000)] == [8, 8, 8]
+    assert [ratio.budget_at(n) for n in (5, 32, 35, 36, 40, 1000)] == [8, 8, 8, 9, 10, 250]
+    assert ratio.budget_at(torch.tensor([5, 36, 1000])).tolist() == [8, 9, 250]
+    assert fixed.budget_at(torch.tensor([5, 1000])).tolist() == [8, 8]
+    # the reference's float product, not exact arithmetic: 0.29·100 = 28.999999999999996
+    assert StreamingLLM(**small, budget_ratio=0.29).budget_at(100) == 28
+    for r in (0.1, 0.2, 0.29, 1 / 3, 0.7, 1.0):
+        policy = StreamingLLM(**small, budget_ratio=r)
+        lengths = list(range(1, 400))
+        want = [int(n * r) if 8 / n < r else 8 for n in lengths]
+        assert [policy.budget_at(n) for n in lengths] == want, r
+        assert policy.budget_at(torch.tensor(lengths)).tolist() == want, r
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="budget_ratio"):
+            StreamingLLM(**small, budget_ratio=bad)
+
+
+def test_ratio_mode_schedule_by_hand():
+    """budget 6, ratio 0.5, interval 4, prompt 10: cut after prefill to max(6, 5) = 6,
+    then at true lengths 14, 18, 22, 26 to 7, 9, 11, 13 (window and sink inside)."""
+    from kvrl.engines.vllm.runtime import cache_len_after  # imports no vLLM
+
+    policy = StreamingLLM(budget=6, interval=4, window=2, sink=1, budget_ratio=0.5)
+    prompt = 10
+    want = {10: 6, 11: 7, 12: 8, 13: 9, 14: 7, 15: 8, 16: 9, 17: 10, 18: 9, 19: 10, 20: 11, 21: 12,
+            22: 11, 23: 12, 24: 13, 25: 14, 26: 13}
+    n, got, cuts = prompt, {}, []
+    for m in range(prompt, 27):  # the forward that brings the true length to m wrote one token (prefill: 10)
+        if m > prompt:
+            n += 1
+        if should_evict(m - prompt, n, policy, m):
+            key_pos = torch.arange(m - n, m)  # StreamingLLM keeps the newest: contiguous after a cut...
+            key_pos[0] = 0  # ... but the sink
+            obs = Observation(keys=torch.randn(1, 1, n, 4), values=torch.randn(1, 1, n, 4),
+                              queries=torch.randn(1, 1, 2, 4), key_pos=key_pos.view(1, 1, n),
+                              query_pos=torch.tensor([[m - 2, m - 1]]), state=None, layer=0, scaling=0.5)
+            sel = policy.select(obs, policy.score(obs)[0])
+            assert sel.count.tolist() == [sel.keep.shape[-1]]
+            cuts.append((m, key_pos[sel.keep[0, 0]].tolist()))
+            n = sel.keep.shape[-1]
+        got[m] = n
+        assert cache_len_after(m, prompt, policy) == want[m], m
+    assert got == want
+    assert cuts[0] == (10, [0, 5, 6, 7, 8, 9])  # sink + the 5 newest of the prompt
+    assert cuts[1] == (14, [0, 8, 9, 10, 11, 12, 13])  # budget_at(14) = 7
+    assert [m for m, _ in cuts] == [10, 14, 18, 22, 26]
+
+
+def test_ratio_mode_rows_of_a_batch_keep_their_own_budget():
+    """Row 0 (true length 14) keeps max(6, 7) = 7 slots, row 1 (length 10, 4 padding slots)
+    keeps 6: its keep is filled up to K = 7 with a slot it does not keep."""
+    policy = StreamingLLM(budget=6, window=2, sink=1, budget_ratio=0.5)
+    key_pos = torch.stack([torch.arange(14), torch.tensor([-1] * 4 + list(range(10)))]).view(2, 1, 14)
+    obs = Observation(keys=torch.randn(2, 1, 14, 4), values=torch.randn(2, 1, 14, 4),
+                      queries=torch.randn(2, 1, 2, 4), key_pos=key_pos,
+                      query_pos=torch.tensor([[12, 13], [8, 9]]), state=None, layer=0, scaling=0.5)
+    for sample in (False, True):
+        sel = policy.select(obs, policy.score(obs)[0], sample=sample, generator=torch.Generator().manual_seed(0))
+        assert sel.keep.shape == (2, 1, 7) and sel.count.tolist() == [7, 6]
+        assert key_pos[0, 0, sel.keep[0, 0]].tolist() == [0, 8, 9, 10, 11, 12, 13]
+        if not sample:  # the sampled draw evicts at random; its kept count is what matters
+            assert key_pos[1, 0, sel.keep[1, 0, :6]].tolist() == [0, 5, 6, 7, 8, 9]
+        assert (key_pos[1, 0, sel.keep[1, 0, :6]] >= 0).all()
+        assert sel.keep[1, 0, 6] not in sel.keep[1, 0, :6]  # the fill
+    sel = policy.select(obs, policy.score(obs)[0], sample=True, generator=[torch.Generator().manual_seed(0)] * 2)
+    assert (sel.evicted[1] >= 0).sum() == 10 - 6 and (sel.evicted[0] >= 0).sum() == 14 - 7
+
+
+def test_foresight_training_action_refuses_ratio_mode():
+    policy = make_policy("learned", **{**POLICY_KWARGS["learned"], "budget_ratio": 0.5})
+    obs = make_obs(policy)
+    scores, _ = policy.score(obs)
+    assert policy.select(obs, scores).count.tolist() == [20, 20, 20]  # inference: max(12, ⌊0.5·40⌋), N = 28
+    with pytest.raises(ValueError, match="budget_ratio=0.5: ForesightKV's training action"):
+        policy.act(obs.key_pos, scores)
 
 
 @pytest.mark.parametrize("sparsity,count", [(0.0, 0), (0.1, 1), (0.25, 3), (0.5, 6), (0.55, 7), (1.0, 12)])

@@ -64,6 +64,12 @@ def test_rl_sparse_learner_replays_the_rollout_trace(engine):
     engine.model.zero_grad()
 
 
+def test_rl_sparse_rolls_out_in_gkv_ratio_mode(engine):
+    cfg = load_config(["recipe=tiny_gkv_sparse", *SMALL, "kv.budget_ratio=0.75"])
+    policy = RLSparse(cfg).rollout_policy(engine.model).policy
+    assert (policy.budget, policy.budget_ratio, policy.budget_at(90)) == (40, 0.75, 67)
+
+
 def test_rl_sparse_refuses_samples_without_a_trace(engine):
     cfg = load_config(["recipe=tiny_gkv_sparse", *SMALL])
     batch = rollout_batch(engine, cfg, RLSparse(cfg), n=2)

@@ -95,14 +95,15 @@ def max_lp_diff(a, b):
 
 # ---------------------------------------------------------------- schedule (no engine)
 
+@pytest.mark.parametrize("ratio", [None, 0.5, 0.9])
 @pytest.mark.parametrize("prompt_len", [5, 23, 24, 25, 40])
-def test_cache_len_follows_the_hf_schedule(prompt_len):
-    policy = make_policy("streaming", budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+def test_cache_len_follows_the_hf_schedule(prompt_len, ratio):
+    policy = make_policy("streaming", budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK, budget_ratio=ratio)
     n = 0
     for m in range(1, prompt_len + 60):
         n += 1
-        if m >= prompt_len and should_evict(m - prompt_len, n, policy):
-            n = min(n, policy.budget)
+        if m >= prompt_len and should_evict(m - prompt_len, n, policy, m):
+            n = min(n, policy.budget_at(m))
         assert cache_len_after(m, prompt_len, policy) == n, m
 
 
@@ -195,6 +196,54 @@ def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name
     assert max_lp_diff(out.logprobs, logprobs) < TOL, name
     for b, trace in enumerate(traces):
         assert torch.equal(out.trace(b).death, trace.death), (name, b)
+
+
+def test_ratio_mode_with_sixteen_concurrent_requests_matches_hf(engine, hf):
+    """G-KV's ratio mode (budget max(24, ⌊L/2⌋)): the requests evicting together keep
+    different counts, each its own budget, and each equals its HF run alone."""
+    batch = prompts(16, seed=5)
+    sampling = Sampling(max_new_tokens=NEW)
+    policy = make_policy("gkv", budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK, budget_ratio=0.5)
+    tokens, logprobs, _, traces = hf_alone(hf, batch, sampling, policy)
+    out = engine.generate(batch, sampling, policy=policy)
+    assert out.tokens == tokens
+    diff = max_lp_diff(out.logprobs, logprobs)
+    print(f"gkv ratio 0.5: max |Δlogprob| = {diff:.2e}")
+    assert diff < TOL
+    for b, trace in enumerate(traces):
+        assert torch.equal(out.trace(b).death, trace.death), b
+    ends = [len(p) + len(t) for p, t in zip(out.prompt_ids, out.tokens)]
+    assert max(ends) // 2 > BUDGET + INTERVAL, "the ratio must raise some budget above the floor"
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash"])
+def test_compaction_writes_only_the_blocks_of_the_slots_a_request_keeps(layout):
+    """Ratio mode: a request that keeps fewer slots than its batch's K may own fewer blocks,
+    and its block table's later entries are stale — here another request's block, which
+    its compaction and position write must leave alone."""
+    from kvrl.engines.vllm.cpu_backend import LAYOUT as CPU
+    from kvrl.engines.vllm.cuda_backend import LAYOUT as FLASH
+    from kvrl.engines.vllm.runtime import SideStore
+
+    lay = CPU if layout == "cpu" else FLASH
+    g = torch.Generator().manual_seed(0)
+    nb, h, bs, d = 6, 2, 4, 8
+    kv = torch.randn(nb, h, bs, 2 * d, generator=g)
+    blocks = torch.tensor([[0, 1, 2], [3, 1, 4]])  # request 1's second entry: request 0's block
+    keys, values = lay.read(kv, blocks, 12)
+    side = SideStore.like(kv, 1)
+    side.pos[:] = torch.arange(nb * bs, dtype=torch.int32).view(nb, 1, bs)
+    keep = torch.tensor([[0, 2, 3, 5, 6, 8, 9], [1, 2, 3, 0, 0, 0, 0]]).view(2, 1, 7).expand(2, h, 7)
+    counts = torch.tensor([7, 3])  # K = 7 spans two blocks; request 1 keeps one block's worth
+    lay.compact(kv, blocks, keep, counts, keys, values)
+    side.write_prefix(blocks, torch.arange(14).view(2, 1, 7).expand(2, h, 7), None, counts)
+    after, _ = lay.read(kv, blocks, 7)
+    assert torch.equal(after[0], keys[0].gather(1, keep[0, :, :, None].expand(-1, -1, d)))
+    assert torch.equal(after[1, :, :3], keys[1].gather(1, keep[1, :, :3, None].expand(-1, -1, d)))
+    pos, state = side.read(blocks, 8)
+    assert pos[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, -1]  # not overwritten by request 1's block 1
+    assert pos[1, 0, :4].tolist() == [7, 8, 9, -1] and state.isnan().all()
+    assert side.pos[2].tolist() == [[8, 9, 10, 11]] * h and side.pos[4].tolist() == [[16, 17, 18, 19]] * h
 
 
 @pytest.mark.parametrize("sparsity", [0.25, 0.75])

@@ -108,8 +108,9 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
     if positions is not None and longest >= positions:
         raise ValueError(f"prompt {prompt_lens.index(longest)} has {longest} tokens, the model holds "
                          f"{positions} positions: shorten it (or filter such tasks from the data set)")
-    if isinstance(regime, Evicting) and regime.policy.budget >= longest + sampling.max_new_tokens:
-        warnings.warn(f"kv budget {regime.policy.budget} >= the longest sequence ({longest} prompt + "
+    end = longest + sampling.max_new_tokens
+    if isinstance(regime, Evicting) and regime.policy.budget_at(end) >= end:  # budget_ratio=1 never evicts either
+        warnings.warn(f"kv budget {regime.policy.budget_at(end)} >= the longest sequence ({longest} prompt + "
                       f"{sampling.max_new_tokens} new tokens): the policy will never evict", stacklevel=3)
 
 

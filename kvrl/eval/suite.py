@@ -6,7 +6,9 @@ Contract:
   ``eval.settings``) and builds its cache regime at a budget: ``full``, any zoo member,
   ``window`` (sink + recent on every head), ``learned`` (a ForesightKV scorer loaded from
   a run directory), ``heads`` (RLKV's head reallocation from an RLKV run's gates, at
-  its ``sparsities`` instead of budgets).
+  its ``sparsities`` instead of budgets). A token-policy line runs in G-KV's ratio mode
+  (:meth:`kvrl.policies.KVPolicy.budget_at`, the budget then being the floor) with its own
+  ``budget_ratio``, else ``kv.budget_ratio``.
 * :func:`error_mode` classifies a sample by deterministic rules (the README lists them):
   ``correct`` (reward > 0), ``repetition`` (its last :data:`LOOP_WINDOW` words are one
   short span repeated: at most :data:`LOOP_DISTINCT` distinct n-grams, RLKV's "repetition
@@ -69,16 +71,30 @@ class PolicySpec:
             return list(self.kwargs.get("sparsities", [0.5]))
         return budgets
 
+    def budget_ratio(self, kv: dict) -> float | None:
+        """The ratio mode of this line: its own ``budget_ratio``, else ``kv``'s; None for
+        the lines without a token budget (full, heads)."""
+        if self.kind in ("full", "heads"):
+            if "budget_ratio" in self.kwargs:
+                raise ValueError(f"eval policy {self.name!r} ({self.kind}) has no token budget to scale; drop "
+                                 f"eval.settings.{self.name}.budget_ratio")
+            return None
+        return self.kwargs.get("budget_ratio", kv["budget_ratio"])
+
     def regime(self, config, point, kv: dict):
         """The cache regime at ``point`` (a budget in tokens, or a sparsity for heads).
-        ``kv``: interval, window, sink."""
-        kw = {k: v for k, v in self.kwargs.items() if k not in ("run", "sparsities")}
+        ``kv``: interval, window, sink, budget_ratio."""
+        kw = {k: v for k, v in self.kwargs.items() if k not in ("run", "sparsities", "budget_ratio")}
         if self.kind == "full":
             return Full()
         if self.kind == "window":
+            if self.budget_ratio(kv) is not None:
+                raise ValueError(f"eval policy {self.name!r} is a fixed sink + recent window, which has no ratio mode; "
+                                 "drop its budget_ratio (and kv.budget_ratio)")
             return Static(Window.of(config, kv["sink"], point - kv["sink"]))
         if self.kind == "heads":
             return head_allocation(self._run(), point, config, **kw)
+        kv = {**kv, "budget_ratio": self.budget_ratio(kv)}
         policy = make_policy(self.kind, config if self.kind == "learned" else None, budget=point, **kv, **kw)
         if self.kind == "learned":
             from safetensors.torch import load_file

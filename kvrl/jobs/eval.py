@@ -6,7 +6,9 @@
 Rows are ``eval.policies`` (zoo names, or names of ``eval.settings`` entries: a learned
 ForesightKV scorer, RLKV heads, a zoo member with its own arguments; see
 :class:`kvrl.eval.suite.PolicySpec`) at each of ``eval.budgets`` (<= 1: a fraction of the
-full cache's mean sequence length; > 1: tokens), with ``kv.interval/window/sink``. The full
+full cache's mean sequence length; > 1: tokens), with ``kv.interval/window/sink``. In G-KV's
+ratio mode (``kv.budget_ratio``, or a line's ``eval.settings.NAME.budget_ratio``) a budget is
+the floor: an eviction keeps ``max(budget, ⌊ratio·tokens seen⌋)``. The full
 cache always runs first: it is the reference line and the length fractions are of.
 Each task is sampled ``eval.samples`` times (greedy when ``sampling.temperature=0``).
 
@@ -72,7 +74,8 @@ def main(cfg) -> dict:
         tmp.write_text("".join(json.dumps(s) + "\n" for s in done))
     have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in done}
     engine = None
-    kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink}
+    kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
+          "budget_ratio": cfg.kv.budget_ratio}
     traces = {}
 
     def run(spec: PolicySpec, point) -> list[dict]:
@@ -130,7 +133,8 @@ def main(cfg) -> dict:
     for spec in specs:
         for point in spec.points(budgets):
             row = {"policy": spec.name, "kind": spec.kind, "point": point_label(spec, point),
-                   "budget": point if spec.budgeted else None, **summarise(run(spec, point), ev.pass_k)}
+                   "budget": point if spec.budgeted else None, "budget_ratio": spec.budget_ratio(kv),
+                   **summarise(run(spec, point), ev.pass_k)}
             rows.append(row)
             print(f"{row['policy']:<12}{row['point']:>8}  acc {row['accuracy']:.3f} ± {row['accuracy_se']:.3f}  "
                   f"len {row['gen_tokens']:.1f}  kv {row['kv_retention']:.0%}  {row['decode_tokens_per_s']:.0f} tok/s")
@@ -213,7 +217,8 @@ def write_report(cfg, rows: list[dict], mean_len: float, out: Path, retention: b
              f"{mean_len:.1f} tokens; kv interval {cfg.kv.interval}, window {cfg.kv.window}, sink {cfg.kv.sink}.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["policy"], r["point"], f"{r['accuracy']:.3f} ± {r['accuracy_se']:.3f}",
+        budget = r["point"] if r["budget_ratio"] is None else f"max({r['point']}, {r['budget_ratio']:g}·L)"
+        cells = [r["policy"], budget, f"{r['accuracy']:.3f} ± {r['accuracy_se']:.3f}",
                  *[f"{r[f'pass@{k}']:.3f}" for k in ks], f"{r['gen_tokens']:.1f}", f"{r['truncated']:.0%}",
                  *[f"{r[f'mode/{m}']:.0%}" for m in MODES], f"{r['kv_retention']:.0%}", f"{r['peak_kv_tokens']:.0f}",
                  f"{r['decode_tokens_per_s']:.0f}"]

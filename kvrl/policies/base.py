@@ -7,11 +7,13 @@ call both every ``interval`` generated tokens (:func:`should_evict`), then compa
 values, positions and state with :func:`kvrl.kernels.scores.gather_slots`.
 
 Shapes: B batch, H KV heads, Hq query heads, N cache slots, W observation queries,
-D head dim, S per-token state size, K = min(budget, N) kept slots.
+D head dim, S per-token state size, K = min(max_b budget_at(L_b), N) kept slots, where L_b
+is row b's true length (its newest cached position + 1; :meth:`KVPolicy.budget_at`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,8 +64,12 @@ class Selection:
     Attributes
     ----------
     keep : Tensor [B, H, K] int64
-        Slot indices, sorted ascending by true position (invalid slots, kept only when
-        fewer than K valid slots exist, first).
+        Slot indices. ``keep[b, :, :count[b]]`` are what row b keeps, sorted ascending by
+        true position (invalid slots, kept only when fewer than ``count[b]`` valid slots
+        exist, first); ``keep[b, :, count[b]:]`` fill the row up to K and must be dropped.
+    count : Tensor [B] int64
+        Slots row b keeps: ``min(budget_at(L_b), N)``. Below K only in ratio mode, for a row
+        shorter than the longest of its batch (its budget is smaller).
     logprob : Tensor [B, H] float32 or None
         Sampled selections only: log-probability of the ordered eviction draw ``evicted``.
     evicted : Tensor [B, H, E] int64 or None
@@ -73,6 +79,7 @@ class Selection:
     """
 
     keep: Tensor
+    count: Tensor
     logprob: Tensor | None = None
     evicted: Tensor | None = None
 
@@ -87,16 +94,18 @@ def geometry(config) -> dict[str, int]:
             "group": config.num_attention_heads // config.num_key_value_heads, "head_dim": head_dim}
 
 
-def should_evict(generated: int, cache_len: int, policy: KVPolicy) -> bool:
-    """Whether the engine evicts after the forward that just wrote to the cache.
+def should_evict(generated: int, cache_len: int, policy: KVPolicy, length: int) -> bool:
+    """Whether the engine evicts after the forward that just wrote to the cache, which
+    brought the sequence to true length ``length`` (prompt + generated tokens written).
 
     G-KV's rule (methods.md §1): evict when the number of generated tokens written to the
     cache is a multiple of ``interval`` — including 0, right after prefill — and the cache
-    holds more than ``budget`` entries. The cache then oscillates between ``budget`` and
-    ``budget + interval``, and a prompt longer than the budget is compressed right after
-    prefill. (R-KV also compresses at ``cache_len == budget``, which only reorders.)
+    holds more than ``budget_at(length)`` entries. The cache then oscillates between the
+    budget and budget + ``interval``, and a prompt longer than the budget is compressed
+    right after prefill. (R-KV also compresses at ``cache_len == budget``, which only
+    reorders.)
     """
-    return generated % policy.interval == 0 and cache_len > policy.budget
+    return generated % policy.interval == 0 and cache_len > policy.budget_at(length)
 
 
 def plackett_luce_logprob(scores: Tensor, candidates: Tensor, evicted: Tensor) -> Tensor:
@@ -160,7 +169,8 @@ class KVPolicy:
     Parameters
     ----------
     budget : int
-        B, cache entries per KV head kept after an eviction. Must be ≥ window + sink + 1.
+        B, cache entries per KV head kept after an eviction (window and sink included, as
+        G-KV's budget). Must be ≥ window + sink + 1. With ``budget_ratio`` it is the floor.
     interval : int, default 128
         L, evict every L generated tokens (:func:`should_evict`).
     window : int, default 8
@@ -168,12 +178,17 @@ class KVPolicy:
         attention-based policies).
     sink : int, default 0
         The first ``sink`` valid tokens are always kept.
+    budget_ratio : float in (0, 1], optional
+        G-KV's ratio mode (``--compress_mode ratio --compress_ratio R``): an eviction at
+        true length L keeps ``max(budget, ⌊R·L⌋)`` entries (:meth:`budget_at`), a fraction of
+        every token seen so far, prompt included. None: a fixed budget.
     """
 
     budget: int
     interval: int = 128
     window: int = 8
     sink: int = 0
+    budget_ratio: float | None = None
     state_size: ClassVar[int] = 0
 
     def __post_init__(self):
@@ -187,6 +202,29 @@ class KVPolicy:
             raise ValueError(
                 f"budget={self.budget}: must be ≥ window + sink + 1 = {self.window + self.sink + 1} "
                 f"so that at least one slot is chosen by score; raise budget or lower window/sink")
+        if self.budget_ratio is not None and not 0 < self.budget_ratio <= 1:
+            raise ValueError(f"budget_ratio={self.budget_ratio}: must be in (0, 1] (the fraction of the tokens seen "
+                             "that an eviction keeps), or None for the fixed budget")
+
+    def budget_at(self, length: int | Tensor) -> int | Tensor:
+        """Entries per KV head an eviction at true length ``length`` keeps (an int, or a
+        Tensor [B] of lengths → [B] int64): ``budget``, or ``max(budget, ⌊budget_ratio·L⌋)``.
+
+        G-KV ``ScoreBasedKV.update_kv`` (``gkv/model/compression/score_based.py`` @345e290,
+        its ``compress_mode == "ratio"`` branch): ``budget = int(cur_len * compress_ratio) if
+        budget / cur_len < compress_ratio else budget``, where ``cur_len`` (``gen_patch._sample``)
+        is the sequence length after the forward that compresses, prompt included — the same
+        value, from the same float64 product (0.29·100 gives 28, as there). The reference's
+        ``cur_len`` is the padded width of its batch; here each row counts its own tokens, so
+        a row's budget does not depend on what it is batched with (equal at batch size 1).
+        """
+        if isinstance(length, Tensor):
+            if self.budget_ratio is None:
+                return torch.full_like(length, self.budget, dtype=torch.long)
+            return (length.double() * self.budget_ratio).floor().long().clamp(min=self.budget)
+        if self.budget_ratio is None:
+            return self.budget
+        return max(self.budget, math.floor(length * self.budget_ratio))
 
     @property
     def observe(self) -> int:
@@ -222,11 +260,15 @@ class KVPolicy:
 
     def select(self, obs: Observation, scores: Tensor, *, sample: bool = False,
                generator: torch.Generator | list | None = None) -> Selection:
-        """Choose K = min(budget, N) slots per (batch, KV head).
+        """Choose ``count[b] = min(budget_at(L_b), N)`` slots per (batch row b, KV head),
+        L_b = the row's newest cached position + 1 (the eviction follows the write of the
+        newest token, which the window always keeps); K = the largest count.
 
         Always kept: the first ``sink`` and the last ``window`` valid slots. The rest is
         filled from the other valid slots (the candidates); invalid slots are kept only
-        when fewer than K valid slots exist.
+        when fewer than ``count[b]`` valid slots exist. A row whose count is below K (ratio
+        mode) is filled up to K with its next-best slots, which engines drop
+        (:class:`Selection`).
 
         Deterministic (``sample=False``): ``torch.topk`` of the scores among candidates.
         Scores of candidates must be finite; among equal scores the choice is whatever
@@ -258,7 +300,8 @@ class KVPolicy:
         """
         key_pos = obs.key_pos
         valid = key_pos >= 0
-        k = min(self.budget, key_pos.shape[-1])
+        count = self.budget_at(key_pos.amax((-2, -1)) + 1).clamp(max=key_pos.shape[-1])  # [B]
+        k = int(count.max()) if count.numel() else 0
         kept = self.always_kept(key_pos)
         candidates = valid & ~kept
         scores = scores.float()
@@ -267,7 +310,7 @@ class KVPolicy:
         if sample:
             gumbel = gumbel_noise(scores, key_pos, generator)
             evict_key = torch.where(candidates, gumbel - scores.detach(), float("-inf"))
-            n_evict = (valid.sum(-1) - k).clamp(min=0)  # [B, H]
+            n_evict = (valid.sum(-1) - count[:, None]).clamp(min=0)  # [B, H]
             order = evict_key.topk(int(n_evict.max()) if n_evict.numel() else 0, dim=-1).indices
             steps = torch.arange(order.shape[-1], device=order.device)
             evicted = order.masked_fill(steps >= n_evict[..., None], -1)
@@ -275,8 +318,11 @@ class KVPolicy:
             priority = -evict_key  # kept candidates = those not among the E largest keys
         inf = torch.tensor(float("inf"), device=scores.device)
         priority = torch.where(kept, inf, torch.where(candidates, priority, -inf))
-        keep = priority.topk(k, dim=-1).indices.sort(-1).values
+        best = priority.topk(k, dim=-1).indices  # by priority: row b keeps its first count[b]
+        fill = (torch.arange(k, device=best.device) >= count.to(best.device)[:, None, None]).expand_as(best)
+        keep, order = best.sort(-1)
         # Valid slots are already in position order; a stable sort by position moves the
-        # invalid ones (position −1) to the front.
-        keep = keep.gather(-1, key_pos.gather(-1, keep).argsort(dim=-1, stable=True))
-        return Selection(keep=keep, logprob=logprob, evicted=evicted)
+        # invalid ones (position −1) to the front and the fill to the back.
+        at = key_pos.gather(-1, keep).masked_fill(fill.gather(-1, order), torch.iinfo(key_pos.dtype).max)
+        keep = keep.gather(-1, at.argsort(dim=-1, stable=True))
+        return Selection(keep=keep, count=count, logprob=logprob, evicted=evicted)

@@ -160,6 +160,10 @@ class LearnedScorer(KVPolicy):
         (inference, the default of every engine) evicts the E highest — the same slots as
         ``select(obs, scores)`` — with logprob 0.
         """
+        if self.budget_ratio is not None:
+            raise ValueError(f"budget_ratio={self.budget_ratio}: ForesightKV's training action evicts to the fixed "
+                             "budget of its eviction MDP (EvictionObs.budget); train with budget_ratio=None (the "
+                             "trained scorer runs in ratio mode through select())")
         valid = key_pos >= 0
         k = min(self.budget, key_pos.shape[-1])
         candidates = valid & ~self.always_kept(key_pos)

@@ -70,8 +70,8 @@ class Full(Untrained):
 @dataclass
 class Evicting:
     """Per-token eviction: ``policy`` scores the cached tokens of every (layer, KV head)
-    and keeps ``budget`` of them every ``interval`` generated tokens
-    (:func:`kvrl.policies.should_evict`). Rollouts carry the recorded
+    and keeps ``budget`` of them (``budget_at`` the sequence's length, in ratio mode) every
+    ``interval`` generated tokens (:func:`kvrl.policies.should_evict`). Rollouts carry the recorded
     :class:`kvrl.cache.EvictionTrace` (death [layers, B, kv_heads, T]); sampled evictions
     are ``Sampling.sample_evictions``. The trainable state is the policy's
     :meth:`~kvrl.policies.KVPolicy.trainable` module's state dict (ForesightKV's scorer),

@@ -62,11 +62,13 @@ class CPULayout(PagedLayout):
         kt[blk, heads, :, off] = keys.to(kt.dtype)
         v[blk, heads, off] = values.to(v.dtype)
 
-    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor, values: Tensor) -> None:
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None, keys: Tensor,
+                values: Tensor) -> None:
         """Whole blocks at a time: the kept slots are gathered into full blocks (the tail of
-        the last one repeats slot 0: it lies beyond every head's cache) in the block's own
-        layout (K as [D, bs], from the transposed keys of :meth:`read`) and copied block by
-        block, instead of a strided scatter per token."""
+        the last one repeats other slots: it lies beyond the request's cache) in the block's
+        own layout (K as [D, bs], from the transposed keys of :meth:`read`) and copied block
+        by block, instead of a strided scatter per token; request r gets only the blocks
+        holding its first ``counts[r]`` slots (all K when None)."""
         kt, v = self.views(kv_cache)
         r, h, k = keep.shape
         d, bs = kt.shape[2:]
@@ -74,8 +76,13 @@ class CPULayout(PagedLayout):
         b = blocks[:, :nblk].long()
         full = F.pad(keep, (0, nblk * bs - k))
         k_t = keys.transpose(-1, -2).gather(-1, full[:, :, None, :].expand(-1, -1, d, -1))  # [R, H, D, nblk·bs]
-        kt[b] = k_t.view(r, h, d, nblk, bs).permute(0, 3, 1, 2, 4).to(kt.dtype)
-        v[b] = gather_slots(values, full).view(r, h, nblk, bs, d).transpose(1, 2).to(v.dtype)
+        k_t = k_t.view(r, h, d, nblk, bs).permute(0, 3, 1, 2, 4)
+        v_b = gather_slots(values, full).view(r, h, nblk, bs, d).transpose(1, 2)
+        if counts is not None:
+            mine = torch.arange(nblk, device=keep.device) * bs < counts.to(keep.device)[:, None]  # [R, nblk]
+            b, k_t, v_b = b[mine], k_t[mine], v_b[mine]
+        kt[b] = k_t.to(kt.dtype)
+        v[b] = v_b.to(v.dtype)
 
 
 LAYOUT = CPULayout()

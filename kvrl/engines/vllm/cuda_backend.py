@@ -127,10 +127,11 @@ class FlashLayout(PagedLayout):
     def write(self, kv_cache, blocks, rows, heads, slots, keys, values):
         flash_write(kv_cache, blocks, rows, heads, slots, keys, values)
 
-    def compact(self, kv_cache, blocks, keep, keys, values):
-        counts = torch.full((keep.shape[0],), keep.shape[2], device=kv_cache.device)
+    def compact(self, kv_cache, blocks, keep, counts, keys, values):
+        if counts is None:
+            counts = torch.full((keep.shape[0],), keep.shape[2])
         op = flash_compact if kv_cache.is_cuda else flash_compact_ref
-        op(kv_cache, blocks, keep, counts)
+        op(kv_cache, blocks, keep, counts.to(kv_cache.device))
 
 
 LAYOUT = FlashLayout()

@@ -162,12 +162,14 @@ class VLLMEngine:
         T = max(len(p) for p in ids) + sampling.max_new_tokens
         tag0 = uuid.uuid4().hex[:12]
         tags = [f"{tag0}-{i}" for i in range(B)]
-        keep = None  # per-request block cap (the KV manager's): only an evicting cache is bounded
+        keep = [None] * B  # per-request block caps (the KV manager's): only an evicting cache is bounded
         match regime:
             case Static():  # checked here; the workers read row i of the pattern for request i
                 death = regime.death(T, B).cpu()
             case Evicting(policy=p):
-                keep = p.budget + p.interval
+                # the cache peaks an interval above the budget of the request's longest length
+                # (runtime.cache_len_after; the budget grows with the length in ratio mode)
+                keep = [p.budget_at(len(x) + sampling.max_new_tokens) + p.interval for x in ids]
         self._install(regime, sampling.sample_evictions)
         # vLLM would add the generation config's EOS ids to ours: ignore_eos leaves exactly ours
         stops = [] if sampling.ignore_eos else self.stop_ids
@@ -176,11 +178,11 @@ class VLLMEngine:
                                  extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
                                              "kvrl_seed": sampling.seed + 1 + i})
                   for i in range(B)]
-        rids = [kv_request_id(tags[i], len(ids[i]), keep) for i in range(B)]
+        rids = [kv_request_id(tags[i], len(ids[i]), keep[i]) for i in range(B)]
         start = time.perf_counter()
         bs = self.block_size
-        peaks = [-(-(max(len(p), keep) if keep is not None else len(p) + sampling.max_new_tokens) // bs)
-                 for p in ids]
+        peaks = [-(-(max(len(p), k) if k is not None else len(p) + sampling.max_new_tokens) // bs)
+                 for p, k in zip(ids, keep)]
         admit = self.admission == "always" or (self.admission == "policy" and not isinstance(regime, Full))
         try:
             outs = self._run(rids, [TokensPrompt(prompt_token_ids=p) for p in ids], params, peaks if admit else None)

@@ -85,15 +85,18 @@ def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
 
     The HF cache's schedule (:func:`kvrl.policies.should_evict`): after the forward that
     brings the generated count g = m − P to a multiple of ``interval`` (prefill included),
-    the cache is cut to ``budget`` if it holds more. Once it has been cut it is cut at
-    every multiple, so with e the last multiple ≤ g: ``budget + (g − e)`` if ``P + e >
-    budget``, else ``m``. Chunked prefill (m < P) never evicts.
+    the cache is cut to b(P + g) = ``policy.budget_at(P + g)`` if it holds more. L − b(L)
+    never decreases and b grows by at most ``interval`` per interval (ratio ≤ 1), so once
+    cut the cache is cut (or lands exactly on the budget) at every later multiple; with e
+    the last multiple ≤ g: ``b(P + e) + (g − e)`` if ``P + e > b(P + e)``, else ``m``.
+    Chunked prefill (m < P) never evicts.
     """
     if m < prompt_len:
         return m
     g = m - prompt_len
     e = g - g % policy.interval
-    return policy.budget + (g - e) if prompt_len + e > policy.budget else m
+    kept = policy.budget_at(prompt_len + e)
+    return kept + (g - e) if prompt_len + e > kept else m
 
 
 class PagedLayout:
@@ -114,9 +117,13 @@ class PagedLayout:
         """Store keys/values [M, D] at (request ``rows[i]``, head ``heads[i]``, logical slot ``slots[i]``)."""
         raise NotImplementedError
 
-    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, keys: Tensor, values: Tensor) -> None:
-        """In place, per request r and head h: slot j ← slot ``keep[r, h, j]`` (keep [R, H, K]
-        ascending); ``keys``/``values`` [R, H, N, D] are the slots already read."""
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None, keys: Tensor,
+                values: Tensor) -> None:
+        """In place, per request r and head h: slot j ← slot ``keep[r, h, j]`` for j <
+        ``counts[r]`` (None: every request keeps all K; keep [R, H, K] ascending there; the
+        rest is ignored, and no block past the one holding slot counts[r] − 1 may be
+        written: a request whose count is below K owns fewer); ``keys``/``values``
+        [R, H, N, D] are the slots already read."""
         raise NotImplementedError
 
 
@@ -155,18 +162,31 @@ class SideStore:
         if self.state is not None:
             self.state[blk, heads, off] = float("nan") if state is None else state
 
-    def write_prefix(self, blocks: Tensor, pos: Tensor, state: Tensor | None) -> None:
-        """pos [R, H, K] and state [R, H, K, S] into logical slots 0..K−1, whole blocks at a
-        time (the rest of the last block gets position −1 / no state)."""
+    def write_prefix(self, blocks: Tensor, pos: Tensor, state: Tensor | None, counts: Tensor | None) -> None:
+        """pos [R, H, K] and state [R, H, K, S] into logical slots 0..counts[r]−1 of request
+        r (None: all K), whole blocks at a time (the rest of its last block gets position −1
+        / no state). Only the blocks that hold those slots are written: a request whose
+        count is below K (ratio mode) may own fewer blocks, and its table's later entries
+        are stale."""
         r, h, k = pos.shape
         bs = self.pos.shape[2]
         nblk = -(-k // bs)
         b = blocks[:, :nblk].long()
-        self.pos[b] = F.pad(pos.to(torch.int32), (0, nblk * bs - k), value=-1).view(r, h, nblk, bs).transpose(1, 2)
+        pos = F.pad(pos.to(torch.int32), (0, nblk * bs - k), value=-1).view(r, h, nblk, bs).transpose(1, 2)
         if self.state is not None:
             state = torch.full((r, h, k, self.state.shape[-1]), float("nan"), device=pos.device) if state is None else state
-            padded = F.pad(state.float(), (0, 0, 0, nblk * bs - k), value=float("nan"))
-            self.state[b] = padded.view(r, h, nblk, bs, -1).transpose(1, 2)
+            state = F.pad(state.float(), (0, 0, 0, nblk * bs - k), value=float("nan"))
+            state = state.view(r, h, nblk, bs, -1).transpose(1, 2)
+        if counts is not None:
+            counts = counts.to(pos.device)
+            beyond = (torch.arange(nblk * bs, device=pos.device) >= counts[:, None]).view(r, nblk, 1, bs)
+            mine = torch.arange(nblk, device=pos.device) * bs < counts[:, None]  # [R, nblk] blocks written
+            b, pos = b[mine], pos.masked_fill(beyond, -1)[mine]
+            if self.state is not None:
+                state = state.masked_fill(beyond[..., None], float("nan"))[mine]
+        self.pos[b] = pos
+        if self.state is not None:
+            self.state[b] = state
 
 
 @dataclass
@@ -425,7 +445,7 @@ class WorkerContext:
                 if st.clen != want:
                     raise RuntimeError(f"kvrl cache length out of step for request {rid}: {st.clen} vs {want}")
                 m = done + q
-                if m >= st.prompt_len and should_evict(m - st.prompt_len, st.clen + q, p):
+                if m >= st.prompt_len and should_evict(m - st.prompt_len, st.clen + q, p, m):
                     evicting.append(i)
                 c_prev.append(st.clen)
                 st.clen = cache_len_after(m, st.prompt_len, p)
@@ -580,7 +600,7 @@ class WorkerContext:
                scale: float) -> None:
         """Score, select and compact this layer's cache of every request in ``eb`` at once.
         Shorter caches are padded to the longest (position −1: no policy keeps or counts
-        them, and each request keeps ``budget`` of its own slots)."""
+        them, and each request keeps ``budget_at(its length)`` of its own slots)."""
         start = time.perf_counter()
         policy, side = self.policy, self.side[layer_name]
         keys, values = layout.read(kv_cache, eb.blocks, eb.n)  # [R, H, N, D]
@@ -594,13 +614,18 @@ class WorkerContext:
         obs = Observation(keys, values, queries, pos, qp.gather(-1, order), state, layer_idx, scale)
         scores, new_state = policy.score(obs)
         sel = policy.select(obs, scores, sample=self.sample, generator=eb.generators)
-        keep = sel.keep  # [R, H, K]
-        kept = torch.zeros(pos.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, True)
+        keep = sel.keep  # [R, H, K]; request r keeps keep[r, :, :sel.count[r]]
+        # counts below K only in ratio mode; None spares the common case its masks
+        counts = None if bool((sel.count == keep.shape[-1]).all()) else sel.count
+        mine = True if counts is None else (torch.arange(keep.shape[-1], device=keep.device)
+                                            < counts.to(keep.device)[:, None, None]).expand_as(keep)
+        kept = torch.zeros(pos.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, mine)
         r, h, j = (~kept & (pos >= 0)).nonzero(as_tuple=True)
         r, h, dead = r.cpu(), h.cpu(), pos[r, h, j].cpu()
         self.deaths[eb.qslot_host[r], layer_idx, h, dead] = eb.m[r]  # the last query of the forward saw them
-        layout.compact(kv_cache, eb.blocks, keep, keys, values)
-        side.write_prefix(eb.blocks, pos.gather(-1, keep), None if new_state is None else gather_slots(new_state, keep))
+        layout.compact(kv_cache, eb.blocks, keep, counts, keys, values)
+        side.write_prefix(eb.blocks, pos.gather(-1, keep), None if new_state is None else gather_slots(new_state, keep),
+                          counts)
         if sel.logprob is not None:
             eb.events[:, layer_idx] = sel.logprob.float().cpu()
         share = (time.perf_counter() - start) / len(eb.rows)
