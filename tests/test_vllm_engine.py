@@ -264,6 +264,25 @@ def test_head_allocation_matches_hf(engine, hf, sparsity):
     assert max_lp_diff(full.logprobs, out.logprobs) > 1e-3 or full.tokens != out.tokens
 
 
+def test_head_allocation_with_chunked_prefill_matches_hf(engine, hf):
+    """Windowed heads over prompts split into 16-token forwards: each chunk attends with
+    the pattern's mask while earlier chunks' ring writes have overwritten the window's
+    first slots (only with keys no later query sees)."""
+    batch = prompts(seed=3)
+    sampling = Sampling(max_new_tokens=NEW)
+    gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(2))
+    policy = HeadAllocation(gates=gates, sparsity=0.5, layers=4, kv_heads=2, sink=2, recent=6)
+    ref = hf.generate(batch, sampling, policy=policy)
+    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    budget = sched.max_num_scheduled_tokens
+    sched.max_num_scheduled_tokens = 16
+    try:
+        out = engine.generate(batch, sampling, policy=policy)
+    finally:
+        sched.max_num_scheduled_tokens = budget
+    assert out.tokens == ref.tokens and max_lp_diff(out.logprobs, ref.logprobs) < TOL
+
+
 @torch.no_grad()
 def hf_mixed(model, ids, gates, n, eos):
     """Reference decode loop with the shared mixed-gate attention (transformers)."""
@@ -607,3 +626,21 @@ def test_death_table_follows_the_attached_model():
     ctx.geometry = (4, 2)
     table = ctx._death_rows(1, 20)
     assert table.shape == (8, 4, 2, 20) and (table == NEVER).all()
+
+
+def test_cpu_head_attention_kernel_matches_torch():
+    """Static mode's per-(request, head) attention: vLLM's CPU kernel over (block, head)
+    regions equals the torch default over the padded caches (heads of different lengths,
+    shuffled block tables, GQA 4:1)."""
+    from kvrl.engines.vllm.cpu_backend import CPULayout
+    from kvrl.engines.vllm.runtime import PagedLayout
+
+    g = torch.Generator().manual_seed(0)
+    nb, h, bs, d, r = 20, 2, 32, 64, 3
+    kv = torch.randn(nb, h, bs, 2 * d, generator=g)
+    blocks = torch.randperm(nb, generator=g)[:r * 5].view(r, 5).int()
+    lens = torch.tensor([[137, 5], [32, 33], [160, 1]])
+    query = torch.randn(r, 4 * h, d, generator=g)
+    fast = CPULayout().head_attention(query, kv, blocks, lens, d ** -0.5)
+    ref = PagedLayout.head_attention(CPULayout(), query, kv, blocks, lens, d ** -0.5)
+    assert (fast - ref).abs().max() < 1e-5

@@ -31,7 +31,11 @@ from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplM
 
 
 class CPULayout(PagedLayout):
-    """K transposed [D, bs] then V [bs, D] in each (block, head) region."""
+    """K transposed [D, bs] then V [bs, D] in each (block, head) region; ``isa`` is the
+    layer's (``vec``/``vec16``), for vLLM's kernel in :meth:`head_attention`."""
+
+    def __init__(self, isa: str = "vec"):
+        self.isa = isa
 
     @staticmethod
     def views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,7 +89,39 @@ class CPULayout(PagedLayout):
         v[b] = v_b.to(v.dtype)
 
 
+    def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:
+        """vLLM's own CPU kernel with every (request, KV head) as a sequence: the cache seen
+        as ``[nb·H, 1, bs, 2·D]`` (a (block, head) region is contiguous in this layout), so
+        sequence (r, h) reads regions ``blocks[r, j]·H + h`` up to ``lens[r, h]``, and its
+        G query heads are the consecutive rows of ``query.view(R·H, G, D)``."""
+        r, hq, d = query.shape
+        nb, h, bs, _ = kv_cache.shape
+        g = hq // h
+        kc, vc = kv_cache.view(nb * h, 1, 2 * bs, d).chunk(2, dim=2)
+        nblk = -(-int(lens.max()) // bs)
+        regions = (blocks[:, None, :nblk].long() * h + torch.arange(h, device=blocks.device)[None, :, None])
+        seq_lens = lens.reshape(-1).to(torch.int32)
+        starts = torch.arange(r * h + 1, dtype=torch.int32, device=query.device)
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=r * h, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=seq_lens, dtype=query.dtype,
+            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=self.isa, enable_kv_split=False,
+            dynamic_causal=None, kv_cache_dtype="auto")
+        out = torch.empty_like(query)
+        ops.cpu_attention_with_kv_cache(
+            query=query.contiguous().view(r * h, g, d), key_cache=kc, value_cache=vc, output=out.view(r * h, g, d),
+            query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
+            sliding_window=-1, block_table=regions.reshape(r * h, nblk).to(torch.int32), softcap=0.0,
+            scheduler_metadata=meta, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
+            kv_cache_dtype="auto")
+        return out
+
+
 LAYOUT = CPULayout()
+
+
+@functools.lru_cache(maxsize=None)
+def layout_for(isa: str) -> CPULayout:
+    return CPULayout(isa)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +153,7 @@ class KVRLCPUImpl(KVRLImplMixin, CPUAttentionBackendImpl):
 
     def _check_layout(self, layer, kv_cache) -> None:
         check_layout(layer.isa, kv_cache.dtype, self.head_size, kv_cache.shape[2])
+        self.LAYOUT = layout_for(layer.isa)
 
 
 class KVRLCPUBackend(KVRLBackendMixin, CPUAttentionBackend):

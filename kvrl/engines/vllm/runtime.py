@@ -99,6 +99,19 @@ def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
     return kept + (g - e) if prompt_len + e > kept else m
 
 
+def window_heads(pattern) -> tuple[Tensor, int, int] | None:
+    """(windowed [L, H] bool, sink, recent) of a sink + recent pattern — a
+    :class:`kvrl.policies.HeadAllocation` or :class:`kvrl.policies.Window` — else None
+    (death tensors, oracle patterns: the general static path)."""
+    from kvrl.policies.heads import HeadAllocation, Window
+
+    if isinstance(pattern, HeadAllocation):
+        return pattern.compressed_mask().cpu(), pattern.sink, pattern.recent
+    if isinstance(pattern, Window):
+        return torch.ones(pattern.layers, pattern.kv_heads, dtype=torch.bool), pattern.sink, pattern.recent
+    return None
+
+
 class PagedLayout:
     """How one attention layer's paged cache tensor stores K and V.
 
@@ -125,6 +138,20 @@ class PagedLayout:
         written: a request whose count is below K owns fewer); ``keys``/``values``
         [R, H, N, D] are the slots already read."""
         raise NotImplementedError
+
+    def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:
+        """One query per request, each KV head over its own logical slots 0..``lens[r, h]``−1:
+        query [R, Hq, D], blocks [R, nb], lens [R, H] int → [R, Hq, D]. Slot order does not
+        matter (one query sees all of them). This default reads the caches padded to the
+        longest head; a backend whose kernel takes per-sequence lengths overrides it."""
+        r, hq, d = query.shape
+        keys, values = self.read(kv_cache, blocks, int(lens.max()))
+        h, n = keys.shape[1], keys.shape[2]
+        visible = torch.arange(n, device=query.device) < lens[:, :, None].to(query.device)  # [R, H, N]
+        out = F.scaled_dot_product_attention(
+            query[:, :, None], keys.to(query.dtype), values.to(query.dtype),
+            attn_mask=visible.repeat_interleave(hq // h, dim=1)[:, :, None], scale=scale, enable_gqa=True)
+        return out[:, :, 0]
 
 
 @dataclass
@@ -241,6 +268,26 @@ class EvictBatch:
 
 
 @dataclass
+class WindowPlan:
+    """Static mode with a sink + recent pattern (:func:`window_heads`), planned once per step.
+
+    Every head stays in vLLM's own layout (slot = position, the stock write); a windowed
+    head also keeps its window in its first ``sink + recent`` slots, as a ring (position
+    p ≥ sink + recent at slot ``sink + (p − sink) % recent``), which overwrites only keys no
+    later query sees. A one-token row's query then reads m slots of a full head and
+    ``min(m, sink + recent)`` of a windowed one, all rows and heads in one
+    :meth:`PagedLayout.head_attention`; rows of several tokens (prefill chunks) attend
+    with the pattern's mask over the stock layout (torch, once per prompt)."""
+
+    decode: Tensor  # [Rd] token index of each one-token row's query (cache device)
+    all_decode: bool  # every row is a one-token row (decode index = token index)
+    m: Tensor  # [Rd] true length after the forward
+    blocks: Tensor  # [Rd, nb] their block tables
+    ring: Tensor  # [Rd] ring slot of the row's new token, −1 while it is its own slot
+    multi: list[RowPlan]  # rows of several tokens
+
+
+@dataclass
 class StepPlan:
     """What the builder decided for one forward, read by every layer."""
 
@@ -253,6 +300,7 @@ class StepPlan:
     # and their positions (int32) — the same for every layer of the forward
     side_addr: tuple | None = None
     evict: EvictBatch | None = None  # token mode: the requests that evict after this forward
+    window: WindowPlan | None = None  # static mode with a sink + recent pattern
 
 
 class WorkerContext:
@@ -265,6 +313,7 @@ class WorkerContext:
         self.regime = None  # the installed regime (a copy of the engine's)
         self.policy: KVPolicy | None = None  # token mode: the Evicting regime's policy
         self.static: Static | None = None  # static mode
+        self.windows: tuple[Tensor, int, int] | None = None  # static mode: window_heads(pattern)
         self.mixed: Mixed | None = None  # mixed mode
         self.sample = False
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
@@ -316,6 +365,7 @@ class WorkerContext:
                     module.to(self.device)
             case Static():
                 self.mode, self.static = "static", self.regime
+                self.windows = window_heads(self.regime.pattern)
             case Mixed():
                 self.mode, self.mixed = "mixed", self.regime
         state_size = self.policy.state_size if self.policy is not None else 0
@@ -449,7 +499,7 @@ class WorkerContext:
                     evicting.append(i)
                 c_prev.append(st.clen)
                 st.clen = cache_len_after(m, st.prompt_len, p)
-            elif self.mode == "static":  # lens are updated by the layers (appends, then drops)
+            elif self.mode == "static" and self.windows is None:  # lens: updated by the layers
                 row.lens = st.lens.clone()
             st.done = done + q
             rows.append(row)
@@ -463,6 +513,8 @@ class WorkerContext:
         dev = cm.slot_mapping.device
         none = torch.zeros(0, dtype=torch.long)
         plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
+        if self.mode == "static" and self.windows is not None:
+            plan.window = self._plan_window(rows, bt_dev)
         if not token:
             return plan
         # queries to keep: the last `observe` of each row, at ring index position % W
@@ -486,6 +538,17 @@ class WorkerContext:
             plan.evict = self._evict_batch([rows[i] for i in evicting], (c_prev + counts)[evicting],
                                            bt_dev[evicting], block_size)
         return plan
+
+    def _plan_window(self, rows: list[RowPlan], bt_dev: Tensor) -> WindowPlan:
+        _, sink, recent = self.windows
+        dev = bt_dev.device
+        one = [i for i, r in enumerate(rows) if r.q == 1]
+        m = np.asarray([rows[i].m for i in one], dtype=np.int64)
+        p = m - 1
+        ring = np.where(p >= sink + recent, sink + (p - sink) % recent, -1)
+        return WindowPlan(torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
+                          len(one) == len(rows), torch.from_numpy(m).to(dev), bt_dev[one],
+                          torch.from_numpy(ring).to(dev), [r for r in rows if r.q > 1])
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
         dev = blocks.device
@@ -539,6 +602,16 @@ class WorkerContext:
         if plan.mode == "mixed":
             stock_write()
             return
+        if plan.window is not None:
+            stock_write()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
+            wp = plan.window
+            rows = (wp.ring >= 0).nonzero().squeeze(-1)
+            heads = self.windows[0][layer_idx].nonzero().squeeze(-1).to(kv_cache.device)
+            if rows.numel() and heads.numel():
+                r, hh = rows.repeat_interleave(heads.numel()), heads.repeat(rows.numel())
+                tok = wp.decode[r]
+                layout.write(kv_cache, wp.blocks, r, hh, wp.ring[r], key[tok, hh], value[tok, hh])
+            return
         side = self.side_for(layer_name, kv_cache)
         bs = kv_cache.shape[2]
         total = plan.positions.shape[0]
@@ -588,7 +661,43 @@ class WorkerContext:
                                            mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
                 output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
             return
+        if plan.window is not None:
+            self._window_attention(plan.window, layer_idx, layout, query, kv_cache, scale, output)
+            return
         self._static_attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output)
+
+    def _window_attention(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, query: Tensor,
+                          kv_cache: Tensor, scale: float, output: Tensor) -> None:
+        windowed, sink, recent = self.windows
+        windowed = windowed[layer_idx].to(kv_cache.device)
+        if wp.decode.numel():
+            lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
+            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            out = layout.head_attention(q, kv_cache, wp.blocks, lens, scale).to(output.dtype)
+            if wp.all_decode:
+                output[:out.shape[0]] = out
+            else:
+                output.index_copy_(0, wp.decode, out)
+        for row in wp.multi:  # sink + recent mask over the stock layout (ring slots hold only dead keys)
+            k, v = layout.read(kv_cache, row.blocks[None], row.m)
+            qpos = torch.arange(row.done, row.m, device=k.device)
+            kpos = torch.arange(row.m, device=k.device)
+            causal = kpos[None, :] <= qpos[:, None]
+            window = causal & ((kpos[None, :] < sink) | (qpos[:, None] < kpos[None, :] + recent))
+            mask = torch.where(windowed[:, None, None], window[None], causal[None])  # [H, Q, N]
+            q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+            group = q.shape[1] // k.shape[1]
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
+                                                 attn_mask=mask.repeat_interleave(group, dim=0)[None])
+            output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            # the last `recent` new keys of the windowed heads into their rings, after the attention
+            heads = windowed.nonzero().squeeze(-1)
+            first = max(row.done, row.m - recent, sink + recent)
+            if heads.numel() and first < row.m:
+                p = torch.arange(first, row.m, device=k.device)
+                hh, pp = heads.repeat_interleave(p.numel()), p.repeat(heads.numel())
+                layout.write(kv_cache, row.blocks[None], torch.zeros_like(hh), hh, sink + (pp - sink) % recent,
+                             k[0, hh, pp], v[0, hh, pp])
 
     def _observe(self, plan: StepPlan, layer_idx: int, query: Tensor) -> None:
         if plan.q_tok.numel() == 0:
