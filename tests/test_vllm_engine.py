@@ -76,6 +76,18 @@ def prompts(n=8, seed=0):
     return sorted([make_chain_task(rng, spec)["prompt"] for _ in range(n)], key=len, reverse=True)
 
 
+def generate_chunked(engine, batch, sampling, policy):
+    """``engine.generate`` with 16 tokens per step: every prompt (19-37 tokens) is
+    prefilled over 2-3 forwards."""
+    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    budget = sched.max_num_scheduled_tokens
+    sched.max_num_scheduled_tokens = 16
+    try:
+        return engine.generate(batch, sampling, policy=policy)
+    finally:
+        sched.max_num_scheduled_tokens = budget
+
+
 def token_policy(name, geometry=(4, 2, 2, 32)):
     layers, kv_heads, group, head_dim = geometry
     extra = dict(group=group, head_dim=head_dim, layers=layers, kv_heads=kv_heads) if name == "learned" else {}
@@ -273,13 +285,7 @@ def test_head_allocation_with_chunked_prefill_matches_hf(engine, hf):
     gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(2))
     policy = HeadAllocation(gates=gates, sparsity=0.5, layers=4, kv_heads=2, sink=2, recent=6)
     ref = hf.generate(batch, sampling, policy=policy)
-    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
-    budget = sched.max_num_scheduled_tokens
-    sched.max_num_scheduled_tokens = 16
-    try:
-        out = engine.generate(batch, sampling, policy=policy)
-    finally:
-        sched.max_num_scheduled_tokens = budget
+    out = generate_chunked(engine, batch, sampling, policy)
     assert out.tokens == ref.tokens and max_lp_diff(out.logprobs, ref.logprobs) < TOL
 
 
@@ -359,13 +365,7 @@ def test_chunked_prefill_matches_hf(engine, hf, name):
     sampling = Sampling(max_new_tokens=NEW)
     policy = token_policy(name)
     tokens, logprobs, _, traces = hf_alone(hf, batch, sampling, policy)
-    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
-    budget = sched.max_num_scheduled_tokens
-    sched.max_num_scheduled_tokens = 16
-    try:
-        out = engine.generate(batch, sampling, policy=policy)
-    finally:
-        sched.max_num_scheduled_tokens = budget
+    out = generate_chunked(engine, batch, sampling, policy)
     assert out.tokens == tokens and max_lp_diff(out.logprobs, logprobs) < TOL
     for b, trace in enumerate(traces):
         assert torch.equal(out.trace(b).death, trace.death), (name, b)
@@ -381,13 +381,7 @@ def test_seeded_sampling_survives_chunked_prefill(engine, name):
     sampling = Sampling(max_new_tokens=NEW, temperature=1.0, seed=11)
     policy = None if name is None else token_policy(name)
     whole = engine.generate(batch, sampling, policy=policy)
-    sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
-    budget = sched.max_num_scheduled_tokens
-    sched.max_num_scheduled_tokens = 16  # every prompt (19-37 tokens) is prefilled in 2-3 steps
-    try:
-        chunked = engine.generate(batch, sampling, policy=policy)
-    finally:
-        sched.max_num_scheduled_tokens = budget
+    chunked = generate_chunked(engine, batch, sampling, policy)
     assert chunked.tokens == whole.tokens and max_lp_diff(chunked.logprobs, whole.logprobs) < TOL
     assert len({tuple(t) for t in whole.tokens}) > 1  # sampled, not a constant output
 

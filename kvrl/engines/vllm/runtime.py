@@ -144,7 +144,7 @@ class PagedLayout:
         query [R, Hq, D], blocks [R, nb], lens [R, H] int → [R, Hq, D]. Slot order does not
         matter (one query sees all of them). This default reads the caches padded to the
         longest head; a backend whose kernel takes per-sequence lengths overrides it."""
-        r, hq, d = query.shape
+        hq = query.shape[1]
         keys, values = self.read(kv_cache, blocks, int(lens.max()))
         h, n = keys.shape[1], keys.shape[2]
         visible = torch.arange(n, device=query.device) < lens[:, :, None].to(query.device)  # [R, H, N]
@@ -314,6 +314,7 @@ class WorkerContext:
         self.policy: KVPolicy | None = None  # token mode: the Evicting regime's policy
         self.static: Static | None = None  # static mode
         self.windows: tuple[Tensor, int, int] | None = None  # static mode: window_heads(pattern)
+        self.windowed_heads: list[Tensor] = []
         self.mixed: Mixed | None = None  # mixed mode
         self.sample = False
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
@@ -366,6 +367,8 @@ class WorkerContext:
             case Static():
                 self.mode, self.static = "static", self.regime
                 self.windows = window_heads(self.regime.pattern)
+                if self.windows is not None:  # each layer's windowed heads, read at every write
+                    self.windowed_heads = [m.nonzero().squeeze(-1) for m in self.windows[0]]
             case Mixed():
                 self.mode, self.mixed = "mixed", self.regime
         state_size = self.policy.state_size if self.policy is not None else 0
@@ -606,7 +609,7 @@ class WorkerContext:
             stock_write()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
             wp = plan.window
             rows = (wp.ring >= 0).nonzero().squeeze(-1)
-            heads = self.windows[0][layer_idx].nonzero().squeeze(-1).to(kv_cache.device)
+            heads = self.windowed_heads[layer_idx].to(kv_cache.device)
             if rows.numel() and heads.numel():
                 r, hh = rows.repeat_interleave(heads.numel()), heads.repeat(rows.numel())
                 tok = wp.decode[r]
@@ -691,7 +694,7 @@ class WorkerContext:
                                                  attn_mask=mask.repeat_interleave(group, dim=0)[None])
             output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
             # the last `recent` new keys of the windowed heads into their rings, after the attention
-            heads = windowed.nonzero().squeeze(-1)
+            heads = self.windowed_heads[layer_idx].to(k.device)
             first = max(row.done, row.m - recent, sink + recent)
             if heads.numel() and first < row.m:
                 p = torch.arange(first, row.m, device=k.device)
