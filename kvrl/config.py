@@ -127,6 +127,9 @@ class KVConfig:
 class SamplingConfig:
     max_new_tokens: int = checked(160, ge=1)  # generation length limit per sample
     temperature: float = checked(0.0, ge=0)  # 0 = greedy decoding
+    # nucleus sampling: draw from the most likely tokens whose probability reaches top_p, renormalised
+    # (1 = every token; greedy decoding is unaffected: its token is always in the nucleus)
+    top_p: float = checked(1.0, lambda v: 0 < v <= 1, "must be in (0, 1] (1 = no nucleus cut)")
     batch_size: int = checked(64, ge=1)  # prompts generated together
 
 
@@ -176,6 +179,12 @@ class RLConfig:
         if cfg.sampling.temperature <= 0:
             problems.append("sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
                             "group the same text, hence zero advantages; set sampling.temperature=1.0")
+        if cfg.sampling.top_p < 1:
+            problems.append(f"sampling.top_p={cfg.sampling.top_p:g}: a rollout records each token's logprob in the "
+                            "renormalised nucleus it was drawn from (vLLM's processed_logprobs; the HF engine records "
+                            "the same), but the learner scores the token under the whole softmax, so the importance "
+                            "ratio would be off by the nucleus's mass at every token; set sampling.top_p=1.0 (top-p "
+                            "is for job=eval)")
         if cfg.workers.engine == "vllm" and cfg.sampling.temperature > 2:
             problems.append(f"sampling.temperature={cfg.sampling.temperature:g}: vLLM samples at temperatures in "
                             "[0, 2] only; set sampling.temperature=2.0 or workers.engine=hf")

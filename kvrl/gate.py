@@ -19,6 +19,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from kvrl.runlog import trained_model
+
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
 
@@ -33,15 +35,23 @@ ENV_ARG_RULES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
 
 
 def model_problems(path: str) -> list[str]:
-    """model.path: "tiny", a folder with a config.json, a known architecture, or a hub id org/name."""
-    fix = ("pass a local folder with a config.json (save_pretrained writes one), a hub id such as "
-           "Qwen/Qwen3-4B, or set model.path=tiny")
+    """model.path: "tiny", a folder with a config.json, the output_dir of a run that trained model
+    weights (:func:`kvrl.runlog.trained_model`, without reading them), a known architecture, or a
+    hub id org/name."""
+    fix = ("pass a local folder with a config.json (save_pretrained writes one), the output_dir of an RL run "
+           "(the weights it trained), a hub id such as Qwen/Qwen3-4B, or set model.path=tiny")
     if path == "tiny" or path in json.loads(ARCHITECTURES.read_text()):
         return []
     local = Path(path).expanduser()
     if local.exists():
         if (local / "config.json").is_file():
             return []
+        if local.is_dir():
+            try:
+                if trained_model(local, verify=False) is not None:
+                    return []
+            except ValueError as err:
+                return [f"model.path={path!r}: {err}"]
         what = "a folder without a config.json" if local.is_dir() else "a file, not a model folder"
         return [f"model.path={path!r} is {what}; {fix}"]
     if HUB_ID.match(path):

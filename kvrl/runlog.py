@@ -20,6 +20,9 @@ Every job writes under ``output_dir`` through this module, so the rules live in 
   :func:`intact_checkpoint` returns the newest checkpoint whose files match, warning about
   each newer one that does not (a flipped bit, a truncated file, a crash mid-save, a bad
   ``latest`` pointer). :func:`config_changes` lists what a resumed run changed.
+* A run that trains model weights leaves them as sealed transformers folders: ``model/``
+  in each checkpoint and ``output_dir/model`` at its end. :func:`trained_model` finds them,
+  so that ``model.path=<output_dir>`` loads what a run trained.
 * :func:`pyplot` and :func:`plot_rewards` — matplotlib without a display, and the standard
   reward curve every RL job draws.
 """
@@ -156,6 +159,67 @@ def intact_checkpoint(root: str | Path) -> Path | None:
             return folder
         print(f"kvrl: warning: skipping checkpoint {folder}: {why}", file=sys.stderr)
     return None
+
+
+def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | None:
+    """The transformers folder of the model weights the run in ``run`` (its ``output_dir``)
+    trained, and a note saying which one it is; None when ``run`` is no kvrl run directory.
+
+    The final export ``run/model`` when it is sealed, else the sealed ``model/`` of the
+    newest sealed checkpoint (``latest`` first, then the ``step_*`` folders from the newest):
+    a run that is still going, or died, gives its last saved weights. ``verify``: check the
+    folder's files against its SHA256SUMS (reads them all; a damaged one is skipped with a
+    warning, as resume does), else only that it was sealed (the config gate: no reading).
+    Raises ValueError naming what to pass instead when the run holds no model weights: RLKV's
+    gates and a ForesightKV scorer are cache policies of job=eval, not models.
+    """
+    run = Path(run)
+
+    def unsealed(folder: Path) -> str | None:
+        if not folder.is_dir():
+            return "not written"
+        if verify:
+            return damage(folder)
+        return None if (folder / SUMS).is_file() else f"no {SUMS} (the save did not finish)"
+
+    final = run / "model"
+    why = unsealed(final)
+    if why is None:
+        return final, f"its final model {final}"
+    if final.is_dir() and verify and (final / SUMS).is_file():
+        print(f"kvrl: warning: skipping {final}: {why}", file=sys.stderr)
+    root = run / "checkpoints"
+    latest = latest_checkpoint(root) if root.is_dir() else None
+    folders = ([latest] if latest is not None else []) + sorted(
+        (p for p in root.glob("step_*") if p.is_dir() and p != latest), reverse=True)
+    for folder in folders:
+        if not (folder / SUMS).is_file():  # the checkpoint itself did not finish
+            continue
+        bad = unsealed(folder / "model")
+        if bad is None:
+            return folder / "model", (f"its newest complete checkpoint's model {folder / 'model'} (no final model: "
+                                      f"{final}: {why})")
+        if (folder / "model").is_dir():
+            print(f"kvrl: warning: skipping checkpoint {folder}: {bad}", file=sys.stderr)
+    # no weights: say what the run is, from its files and its checkpoints' config (ForesightKV's under rl/)
+    saved = next((json.loads(f.read_text()) for r in (root, run / "rl" / "checkpoints")
+                  for f in sorted(r.glob("step_*/config.json"), reverse=True)), {})
+    base = f"model.path={saved['model.path']}" if "model.path" in saved else "model.path=<the model it trained on>"
+    if (run / "gates.safetensors").is_file() or saved.get("job") == "rlkv":
+        raise ValueError(f"{run} is an RLKV run: it trained per-head gates, not model weights. Its gates are a cache "
+                         f"policy of job=eval: set {base} and eval.settings.NAME='{{policy: heads, run: {run}}}' "
+                         "with NAME in eval.policies")
+    if saved.get("job") == "foresight" or any((run / p).is_file() for p in (
+            "scorer.safetensors", "rl/scorer.safetensors", "sft/scorer.safetensors")):
+        raise ValueError(f"{run} is a ForesightKV run: it trained an eviction scorer, not model weights. Its scorer "
+                         f"is a cache policy of job=eval: set {base} and eval.settings.NAME='{{policy: learned, run: "
+                         f"{run}}}' with NAME in eval.policies")
+    if not (final.is_dir() or folders or (run / "metrics.jsonl").is_file()):
+        return None
+    whole = f"; a folder you know to be whole loads as model.path={final}" if final.is_dir() else ""
+    raise ValueError(f"{run} holds no trained model yet: {final}: {why}, and no complete checkpoint holds a sealed "
+                     f"model/ folder (an RL job writes one at every rl.checkpoint_every steps and at its end); wait "
+                     f"for one, or finish the run (rerun it with output_dir={run}: resume=auto continues it){whole}")
 
 
 def flatten(cfg, prefix: str = "") -> dict:

@@ -72,6 +72,11 @@ CASES = [
      None, ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=40"]),
     ("type_hint_valid_for_rl", ["recipe=bare_rl", "trainer.steps=abc"],
      "tmp", ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=20"]),
+    ("top_p_rl", ["recipe=tiny_rl_full", "sampling.top_p=0.95"],
+     None, ["sampling.top_p=0.95: a rollout records each token's logprob in the renormalised nucleus",
+            "the learner scores the token under the whole softmax", "set sampling.top_p=1.0"]),
+    ("top_p_range", ["recipe=tiny_eval", "sampling.top_p=0"],
+     None, ["sampling.top_p must be in (0, 1] (1 = no nucleus cut) (got 0.0); set sampling.top_p=1.0"]),
     ("unknown_recipe", ["recipe=tiny_rl_ful"], None, ["did you mean recipe=tiny_rl_full?", "available recipes: "]),
 ]
 
@@ -144,6 +149,46 @@ def test_a_saved_model_folder_passes(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert model_problems(str(tmp_path)) == []
     assert model_problems(str(tmp_path / "config.json"))  # a file is not a model folder
+
+
+def test_top_p_is_for_eval():
+    assert load_config(["recipe=tiny_eval", "sampling.temperature=0.6", "sampling.top_p=0.9"]).sampling.top_p == 0.9
+    assert load_config(["recipe=eval_math_qwen3_4b"]).sampling.top_p == 0.95  # the papers' sampling
+
+
+def test_run_directories_as_model_path(tmp_path):
+    """The output_dir of a run that saved model weights passes; an RLKV or ForesightKV run is
+    refused with the eval policy to use instead and its base model; a run without a sealed
+    model yet says so. Nothing is read but names (kvrl.runlog.trained_model, verify=False)."""
+    def checkpoint(run, step, config, model=False):
+        folder = run / "checkpoints" / f"step_{step:06d}"
+        (folder / "model").mkdir(parents=True) if model else folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps(config))
+        if model:
+            (folder / "model" / "SHA256SUMS").write_text("")
+        (folder / "SHA256SUMS").write_text("")
+
+    sparse = tmp_path / "sparse"
+    checkpoint(sparse, 10, {"job": "rl", "rl.algo": "rl_sparse", "model.path": "tiny"}, model=True)
+    assert model_problems(str(sparse)) == []
+    rlkv = tmp_path / "rlkv"
+    checkpoint(rlkv, 5, {"job": "rlkv", "rl.algo": "rlkv", "model.path": "Qwen/Qwen3-4B"})
+    (rlkv / "gates.safetensors").write_bytes(b"")
+    [err] = model_problems(str(rlkv))
+    assert "is an RLKV run: it trained per-head gates, not model weights" in err
+    assert f"set model.path=Qwen/Qwen3-4B and eval.settings.NAME='{{policy: heads, run: {rlkv}}}'" in err
+    foresight = tmp_path / "foresight"
+    (foresight / "sft").mkdir(parents=True)
+    (foresight / "sft" / "scorer.safetensors").write_bytes(b"")
+    checkpoint(foresight / "rl", 20, {"job": "foresight", "rl.algo": "foresight", "model.path": "tiny"})
+    for run in (foresight, foresight / "rl"):
+        [err] = model_problems(str(run))
+        assert f"set model.path=tiny and eval.settings.NAME='{{policy: learned, run: {run}}}'" in err, err
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "metrics.jsonl").write_text("")
+    [err] = model_problems(str(early))
+    assert "holds no trained model yet" in err and f"rerun it with output_dir={early}" in err
 
 
 def test_readme_example_math_env_on_an_rl_recipe(tmp_path, monkeypatch):

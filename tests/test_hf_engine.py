@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine, Sampling, nucleus
 from kvrl.envs import make
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.kernels.replay import NEVER
@@ -202,3 +202,20 @@ def test_requests_the_engine_cannot_serve_are_refused(engine):
     with pytest.warns(UserWarning, match="will never evict"):
         engine.generate(["3 ; 4 ; ?"], Sampling(max_new_tokens=4),
                         policy=make_policy("streaming", budget=500, interval=4, window=2, sink=1))
+
+
+def test_nucleus_keeps_the_smallest_set_reaching_top_p():
+    """Probabilities 0.5, 0.2, 0.15, 0.1, 0.05 (shuffled): at top_p 0.8 the nucleus is the
+    first three (0.85 >= 0.8; the first two hold 0.7), renormalised to 0.5/0.85, 0.2/0.85,
+    0.15/0.85; at 0.4 the most likely alone; at 1 all five, unchanged."""
+    probs = torch.tensor([0.1, 0.5, 0.05, 0.15, 0.2])
+    logits = probs.log() + 3.0  # a shift changes no probability
+    kept = torch.softmax(nucleus(logits, 0.8), -1)
+    torch.testing.assert_close(kept, torch.tensor([0.0, 0.5, 0.0, 0.15, 0.2]) / 0.85)
+    assert torch.equal(torch.softmax(nucleus(logits, 0.4), -1), torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(nucleus(logits, 1.0), logits)
+    # a flat row of 4 keeps 3 at 0.7 (0.75 >= 0.7 > 0.5); rows are cut independently
+    flat = torch.zeros(2, 4)
+    assert (torch.softmax(nucleus(flat, 0.7), -1) > 0).sum(-1).tolist() == [3, 3]
+    both = nucleus(torch.stack([logits, logits.flip(0)]), 0.8)
+    assert torch.equal(both[1], nucleus(logits.flip(0), 0.8))

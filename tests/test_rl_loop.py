@@ -8,6 +8,7 @@ reward (the fraction of digits in the completion) a random model can learn in a 
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ from transformers import LlamaForCausalLM
 from kvrl.config import ConfigError, load_config
 from kvrl.envs.base import Reward, Task, TextEnv
 from kvrl.envs.chains import ChainSpec, make_chain_task
-from kvrl.models.tiny import TINY_PATH, build_tokenizer, tiny_config
+from kvrl.models.tiny import TINY_PATH, build_tokenizer, load_model, tiny_config
+from kvrl.run import main as run_main
 from kvrl.runlog import tensorboard_writer
 from kvrl.workers.controller import TIMINGS, Controller
 
@@ -144,6 +146,28 @@ def test_metrics_versions_and_learning(reference, random_model):
     start = load_file(str(Path(random_model) / "model.safetensors"))
     assert any(not torch.equal(start[k], params[k]) for k in start), "the weights changed"
     assert (out / "model" / "config.json").exists() and (out / "checkpoints" / "latest").read_text() == "step_000006"
+
+
+def test_eval_takes_a_run_directory_as_its_model(reference, random_model, tmp_path, capsys):
+    """model.path=<output_dir> loads the weights the run trained: its final model, or, without
+    one (a run that died after its last checkpoint), the checkpoint's model/, which holds the
+    learner's saved trainables, not the base model's; job=eval runs on them and says which."""
+    out, _, params = reference
+    final = load_model(str(out))[0].state_dict()
+    assert all(torch.equal(final[k], v) for k, v in params.items())
+    run = tmp_path / "run"
+    shutil.copytree(out, run, ignore=shutil.ignore_patterns(".lock"))
+    shutil.rmtree(run / "model")
+    trained = load_model(str(run))[0].state_dict()
+    folder = run / "checkpoints" / "step_000006" / "model"
+    assert f"is a run directory: loading its newest complete checkpoint's model {folder}" in capsys.readouterr().err
+    saved = torch.load(folder.parent / "learner.pt", weights_only=False)["trainables"]
+    assert saved.keys() == trained.keys() and all(torch.equal(trained[k], v) for k, v in saved.items())
+    base = load_model(random_model)[0].state_dict()
+    assert any(not torch.equal(trained[k], base[k]) for k in base), "the base model's weights were loaded"
+    assert run_main(["recipe=tiny_eval", f"model.path={run}", "eval.policies=[full]", "env.num_eval_tasks=2",
+                     "sampling.max_new_tokens=8", f"output_dir={tmp_path / 'eval'}"]) == 0
+    assert f"Weights: {folder}." in (tmp_path / "eval" / "report.md").read_text()
 
 
 def test_resume_repeats_the_uninterrupted_run(reference, random_model, tmp_path):

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from kvrl.runlog import (OutputLock, RunLog, atomic, config_changes, damage, intact_checkpoint, mark_latest, seal)
+from kvrl.runlog import (OutputLock, RunLog, atomic, config_changes, damage, intact_checkpoint, mark_latest, seal,
+                         trained_model)
 
 
 def test_metrics_trim_and_a_torn_last_line(tmp_path):
@@ -81,6 +82,32 @@ def test_unsealed_checkpoints_and_bad_pointers_are_skipped(tmp_path, capsys):
     assert intact_checkpoint(tmp_path) == good
     err = capsys.readouterr().err
     assert "step_000009 does not exist" in err and "no SHA256SUMS" in err
+
+
+def test_the_weights_a_run_trained(tmp_path, capsys):
+    """The final model when sealed and whole; else the newest checkpoint whose model/ is (a
+    damaged one skipped with a warning); a checkpoint that was not sealed does not count."""
+    def model(folder, weights: bytes):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(weights)
+        seal(folder)
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        checkpoint(root, step, bytes([step]) * 8)
+        model(root / f"step_{step:06d}" / "model", bytes([step]) * 4)
+        seal(root / f"step_{step:06d}")
+    (root / "step_000004").mkdir()  # a crash before the seal
+    model(root / "step_000004" / "model", b"\x04" * 4)
+    (root / "step_000003" / "model" / "model.safetensors").write_bytes(b"\x00" * 4)  # damaged after the seal
+    folder, note = trained_model(tmp_path)
+    assert folder == root / "step_000002" / "model"
+    assert note.startswith(f"its newest complete checkpoint's model {folder} (no final model")
+    assert f"skipping checkpoint {root / 'step_000003'}" in capsys.readouterr().err
+    assert trained_model(tmp_path, verify=False)[0] == root / "step_000003" / "model"  # the gate reads no file
+    model(tmp_path / "model", b"\x09" * 4)
+    assert trained_model(tmp_path) == (tmp_path / "model", f"its final model {tmp_path / 'model'}")
+    assert trained_model(tmp_path / "checkpoints") is None  # no run directory
 
 
 def test_config_changes_name_the_keys_but_the_allowed():

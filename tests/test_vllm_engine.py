@@ -371,6 +371,37 @@ def test_chunked_prefill_matches_hf(engine, hf, name):
         assert torch.equal(out.trace(b).death, trace.death), (name, b)
 
 
+def nucleus_check(hf, out, temperature, top_p):
+    """Per generated token, from the HF engine's teacher-forced distribution at ``temperature``:
+    whether it lies in the top-p nucleus (the tokens more likely than it hold < top_p), and
+    |recorded logprob - its log-probability renormalised over the nucleus|."""
+    with torch.no_grad():
+        lp = hf.score(out, temperature=temperature, distributions=True).distributions.double()
+    inside, gaps = [], []
+    for b, (row, recorded) in enumerate(zip(out.tokens, out.logprobs)):
+        for j, (t, r) in enumerate(zip(row, recorded)):
+            p = lp[b, j].exp()
+            inside.append(bool(p[p > p[t]].sum() < top_p))
+            ranked = p.sort(descending=True).values
+            mass = ranked[ranked.cumsum(0) - ranked < top_p].sum()
+            gaps.append(abs(r - float(lp[b, j, t] - mass.log())))
+    return inside, gaps
+
+
+def test_top_p_both_engines_draw_from_the_nucleus_and_record_its_logprobs(engine, hf):
+    """At top_p 0.6 every token of either engine lies in the nucleus of softmax(logits / T),
+    and its recorded logprob is that of the renormalised nucleus (vLLM's processed_logprobs,
+    which the HF engine matches); at top_p 1 the same draws leave the 0.6-nucleus, so the
+    check can fail."""
+    batch, T, P = prompts(), 1.5, 0.6
+    for eng in (hf, engine):
+        inside, gaps = nucleus_check(hf, eng.generate(batch, Sampling(max_new_tokens=NEW, temperature=T, top_p=P,
+                                                                      seed=5)), T, P)
+        assert all(inside) and max(gaps) < TOL, (type(eng).__name__, inside.count(False), max(gaps))
+    inside, _ = nucleus_check(hf, hf.generate(batch, Sampling(max_new_tokens=NEW, temperature=T, seed=5)), T, P)
+    assert inside.count(False) > 10, inside.count(False)
+
+
 @pytest.mark.parametrize("name", [None, "h2o"])
 def test_seeded_sampling_survives_chunked_prefill(engine, name):
     """vLLM rewinds the seeded draw of a token it discards (a prompt still being prefilled)

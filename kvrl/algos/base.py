@@ -107,6 +107,9 @@ class Algorithm:
     """The shared part of every algorithm (see :mod:`kvrl.algos` for the whole contract)."""
 
     rollout_engine: str | None = None  # the engine its rollouts need; None = workers.engine
+    # it trains the model's own weights: each checkpoint then also holds them as a transformers folder
+    # (model/), which model.path=<output_dir> loads (kvrl.runlog.trained_model)
+    trains_weights: bool = False
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -25,6 +25,8 @@ from kvrl.policies import Full
 
 
 class RLFull(Algorithm):
+    trains_weights = True  # and so do RL-Sparse and Distill, its subclasses
+
     def __init__(self, cfg):
         super().__init__(cfg)
         if cfg.kv.policy != "full":

@@ -40,12 +40,15 @@ from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, check
 class Sampling:
     """Decoding settings: greedy when temperature == 0.
 
-    sample_evictions: draw evictions (``policy.select(sample=True)``) and record their
-    logprobs in the trace. ignore_eos: keep decoding after EOS (benchmarks).
+    top_p: sample from the nucleus of ``softmax(logits / temperature)`` (:func:`nucleus`),
+    renormalised; 1 = every token; no effect when greedy. sample_evictions: draw evictions
+    (``policy.select(sample=True)``) and record their logprobs in the trace. ignore_eos:
+    keep decoding after EOS (benchmarks).
     """
 
     max_new_tokens: int = 160
     temperature: float = 0.0
+    top_p: float = 1.0
     seed: int = 0
     sample_evictions: bool = False
     ignore_eos: bool = False
@@ -55,7 +58,10 @@ class Sampling:
 class Rollouts:
     """Per sequence: generated token ids (without padding; a stopped sequence ends with
     its stop token, which is an action the policy took and is trained like any other),
-    their behaviour logprobs, ``"stop"`` (a stop id was generated) or ``"length"`` (cut at
+    their behaviour logprobs (of the distribution each token was drawn from: greedy,
+    ``log_softmax(logits)``; sampled, ``log_softmax(logits / temperature)`` over the top-p
+    nucleus, renormalised, which is vLLM's ``processed_logprobs`` and equals what
+    :meth:`HFEngine.score` recomputes only at top_p = 1), ``"stop"`` (a stop id was generated) or ``"length"`` (cut at
     ``max_new_tokens`` or at the model's length limit), the decoded text (without the stop
     token), and the prompt ids; for the batch: the eviction trace (None with the full cache)
     and timings in seconds (``decode``: the whole loop, ``evict``: scoring, selection and
@@ -93,6 +99,20 @@ class Scores:
     # score(..., distributions=True): the whole next-token log-distribution [B, G, V] of
     # each generated position (distillation's soft targets), zero beyond each sequence
     distributions: torch.Tensor | None = None
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` [..., V] with the tokens outside the top-p nucleus at -inf: a token is cut
+    when it and every less likely token hold at most ``1 - top_p`` of the probability
+    together, so the nucleus is the smallest set of most likely tokens whose mass reaches
+    ``top_p``; the most likely token always stays. This is vLLM's rule
+    (``apply_top_k_top_p``), so both engines draw from the same nucleus."""
+    if top_p >= 1:
+        return logits
+    ordered, order = logits.sort(-1)  # ascending, as vLLM
+    cut = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+    cut[..., -1] = False
+    return logits.scatter(-1, order, ordered.masked_fill(cut, float("-inf")))
 
 
 def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions: int | None) -> None:
@@ -218,7 +238,7 @@ class HFEngine:
                 # at least float32, float64 for a float64 model: score() works in the same precision
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 if sampling.temperature > 0:
-                    logp = torch.log_softmax(logits / sampling.temperature, -1)
+                    logp = torch.log_softmax(nucleus(logits / sampling.temperature, sampling.top_p), -1)
                     nxt = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
                 else:
                     logp = torch.log_softmax(logits, -1)

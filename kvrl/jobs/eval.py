@@ -10,7 +10,8 @@ full cache's mean sequence length; > 1: tokens), with ``kv.interval/window/sink`
 ratio mode (``kv.budget_ratio``, or a line's ``eval.settings.NAME.budget_ratio``) a budget is
 the floor: an eviction keeps ``max(budget, ⌊ratio·tokens seen⌋)``. The full
 cache always runs first: it is the reference line and the length fractions are of.
-Each task is sampled ``eval.samples`` times (greedy when ``sampling.temperature=0``).
+Each task is sampled ``eval.samples`` times (greedy when ``sampling.temperature=0``, else at
+that temperature from the ``sampling.top_p`` nucleus).
 
 Writes to ``output_dir``: ``samples.jsonl`` (one line per sample: policy, point, task, sample
 index, completion, reward, info, error mode, KV usage — the checkpoint: a rerun skips every
@@ -62,7 +63,8 @@ def main(cfg) -> dict:
     lock = OutputLock(out)
     ev = cfg.eval
     specs = [PolicySpec.of(name, ev.settings) for name in dict.fromkeys(["full", *ev.policies])]
-    config = AutoConfig.from_pretrained(resolve_path(cfg.model.path))
+    weights = resolve_path(cfg.model.path)  # a run directory: the folder of the weights it trained
+    config = AutoConfig.from_pretrained(weights)
     env = make(cfg.env.id, **cfg.env.kwargs)
     env.reset(seed=cfg.seed)
     # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
@@ -96,7 +98,8 @@ def main(cfg) -> dict:
                 for lo in batches:
                     chunk = grid[lo:lo + bs]
                     sampling = Sampling(max_new_tokens=cfg.sampling.max_new_tokens,
-                                        temperature=cfg.sampling.temperature, seed=cfg.seed + lo)
+                                        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                                        seed=cfg.seed + lo)
                     o = engine.generate([t.prompt for t, _ in chunk], sampling, policy=regime)
                     seconds = o.timing["decode"] / len(chunk)
                     for b, (task, i) in enumerate(chunk):
@@ -147,7 +150,7 @@ def main(cfg) -> dict:
     shown = next(iter(traces.items()), None)
     if shown is not None:
         plot_retention(*shown[1], out / "retention.png", f"{shown[0][0]} at {shown[0][1]}")
-    write_report(cfg, rows, mean_len, out, retention=shown is not None)
+    write_report(cfg, rows, mean_len, out, weights, retention=shown is not None)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}
 
@@ -207,15 +210,18 @@ def plot_retention(trace, prompt_len: int, path: Path, title: str, layer: int = 
     plt.close(fig)
 
 
-def write_report(cfg, rows: list[dict], mean_len: float, out: Path, retention: bool) -> None:
+def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str, retention: bool) -> None:
     ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
     head = ["policy", "budget", "accuracy", *[f"pass@{k}" for k in ks], "gen tokens", "truncated",
             *MODES, "KV retention", "peak KV", "tokens/s"]
-    lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", "",
-             f"{rows[0]['tasks']} tasks x {cfg.eval.samples} samples, temperature {cfg.sampling.temperature:g}, up to "
-             f"{cfg.sampling.max_new_tokens} new tokens, engine {cfg.workers.engine}; full-cache mean sequence "
-             f"{mean_len:.1f} tokens; kv interval {cfg.kv.interval}, window {cfg.kv.window}, sink {cfg.kv.sink}.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", ""]
+    if weights != cfg.model.path:
+        lines += [f"Weights: {weights}.", ""]
+    lines += [f"{rows[0]['tasks']} tasks x {cfg.eval.samples} samples, temperature {cfg.sampling.temperature:g}, "
+              f"top-p {cfg.sampling.top_p:g}, up to {cfg.sampling.max_new_tokens} new tokens, engine "
+              f"{cfg.workers.engine}; full-cache mean sequence {mean_len:.1f} tokens; kv interval {cfg.kv.interval}, "
+              f"window {cfg.kv.window}, sink {cfg.kv.sink}.", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         budget = r["point"] if r["budget_ratio"] is None else f"max({r['point']}, {r['budget_ratio']:g}·L)"
         cells = [r["policy"], budget, f"{r['accuracy']:.3f} ± {r['accuracy_se']:.3f}",

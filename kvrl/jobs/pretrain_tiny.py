@@ -32,7 +32,7 @@ from kvrl.engines.hf import HFEngine, Sampling
 from kvrl.envs.counts import make_count_task
 from kvrl.kernels.replay import NEVER, Replay
 from kvrl.models.tiny import build_tokenizer, tiny_config
-from kvrl.runlog import RunLog, setup_process
+from kvrl.runlog import RunLog, seal, setup_process
 
 def cot_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Teacher-forced next-token accuracy on the chain of thought."""
@@ -141,5 +141,6 @@ def main(cfg) -> dict:
     model.set_attn_implementation("sdpa")  # the saved config's default attention
     model.save_pretrained(out_dir / "model")
     tokenizer.save_pretrained(out_dir / "model")
+    seal(out_dir / "model")  # whole: model.path=<output_dir> loads it (kvrl.runlog.trained_model)
     print(f"saved {out_dir / 'model'}; ship it with: cp -r {out_dir / 'model'}/. kvrl/models/weights/tiny_reasoner/")
     return rec

@@ -3,12 +3,15 @@ word-level tokenizer, shipped in ``kvrl/models/weights/tiny_reasoner`` and train
 ``python -m kvrl.run recipe=tiny_pretrain`` on running counts (``kvrl.envs.counts``).
 
 Everything here builds locally: no hub access. ``load_model("tiny")`` gives the shipped
-weights; any other path is handed to transformers (a local folder, or a hub id for users
-who have a network).
+weights; :func:`resolve_path` is where every ``model.path`` becomes a folder: a kvrl run
+directory gives the weights it trained, anything else is handed to transformers (a local
+folder, or a hub id for users who have a network).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from kvrl.envs.chains import VOCAB
+from kvrl.runlog import trained_model
 
 TINY_PATH = Path(__file__).parent / "weights" / "tiny_reasoner"
 
@@ -42,14 +46,26 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
+@functools.cache
 def resolve_path(path: str) -> str:
-    """``"tiny"`` names the shipped weights; anything else is passed through."""
+    """``"tiny"`` names the shipped weights; a kvrl run directory (an ``output_dir``, without a
+    config.json) names the weights that run trained, its final model or else its newest
+    complete checkpoint's (:func:`kvrl.runlog.trained_model`: verified against their checksums,
+    refused with what to pass instead for a run that trained no model weights), with a note on
+    stderr saying which; anything else is passed through. Once per process: every caller
+    (config, tokenizer, weights) gets the same folder, even if the run saves a newer one meanwhile."""
     if path == "tiny":
         if not (TINY_PATH / "config.json").exists():
             raise FileNotFoundError(
                 f"the tiny reasoner's weights are missing from {TINY_PATH}; reinstall kvrl, or "
                 "train them with `python -m kvrl.run recipe=tiny_pretrain`")
         return str(TINY_PATH)
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "config.json").exists():
+        found = trained_model(local)
+        if found is not None:
+            print(f"kvrl: model.path={path} is a run directory: loading {found[1]}", file=sys.stderr)
+            return str(found[0])
     return path
 
 

@@ -28,7 +28,7 @@ from kvrl.algos.push import Push
 from kvrl.engines.hf import HFEngine
 from kvrl.models.tiny import load_model
 from kvrl.policies.regime import checksum
-from kvrl.runlog import disk_full_names, setup_process
+from kvrl.runlog import SUMS, disk_full_names, seal, setup_process
 
 
 # metrics that add up over micro-batches (each is already divided by the whole step's count)
@@ -182,7 +182,8 @@ class Learner:
         return state, state.digest()
 
     def save(self, path: str) -> None:
-        """This learner's part of a checkpoint (the controller seals the folder when all are written)."""
+        """This learner's part of a checkpoint (the controller seals the folder when all are written);
+        rank 0 adds the weights as a transformers folder, ``model/``, when the algorithm trains them."""
         path = Path(path)
         with disk_full_names(path):
             if self.ds is not None:
@@ -190,6 +191,8 @@ class Learner:
             elif self.rank == 0:
                 torch.save({"trainables": self.algo.state(self.engine.model), "optimizer": self.opt.state_dict(),
                             "torch_rng": torch.get_rng_state()}, path / "learner.pt")
+            if self.rank == 0 and self.algo.trains_weights:
+                self.export(str(path / "model"))
 
     def load(self, path: str, version: int) -> None:
         path = Path(path)
@@ -203,6 +206,9 @@ class Learner:
         torch.set_rng_state(ckpt["torch_rng"])
 
     def export(self, path: str) -> None:
-        """The model as a transformers folder (``load_model(path)`` / ``from_pretrained`` it)."""
+        """The model as a transformers folder (``load_model(path)`` / ``from_pretrained`` it), sealed:
+        its SHA256SUMS, written last, is what says the export is whole (:func:`kvrl.runlog.trained_model`)."""
+        (Path(path) / SUMS).unlink(missing_ok=True)  # a folder being rewritten is not whole
         self.engine.model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        seal(path)

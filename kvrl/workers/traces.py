@@ -70,7 +70,8 @@ class TraceWorker:
 
         cfg = self.cfg
         out = self.gen.generate([t.prompt for t in tasks], Sampling(cfg.sampling.max_new_tokens,
-                                                                    cfg.sampling.temperature, seed=seed))
+                                                                    cfg.sampling.temperature, cfg.sampling.top_p,
+                                                                    seed=seed))
         rows = []
         for t, prompt, completion, text, finish in zip(tasks, out.prompt_ids, out.tokens, out.texts,
                                                        out.finish_reasons):

@@ -21,6 +21,9 @@ Behaviour worth knowing:
 * Greedy decoding matches the HF engine; sampled tokens use vLLM's sampler (seed
   ``sampling.seed + i`` for prompt i) and sampled evictions one generator per request
   (seed ``sampling.seed + 1 + i``), so they are reproducible but not the HF engine's draws.
+  Both draw from the same top-p nucleus (:func:`kvrl.engines.hf.nucleus` is vLLM's rule)
+  and record the same logprobs: ``logprobs_mode="processed_logprobs"`` returns those of
+  the distribution vLLM sampled from (after temperature and top-p, renormalised).
 * A regime is installed on the workers when a different one, or a modified one, is
   passed; :meth:`push_cache_state` updates the installed copy's trainable state (gates, a
   scorer), and passing the same unmodified regime or policy again keeps that push.
@@ -174,7 +177,8 @@ class VLLMEngine:
         # vLLM would add the generation config's EOS ids to ours: ignore_eos leaves exactly ours
         stops = [] if sampling.ignore_eos else self.stop_ids
         params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                 seed=sampling.seed + i, logprobs=0, ignore_eos=True, stop_token_ids=stops,
+                                 top_p=sampling.top_p, seed=sampling.seed + i, logprobs=0, ignore_eos=True,
+                                 stop_token_ids=stops,
                                  extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
                                              "kvrl_seed": sampling.seed + 1 + i})
                   for i in range(B)]
