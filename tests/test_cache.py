@@ -8,8 +8,9 @@ import kvrl.engines.hf as hf
 from kvrl.cache import EvictionTrace, KVCache
 from kvrl.engines.hf import Sampling
 from kvrl.envs.chains import ChainSpec, make_chain_task
+from kvrl.kernels import scores
 from kvrl.kernels.replay import NEVER
-from kvrl.policies import make_policy
+from kvrl.policies import Observation, make_policy
 
 BUDGET, INTERVAL, WINDOW, SINK, NEW = 20, 4, 4, 2, 30
 
@@ -204,3 +205,71 @@ def test_ratio_mode_keeps_the_budget_of_each_length_and_rows_match_alone(engine,
         assert torch.equal(alone.trace(0).death, out.trace(b).death), b
     assert any(len(set(counts)) > 1 for counts in kept.values()), "no step where rows kept different counts"
     assert max(max(c) for c in kept.values()) > BUDGET, "the ratio never raised the budget"
+
+
+@pytest.mark.parametrize("name,kw", [("rkv", {}), ("rkv", {"retain_direction": "first"}), ("gkv", {})])
+def test_redundancy_picks_in_the_state_equal_the_full_computation(name, kw, monkeypatch):
+    """R-KV and G-KV carry each slot's exempt row ("pick") in their state, so that an
+    eviction compares only the new keys and those whose pick was evicted with the cache
+    (:func:`~kvrl.kernels.scores.key_redundancy_update`). Through the cache's own state
+    threading (compaction, NaN for new tokens, a padded row kept within its budget at the
+    first evictions), with near-duplicates planted so that picks exist and get evicted, every
+    eviction's redundancy equals the stateless ``key_redundancy`` of that cache within 1e-6,
+    its picks equal those of the full computation, and so do the policy's scores."""
+    b, h, g, d, new = 2, 2, 2, 16, 56
+    prompt = torch.tensor([40, 22])
+    policy = make_policy(name, budget=32, interval=8, window=4, sink=1, **kw)
+    direction, column = kw.get("retain_direction", "last"), 0 if name == "rkv" else 1
+    calls, updated = [], scores._updated_picks
+    monkeypatch.setattr(scores, "_updated_picks", lambda *a: calls.append(1) or updated(*a))
+    counts = {"evictions": 0, "incremental": 0, "kept_pick": 0, "evicted_pick": 0}
+    score = policy.score
+
+    def checking(obs):
+        before = len(calls)
+        got_scores, state = score(obs)
+        counts["incremental"] += len(calls) > before  # the policy's call took the incremental path
+        valid = obs.key_pos >= 0
+        previous = obs.state[..., column]
+        red, pick = scores.key_redundancy_update(obs.keys, obs.key_pos, previous, policy.threshold,
+                                                 retain_direction=direction)
+        want = scores.key_redundancy(obs.keys, valid, policy.threshold, retain_direction=direction)
+        assert (red - want).abs().max() <= 1e-6
+        blank = obs.state.clone()
+        blank[..., column] = float("nan")  # no picks: the full computation
+        want_scores, want_state = score(Observation(**{**vars(obs), "state": blank}))
+        assert torch.equal(state[..., column].nan_to_num(-2), want_state[..., column].nan_to_num(-2))
+        assert torch.equal(pick.nan_to_num(-2), want_state[..., column].nan_to_num(-2))
+        assert (got_scores - want_scores)[valid].abs().max() <= 1e-6
+        for p_row, prev_row in zip(obs.key_pos.flatten(0, 1).tolist(), previous.flatten(0, 1).tolist()):
+            present = {p for p in p_row if p >= 0}
+            picks = [q for p, q in zip(p_row, prev_row) if p >= 0 and q == q and q >= 0]
+            counts["kept_pick"] += sum(q in present for q in picks)
+            counts["evicted_pick"] += sum(q not in present for q in picks)
+        counts["evictions"] += 1
+        return got_scores, state
+
+    monkeypatch.setattr(policy, "score", checking)
+    gen = torch.Generator().manual_seed(0)
+    cache = KVCache(1, b, h, int(prompt.max()) + new, policy)
+    pos = torch.arange(int(prompt.max())).expand(b, -1) - (prompt.max() - prompt)[:, None]
+    pos = pos.masked_fill(pos < 0, -1)
+    for generated in range(new + 1):
+        q = pos.shape[1]
+        keys = torch.randn(b, h, q, d, generator=gen)
+        layer = cache.layers[0]
+        old = keys[:, :, :20] if layer.keys is None else layer.keys
+        src = torch.randint(0, old.shape[2], (b, h, q), generator=gen)
+        copies = 2 * old.gather(2, src[..., None].expand(-1, -1, -1, d)) + 0.3 * torch.randn(b, h, q, d, generator=gen)
+        dup = torch.rand(b, h, q, 1, generator=gen) < 0.5
+        if layer.keys is None:
+            dup[:, :, :20] = False  # the prompt's first 20 keys are the originals
+        keys = torch.where(dup, copies, keys)
+        cache.begin(pos, generated)
+        cache.update(keys, torch.randn(b, h, q, d, generator=gen), 0)
+        layer.observe_queries(torch.randn(b, h * g, q, d, generator=gen), pos)
+        if cache.evict_now:
+            cache.evict(0, d ** -0.5)
+        pos = pos[:, -1:] + 1
+    assert counts["evictions"] >= 7 and counts["incremental"] >= 4
+    assert counts["kept_pick"] > 100 and counts["evicted_pick"] > 10

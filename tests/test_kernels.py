@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvrl.kernels.scores import gather_slots, key_redundancy, pool_slots, window_attention
+from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update, pool_slots, window_attention
 
 
 def naive_window_attention(queries, keys, key_pos, query_pos, scaling, gqa, order, candidates_only):
@@ -220,6 +220,32 @@ def test_key_redundancy_equals_dense_on_cuda():
         for tile in (None, 16):
             got = key_redundancy(keys, valid, retain_direction=direction, tile=tile)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("direction", ["last", "first"])
+def test_key_redundancy_update_equals_key_redundancy(case, direction):
+    """One eviction step on the equivalence cases: picks of slots 0..61 (positions = slots),
+    every 4th of slots 0..55 evicted, slots 62..69 new (NaN). The update's redundancy equals
+    ``key_redundancy`` of the new cache within 1e-6 and its picks are the full pass's."""
+    keys, valid = redundancy_case(case)
+    n = keys.shape[2]
+    pos = torch.arange(n).expand_as(valid).masked_fill(~valid, -1)
+    nan = torch.full(valid.shape, float("nan"))
+    kept = torch.tensor([j for j in range(n) if j >= 56 or j % 4 != 1])
+    for threshold in (0.5, 0.0, -0.3):
+        _, pick = key_redundancy_update(keys[:, :, :62], pos[:, :, :62], nan[:, :, :62], threshold,
+                                        retain_direction=direction)
+        state = torch.cat([pick, nan[:, :, 62:]], 2)[:, :, kept]
+        cache_keys, cache_pos = keys[:, :, kept], pos[:, :, kept]
+        got, got_pick = key_redundancy_update(cache_keys, cache_pos, state, threshold, retain_direction=direction)
+        want = key_redundancy(cache_keys, cache_pos >= 0, threshold, retain_direction=direction)
+        assert (got - want).abs().max() <= 1e-6
+        _, full_pick = key_redundancy_update(cache_keys, cache_pos, nan[:, :, kept], threshold,
+                                             retain_direction=direction)
+        assert torch.equal(got_pick.nan_to_num(-2), full_pick.nan_to_num(-2))
+        stale = (state >= 0) & ~(state[..., :, None] == cache_pos[..., None, :]).any(-1)
+        assert stale.any() or threshold < 0.5 or case == "all_invalid_heads"  # some picks were evicted
 
 
 def test_key_redundancy_rejects_unknown_direction():

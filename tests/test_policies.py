@@ -434,7 +434,8 @@ def test_gkv_without_score_cache():
     scores, state = policy.score(obs)
     np.testing.assert_allclose(scores[0, 0, :6].numpy(), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(state[0, 0, :6, 0].numpy(), s, rtol=1e-5)  # F = S, unnormalised
-    stale = Observation(**{**vars(obs), "state": torch.linspace(5, 1, 7).view(1, 1, 7, 1)})
+    f_old = torch.linspace(5, 1, 7).view(1, 1, 7, 1)  # a stored F, and no picks (NaN)
+    stale = Observation(**{**vars(obs), "state": torch.cat([f_old, torch.full_like(f_old, float("nan"))], -1)})
     torch.testing.assert_close(policy.score(stale)[0], scores)  # no smoothing with a stored F
     cached = GKV(budget=4, window=1, mix_lambda=lam, kernel_size=3)
     assert not torch.allclose(cached.score(stale)[0], cached.score(obs)[0])  # ... which G-KV does

@@ -131,7 +131,10 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     minus the zeroed entries, which are recomputed as dot products and subtracted from the
     rows that held them. Up to float32 rounding this equals the dense computation (N×N
     cosines, masks, ``torch.where``) it replaced; only a cosine within rounding of the
-    threshold can be decided differently.
+    threshold can be decided differently. Only the exempt rows need cosine pairs at all:
+    at an eviction, :func:`key_redundancy_update` reuses those of the previous eviction and
+    compares only the new tokens and the tokens whose exempt row was evicted with the cache
+    (U·N pairs for U new tokens instead of N²/2); R-KV and G-KV call it with their state.
 
     Parameters
     ----------
@@ -154,21 +157,104 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     """
     if retain_direction not in _DIRECTIONS:
         raise ValueError(f"retain_direction={retain_direction!r} is not one of {_DIRECTIONS}")
-    b, h, n, d = keys.shape
+    k, norm = _unit_keys(keys, valid, eps)
+    pick = _exempt_rows(k, valid, threshold, retain_direction == "last", tile)
+    return _redundancy(k, norm, valid, pick, eps)
+
+
+def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pick: torch.Tensor,
+                          threshold: float = 0.5, *, retain_direction: str = "last", eps: float = 1e-6,
+                          tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`key_redundancy` at an eviction, reusing each slot's exempt row ("pick") from
+    the previous eviction instead of comparing all N×N key pairs again.
+
+    Between two evictions a cache only loses the evicted slots and gains new tokens, all
+    later in position than every old one. A column's pick is therefore known without its
+    N cosines unless it is new or its pick was evicted:
+
+    * new column (``previous_pick`` NaN): compared with every row;
+    * ``"last"``: an old column takes its latest *new* near-duplicate row if it has one,
+      else keeps its previous pick (or none); ``"first"``: an old column keeps its
+      previous pick (new rows are later), and one without a pick (−1) takes its earliest
+      new near-duplicate, if any;
+    * old column whose pick is no longer in the cache (evicted): compared with every row.
+
+    Both needs come from one block, cos(new and stale columns, all rows) — [U, N] for U
+    new tokens (by symmetry its new-column rows are also the new rows of the old columns)
+    — instead of N²/2 pairs. When at least half of some head's slots need comparing (the
+    first eviction, where nothing has a pick: all of them), the tiled full pass of
+    :func:`key_redundancy` is cheaper and runs instead.
+
+    Up to float32 rounding of a cosine within rounding of ``threshold``, the redundancy is
+    ``key_redundancy(keys, key_pos >= 0, ...)`` and the picks are the ones it uses, given
+    that ``previous_pick`` holds this function's picks of the previous eviction for the
+    tokens that survived it and NaN for the tokens that arrived since (the per-token state
+    of R-KV and G-KV, compacted with the cache by the engines).
+
+    Parameters
+    ----------
+    keys : Tensor [B, H, N, D]
+    key_pos : Tensor [B, H, N] int
+        True positions, −1 for invalid slots; ascending among the valid slots of a head.
+    previous_pick : Tensor [B, H, N] float32
+        Per slot, the true position of its exempt row as returned by the previous call, −1
+        for none, NaN for a token without one (arrived since; all NaN: no state at all).
+        Positions, not slots, because compaction moves the slots.
+    threshold, retain_direction, eps, tile
+        As in :func:`key_redundancy` (``tile`` only sizes the full pass).
+
+    Returns
+    -------
+    redundancy : Tensor [B, H, N] float32
+        As :func:`key_redundancy`.
+    pick : Tensor [B, H, N] float32
+        Every valid slot's exempt row now, as a true position (−1: none; exact in float32
+        below 2²⁴); NaN at invalid slots. The next call's ``previous_pick`` after compaction.
+    """
+    if retain_direction not in _DIRECTIONS:
+        raise ValueError(f"retain_direction={retain_direction!r} is not one of {_DIRECTIONS}")
+    last = retain_direction == "last"
+    b, h, n, _ = keys.shape
+    pos = key_pos.long()
+    valid = pos >= 0
+    prev = previous_pick.float()
+    k, norm = _unit_keys(keys, valid, eps)
+    # Find each previous pick among the slots: carrying the last valid position over the
+    # invalid slots (−1) leaves a sorted row to search. A value that is no cache position
+    # (an evicted token, or anything else) is "not present".
+    at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
+    present = (prev >= 0) & (pos.gather(-1, at) == prev)
+    need = valid & ~(present | (prev == -1))  # new tokens and evicted picks
+    c = int(need.sum(-1).amax()) if need.numel() else 0
+    if 2 * c >= n:
+        pick = _exempt_rows(k, valid, threshold, last, tile)
+    else:
+        pick = _updated_picks(k, valid, threshold, last, torch.where(present, at, -1), need,
+                              valid & prev.isnan(), c)
+    pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
+    return _redundancy(k, norm, valid, pick, eps), pick_pos.masked_fill_(~valid, float("nan"))
+
+
+def _unit_keys(keys: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised float32 keys (invalid slots 0: cos 0 with everything) and the norms + eps."""
     k = keys.float()
     norm = k.norm(dim=-1, keepdim=True) + eps
-    k = (k / norm).masked_fill_(~valid[..., None], 0.0)  # invalid slots: cos 0 with everything
+    return (k / norm).masked_fill_(~valid[..., None], 0.0), norm
+
+
+def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count, softmax."""
+    b, h, n, d = k.shape
     # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix.
     rowsum = (k @ k.sum(-2)[..., None])[..., 0] - (1 - eps / norm[..., 0]).square() * valid
-    pick = _exempt_rows(k, valid, threshold, retain_direction == "last", tile)
     # Zero entry (pick[n], n): subtract cos(pick[n], n) from row pick[n].
     found = pick >= 0
     row = pick.clamp(min=0)
     step = max(1, _block_elements(k) // 4 // max(1, b * h * d))
     for j0 in range(0, n, step):  # gather the picked rows' keys a chunk of columns at a time
         j1 = min(j0 + step, n)
-        picked = k.gather(2, row[..., j0:j1, None].expand(-1, -1, -1, d))
-        cos = (picked * k[..., j0:j1, :]).sum(-1) * found[..., j0:j1]
+        cos = (gather_slots(k, row[..., j0:j1]) * k[..., j0:j1, :]).sum(-1) * found[..., j0:j1]
         rowsum.scatter_add_(-1, row[..., j0:j1], -cos)
     score = rowsum / valid.sum(-1, keepdim=True).clamp(min=1)
     # A head without any valid slot would be all -inf (NaN after softmax); make it 0.
@@ -220,6 +306,47 @@ def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: b
             if j0 < i0:
                 out[..., i0:i1] = better(out[..., i0:i1], decode(blk.amax(-1).long(), j0, False))
     return out if last else out.masked_fill_(out == n, -1)
+
+
+def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool, kept: torch.Tensor,
+                   need: torch.Tensor, new: torch.Tensor, c: int) -> torch.Tensor:
+    """The exempt rows (slots, −1 if none) of :func:`key_redundancy_update`'s incremental path.
+
+    k [B, H, N, D] normalised keys; kept [B, H, N] the slot of each column's previous pick
+    if it is still in the cache, else −1; need [B, H, N] the columns compared with every
+    row (at most ``c`` per head); new [B, H, N] the slots that arrived since (⊆ need).
+
+    Blocks of cos(need columns, all rows) are thresholded and multiplied by a row code
+    (slot + 1 for "last", N − slot for "first"; 0 = no hit), so one max along the rows
+    finds each need column's extreme near-duplicate; multiplied instead by the code of the
+    new columns only, one max along them finds every column's extreme *new* near-duplicate."""
+    b, h, n, _ = k.shape
+    cols = (~need).to(torch.uint8).argsort(dim=-1, stable=True)[..., :c]  # the need columns, ascending
+    slots = torch.arange(n, device=k.device)
+    code = (slots + 1 if last else n - slots).float()
+    new_code = torch.where(new.gather(-1, cols), code[cols], 0.0)  # [B, H, c]
+    extreme = k.new_empty(b, h, c)  # per need column, over all rows
+    newest = k.new_zeros(b, h, n)  # per column, over the new rows
+    step = max(1, _block_elements(k) // max(1, b * h * n))
+    for c0 in range(0, c, step):
+        c1 = min(c0 + step, c)
+        blk = gather_slots(k, cols[..., c0:c1]) @ k.transpose(-1, -2)  # [B, H, c1 − c0, N]
+        blk.scatter_(-1, cols[..., c0:c1, None], float("-inf"))  # a slot is not its own near-duplicate
+        blk.gt_(threshold)
+        if threshold < 0:  # invalid rows have cos 0, which passes: mask them explicitly
+            blk.mul_(valid[:, :, None, :])
+        extreme[..., c0:c1] = (blk * code).amax(-1)
+        newest = torch.maximum(newest, blk.mul_(new_code[..., c0:c1, None]).amax(-2))
+
+    def decode(v: torch.Tensor) -> torch.Tensor:
+        v = v.long()
+        return torch.where(v > 0, v - 1 if last else n - v, -1)
+
+    fresh = decode(newest)
+    # "last": a new near-duplicate is later than any old one; "first": earlier old picks stay.
+    pick = torch.where(fresh >= 0, fresh, kept) if last else torch.where(kept >= 0, kept, fresh)
+    recomputed = torch.where(need.gather(-1, cols), decode(extreme), pick.gather(-1, cols))
+    return pick.scatter_(-1, cols, recomputed).masked_fill_(~valid, -1)
 
 
 def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str) -> torch.Tensor:

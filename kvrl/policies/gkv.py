@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvrl.kernels.scores import key_redundancy, pool_slots, window_attention
+from kvrl.kernels.scores import key_redundancy_update, pool_slots, window_attention
 from kvrl.policies.base import KVPolicy, Observation
 from kvrl.policies.rkv import check_threshold
 
@@ -36,9 +36,13 @@ class GKV(KVPolicy):
        "last" direction) ÷ its max over candidates (with ``score_cache`` only);
     5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
 
-    The new state is the pre-pooling F of every candidate. Always-kept slots get NaN, like
-    the reference, which stores F only for the kept candidates: the window tokens start
-    from a fresh S when they become candidates. Unlike the reference, finished rows and
+    The new state is [F, pick] (S = 2; S = 1, F alone, when ``mix_lambda == 1`` computes
+    no R). F is the pre-pooling F of every candidate; always-kept slots get NaN, like the
+    reference, which stores F only for the kept candidates: the window tokens start from a
+    fresh S when they become candidates. The pick is every valid slot's exempt row of step
+    4 as a true position (−1: none), only a cache:
+    :func:`kvrl.kernels.scores.key_redundancy_update` reuses it at the next eviction
+    instead of comparing all N×N key pairs, with the same R. Unlike the reference, finished rows and
     ``q_len != window`` need no special case (methods.md §8 quirks 5, 6).
 
     Defaults follow the paper's "G-KV" recipe (``scripts/inference.sh``): budget 2048,
@@ -65,7 +69,8 @@ class GKV(KVPolicy):
         (``S ÷ max S``, smoothing with the stored F, ``R ÷ max R``); False drops all three,
         as the reference's own "SnapKV" and "R-KV" recipes run (``scripts/inference.sh``):
         ``score = mix_lambda·pool(S) − (1 − mix_lambda)·R`` from this eviction alone, with S
-        and R unnormalised. The state is still returned (F = S) but never read. G-KV's
+        and R unnormalised. The state is still returned (F = S, and the picks) but never
+        read, so R is computed from all N×N key pairs at every eviction. G-KV's
         R-KV recipe is ``GKV(score_cache=False, kernel_size=5, mix_lambda=0.1)``, its SnapKV
         recipe ``GKV(score_cache=False, kernel_size=5, mix_lambda=1.0)`` (``enable_pooling``
         uses ``ScoreBasedKV``'s kernel_size 5, which the CLI does not expose; the script runs
@@ -80,7 +85,7 @@ class GKV(KVPolicy):
     kernel_size: int = 0
     threshold: float = 0.5
     score_cache: bool = True
-    state_size: ClassVar[int] = 1
+    state_size: ClassVar[int] = 2
 
     def __post_init__(self):
         super().__post_init__()
@@ -93,9 +98,11 @@ class GKV(KVPolicy):
         if self.kernel_size < 0 or (self.kernel_size and self.kernel_size % 2 == 0):
             raise ValueError(f"kernel_size={self.kernel_size}: must be 0 (no pooling) or odd, e.g. 5")
         check_threshold(self.threshold)
+        if self.mix_lambda == 1:
+            self.state_size = 1  # per instance: no redundancy, so no picks to keep
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
-        """Keep-scores [B, H, N] and state [B, H, N, 1] (F; NaN outside the candidates)."""
+        """Keep-scores [B, H, N] and state [B, H, N, S]: F (NaN outside the candidates), the picks."""
         attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
                                 gqa="max", order="softmax_then_pool")
         valid = obs.key_pos >= 0
@@ -104,9 +111,12 @@ class GKV(KVPolicy):
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
         local = attn.sum(2) / n_queries * candidates
         glob = local
+        # Without the score cache nothing carries over between evictions, the picks included.
+        nan = float("nan")
+        previous = self.previous_state(obs) if self.score_cache else glob.new_full((*glob.shape, 2), nan)
         if self.score_cache:
             local = local / local.amax(-1, keepdim=True).clamp(min=tiny)
-            old = self.previous_state(obs)[..., 0]
+            old = previous[..., 0]
             a = self.alpha
             if self.mode == "sum":
                 glob = a * old.nan_to_num(0.0) + local
@@ -115,9 +125,12 @@ class GKV(KVPolicy):
                 glob = torch.maximum(a * old, local) if self.mode == "max" else a * old + (1 - a) * local
         pooled = pool_slots(glob, candidates, self.kernel_size, "max") if self.kernel_size else glob
         score = self.mix_lambda * pooled
+        state = [glob.masked_fill(~candidates, nan)]
         if self.mix_lambda < 1:
-            red = key_redundancy(obs.keys, valid, self.threshold) * candidates
+            red, pick = key_redundancy_update(obs.keys, obs.key_pos, previous[..., 1], self.threshold)
+            state.append(pick)
+            red = red * candidates
             if self.score_cache:
                 red = red / red.amax(-1, keepdim=True).clamp(min=tiny)
             score = score - (1 - self.mix_lambda) * red
-        return score, glob.masked_fill(~candidates, float("nan"))[..., None]
+        return score, torch.stack(state, -1)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import key_redundancy, pool_slots, window_attention
+from kvrl.kernels.scores import key_redundancy_update, pool_slots, window_attention
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -29,6 +30,12 @@ class RKV(KVPolicy):
       pools ``[:-window]``);
     * redundancy: :func:`kvrl.kernels.scores.key_redundancy` with ``threshold`` and
       ``retain_direction``, not normalised.
+
+    State (S = 1): each valid slot's exempt row ("pick", the near-duplicate whose entry is
+    zeroed) as a true position, −1 for none (NaN at invalid slots). It is only a cache:
+    :func:`kvrl.kernels.scores.key_redundancy_update` reuses it at the next eviction to
+    compare the new tokens and the tokens whose pick was evicted with the cache, instead of
+    all N×N key pairs, and gives the same redundancy as without state.
 
     Departures from the reference, on purpose: every sample uses its own keys (the
     reference reads ``key_states[0]`` for the whole batch, issue #20); R-KV's column-0
@@ -67,6 +74,7 @@ class RKV(KVPolicy):
     kernel_size: int = 7
     threshold: float = 0.5
     retain_direction: str = "last"
+    state_size: ClassVar[int] = 1
 
     def __post_init__(self):
         super().__post_init__()
@@ -78,13 +86,14 @@ class RKV(KVPolicy):
         if self.retain_direction not in ("last", "first"):
             raise ValueError(f"retain_direction={self.retain_direction!r}: must be 'last' or 'first'")
 
-    def score(self, obs: Observation) -> tuple[Tensor, None]:
-        """Keep-scores [B, H, N]."""
+    def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
+        """Keep-scores [B, H, N] and state [B, H, N, 1] (the picks)."""
         attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
                                 gqa="max", order="pool_then_softmax", candidates_only=True)
         valid = obs.key_pos >= 0
         candidates = valid & ~self.always_kept(obs.key_pos)
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
         importance = pool_slots(attn.sum(2) / n_queries, candidates, self.kernel_size, "max")
-        redundancy = key_redundancy(obs.keys, valid, self.threshold, retain_direction=self.retain_direction)
-        return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, None
+        redundancy, pick = key_redundancy_update(obs.keys, obs.key_pos, self.previous_state(obs)[..., 0],
+                                                 self.threshold, retain_direction=self.retain_direction)
+        return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, pick[..., None]
