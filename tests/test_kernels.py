@@ -1,6 +1,7 @@
 """Torch reference kernels against naive per-element loops."""
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -132,7 +133,7 @@ def unit(x):
 
 def redundancy_case(name):
     """(keys [B, H, N, D], valid [B, H, N]) for the equivalence tests."""
-    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # str hash() varies per process
     b, h, n, d = 2, 3, 70, 16
     valid = torch.ones(b, h, n, dtype=torch.bool)
     if name == "random":
