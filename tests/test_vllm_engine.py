@@ -258,8 +258,16 @@ def test_compaction_writes_only_the_blocks_of_the_slots_a_request_keeps(layout):
     assert side.pos[2].tolist() == [[8, 9, 10, 11]] * h and side.pos[4].tolist() == [[16, 17, 18, 19]] * h
 
 
+@pytest.fixture(params=[True, False], ids=["pooled", "own_blocks"])
+def pool_heads(engine, request):
+    """Both layouts of RLKV heads: pooled regions (CPU) and a region per head per block (CUDA's)."""
+    engine.pool_heads = request.param
+    yield request.param
+    engine.pool_heads = True
+
+
 @pytest.mark.parametrize("sparsity", [0.25, 0.75])
-def test_head_allocation_matches_hf(engine, hf, sparsity):
+def test_head_allocation_matches_hf(engine, hf, sparsity, pool_heads):
     batch = prompts()
     sampling = Sampling(max_new_tokens=NEW)
     gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(0))
@@ -276,7 +284,7 @@ def test_head_allocation_matches_hf(engine, hf, sparsity):
     assert max_lp_diff(full.logprobs, out.logprobs) > 1e-3 or full.tokens != out.tokens
 
 
-def test_head_allocation_with_chunked_prefill_matches_hf(engine, hf):
+def test_head_allocation_with_chunked_prefill_matches_hf(engine, hf, pool_heads):
     """Windowed heads over prompts split into 16-token forwards: each chunk attends with
     the pattern's mask while earlier chunks' ring writes have overwritten the window's
     first slots (only with keys no later query sees)."""
@@ -287,6 +295,42 @@ def test_head_allocation_with_chunked_prefill_matches_hf(engine, hf):
     ref = hf.generate(batch, sampling, policy=policy)
     out = generate_chunked(engine, batch, sampling, policy)
     assert out.tokens == ref.tokens and max_lp_diff(out.logprobs, ref.logprobs) < TOL
+
+
+def test_pooled_heads_hold_fewer_blocks_and_match_hf(engine, hf, monkeypatch):
+    """16 requests of mixed lengths, 100 new tokens (5 blocks at full length), RLKV heads at
+    s = 0.5 with a 24-token window: each request holds exactly ``pooled_blocks`` blocks at
+    every step (the KV manager's allocations, recorded), 3 at full length instead of 5, and
+    decodes as the HF engine does; full heads' blocks interleave over every layer's regions."""
+    from kvrl.engines.vllm.kv_manager import KVRLManager, pooled_blocks
+    from kvrl.engines.vllm.runtime import HeadPool
+
+    batch = prompts(16, seed=5)
+    sampling = Sampling(max_new_tokens=100)
+    gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(4))
+    policy = HeadAllocation(gates=gates, sparsity=0.5, layers=4, kv_heads=2, sink=SINK, recent=22)
+    sizes = HeadPool(policy.compressed_mask(), SINK, 22, BLOCK).sizes
+    assert sizes == (4, 4, 8)  # 4 rings of one region, 4 full heads, 8 regions per block
+    held = {}
+    allocate = KVRLManager.allocate_new_blocks
+
+    def recording(self, request_id, num_tokens, *args):
+        out = allocate(self, request_id, num_tokens, *args)
+        held.setdefault(request_id, []).append((num_tokens, len(self.req_to_blocks[request_id])))
+        return out
+
+    monkeypatch.setattr(KVRLManager, "allocate_new_blocks", recording)
+    ref = hf.generate(batch, sampling, policy=policy)
+    out = engine.generate(batch, sampling, policy=policy)
+    assert out.tokens == ref.tokens and max_lp_diff(out.logprobs, ref.logprobs) < TOL
+    assert len(held) == 16
+    for steps in held.values():
+        assert all(n == pooled_blocks(m, BLOCK, *sizes) for m, n in steps)
+    peak = [max(n for _, n in steps) for steps in held.values()]
+    lengths = [len(p) + len(t) for p, t in zip(out.prompt_ids, out.tokens)]
+    print(f"pooled heads: peak blocks {peak}, lengths {lengths}")
+    long = [m for m in lengths if m > 4 * BLOCK]
+    assert max(peak) == 3 and len(long) >= 8  # the full cache's 5 blocks each
 
 
 @torch.no_grad()

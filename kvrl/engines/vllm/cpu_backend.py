@@ -90,16 +90,61 @@ class CPULayout(PagedLayout):
 
 
     def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:
-        """vLLM's own CPU kernel with every (request, KV head) as a sequence: the cache seen
-        as ``[nb·H, 1, bs, 2·D]`` (a (block, head) region is contiguous in this layout), so
-        sequence (r, h) reads regions ``blocks[r, j]·H + h`` up to ``lens[r, h]``, and its
-        G query heads are the consecutive rows of ``query.view(R·H, G, D)``."""
-        r, hq, d = query.shape
-        nb, h, bs, _ = kv_cache.shape
-        g = hq // h
-        kc, vc = kv_cache.view(nb * h, 1, 2 * bs, d).chunk(2, dim=2)
+        """:meth:`region_attention` over this layer's (block, head) regions ``blocks[r, j]·H + h``."""
+        nb, h, bs, d2 = kv_cache.shape
         nblk = -(-int(lens.max()) // bs)
-        regions = (blocks[:, None, :nblk].long() * h + torch.arange(h, device=blocks.device)[None, :, None])
+        regions = blocks[:, None, :nblk].long() * h + torch.arange(h, device=blocks.device)[None, :, None]
+        return self.region_attention(query, kv_cache.view(nb * h, 2 * bs, d2 // 2), regions, lens, scale)
+
+    # ---- (block, head) regions: the unit RLKV's pooled heads allocate (runtime.HeadPool) ----
+
+    @staticmethod
+    def regions(kv_cache: Tensor, layer_idx: int) -> Tensor:
+        """Every layer's cache as one tensor of regions [L·nb·H, 2·bs, D], region (l, b, h)
+        at index (l·nb + b)·H + h: vLLM allocates the layers' caches one after another in
+        one buffer (``vllm.v1.worker.utils.allocate_kv_cache``), which is checked here."""
+        nb, h, bs, d2 = kv_cache.shape
+        if not kv_cache.is_contiguous() or kv_cache.storage_offset() != layer_idx * kv_cache.numel():
+            raise NotImplementedError(
+                "vLLM's KV caches are not one buffer of whole layers in layer order (layer "
+                f"{layer_idx} starts at element {kv_cache.storage_offset()}): RLKV heads cannot pool their "
+                "blocks; set VLLMEngine.pool_heads = False to keep a block per head per bs tokens")
+        layers = kv_cache.untyped_storage().nbytes() // (kv_cache.numel() * kv_cache.element_size())
+        return kv_cache.as_strided((layers * nb * h, 2 * bs, d2 // 2), (bs * d2, d2 // 2, 1), 0)
+
+    @staticmethod
+    def _region_views(regions: Tensor) -> tuple[Tensor, Tensor]:
+        """K as [N, D, bs] and V as [N, bs, D] (views of :meth:`regions`)."""
+        n, bs2, d = regions.shape
+        flat = regions.view(n, bs2 * d)
+        return flat[:, :bs2 * d // 2].view(n, d, bs2 // 2), flat[:, bs2 * d // 2:].view(n, bs2 // 2, d)
+
+    def region_read(self, regions: Tensor, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """K, V [S, n, D] of slots 0..n−1 of S streams, stream s's slot j in region
+        ``table[s, j // bs]`` at offset ``j % bs``."""
+        kt, v = self._region_views(regions)
+        _, d, bs = kt.shape
+        s, nblk = table.shape[0], -(-n // bs)
+        idx = table[:, :nblk].reshape(-1)
+        k_t = kt.index_select(0, idx).view(s, nblk, d, bs).permute(0, 2, 1, 3).reshape(s, d, nblk * bs)
+        return k_t[..., :n].transpose(-1, -2), v.index_select(0, idx).view(s, nblk * bs, d)[:, :n]
+
+    def region_write(self, regions: Tensor, region: Tensor, offset: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Store keys/values [M, D] at (``region[i]``, ``offset[i]``)."""
+        kt, v = self._region_views(regions)
+        kt[region, :, offset] = keys.to(kt.dtype)
+        v[region, offset] = values.to(v.dtype)
+
+    def region_attention(self, query: Tensor, regions: Tensor, table: Tensor, lens: Tensor, scale: float) -> Tensor:
+        """vLLM's own CPU kernel with every (request, KV head) as a sequence: one query per
+        request [R, Hq, D]; sequence (r, h) reads its first ``lens[r, h]`` slots from
+        regions ``table[r, h]`` [R, H, nblk] of ``regions`` [N, 2·bs, D] (seen as the
+        kernel's [N, 1, 2·bs, D] cache); its G query heads are the consecutive rows of
+        ``query.view(R·H, G, D)``. → [R, Hq, D]."""
+        r, hq, d = query.shape
+        h = table.shape[1]
+        g = hq // h
+        kc, vc = regions[:, None].chunk(2, dim=2)
         seq_lens = lens.reshape(-1).to(torch.int32)
         starts = torch.arange(r * h + 1, dtype=torch.int32, device=query.device)
         meta = ops.cpu_attn_get_scheduler_metadata(
@@ -110,7 +155,7 @@ class CPULayout(PagedLayout):
         ops.cpu_attention_with_kv_cache(
             query=query.contiguous().view(r * h, g, d), key_cache=kc, value_cache=vc, output=out.view(r * h, g, d),
             query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-            sliding_window=-1, block_table=regions.reshape(r * h, nblk).to(torch.int32), softcap=0.0,
+            sliding_window=-1, block_table=table.reshape(r * h, -1).to(torch.int32), softcap=0.0,
             scheduler_metadata=meta, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
             kv_cache_dtype="auto")
         return out

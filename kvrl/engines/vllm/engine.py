@@ -47,7 +47,8 @@ from kvrl.cache import EvictionTrace
 from kvrl.engines.hf import Rollouts, Sampling, check_request, default_stop_ids, finish
 from kvrl.engines.vllm import plugin
 from kvrl.envs.chat import Chat, encode_prompts
-from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
+from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
+from kvrl.engines.vllm.runtime import HeadPool, window_heads
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
@@ -130,6 +131,10 @@ class VLLMEngine:
         # never preempts them (the full cache keeps vLLM's own overcommit + exact recompute);
         # "always": the same for every request; "never": vLLM decides (preemption is refused).
         self.admission = "policy"
+        # RLKV heads share their blocks' regions (runtime.HeadPool), so a windowed head holds
+        # no blocks for keys it no longer sees; the CUDA layout interleaves the heads within
+        # a block's slots, so there each head keeps its own regions (no memory saved)
+        self.pool_heads = not current_platform.is_cuda()
 
     # ---- RPC ----
 
@@ -166,9 +171,13 @@ class VLLMEngine:
         tag0 = uuid.uuid4().hex[:12]
         tags = [f"{tag0}-{i}" for i in range(B)]
         keep = [None] * B  # per-request block caps (the KV manager's): only an evicting cache is bounded
+        pool = None  # (rings, full, regions per block) of pooled heads
         match regime:
             case Static():  # checked here; the workers read row i of the pattern for request i
                 death = regime.death(T, B).cpu()
+                windows = window_heads(regime.pattern)
+                if windows is not None and self.pool_heads:
+                    pool = HeadPool(*windows, self.block_size).sizes
             case Evicting(policy=p):
                 # the cache peaks an interval above the budget of the request's longest length
                 # (runtime.cache_len_after; the budget grows with the length in ratio mode)
@@ -182,11 +191,17 @@ class VLLMEngine:
                                  extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
                                              "kvrl_seed": sampling.seed + 1 + i})
                   for i in range(B)]
-        rids = [kv_request_id(tags[i], len(ids[i]), keep[i]) for i in range(B)]
+        rids = [kv_request_id(tags[i], len(ids[i]), keep[i], pool) for i in range(B)]
         start = time.perf_counter()
         bs = self.block_size
-        peaks = [-(-(max(len(p), k) if k is not None else len(p) + sampling.max_new_tokens) // bs)
-                 for p, k in zip(ids, keep)]
+        if pool is not None:
+            peaks = [pooled_blocks(len(p) + sampling.max_new_tokens, bs, *pool) for p in ids]
+            if max(peaks) > -(-self.max_model_len // bs):  # vLLM's block table has that many columns
+                raise ValueError(f"the windowed heads' rings need {max(peaks)} blocks per request, vLLM's block "
+                                 f"table holds {-(-self.max_model_len // bs)}: raise max_model_len")
+        else:
+            peaks = [-(-(max(len(p), k) if k is not None else len(p) + sampling.max_new_tokens) // bs)
+                     for p, k in zip(ids, keep)]
         admit = self.admission == "always" or (self.admission == "policy" and not isinstance(regime, Full))
         try:
             outs = self._run(rids, [TokensPrompt(prompt_token_ids=p) for p in ids], params, peaks if admit else None)

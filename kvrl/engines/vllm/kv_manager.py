@@ -14,10 +14,16 @@ tokens. :class:`KVRLManager` (a ``FullAttentionManager``):
   has been computed (and so packed): the worker never writes past logical slot ``keep``
   again, and its append-only block table only holds stale ids there.
 
+Under RLKV's head reallocation (a sink + recent pattern on the CPU backend) a request's KV
+heads share its blocks' (layer, head) regions (:class:`kvrl.engines.vllm.runtime.HeadPool`):
+the windowed heads' rings first, then every full head's blocks, so the request needs
+:func:`pooled_blocks` blocks at true length m instead of one per ``block_size`` tokens.
+
 The scheduler side only sees request ids, so the engine encodes the cap in the external
-request id: ``kvrl.<tag>.p<P>.k<keep>`` (vLLM appends ``-<8 random chars>``). Requests
-without it — every request of a stock engine and kvrl requests without a token policy —
-get the unmodified full-attention behaviour.
+request id: ``kvrl.<tag>.p<P>.k<keep>`` or ``kvrl.<tag>.r<rings>.f<full>.n<regions per
+block>`` (vLLM appends ``-<8 random chars>``). Requests without either — every request of a
+stock engine and kvrl requests under full attention or mixed gates — get the unmodified
+full-attention behaviour.
 
 The backend returns :class:`KVRLSpec` from ``customize_spec`` (vLLM's hook for a backend
 to adjust a layer's spec), and the plugin registers the pair with
@@ -35,11 +41,29 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 _CAP = re.compile(r"^kvrl\.[^.]+\.p(\d+)\.k(\d+)")
+_POOL = re.compile(r"^kvrl\.[^.]+\.r(\d+)\.f(\d+)\.n(\d+)")
 
 
-def request_id(tag: str, prompt_len: int, keep: int | None) -> str:
-    """External request id carrying the block cap (``keep`` = None: no cap)."""
+def request_id(tag: str, prompt_len: int, keep: int | None, pool: tuple[int, int, int] | None = None) -> str:
+    """External request id carrying the block cap: ``keep`` (token policies) or ``pool``
+    (rings, full, regions per block) of :func:`pooled_blocks`; neither: no cap."""
+    if pool is not None:
+        return f"kvrl.{tag}.r{pool[0]}.f{pool[1]}.n{pool[2]}"
     return f"kvrl.{tag}" if keep is None else f"kvrl.{tag}.p{prompt_len}.k{keep}"
+
+
+def pooled_blocks(m: int, block_size: int, rings: int, full: int, per_block: int) -> int:
+    """Blocks of a request of true length ``m`` whose heads share its blocks' regions:
+    ``rings`` regions of windowed heads' rings, then ``full`` heads of ⌈m / bs⌉ regions each,
+    ``per_block`` = layers × KV heads regions per block."""
+    return cdiv(rings + full * cdiv(m, block_size), per_block)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_pool(request_id: str) -> tuple[int, int, int] | None:
+    """(rings, full, regions per block) from a kvrl request id, or None."""
+    m = _POOL.match(request_id)
+    return None if m is None else (int(m.group(1)), int(m.group(2)), int(m.group(3)))
 
 
 @functools.lru_cache(maxsize=4096)  # the scheduler asks for every running request at every step
@@ -62,6 +86,10 @@ class KVRLManager(FullAttentionManager):
     """Full-attention block management with per-request caps from the request id."""
 
     def _capped(self, request_id: str, num_tokens: int) -> int:
+        """The tokens whose blocks the request needs (a block count times the block size)."""
+        pool = parse_pool(request_id)
+        if pool is not None:
+            return self.block_size * pooled_blocks(num_tokens, self.block_size, *pool)
         cap = parse_cap(request_id)
         return num_tokens if cap is None else min(num_tokens, max(cap))
 

@@ -32,10 +32,18 @@ One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
   does not depend on what it was batched with), one death-table write and one compaction
   scatter — no Python loop over requests or heads. Non-evicting steps cost one vectorised
   write per layer (positions, NaN state, ring queries).
-* ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it):
-  heads have their own lengths; keys are dropped once no later query can see them (full
-  heads keep everything, compressed heads sink + recent), attention over the packed
-  per-head caches uses the pattern's mask (torch).
+* ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it).
+  RLKV's heads and windows (a sink + recent pattern, :func:`window_heads`) on the CPU
+  backend pool a request's blocks (:class:`HeadPool`): a windowed head keeps its window
+  as a ring of ⌈(sink + recent) / bs⌉ (block, head) regions, the full heads share the rest,
+  so at sparsity s a request holds about (1 − s) of the full cache's blocks (the KV
+  manager allocates no more, so more requests run at once); one-token rows attend through
+  vLLM's own CPU kernel with every (request, KV head) a sequence over its regions, prompt
+  chunks with the pattern's mask (torch). Without pooling (the CUDA layout interleaves the
+  heads within a block) every head keeps vLLM's slot = position and a windowed head its
+  ring in its first slots (:class:`WindowPlan`). Any other pattern (death tensors):
+  heads have their own lengths; keys are dropped once no later query can see them,
+  attention over the packed per-head caches uses the pattern's mask (torch).
 * ``Mixed`` → ``"mixed"``: RLKV's mixed-gate attention over the full cache, through
   :func:`kvrl.kernels.mixed.mixed_gate_attention` (torch).
 * ``Full`` → no mode: vLLM untouched.
@@ -153,6 +161,62 @@ class PagedLayout:
             attn_mask=visible.repeat_interleave(hq // h, dim=1)[:, :, None], scale=scale, enable_gqa=True)
         return out[:, :, 0]
 
+    def regions(self, kv_cache: Tensor, layer_idx: int) -> Tensor:
+        """Every layer's cache as one tensor of (layer, block, head) regions, for
+        :class:`HeadPool`; a layout that has them (the CPU one: a region is contiguous)
+        also implements ``region_read``, ``region_write`` and ``region_attention``."""
+        raise NotImplementedError(f"{type(self).__name__} has no (block, head) regions to pool RLKV heads in; "
+                                  "set VLLMEngine.pool_heads = False")
+
+
+class HeadPool:
+    """RLKV heads sharing a request's blocks (static mode, a sink + recent pattern).
+
+    vLLM gives a request blocks; each block holds, in every layer, one region of ``bs``
+    slots per KV head, so a request with n blocks owns n·L·H regions. Left to vLLM, every
+    head gets a region per ``bs`` tokens and a windowed head, which sees only sink +
+    recent keys, leaves most of its regions unused. Pooled, the request's regions are
+    numbered q = 0, 1, … (region q = block ``q // (L·H)`` of its table, in layer and head
+    ``divmod(q % (L·H), H)``): the first ``rings`` = W·c hold the W windowed heads' rings of
+    c = ⌈(sink + recent) / bs⌉ regions each, then the F full heads take turns, full head k's
+    j-th region being q = rings + j·F + k — so the request needs
+    :func:`~kvrl.engines.vllm.kv_manager.pooled_blocks` blocks at length m, about (1 − s)
+    of the full cache's at sparsity s, and the KV manager allocates no more
+    (the engine encodes ``sizes`` in the request id). The same numbering on both sides is
+    this class; the region ids come from the layout (:meth:`PagedLayout.regions`).
+    """
+
+    def __init__(self, windowed: Tensor, sink: int, recent: int, block_size: int):
+        layers, heads = windowed.shape
+        self.ring_blocks = c = -(-(sink + recent) // block_size)
+        w = windowed.reshape(-1).long()
+        nw, nf = int(w.sum()), int((1 - w).sum())
+        base = torch.where(w.bool(), (w.cumsum(0) - 1) * c, nw * c + (1 - w).cumsum(0) - 1)
+        self.base = base.view(layers, heads)  # region number of each head's logical block 0 ...
+        self.stride = torch.where(w.bool(), 1, nf).view(layers, heads)  # ... and from one block to the next
+        self.windowed = windowed
+        self.sink, self.recent, self.block_size = sink, recent, block_size
+        self.sizes = (nw * c, nf, layers * heads)  # (rings, full, regions per block)
+
+    def slots(self, p: Tensor) -> Tensor:
+        """Slot [R, L, H] of the key at position p [R] in each head: p itself in a full head;
+        in a windowed one p below sink + recent, else its ring slot sink + (p − sink) % recent."""
+        w = self.sink + self.recent
+        ring = torch.where(p >= w, self.sink + (p - self.sink) % self.recent, p)
+        return torch.where(self.windowed.to(p.device), ring[:, None, None], p[:, None, None])
+
+    def table(self, blocks: Tensor, nblk: int, blocks_per_layer: int) -> Tensor:
+        """Region ids [R, L, H, nblk] of each head's logical blocks 0..nblk−1 for block
+        tables ``blocks`` [R, width] (a windowed head's past its ring repeat its last)."""
+        layers, heads = self.base.shape
+        dev = blocks.device
+        j = torch.arange(nblk, device=dev)
+        last = torch.where(self.windowed, self.ring_blocks - 1, nblk - 1).to(dev)
+        q = self.base.to(dev)[..., None] + torch.minimum(j, last[..., None]) * self.stride.to(dev)[..., None]
+        blk = (q // (layers * heads)).clamp(max=blocks.shape[1] - 1)
+        layer, head = (q % (layers * heads)).div(heads, rounding_mode="floor"), q % heads
+        return (layer * blocks_per_layer + blocks[:, blk].long()) * heads + head
+
 
 @dataclass
 class SideStore:
@@ -232,6 +296,7 @@ class ReqState:
     done: int = 0  # true length after the last planned forward
     qslot: int = -1
     generator: torch.Generator | None = None
+    pooled: bool = False  # static mode: the request id carries a HeadPool cap (its heads share its blocks)
     events: dict = field(default_factory=dict)  # generated count -> [L, H] sampled-eviction logprobs
     evict_seconds: float = 0.0
 
@@ -285,6 +350,14 @@ class WindowPlan:
     blocks: Tensor  # [Rd, nb] their block tables
     ring: Tensor  # [Rd] ring slot of the row's new token, −1 while it is its own slot
     multi: list[RowPlan]  # rows of several tokens
+    # pooled heads (HeadPool): region ids of every row's heads, made at the step's first layer
+    pool: HeadPool | None = None
+    decode_rows: Tensor | None = None  # [Rd] row index of each one-token row
+    multi_rows: list[int] = field(default_factory=list)  # row index of each row in `multi`
+    all_blocks: Tensor | None = None  # [R, width] every row's block table
+    nblk: int = 0
+    table: Tensor | None = None  # [R, L, H, nblk] region ids of each head's logical blocks
+    write_at: tuple[Tensor, Tensor] | None = None  # one-token rows' (region, offset) [Rd, L, H] of the new key
 
 
 @dataclass
@@ -315,6 +388,8 @@ class WorkerContext:
         self.static: Static | None = None  # static mode
         self.windows: tuple[Tensor, int, int] | None = None  # static mode: window_heads(pattern)
         self.windowed_heads: list[Tensor] = []
+        self.full_heads: list[Tensor] = []
+        self.pool: HeadPool | None = None  # static mode with pooled heads (built for the block size)
         self.mixed: Mixed | None = None  # mixed mode
         self.sample = False
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
@@ -367,8 +442,10 @@ class WorkerContext:
             case Static():
                 self.mode, self.static = "static", self.regime
                 self.windows = window_heads(self.regime.pattern)
-                if self.windows is not None:  # each layer's windowed heads, read at every write
+                self.pool = None
+                if self.windows is not None:  # each layer's windowed and full heads, read at every write
                     self.windowed_heads = [m.nonzero().squeeze(-1) for m in self.windows[0]]
+                    self.full_heads = [(~m).nonzero().squeeze(-1) for m in self.windows[0]]
             case Mixed():
                 self.mode, self.mixed = "mixed", self.regime
         state_size = self.policy.state_size if self.policy is not None else 0
@@ -436,7 +513,13 @@ class WorkerContext:
             slot, self.n_slots = self.n_slots, self.n_slots + 1
         if self.mode == "token":
             self._death_rows(slot + 1, length)[slot] = NEVER
-        return ReqState(tag, index, prompt_len, length, death, lens, qslot=slot, generator=gen)
+        from kvrl.engines.vllm.kv_manager import parse_pool
+
+        pooled = parse_pool(rid) is not None
+        if pooled and self.windows is None:
+            raise RuntimeError(f"request {rid} asks for pooled heads, but the installed regime is not a sink + "
+                               "recent pattern")
+        return ReqState(tag, index, prompt_len, length, death, lens, qslot=slot, generator=gen, pooled=pooled)
 
     def _death_rows(self, slots: int, length: int) -> Tensor:
         """The death table with room for ``slots`` requests of ``length`` tokens (grown, kept)."""
@@ -517,7 +600,7 @@ class WorkerContext:
         none = torch.zeros(0, dtype=torch.long)
         plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
         if self.mode == "static" and self.windows is not None:
-            plan.window = self._plan_window(rows, bt_dev)
+            plan.window = self._plan_window(rows, bt_dev, block_size)
         if not token:
             return plan
         # queries to keep: the last `observe` of each row, at ring index position % W
@@ -542,16 +625,36 @@ class WorkerContext:
                                            bt_dev[evicting], block_size)
         return plan
 
-    def _plan_window(self, rows: list[RowPlan], bt_dev: Tensor) -> WindowPlan:
-        _, sink, recent = self.windows
+    def _plan_window(self, rows: list[RowPlan], bt_dev: Tensor, block_size: int) -> WindowPlan:
+        windowed, sink, recent = self.windows
         dev = bt_dev.device
         one = [i for i, r in enumerate(rows) if r.q == 1]
         m = np.asarray([rows[i].m for i in one], dtype=np.int64)
         p = m - 1
         ring = np.where(p >= sink + recent, sink + (p - sink) % recent, -1)
-        return WindowPlan(torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
-                          len(one) == len(rows), torch.from_numpy(m).to(dev), bt_dev[one],
-                          torch.from_numpy(ring).to(dev), [r for r in rows if r.q > 1])
+        multi = [i for i, r in enumerate(rows) if r.q > 1]
+        wp = WindowPlan(torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
+                        len(one) == len(rows), torch.from_numpy(m).to(dev), bt_dev[one],
+                        torch.from_numpy(ring).to(dev), [rows[i] for i in multi])
+        pooled = {r.req.pooled for r in rows}
+        if len(pooled) > 1:
+            raise RuntimeError("a forward mixes requests with and without pooled heads; generate them in separate calls")
+        if pooled.pop():
+            if self.pool is None or self.pool.block_size != block_size:
+                self.pool = HeadPool(windowed, sink, recent, block_size)
+            wp.pool, wp.multi_rows, wp.all_blocks = self.pool, multi, bt_dev
+            wp.decode_rows = torch.tensor(one, dtype=torch.long, device=dev)
+            wp.nblk = max(-(-max(r.m for r in rows) // block_size), self.pool.ring_blocks)
+        return wp
+
+    def _pool_tables(self, wp: WindowPlan, kv_cache: Tensor) -> None:
+        """The step's region ids (the same for every layer), at its first layer: the layer's
+        cache tensor says how many blocks a layer has."""
+        pool, bs = wp.pool, kv_cache.shape[2]
+        wp.table = pool.table(wp.all_blocks, wp.nblk, kv_cache.shape[0])
+        slots = pool.slots(wp.m - 1)  # [Rd, L, H]
+        region = wp.table[wp.decode_rows].gather(-1, (slots // bs)[..., None]).squeeze(-1)
+        wp.write_at = (region, slots % bs)
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
         dev = blocks.device
@@ -605,6 +708,9 @@ class WorkerContext:
         if plan.mode == "mixed":
             stock_write()
             return
+        if plan.window is not None and plan.window.pool is not None:
+            self._pool_write(plan.window, layer_idx, layout, key, value, kv_cache)
+            return
         if plan.window is not None:
             stock_write()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
             wp = plan.window
@@ -643,9 +749,37 @@ class WorkerContext:
             layout.write(kv_cache, row.blocks[None], zero, heads, slots, key[toks, heads], value[toks, heads])
             side.write(row.blocks[None], zero, heads, slots, plan.positions[toks], None)
 
+    def _pool_write(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, key: Tensor, value: Tensor,
+                    kv_cache: Tensor) -> None:
+        """Pooled heads: a one-token row's new key in every head at its slot (vLLM's write,
+        which would put every head at slot = position, is skipped); a prompt chunk's keys
+        in its full heads (its windowed heads' go to their rings after the chunk's attention,
+        which still reads the window they overwrite)."""
+        if wp.table is None:
+            self._pool_tables(wp, kv_cache)
+        regions = layout.regions(kv_cache, layer_idx)
+        d = key.shape[-1]
+        if wp.decode.numel():
+            region, offset = wp.write_at
+            k, v = (key[:wp.decode.numel()], value[:wp.decode.numel()]) if wp.all_decode else \
+                (key.index_select(0, wp.decode), value.index_select(0, wp.decode))
+            layout.region_write(regions, region[:, layer_idx].reshape(-1), offset[:, layer_idx].reshape(-1),
+                                k.reshape(-1, d), v.reshape(-1, d))
+        full = self.full_heads[layer_idx].to(kv_cache.device)
+        bs = kv_cache.shape[2]
+        for i, row in zip(wp.multi_rows, wp.multi):
+            p = torch.arange(row.done, row.m, device=kv_cache.device)
+            region = wp.table[i, layer_idx, full][:, p // bs]  # [F, q]
+            span = slice(row.start, row.start + row.q)
+            layout.region_write(regions, region.reshape(-1), (p % bs).repeat(full.numel()),
+                                key[span, full].transpose(0, 1).reshape(-1, d),
+                                value[span, full].transpose(0, 1).reshape(-1, d))
+
     def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward) -> None:
-        """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction."""
+                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
+                  value: Tensor | None = None) -> None:
+        """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction;
+        ``key``/``value`` [T, H, D] are the forward's new ones (pooled prompt chunks read them)."""
         if plan.mode == "token":
             stock_forward()
             self._observe(plan, layer_idx, query)
@@ -663,6 +797,9 @@ class WorkerContext:
                 out = mixed_gate_attention(q, k, v, qpos[None], torch.arange(row.m, device=q.device)[None],
                                            mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
                 output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            return
+        if plan.window is not None and plan.window.pool is not None:
+            self._pool_attention(plan.window, layer_idx, layout, query, key, value, kv_cache, scale, output)
             return
         if plan.window is not None:
             self._window_attention(plan.window, layer_idx, layout, query, kv_cache, scale, output)
@@ -683,16 +820,7 @@ class WorkerContext:
                 output.index_copy_(0, wp.decode, out)
         for row in wp.multi:  # sink + recent mask over the stock layout (ring slots hold only dead keys)
             k, v = layout.read(kv_cache, row.blocks[None], row.m)
-            qpos = torch.arange(row.done, row.m, device=k.device)
-            kpos = torch.arange(row.m, device=k.device)
-            causal = kpos[None, :] <= qpos[:, None]
-            window = causal & ((kpos[None, :] < sink) | (qpos[:, None] < kpos[None, :] + recent))
-            mask = torch.where(windowed[:, None, None], window[None], causal[None])  # [H, Q, N]
-            q = query[row.start:row.start + row.q].transpose(0, 1)[None]
-            group = q.shape[1] // k.shape[1]
-            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
-                                                 attn_mask=mask.repeat_interleave(group, dim=0)[None])
-            output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            self._chunk_attention(row, windowed, query, k, v, scale, output)
             # the last `recent` new keys of the windowed heads into their rings, after the attention
             heads = self.windowed_heads[layer_idx].to(k.device)
             first = max(row.done, row.m - recent, sink + recent)
@@ -701,6 +829,65 @@ class WorkerContext:
                 hh, pp = heads.repeat_interleave(p.numel()), p.repeat(heads.numel())
                 layout.write(kv_cache, row.blocks[None], torch.zeros_like(hh), hh, sink + (pp - sink) % recent,
                              k[0, hh, pp], v[0, hh, pp])
+
+    def _chunk_attention(self, row: RowPlan, windowed: Tensor, query: Tensor, k: Tensor, v: Tensor, scale: float,
+                         output: Tensor) -> None:
+        """A prompt chunk's queries over keys ``k``/``v`` [1, H, m, D] at positions 0..m−1
+        (a windowed head's dead ones may hold anything) with the pattern's mask."""
+        _, sink, recent = self.windows
+        qpos = torch.arange(row.done, row.m, device=k.device)
+        kpos = torch.arange(row.m, device=k.device)
+        causal = kpos[None, :] <= qpos[:, None]
+        window = causal & ((kpos[None, :] < sink) | (qpos[:, None] < kpos[None, :] + recent))
+        mask = torch.where(windowed[:, None, None], window[None], causal[None])  # [H, Q, N]
+        q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
+                                             attn_mask=mask.repeat_interleave(group, dim=0)[None])
+        output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+
+    def _pool_attention(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, query: Tensor, key: Tensor,
+                        value: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:
+        """Pooled heads: one-token rows through the layout's kernel over their heads' regions
+        (a full head's m slots, a windowed head's min(m, sink + recent)); a prompt chunk
+        over its full heads' slots and its windowed heads' rings put back at their
+        positions, plus the chunk's own keys; then the chunk's windowed keys into the rings."""
+        windowed, sink, recent = self.windows
+        windowed = windowed[layer_idx].to(kv_cache.device)
+        regions = layout.regions(kv_cache, layer_idx)
+        if wp.decode.numel():
+            lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
+            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            out = layout.region_attention(q, regions, wp.table[wp.decode_rows, layer_idx], lens, scale)
+            if wp.all_decode:
+                output[:out.shape[0]] = out.to(output.dtype)
+            else:
+                output.index_copy_(0, wp.decode, out.to(output.dtype))
+        win = self.windowed_heads[layer_idx].to(kv_cache.device)
+        bs, dev = kv_cache.shape[2], kv_cache.device
+        for i, row in zip(wp.multi_rows, wp.multi):
+            table = wp.table[i, layer_idx]  # [H, nblk]
+            k, v = layout.region_read(regions, table, row.m)  # full heads: slot = position, this chunk's too
+            span = slice(row.start, row.start + row.q)
+            if win.numel():
+                # slot s of a windowed head holds position s below sink, else the last p < done with
+                # p ≡ s (mod recent); the chunk's keys are in hand
+                s = torch.arange(min(row.done, sink + recent), device=dev)
+                p = torch.where(s < sink, s, s + (row.done - 1 - s).div(recent, rounding_mode="floor") * recent)
+                kw, vw = k.new_zeros(win.numel(), *k.shape[1:]), v.new_zeros(win.numel(), *v.shape[1:])
+                kw[:, p], vw[:, p] = k[win][:, s], v[win][:, s]
+                kw[:, row.done:], vw[:, row.done:] = key[span, win].transpose(0, 1), value[span, win].transpose(0, 1)
+                k, v = k.index_copy(0, win, kw), v.index_copy(0, win, vw)
+            self._chunk_attention(row, windowed, query, k[None], v[None], scale, output)
+            # the chunk's windowed keys a later query sees (sinks and the last `recent`) into the rings
+            p = torch.arange(row.done, row.m, device=dev)
+            p = p[(p < sink) | (p >= row.m - recent)]
+            if win.numel() and p.numel():
+                slot = torch.where(p >= sink + recent, sink + (p - sink) % recent, p)
+                region = table[win][:, slot // bs]  # [W, n]
+                layout.region_write(regions, region.reshape(-1), (slot % bs).repeat(win.numel()),
+                                    key[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, k.shape[-1]),
+                                    value[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, v.shape[-1]))
 
     def _observe(self, plan: StepPlan, layer_idx: int, query: Tensor) -> None:
         if plan.q_tok.numel() == 0:

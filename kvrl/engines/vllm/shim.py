@@ -79,7 +79,8 @@ class KVRLImplMixin:
             return stock()
         n = attn_metadata.num_actual_tokens
         context().attention(plan, self._index(layer), layer.layer_name, self.LAYOUT, query[:n], kv_cache,
-                            self.scale, output[:n], stock)
+                            self.scale, output[:n], stock, key=None if key is None else key[:n],
+                            value=None if value is None else value[:n])
         return output
 
 
