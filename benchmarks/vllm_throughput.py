@@ -25,8 +25,9 @@ thread. Three settings, one JSON line each:
     python benchmarks/vllm_throughput.py calls --concurrency 1,16,64
 
 Policies: ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``gkv`` at ``--budget``/``--interval``
-(sink 4, window 16) and ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent
-64, random gates).
+(sink 4, window 16), ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent
+64, random gates) and ``mixed`` (RLKV's mixed gates, uniform random, sink 4 + recent 64:
+its rollouts' attention over the full cache).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 
 from kvrl.engines.hf import Sampling  # noqa: E402
 from kvrl.engines.vllm.runtime import cache_len_after  # noqa: E402
-from kvrl.policies import HeadAllocation, make_policy  # noqa: E402
+from kvrl.policies import HeadAllocation, Mixed, make_policy  # noqa: E402
 
 TOKEN_POLICIES = ("streaming", "h2o", "snapkv", "rkv", "gkv")
 BLOCK = 32
@@ -82,6 +83,8 @@ def make(name: str, args, layers: int, kv_heads: int):
     if name == "heads":
         gates = torch.rand(layers, kv_heads, generator=torch.Generator().manual_seed(0))
         return HeadAllocation(gates=gates, sparsity=0.5, layers=layers, kv_heads=kv_heads, sink=4, recent=64)
+    if name == "mixed":
+        return Mixed(torch.rand(layers, kv_heads, generator=torch.Generator().manual_seed(0)), sink=4, recent=64)
     return make_policy(name, budget=args.budget, interval=args.interval, window=16, sink=4)
 
 

@@ -356,11 +356,15 @@ def hf_mixed(model, ids, gates, n, eos):
         model.set_attn_implementation(previous)
 
 
-def test_mixed_gate_attention_matches_reference(engine, hf):
+@pytest.mark.parametrize("recent", [8, 40])
+def test_mixed_gate_attention_matches_reference(engine, hf, recent):
+    """One-token rows batched (the full branch through vLLM's kernel, the window gathered);
+    with recent = 40 the window first covers the whole sequence (m < sink + recent) and
+    then slides."""
     batch = prompts()
     sampling = Sampling(max_new_tokens=NEW)
     gates = torch.rand(4, 2, generator=torch.Generator().manual_seed(1)) * 0.8 + 0.1  # strictly inside (0, 1)
-    mg = Mixed(gates, sink=SINK, recent=8)
+    mg = Mixed(gates, sink=SINK, recent=recent)
     out = engine.generate(batch, sampling, policy=mg)
     ref = [hf_mixed(hf.model, ids, mg, NEW, hf.tokenizer.eos_token_id) for ids in engine.encode(batch)]
     assert out.tokens == [r[0] for r in ref]

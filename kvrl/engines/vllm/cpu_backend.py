@@ -58,6 +58,12 @@ class CPULayout(PagedLayout):
         values = v.index_select(0, b).view(r, nblk, h, bs, d).transpose(1, 2).reshape(r, h, nblk * bs, d)
         return k_t[..., :n].transpose(-1, -2), values[:, :, :n]
 
+    def gather(self, kv_cache: Tensor, blocks: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        kt, v = self.views(kv_cache)
+        bs = kt.shape[-1]
+        blk, off = blocks.gather(1, slots // bs).long(), slots % bs  # [R, W]
+        return kt[blk, :, :, off].transpose(1, 2), v[blk, :, off].transpose(1, 2)  # [R, W, H, D] → [R, H, W, D]
+
     def write(self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
               values: Tensor) -> None:
         kt, v = self.views(kv_cache)

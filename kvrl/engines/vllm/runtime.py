@@ -44,7 +44,10 @@ One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
   ring in its first slots (:class:`WindowPlan`). Any other pattern (death tensors):
   heads have their own lengths; keys are dropped once no later query can see them,
   attention over the packed per-head caches uses the pattern's mask (torch).
-* ``Mixed`` → ``"mixed"``: RLKV's mixed-gate attention over the full cache, through
+* ``Mixed`` → ``"mixed"``: RLKV's mixed-gate attention over the full cache (vLLM's write,
+  slot = position). One-token rows: the full branch through the layout's kernel for all
+  rows and heads at once, the sink + recent branch over the gathered window slots
+  (one batched SDPA), mixed per KV head; prompt chunks through
   :func:`kvrl.kernels.mixed.mixed_gate_attention` (torch).
 * ``Full`` → no mode: vLLM untouched.
 
@@ -160,6 +163,13 @@ class PagedLayout:
             query[:, :, None], keys.to(query.dtype), values.to(query.dtype),
             attn_mask=visible.repeat_interleave(hq // h, dim=1)[:, :, None], scale=scale, enable_gqa=True)
         return out[:, :, 0]
+
+    def gather(self, kv_cache: Tensor, blocks: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """K, V [R, H, W, D] of logical slots ``slots`` [R, W] (every head). This default
+        reads the whole prefix; a layout with direct addressing overrides it."""
+        keys, values = self.read(kv_cache, blocks, int(slots.max()) + 1)
+        idx = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+        return keys.gather(2, idx), values.gather(2, idx)
 
     def regions(self, kv_cache: Tensor, layer_idx: int) -> Tensor:
         """Every layer's cache as one tensor of (layer, block, head) regions, for
@@ -358,6 +368,13 @@ class WindowPlan:
     nblk: int = 0
     table: Tensor | None = None  # [R, L, H, nblk] region ids of each head's logical blocks
     write_at: tuple[Tensor, Tensor] | None = None  # one-token rows' (region, offset) [Rd, L, H] of the new key
+
+    def put(self, output: Tensor, out: Tensor) -> None:
+        """The one-token rows' attention [Rd, Hq, D] into the forward's output [T, Hq, D]."""
+        if self.all_decode:
+            output[:out.shape[0]] = out.to(output.dtype)
+        else:
+            output.index_copy_(0, self.decode, out.to(output.dtype))
 
 
 @dataclass
@@ -600,7 +617,9 @@ class WorkerContext:
         none = torch.zeros(0, dtype=torch.long)
         plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
         if self.mode == "static" and self.windows is not None:
-            plan.window = self._plan_window(rows, bt_dev, block_size)
+            plan.window = self._plan_window(rows, bt_dev, block_size, *self.windows[1:])
+        elif self.mode == "mixed":
+            plan.window = self._plan_window(rows, bt_dev, block_size, self.mixed.sink, self.mixed.recent)
         if not token:
             return plan
         # queries to keep: the last `observe` of each row, at ring index position % W
@@ -625,8 +644,10 @@ class WorkerContext:
                                            bt_dev[evicting], block_size)
         return plan
 
-    def _plan_window(self, rows: list[RowPlan], bt_dev: Tensor, block_size: int) -> WindowPlan:
-        windowed, sink, recent = self.windows
+    def _plan_window(self, rows: list[RowPlan], bt_dev: Tensor, block_size: int, sink: int,
+                     recent: int) -> WindowPlan:
+        """The one-token rows and the prompt chunks of a step (static sink + recent patterns
+        and mixed gates); the ring slots and pooled regions of a static pattern."""
         dev = bt_dev.device
         one = [i for i, r in enumerate(rows) if r.q == 1]
         m = np.asarray([rows[i].m for i in one], dtype=np.int64)
@@ -636,6 +657,9 @@ class WorkerContext:
         wp = WindowPlan(torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
                         len(one) == len(rows), torch.from_numpy(m).to(dev), bt_dev[one],
                         torch.from_numpy(ring).to(dev), [rows[i] for i in multi])
+        if self.mode == "mixed":
+            return wp
+        windowed = self.windows[0]
         pooled = {r.req.pooled for r in rows}
         if len(pooled) > 1:
             raise RuntimeError("a forward mixes requests with and without pooled heads; generate them in separate calls")
@@ -790,7 +814,11 @@ class WorkerContext:
             from kvrl.kernels.mixed import mixed_gate_attention
 
             mg = self.mixed
-            for row in plan.rows:
+            wp = plan.window
+            if wp.decode.numel():
+                q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+                wp.put(output, self._mixed_decode(wp, layer_idx, layout, q, kv_cache, scale))
+            for row in wp.multi:
                 k, v = layout.read(kv_cache, row.blocks[None], row.m)
                 qpos = plan.positions[row.start:row.start + row.q]
                 q = query[row.start:row.start + row.q].transpose(0, 1)[None]
@@ -813,11 +841,7 @@ class WorkerContext:
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
             q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-            out = layout.head_attention(q, kv_cache, wp.blocks, lens, scale).to(output.dtype)
-            if wp.all_decode:
-                output[:out.shape[0]] = out
-            else:
-                output.index_copy_(0, wp.decode, out)
+            wp.put(output, layout.head_attention(q, kv_cache, wp.blocks, lens, scale))
         for row in wp.multi:  # sink + recent mask over the stock layout (ring slots hold only dead keys)
             k, v = layout.read(kv_cache, row.blocks[None], row.m)
             self._chunk_attention(row, windowed, query, k, v, scale, output)
@@ -829,6 +853,24 @@ class WorkerContext:
                 hh, pp = heads.repeat_interleave(p.numel()), p.repeat(heads.numel())
                 layout.write(kv_cache, row.blocks[None], torch.zeros_like(hh), hh, sink + (pp - sink) % recent,
                              k[0, hh, pp], v[0, hh, pp])
+
+    def _mixed_decode(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, q: Tensor, kv_cache: Tensor,
+                      scale: float) -> Tensor:
+        """Mixed gates for one-token rows q [R, Hq, D]: α·(every slot, the layout's kernel) +
+        (1 − α)·(the sink slots and the last ``recent``, gathered) per KV head, as
+        :func:`kvrl.kernels.mixed.mixed_gate_attention` computes it."""
+        mg, h = self.mixed, kv_cache.shape[1]
+        full = layout.head_attention(q, kv_cache, wp.blocks, wp.m[:, None].expand(-1, h), scale)
+        w = torch.arange(mg.sink + mg.recent, device=q.device)
+        m = wp.m[:, None]
+        slots = torch.where(w < mg.sink, w, m - mg.recent + (w - mg.sink))  # [R, W]
+        valid = (slots < m) & ((w < mg.sink) | (slots >= mg.sink))  # each slot once, none past m
+        k, v = layout.gather(kv_cache, wp.blocks, slots.clamp(min=0))
+        group = q.shape[1] // h
+        window = F.scaled_dot_product_attention(q[:, :, None], k.to(q.dtype), v.to(q.dtype), scale=scale,
+                                                enable_gqa=True, attn_mask=valid[:, None, None, :])[:, :, 0]
+        alpha = mg.gates[layer_idx].to(q.device, torch.float32).repeat_interleave(group)[None, :, None]
+        return alpha * full.float() + (1 - alpha) * window.float()
 
     def _chunk_attention(self, row: RowPlan, windowed: Tensor, query: Tensor, k: Tensor, v: Tensor, scale: float,
                          output: Tensor) -> None:
@@ -858,11 +900,7 @@ class WorkerContext:
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
             q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-            out = layout.region_attention(q, regions, wp.table[wp.decode_rows, layer_idx], lens, scale)
-            if wp.all_decode:
-                output[:out.shape[0]] = out.to(output.dtype)
-            else:
-                output.index_copy_(0, wp.decode, out.to(output.dtype))
+            wp.put(output, layout.region_attention(q, regions, wp.table[wp.decode_rows, layer_idx], lens, scale))
         win = self.windowed_heads[layer_idx].to(kv_cache.device)
         bs, dev = kv_cache.shape[2], kv_cache.device
         for i, row in zip(wp.multi_rows, wp.multi):
