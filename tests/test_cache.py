@@ -105,6 +105,15 @@ def test_cache_holds_exactly_the_never_evicted_keys(engine, batch, monkeypatch):
                 assert held == alive, (layer, b, h)
 
 
+def visible_and_evictions(d):
+    """From one row's death times d [L, H, n]: the keys each query sees [n(queries), L, H]
+    and the sorted eviction times."""
+    n = d.shape[-1]
+    k = torch.arange(n)
+    q = torch.arange(n)[:, None, None, None]
+    return ((k <= q) & (q < d)).sum(-1), sorted(set(d[d != NEVER].tolist()))
+
+
 def test_eviction_counts_and_visible_keys_follow_the_schedule(engine, batch):
     """Each eviction leaves exactly BUDGET keys; between evictions a query sees at most
     BUDGET + INTERVAL; evictions happen only after prefill and every INTERVAL tokens."""
@@ -115,10 +124,7 @@ def test_eviction_counts_and_visible_keys_follow_the_schedule(engine, batch):
     n_events = 0
     for b, n in enumerate(out.traces.lengths.tolist()):
         d = death[:, b, :, :n]  # [L, H, n]
-        k = torch.arange(n)
-        q = torch.arange(n)[:, None, None, None]
-        visible = ((k <= q) & (q < d)).sum(-1)  # [n(queries), L, H]
-        times = sorted(set(d[d != NEVER].tolist()))
+        visible, times = visible_and_evictions(d)
         assert all((t - prompt[b]) % INTERVAL == 0 for t in times), "evictions off schedule"
         if prompt[b] > BUDGET:
             assert times[0] == prompt[b], "a prompt longer than the budget is compressed right after prefill"
@@ -190,11 +196,7 @@ def test_ratio_mode_keeps_the_budget_of_each_length_and_rows_match_alone(engine,
     assert len(set(prompt)) == len(batch)
     kept = {}  # eviction time -> keys kept, per row
     for b, n in enumerate(out.traces.lengths.tolist()):
-        d = death[:, b, :, :n]  # [L, H, n]
-        k = torch.arange(n)
-        q = torch.arange(n)[:, None, None, None]
-        visible = ((k <= q) & (q < d)).sum(-1)  # [n(queries), L, H]
-        times = sorted(set(d[d != NEVER].tolist()))
+        visible, times = visible_and_evictions(death[:, b, :, :n])
         assert times and all((t - prompt[b]) % INTERVAL == 0 for t in times), "evictions off schedule"
         for t in times:
             assert (visible[t] == max(BUDGET, t // 2) + 1).all(), (b, t)  # the next query: kept keys + itself

@@ -81,6 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvrl.engines.vllm.kv_manager import parse_pool
 from kvrl.kernels.replay import NEVER
 from kvrl.kernels.scores import gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
@@ -367,6 +368,7 @@ class WindowPlan:
     all_blocks: Tensor | None = None  # [R, width] every row's block table
     nblk: int = 0
     table: Tensor | None = None  # [R, L, H, nblk] region ids of each head's logical blocks
+    decode_table: Tensor | None = None  # [Rd, L, H, nblk] the one-token rows' rows of it
     write_at: tuple[Tensor, Tensor] | None = None  # one-token rows' (region, offset) [Rd, L, H] of the new key
 
     def put(self, output: Tensor, out: Tensor) -> None:
@@ -530,8 +532,6 @@ class WorkerContext:
             slot, self.n_slots = self.n_slots, self.n_slots + 1
         if self.mode == "token":
             self._death_rows(slot + 1, length)[slot] = NEVER
-        from kvrl.engines.vllm.kv_manager import parse_pool
-
         pooled = parse_pool(rid) is not None
         if pooled and self.windows is None:
             raise RuntimeError(f"request {rid} asks for pooled heads, but the installed regime is not a sink + "
@@ -677,7 +677,8 @@ class WorkerContext:
         pool, bs = wp.pool, kv_cache.shape[2]
         wp.table = pool.table(wp.all_blocks, wp.nblk, kv_cache.shape[0])
         slots = pool.slots(wp.m - 1)  # [Rd, L, H]
-        region = wp.table[wp.decode_rows].gather(-1, (slots // bs)[..., None]).squeeze(-1)
+        wp.decode_table = wp.table[wp.decode_rows]
+        region = wp.decode_table.gather(-1, (slots // bs)[..., None]).squeeze(-1)
         wp.write_at = (region, slots % bs)
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
@@ -900,7 +901,7 @@ class WorkerContext:
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
             q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-            wp.put(output, layout.region_attention(q, regions, wp.table[wp.decode_rows, layer_idx], lens, scale))
+            wp.put(output, layout.region_attention(q, regions, wp.decode_table[:, layer_idx], lens, scale))
         win = self.windowed_heads[layer_idx].to(kv_cache.device)
         bs, dev = kv_cache.shape[2], kv_cache.device
         for i, row in zip(wp.multi_rows, wp.multi):
