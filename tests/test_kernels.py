@@ -247,6 +247,13 @@ def test_key_redundancy_update_equals_key_redundancy(case, direction):
         assert torch.equal(got_pick.nan_to_num(-2), full_pick.nan_to_num(-2))
         stale = (state >= 0) & ~(state[..., :, None] == cache_pos[..., None, :]).any(-1)
         assert stale.any() or threshold < 0.5 or case == "all_invalid_heads"  # some picks were evicted
+        # A batch whose sample 0 evicts for the first time (no state) beside sample 1: each
+        # takes its own path (full pass / update), with the same results.
+        first = state.clone()
+        first[0] = float("nan")
+        mixed, mixed_pick = key_redundancy_update(cache_keys, cache_pos, first, threshold, retain_direction=direction)
+        assert (mixed - want).abs().max() <= 1e-6
+        assert torch.equal(mixed_pick.nan_to_num(-2), full_pick.nan_to_num(-2))
 
 
 def test_key_redundancy_rejects_unknown_direction():

@@ -60,22 +60,23 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     h, n = keys.shape[1], keys.shape[2]
     if hq % h:
         raise ValueError(f"queries have {hq} heads, not a multiple of the {h} KV heads of keys")
-    q = queries.float().view(b, h, hq // h, w, d)
-    logits = torch.einsum("bhgwd,bhnd->bhgwn", q, keys.float()) * scaling
-    kp = key_pos[:, :, None, None, :]
-    qp = query_pos[:, None, None, :, None]
-    visible = (kp >= 0) & (kp <= qp) & (qp >= 0)  # [B, H, 1, W, N]
+    # Scaled queries (W·D values, not W·N logits) and in-place masking: at a vLLM eviction
+    # of many requests each pass over the [B, H, G, W, N] logits is the cost.
+    q = (queries.float() * scaling).reshape(b, h, hq // h * w, d)
+    logits = (q @ keys.float().transpose(-1, -2)).view(b, h, hq // h, w, n)
+    kp = key_pos[:, :, None, :]
+    qp = query_pos[:, None, :, None]
+    visible = (kp >= 0) & (kp <= qp) & (qp >= 0)  # [B, H, W, N], the same for every head of a group
     if candidates_only:
         first = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max).amin(-1)
-        visible = visible & (kp < first[:, None, None, None, None])
+        visible = visible & (kp < first[:, None, None, None])
     # A finite fill instead of -inf: a row with nothing visible becomes uniform instead of
     # NaN and is zeroed below, so no NaN can reach a gradient through torch.where. The fill
     # comes after pooling the logits (a mean of fills would overflow to -inf).
     low = torch.finfo(torch.float32).min
     pool = (lambda x: x.amax(2)) if gqa == "max" else (lambda x: x.mean(2))
-    visible = visible[:, :, 0]  # the mask is the same for every head of a group
     if order == "softmax_then_pool":
-        probs = pool(logits.masked_fill(~visible[:, :, None], low).softmax(-1))
+        probs = pool(logits.masked_fill_(~visible[:, :, None], low).softmax(-1))
     else:
         probs = pool(logits).masked_fill(~visible, low).softmax(-1)
     return probs * visible
@@ -225,12 +226,18 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
     present = (prev >= 0) & (pos.gather(-1, at) == prev)
     need = valid & ~(present | (prev == -1))  # new tokens and evicted picks
-    c = int(need.sum(-1).amax()) if need.numel() else 0
-    if 2 * c >= n:
-        pick = _exempt_rows(k, valid, threshold, last, tile)
-    else:
-        pick = _updated_picks(k, valid, threshold, last, torch.where(present, at, -1), need,
-                              valid & prev.isnan(), c)
+    counts = need.sum(-1).amax(-1)  # [B]: the most columns one head of a sample must compare
+    full = 2 * counts >= n
+    # A batch mixes samples at their first eviction (every column new) with later ones:
+    # each part takes its own path, so one newcomer does not make all of them compare N².
+    pick = torch.empty(b, h, n, dtype=torch.long, device=k.device)
+    if bool(full.any()):
+        pick[full] = _exempt_rows(k[full], valid[full], threshold, last, tile)
+    if not bool(full.all()):
+        part = ~full
+        kept = torch.where(present, at, -1)[part]
+        pick[part] = _updated_picks(k[part], valid[part], threshold, last, kept, need[part],
+                                    (valid & prev.isnan())[part], int(counts[part].amax()))
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
     return _redundancy(k, norm, valid, pick, eps), pick_pos.masked_fill_(~valid, float("nan"))
 
