@@ -235,7 +235,7 @@ def test_compaction_writes_only_the_blocks_of_the_slots_a_request_keeps(layout):
     its compaction and position write must leave alone."""
     from kvrl.engines.vllm.cpu_backend import LAYOUT as CPU
     from kvrl.engines.vllm.cuda_backend import LAYOUT as FLASH
-    from kvrl.engines.vllm.runtime import SideStore
+    from kvrl.engines.vllm.layout import SideStore
 
     lay = CPU if layout == "cpu" else FLASH
     g = torch.Generator().manual_seed(0)
@@ -303,7 +303,7 @@ def test_pooled_heads_hold_fewer_blocks_and_match_hf(engine, hf, monkeypatch):
     every step (the KV manager's allocations, recorded), 3 at full length instead of 5, and
     decodes as the HF engine does; full heads' blocks interleave over every layer's regions."""
     from kvrl.engines.vllm.kv_manager import KVRLManager, pooled_blocks
-    from kvrl.engines.vllm.runtime import HeadPool
+    from kvrl.engines.vllm.layout import HeadPool
 
     batch = prompts(16, seed=5)
     sampling = Sampling(max_new_tokens=100)
@@ -706,7 +706,7 @@ def test_cpu_head_attention_kernel_matches_torch():
     regions equals the torch default over the padded caches (heads of different lengths,
     shuffled block tables, GQA 4:1)."""
     from kvrl.engines.vllm.cpu_backend import CPULayout
-    from kvrl.engines.vllm.runtime import PagedLayout
+    from kvrl.engines.vllm.layout import PagedLayout
 
     g = torch.Generator().manual_seed(0)
     nb, h, bs, d, r = 20, 2, 32, 64, 3

@@ -25,7 +25,7 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from kvrl.engines.vllm.runtime import PagedLayout
+from kvrl.engines.vllm.layout import PagedLayout
 from kvrl.kernels.scores import gather_slots
 from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
@@ -102,7 +102,7 @@ class CPULayout(PagedLayout):
         regions = blocks[:, None, :nblk].long() * h + torch.arange(h, device=blocks.device)[None, :, None]
         return self.region_attention(query, kv_cache.view(nb * h, 2 * bs, d2 // 2), regions, lens, scale)
 
-    # ---- (block, head) regions: the unit RLKV's pooled heads allocate (runtime.HeadPool) ----
+    # ---- (block, head) regions: the unit RLKV's pooled heads allocate (layout.HeadPool) ----
 
     @staticmethod
     def regions(kv_cache: Tensor, layer_idx: int) -> Tensor:

@@ -32,7 +32,7 @@ import os
 import torch
 from torch import Tensor
 
-from kvrl.engines.vllm.runtime import PagedLayout
+from kvrl.engines.vllm.layout import PagedLayout
 
 
 def flash_read(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:

@@ -48,7 +48,8 @@ from kvrl.engines.hf import Rollouts, Sampling, check_request, default_stop_ids,
 from kvrl.engines.vllm import plugin
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
-from kvrl.engines.vllm.runtime import HeadPool, window_heads
+from kvrl.engines.vllm.layout import HeadPool
+from kvrl.engines.vllm.runtime import window_heads
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
@@ -131,7 +132,7 @@ class VLLMEngine:
         # never preempts them (the full cache keeps vLLM's own overcommit + exact recompute);
         # "always": the same for every request; "never": vLLM decides (preemption is refused).
         self.admission = "policy"
-        # RLKV heads share their blocks' regions (runtime.HeadPool), so a windowed head holds
+        # RLKV heads share their blocks' regions (layout.HeadPool), so a windowed head holds
         # no blocks for keys it no longer sees; the CUDA layout interleaves the heads within
         # a block's slots, so there each head keeps its own regions (no memory saved)
         self.pool_heads = not current_platform.is_cuda()

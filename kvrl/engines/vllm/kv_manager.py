@@ -15,7 +15,7 @@ tokens. :class:`KVRLManager` (a ``FullAttentionManager``):
   again, and its append-only block table only holds stale ids there.
 
 Under RLKV's head reallocation (a sink + recent pattern on the CPU backend) a request's KV
-heads share its blocks' (layer, head) regions (:class:`kvrl.engines.vllm.runtime.HeadPool`):
+heads share its blocks' (layer, head) regions (:class:`kvrl.engines.vllm.layout.HeadPool`):
 the windowed heads' rings first, then every full head's blocks, so the request needs
 :func:`pooled_blocks` blocks at true length m instead of one per ``block_size`` tokens.
 

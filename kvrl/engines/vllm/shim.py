@@ -2,7 +2,7 @@
 
 Each backend (:mod:`.cpu_backend`, :mod:`.cuda_backend`) subclasses vLLM's stock metadata
 builder, implementation and backend with these mixins first in the bases, and adds only
-what depends on its cache layout: ``LAYOUT`` (a :class:`kvrl.engines.vllm.runtime.PagedLayout`)
+what depends on its cache layout: ``LAYOUT`` (a :class:`kvrl.engines.vllm.layout.PagedLayout`)
 and, where a layout must be checked against the stock write op, :meth:`KVRLImplMixin._check_layout`.
 Without an installed kvrl regime every method defers to the stock class unchanged; with one,
 they call the shared hooks of :mod:`kvrl.engines.vllm.runtime`.
@@ -16,7 +16,8 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvrl.engines.vllm.kv_manager import KVRLSpec
-from kvrl.engines.vllm.runtime import PagedLayout, context, layer_index
+from kvrl.engines.vllm.layout import PagedLayout
+from kvrl.engines.vllm.runtime import context, layer_index
 
 
 class KVRLBuilderMixin:
