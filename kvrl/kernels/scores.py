@@ -230,14 +230,16 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     full = 2 * counts >= n
     # A batch mixes samples at their first eviction (every column new) with later ones:
     # each part takes its own path, so one newcomer does not make all of them compare N².
+    # A path that takes every sample (the common case) indexes with a slice: views, no copies.
     pick = torch.empty(b, h, n, dtype=torch.long, device=k.device)
-    if bool(full.any()):
-        pick[full] = _exempt_rows(k[full], valid[full], threshold, last, tile)
-    if not bool(full.all()):
-        part = ~full
-        kept = torch.where(present, at, -1)[part]
-        pick[part] = _updated_picks(k[part], valid[part], threshold, last, kept, need[part],
-                                    (valid & prev.isnan())[part], int(counts[part].amax()))
+    n_full = int(full.sum())
+    if n_full:
+        rows = full if n_full < b else slice(None)
+        pick[rows] = _exempt_rows(k[rows], valid[rows], threshold, last, tile)
+    if n_full < b:
+        rows = ~full if n_full else slice(None)
+        pick[rows] = _updated_picks(k[rows], valid[rows], threshold, last, torch.where(present, at, -1)[rows],
+                                    need[rows], (valid & prev.isnan())[rows], int(counts[rows].amax()))
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
     return _redundancy(k, norm, valid, pick, eps), pick_pos.masked_fill_(~valid, float("nan"))
 

@@ -789,14 +789,14 @@ class WorkerContext:
         order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
         queries = qbuf[eb.qslot].gather(1, order[:, :, None, None].expand(-1, -1, *qbuf.shape[2:]))
         queries = queries.transpose(1, 2).contiguous()  # [R, Hq, W, D]
-        obs = Observation(keys, values, queries, pos, qp.gather(-1, order), state, layer_idx, scale)
+        fields = (keys, values, queries, pos, qp.gather(-1, order), state)
+        obs = Observation(*fields, layer_idx, scale)
         # Scored a group of requests at a time, the group's [rows, Hq, W, N] logits within
         # SCORE_LOGITS: the temporaries of window attention and redundancy then stay in the
         # CPU's caches (unsplit, G-KV's cost per request grew 1.5x from 16 to 64 requests;
         # rows are independent, so the result is the same).
         rows = max(1, SCORE_LOGITS // max(1, queries.shape[1] * queries.shape[2] * keys.shape[2]))
-        parts = [policy.score(Observation(*(x if x is None else x[i:i + rows] for x in
-                                            (keys, values, obs.queries, pos, obs.query_pos, state)), layer_idx, scale))
+        parts = [policy.score(Observation(*(x if x is None else x[i:i + rows] for x in fields), layer_idx, scale))
                  for i in range(0, keys.shape[0], rows)]
         scores = torch.cat([p[0] for p in parts])
         new_state = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
