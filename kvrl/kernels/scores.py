@@ -247,25 +247,31 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
 def _unit_keys(keys: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised float32 keys (invalid slots 0: cos 0 with everything) and the norms + eps.
     Contiguous: the vLLM engine reads keys as a transposed view of its cache ([D, bs] per
-    block), where the norm and the row gathers below read element by element."""
-    k = keys.float().contiguous()
+    block), where the norm and the row gathers below read element by element. Normalised
+    in place, and masked only when a slot is invalid (a full vLLM eviction has none): each
+    pass over [B, H, N, D] costs as much as the copy."""
+    k = keys.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     norm = k.norm(dim=-1, keepdim=True) + eps
-    return (k / norm).masked_fill_(~valid[..., None], 0.0), norm
+    k.div_(norm)
+    if not bool(valid.all()):
+        k.masked_fill_(~valid[..., None], 0.0)
+    return k, norm
 
 
 def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
                 eps: float) -> torch.Tensor:
     """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count, softmax."""
     b, h, n, d = k.shape
-    # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix.
-    rowsum = (k @ k.sum(-2)[..., None])[..., 0] - (1 - eps / norm[..., 0]).square() * valid
+    # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix (a product and a
+    # sum: 4x faster on a CPU than the batched matrix-vector product).
+    rowsum = torch.linalg.vecdot(k, k.sum(-2, keepdim=True)) - (1 - eps / norm[..., 0]).square() * valid
     # Zero entry (pick[n], n): subtract cos(pick[n], n) from row pick[n].
     found = pick >= 0
     row = pick.clamp(min=0)
     step = max(1, _block_elements(k) // 4 // max(1, b * h * d))
     for j0 in range(0, n, step):  # gather the picked rows' keys a chunk of columns at a time
         j1 = min(j0 + step, n)
-        cos = (gather_slots(k, row[..., j0:j1]) * k[..., j0:j1, :]).sum(-1) * found[..., j0:j1]
+        cos = torch.linalg.vecdot(gather_slots(k, row[..., j0:j1]), k[..., j0:j1, :]) * found[..., j0:j1]
         rowsum.scatter_add_(-1, row[..., j0:j1], -cos)
     score = rowsum / valid.sum(-1, keepdim=True).clamp(min=1)
     # A head without any valid slot would be all -inf (NaN after softmax); make it 0.

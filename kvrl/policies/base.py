@@ -319,10 +319,13 @@ class KVPolicy:
         inf = torch.tensor(float("inf"), device=scores.device)
         priority = torch.where(kept, inf, torch.where(candidates, priority, -inf))
         best = priority.topk(k, dim=-1).indices  # by priority: row b keeps its first count[b]
-        fill = (torch.arange(k, device=best.device) >= count.to(best.device)[:, None, None]).expand_as(best)
         keep, order = best.sort(-1)
-        # Valid slots are already in position order; a stable sort by position moves the
-        # invalid ones (position −1) to the front and the fill to the back.
-        at = key_pos.gather(-1, keep).masked_fill(fill.gather(-1, order), torch.iinfo(key_pos.dtype).max)
-        keep = keep.gather(-1, at.argsort(dim=-1, stable=True))
+        # Valid slots are already in position order, so this is the order unless a row keeps
+        # an invalid slot or a fill: then a stable sort by position moves the invalid ones
+        # (position −1) to the front and the fill to the back.
+        at = key_pos.gather(-1, keep)
+        if bool((count < k).any()) or bool((at < 0).any()):
+            fill = (torch.arange(k, device=best.device) >= count.to(best.device)[:, None, None]).expand_as(best)
+            at = at.masked_fill(fill.gather(-1, order), torch.iinfo(key_pos.dtype).max)
+            keep = keep.gather(-1, at.argsort(dim=-1, stable=True))
         return Selection(keep=keep, count=count, logprob=logprob, evicted=evicted)

@@ -787,8 +787,9 @@ class WorkerContext:
         qbuf = self.rings[layer_idx]  # [slots, W, Hq, D]
         qp = self.ring_pos[eb.qslot]  # [R, W] ring order; −1 = no query yet
         order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
-        queries = qbuf[eb.qslot].gather(1, order[:, :, None, None].expand(-1, -1, *qbuf.shape[2:]))
-        queries = queries.transpose(1, 2).contiguous()  # [R, Hq, W, D]
+        w = qbuf.shape[1]
+        queries = qbuf.view(-1, *qbuf.shape[2:]).index_select(0, (eb.qslot[:, None] * w + order).view(-1))
+        queries = queries.view(len(eb.rows), w, *qbuf.shape[2:]).transpose(1, 2).contiguous()  # [R, Hq, W, D]
         fields = (keys, values, queries, pos, qp.gather(-1, order), state)
         obs = Observation(*fields, layer_idx, scale)
         # Scored a group of requests at a time, the group's [rows, Hq, W, N] logits within
