@@ -17,7 +17,9 @@ thread. Three settings, one JSON line each:
     policy (vLLM preempted nothing: ``preemptions``).
 ``calls``  microseconds per eviction call (one layer's eviction of every request due in a
     step), requests per call, microseconds per request and layer, and the eviction share of
-    decode, at each of ``--concurrency``.
+    decode, at each of ``--concurrency``; ``us_per_request_by_phase`` splits the
+    microseconds per request and layer into reading the caches, the policy's ``score`` and
+    ``select``, the compaction and the rest (deaths, positions, state, query ring).
 
     python benchmarks/vllm_throughput.py equal --batch 16
     python benchmarks/vllm_throughput.py equal --batch 64
@@ -185,7 +187,24 @@ def fixed(args, engine, layers, kv_heads):
     return result
 
 
+def timing(owner, attr: str, spent: dict):
+    """Replace ``owner.attr`` with a version that adds its wall seconds to ``spent[attr]``;
+    returns what restores it."""
+    original, own = getattr(owner, attr), attr in vars(owner)
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            spent[attr] += time.perf_counter() - start
+
+    setattr(owner, attr, timed)
+    return (lambda: setattr(owner, attr, original)) if own else (lambda: delattr(owner, attr))
+
+
 def calls(args, engine, layers, kv_heads):
+    from kvrl.engines.vllm.cpu_backend import CPULayout
     from kvrl.engines.vllm.runtime import CONTEXT
 
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
@@ -195,7 +214,7 @@ def calls(args, engine, layers, kv_heads):
     for name in args.policies.split(","):
         rows = {}
         for n in [int(c) for c in args.concurrency.split(",")]:
-            spent = {"calls": 0, "rows": 0, "seconds": 0.0}
+            spent = {"calls": 0, "rows": 0, "seconds": 0.0, "read": 0.0, "score": 0.0, "select": 0.0, "compact": 0.0}
 
             def timed(batch, *a, **k):
                 start = time.perf_counter()
@@ -204,16 +223,25 @@ def calls(args, engine, layers, kv_heads):
                 spent["rows"] += len(batch.rows)
                 spent["seconds"] += time.perf_counter() - start
 
+            policy = make(name, args, layers, kv_heads)
+            phases = [(CPULayout, "read"), (CPULayout, "compact"), (type(policy), "score"), (type(policy), "select")]
+            restores = [timing(owner, attr, spent) for owner, attr in phases]
             CONTEXT._evict = timed
             try:
-                _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, make(name, args, layers, kv_heads))
+                _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
             finally:
                 CONTEXT._evict = evict
+                for restore in restores:
+                    restore()
             calls_ = max(1, spent["calls"])
             rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / calls_, 1),
                        "requests_per_call": round(spent["rows"] / calls_, 1),
                        "us_per_request": round(1e6 * spent["seconds"] / max(1, spent["rows"]), 1),
                        "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
+            per_row = 1e6 / max(1, spent["rows"])
+            by_phase = {k: round(per_row * spent[k], 1) for k in ("read", "score", "select", "compact")}
+            by_phase["other"] = round(rows[n]["us_per_request"] - sum(by_phase.values()), 1)
+            rows[n]["us_per_request_by_phase"] = by_phase
         result["policies"][name] = rows
     return result
 

@@ -262,8 +262,8 @@ def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: 
                 eps: float) -> torch.Tensor:
     """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count, softmax."""
     b, h, n, d = k.shape
-    # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix (a product and a
-    # sum: 4x faster on a CPU than the batched matrix-vector product).
+    # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix; as a product and
+    # a sum (vecdot), since a batched matrix-vector product is slow on a CPU.
     rowsum = torch.linalg.vecdot(k, k.sum(-2, keepdim=True)) - (1 - eps / norm[..., 0]).square() * valid
     # Zero entry (pick[n], n): subtract cos(pick[n], n) from row pick[n].
     found = pick >= 0
