@@ -63,6 +63,28 @@ def test_window_attention_matches_loop(gqa, order, candidates_only):
     assert (got[1, :, 0] == 0).all()  # the padding query sees nothing
 
 
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+@pytest.mark.parametrize("order", ["softmax_then_pool", "pool_then_softmax"])
+def test_window_attention_at_an_eviction(gqa, order):
+    """A vLLM eviction's shape (every slot valid, the queries the last W positions): only
+    the window's own columns are masked (the fill and the product start there). Equal to the
+    loop, and with keys that require grad (out-of-place masks) equal again and differentiable."""
+    torch.manual_seed(0)
+    b, h, g, n, w, d = 2, 2, 2, 12, 3, 4
+    queries, keys = torch.randn(b, h * g, w, d), torch.randn(b, h, n, d)
+    key_pos = torch.arange(n).expand(b, h, n)
+    query_pos = torch.arange(n - w, n).expand(b, w)
+    want = naive_window_attention(queries, keys, key_pos, query_pos, 0.5, gqa, order, False)
+    got = window_attention(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert (got[..., 0, n - w + 1:] == 0).all()  # the first query does not see the later ones
+    keys.requires_grad_()
+    graded = window_attention(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order)
+    torch.testing.assert_close(graded.detach(), got)
+    graded[..., :n - w].sum().backward()
+    assert keys.grad is not None and keys.grad.isfinite().all() and keys.grad.abs().sum() > 0
+
+
 def test_window_attention_rejects_bad_options():
     q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4)
     pos, qpos = torch.arange(3).view(1, 1, 3), torch.tensor([[2]])

@@ -72,14 +72,27 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
         visible = visible & (kp < first[:, None, None, None])
     # A finite fill instead of -inf: a row with nothing visible becomes uniform instead of
     # NaN and is zeroed below, so no NaN can reach a gradient through torch.where. The fill
-    # comes after pooling the logits (a mean of fills would overflow to -inf).
+    # comes after pooling the logits (a mean of fills would overflow to -inf). Masks apply
+    # from the first column that any query cannot see: at an eviction that is the window's
+    # own keys, and the fill and the final product skip the rest of the cache.
+    hidden = ~visible
+    lo = int(hidden.flatten(0, -2).any(0).int().argmax()) if bool(hidden.any()) else n
     low = torch.finfo(torch.float32).min
     pool = (lambda x: x.amax(2)) if gqa == "max" else (lambda x: x.mean(2))
     if order == "softmax_then_pool":
-        probs = pool(logits.masked_fill_(~visible[:, :, None], low).softmax(-1))
+        logits[..., lo:].masked_fill_(hidden[:, :, None, :, lo:], low)
+        probs = pool(logits.softmax(-1))
     else:
-        probs = pool(logits).masked_fill(~visible, low).softmax(-1)
-    return probs * visible
+        probs = pool(logits)
+        if probs.requires_grad:  # in place would overwrite what amax's backward reads
+            probs = probs.masked_fill(hidden, low)
+        else:
+            probs[..., lo:].masked_fill_(hidden[..., lo:], low)
+        probs = probs.softmax(-1)
+    if probs.requires_grad:
+        return probs * visible
+    probs[..., lo:].mul_(visible[..., lo:])
+    return probs
 
 
 _DIRECTIONS = ("last", "first")
