@@ -76,7 +76,8 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     # from the first column that any query cannot see: at an eviction that is the window's
     # own keys, and the fill and the final product skip the rest of the cache.
     hidden = ~visible
-    lo = int(hidden.flatten(0, -2).any(0).int().argmax()) if bool(hidden.any()) else n
+    cols = hidden.flatten(0, -2).any(0)  # [N]: columns some query cannot see
+    lo = int(torch.where(cols.any(), cols.int().argmax(), n))
     low = torch.finfo(torch.float32).min
     pool = (lambda x: x.amax(2)) if gqa == "max" else (lambda x: x.mean(2))
     if order == "softmax_then_pool":
