@@ -80,17 +80,20 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     lo = int(torch.where(cols.any(), cols.int().argmax(), n))
     low = torch.finfo(torch.float32).min
     pool = (lambda x: x.amax(2)) if gqa == "max" else (lambda x: x.mean(2))
+    # Under autograd the pooled logits and the probabilities are masked out of place:
+    # amax's and softmax's backward read their outputs.
+    tracked = logits.requires_grad
     if order == "softmax_then_pool":
         logits[..., lo:].masked_fill_(hidden[:, :, None, :, lo:], low)
         probs = pool(logits.softmax(-1))
     else:
         probs = pool(logits)
-        if probs.requires_grad:  # in place would overwrite what amax's backward reads
+        if tracked:
             probs = probs.masked_fill(hidden, low)
         else:
             probs[..., lo:].masked_fill_(hidden[..., lo:], low)
         probs = probs.softmax(-1)
-    if probs.requires_grad:
+    if tracked:
         return probs * visible
     probs[..., lo:].mul_(visible[..., lo:])
     return probs
