@@ -318,14 +318,24 @@ class KVPolicy:
             priority = -evict_key  # kept candidates = those not among the E largest keys
         inf = torch.tensor(float("inf"), device=scores.device)
         priority = torch.where(kept, inf, torch.where(candidates, priority, -inf))
-        best = priority.topk(k, dim=-1).indices  # by priority: row b keeps its first count[b]
-        keep, order = best.sort(-1)
+        if bool((count < k).any()):
+            best = priority.topk(k, dim=-1).indices  # by priority: row b keeps its first count[b]
+            keep, order = best.sort(-1)
+            fill = (torch.arange(k, device=best.device) >= count.to(best.device)[:, None, None]).expand_as(best)
+            fill = fill.gather(-1, order)
+        else:
+            # Every row keeps K: the complement of the N − K lowest priorities, read off a
+            # mask in ascending slot order. At an eviction N − K (the interval) is far below
+            # K, and this is 2–3x cheaper on a CPU than topk(K) and a sort.
+            out = priority.topk(key_pos.shape[-1] - k, dim=-1, largest=False).indices
+            mask = torch.ones(priority.shape, dtype=torch.bool, device=priority.device).scatter_(-1, out, False)
+            keep, fill = mask.nonzero()[:, -1].view(*mask.shape[:-1], k), None
         # Valid slots are already in position order, so this is the order unless a row keeps
         # an invalid slot or a fill: then a stable sort by position moves the invalid ones
         # (position −1) to the front and the fill to the back.
         at = key_pos.gather(-1, keep)
-        if bool((count < k).any()) or bool((at < 0).any()):
-            fill = (torch.arange(k, device=best.device) >= count.to(best.device)[:, None, None]).expand_as(best)
-            at = at.masked_fill(fill.gather(-1, order), torch.iinfo(key_pos.dtype).max)
+        if fill is not None or bool((at < 0).any()):
+            if fill is not None:
+                at = at.masked_fill(fill, torch.iinfo(key_pos.dtype).max)
             keep = keep.gather(-1, at.argsort(dim=-1, stable=True))
         return Selection(keep=keep, count=count, logprob=logprob, evicted=evicted)
