@@ -64,38 +64,44 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     # of many requests each pass over the [B, H, G, W, N] logits is the cost.
     q = (queries.float() * scaling).reshape(b, h, hq // h * w, d)
     logits = (q @ keys.float().transpose(-1, -2)).view(b, h, hq // h, w, n)
-    kp = key_pos[:, :, None, :]
-    qp = query_pos[:, None, :, None]
-    visible = (kp >= 0) & (kp <= qp) & (qp >= 0)  # [B, H, W, N], the same for every head of a group
-    if candidates_only:
-        first = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max).amin(-1)
-        visible = visible & (kp < first[:, None, None, None])
     # A finite fill instead of -inf: a row with nothing visible becomes uniform instead of
     # NaN and is zeroed below, so no NaN can reach a gradient through torch.where. The fill
     # comes after pooling the logits (a mean of fills would overflow to -inf). Masks apply
-    # from the first column that any query cannot see: at an eviction that is the window's
-    # own keys, and the fill and the final product skip the rest of the cache.
-    hidden = ~visible
-    cols = hidden.flatten(0, -2).any(0)  # [N]: columns some query cannot see
+    # from column lo, the first one that some query cannot see: at an eviction that is the
+    # window's own keys, so the masks, the fill and the final product skip the rest of the
+    # cache. Some query of row b cannot see key k iff k < 0 or k > the row's smallest query
+    # position (−1 for a padding query, which sees nothing), or k is a non-candidate.
+    qmin = query_pos.amin(-1)[:, None, None]  # [B, 1, 1]
+    hidden = (key_pos < 0) | (key_pos > qmin)  # [B, H, N]
+    if candidates_only:
+        first = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max).amin(-1)[:, None, None]
+        hidden |= key_pos >= first
+    cols = hidden.flatten(0, -2).any(0)  # [N]
     lo = int(torch.where(cols.any(), cols.int().argmax(), n))
+    kp = key_pos[:, :, None, lo:]
+    qp = query_pos[:, None, :, None]
+    visible = (kp >= 0) & (kp <= qp) & (qp >= 0)  # [B, H, W, N − lo]; every query sees the columns before lo
+    if candidates_only:
+        visible &= kp < first[..., None]
+    hidden = ~visible
     low = torch.finfo(torch.float32).min
     pool = (lambda x: x.amax(2)) if gqa == "max" else (lambda x: x.mean(2))
     # Under autograd the pooled logits and the probabilities are masked out of place:
     # amax's and softmax's backward read their outputs.
     tracked = logits.requires_grad
     if order == "softmax_then_pool":
-        logits[..., lo:].masked_fill_(hidden[:, :, None, :, lo:], low)
+        logits[..., lo:].masked_fill_(hidden[:, :, None], low)
         probs = pool(logits.softmax(-1))
     else:
         probs = pool(logits)
         if tracked:
-            probs = probs.masked_fill(hidden, low)
+            probs = torch.cat([probs[..., :lo], probs[..., lo:].masked_fill(hidden, low)], -1)
         else:
-            probs[..., lo:].masked_fill_(hidden[..., lo:], low)
+            probs[..., lo:].masked_fill_(hidden, low)
         probs = probs.softmax(-1)
     if tracked:
-        return probs * visible
-    probs[..., lo:].mul_(visible[..., lo:])
+        return torch.cat([probs[..., :lo], probs[..., lo:] * visible], -1)
+    probs[..., lo:].mul_(visible)
     return probs
 
 
