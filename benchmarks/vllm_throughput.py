@@ -20,6 +20,12 @@ thread. Three settings, one JSON line each:
     decode, at each of ``--concurrency``; ``us_per_request_by_phase`` splits the
     microseconds per request and layer into reading the caches, the policy's ``score`` and
     ``select``, the compaction and the rest (deaths, positions, state, query ring).
+    ``floor_us_per_request`` times, in the same process after the run, only the matmuls
+    and softmax that the policy's score cannot avoid, at its most frequent score-call shape
+    (:func:`floor_us_per_request`), and ``floor_share`` is the eviction share that alone
+    would cost. StreamingLLM scores nothing (its eviction is the reads, selection and
+    compaction every policy pays), so when it runs too, ``bound_share`` = its share plus a
+    policy's floor share: the least that policy's eviction can cost on this data path.
 
     python benchmarks/vllm_throughput.py equal --batch 16
     python benchmarks/vllm_throughput.py equal --batch 64
@@ -203,6 +209,38 @@ def timing(owner, attr: str, spent: dict):
     return (lambda: setattr(owner, attr, original)) if own else (lambda: delattr(owner, attr))
 
 
+# What a policy's score cannot do without at an eviction: the observation window's logits
+# over the cache and their softmax; R-KV and G-KV also the cosines of the interval's new
+# keys with the cache (their incremental redundancy).
+FLOOR_OPS = {"h2o": False, "snapkv": False, "rkv": True, "gkv": True}
+
+
+def floor_us_per_request(shape, kv_heads: int, interval: int, *, redundancy: bool) -> float:
+    """Microseconds per request and layer of the floor ops alone (torch's own matmul and
+    softmax, no masks, pooling, gathers or state) at a score call's shape (rows, Hq, W, N, D),
+    the keys in the engine's transposed layout; the best of 15 timings of 10 calls (the
+    least disturbed by the machine's other load)."""
+    rows, hq, w, n, d = shape
+    b = rows * kv_heads
+    q = torch.randn(b, hq // kv_heads * w, d)
+    k_t = torch.randn(b, d, n)
+    new = torch.randn(b, interval, d)
+
+    def ops():
+        (q @ k_t).softmax(-1)
+        if redundancy:
+            new @ k_t
+
+    ops()
+    best = float("inf")
+    for _ in range(15):
+        start = time.perf_counter()
+        for _ in range(10):
+            ops()
+        best = min(best, (time.perf_counter() - start) / 10)
+    return 1e6 * best / rows
+
+
 def calls(args, engine, layers, kv_heads):
     from kvrl.engines.vllm.cpu_backend import CPULayout
     from kvrl.engines.vllm.runtime import CONTEXT
@@ -226,11 +264,20 @@ def calls(args, engine, layers, kv_heads):
             policy = make(name, args, layers, kv_heads)
             phases = [(CPULayout, "read"), (CPULayout, "compact"), (type(policy), "score"), (type(policy), "select")]
             restores = [timing(owner, attr, spent) for owner, attr in phases]
+            shapes = []  # (rows, Hq, W, N, D) of every score call, for the floor
+            score = type(policy).score
+
+            def shaped(self, obs, score=score, shapes=shapes):
+                shapes.append((*obs.queries.shape[:3], *obs.keys.shape[2:]))
+                return score(self, obs)
+
+            type(policy).score = shaped
             CONTEXT._evict = timed
             try:
                 _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
             finally:
                 CONTEXT._evict = evict
+                type(policy).score = score
                 for restore in restores:
                     restore()
             calls_ = max(1, spent["calls"])
@@ -242,7 +289,17 @@ def calls(args, engine, layers, kv_heads):
             by_phase = {k: round(per_row * spent[k], 1) for k in ("read", "score", "select", "compact")}
             by_phase["other"] = round(rows[n]["us_per_request"] - sum(by_phase.values()), 1)
             rows[n]["us_per_request_by_phase"] = by_phase
+            if name in FLOOR_OPS and shapes:
+                floor = floor_us_per_request(max(set(shapes), key=shapes.count), kv_heads, args.interval,
+                                             redundancy=FLOOR_OPS[name])
+                rows[n]["floor_us_per_request"] = round(floor, 1)
+                rows[n]["floor_share"] = round(rows[n]["evict_share"] * floor / rows[n]["us_per_request"], 4)
         result["policies"][name] = rows
+    streaming = result["policies"].get("streaming", {})
+    for rows in result["policies"].values():
+        for n, row in rows.items():
+            if "floor_share" in row and n in streaming:
+                row["bound_share"] = round(streaming[n]["evict_share"] + row["floor_share"], 4)
     return result
 
 
