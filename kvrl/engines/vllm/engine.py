@@ -49,7 +49,7 @@ from kvrl.engines.vllm import plugin
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
 from kvrl.engines.vllm.layout import HeadPool
-from kvrl.engines.vllm.runtime import window_heads
+from kvrl.engines.vllm.heads import window_heads
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum

@@ -1,0 +1,273 @@
+"""RLKV's head modes in the vLLM worker: static death patterns and mixed gates.
+
+:class:`HeadModes` is the part of :class:`kvrl.engines.vllm.runtime.WorkerContext` that
+serves the ``"static"`` and ``"mixed"`` modes (see that module's docstring for the modes
+and the cache layout): the per-step :class:`WindowPlan` of a sink + recent pattern, the
+pooled heads' writes (:class:`kvrl.engines.vllm.layout.HeadPool`), and the attention of
+one-token rows and prompt chunks. It reads the context's ``mode``, ``windows``,
+``windowed_heads``, ``full_heads``, ``pool``, ``mixed`` and ``side``, which
+``WorkerContext.set_policy`` installs; the dispatch on the mode stays in
+``WorkerContext.kv_update`` and ``WorkerContext.attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvrl.engines.vllm.layout import HeadPool, PagedLayout
+
+if TYPE_CHECKING:
+    from kvrl.engines.vllm.runtime import RowPlan, StepPlan
+
+
+def window_heads(pattern) -> tuple[Tensor, int, int] | None:
+    """(windowed [L, H] bool, sink, recent) of a sink + recent pattern — a
+    :class:`kvrl.policies.HeadAllocation` or :class:`kvrl.policies.Window` — else None
+    (death tensors, oracle patterns: the general static path)."""
+    from kvrl.policies.heads import HeadAllocation, Window
+
+    if isinstance(pattern, HeadAllocation):
+        return pattern.compressed_mask().cpu(), pattern.sink, pattern.recent
+    if isinstance(pattern, Window):
+        return torch.ones(pattern.layers, pattern.kv_heads, dtype=torch.bool), pattern.sink, pattern.recent
+    return None
+
+
+@dataclass
+class WindowPlan:
+    """Static mode with a sink + recent pattern (:func:`window_heads`), planned once per step.
+
+    Every head stays in vLLM's own layout (slot = position, the stock write); a windowed
+    head also keeps its window in its first ``sink + recent`` slots, as a ring (position
+    p ≥ sink + recent at slot ``sink + (p − sink) % recent``), which overwrites only keys no
+    later query sees. A one-token row's query then reads m slots of a full head and
+    ``min(m, sink + recent)`` of a windowed one, all rows and heads in one
+    :meth:`PagedLayout.head_attention`; rows of several tokens (prefill chunks) attend
+    with the pattern's mask over the stock layout (torch, once per prompt)."""
+
+    decode: Tensor  # [Rd] token index of each one-token row's query (cache device)
+    all_decode: bool  # every row is a one-token row (decode index = token index)
+    m: Tensor  # [Rd] true length after the forward
+    blocks: Tensor  # [Rd, nb] their block tables
+    ring: Tensor  # [Rd] ring slot of the row's new token, −1 while it is its own slot
+    multi: list[RowPlan]  # rows of several tokens
+    # pooled heads (HeadPool): region ids of every row's heads, made at the step's first layer
+    pool: HeadPool | None = None
+    decode_rows: Tensor | None = None  # [Rd] row index of each one-token row
+    multi_rows: list[int] = field(default_factory=list)  # row index of each row in `multi`
+    all_blocks: Tensor | None = None  # [R, width] every row's block table
+    nblk: int = 0
+    table: Tensor | None = None  # [R, L, H, nblk] region ids of each head's logical blocks
+    decode_table: Tensor | None = None  # [Rd, L, H, nblk] the one-token rows' rows of it
+    write_at: tuple[Tensor, Tensor] | None = None  # one-token rows' (region, offset) [Rd, L, H] of the new key
+
+    def put(self, output: Tensor, out: Tensor) -> None:
+        """The one-token rows' attention [Rd, Hq, D] into the forward's output [T, Hq, D]."""
+        if self.all_decode:
+            output[:out.shape[0]] = out.to(output.dtype)
+        else:
+            output.index_copy_(0, self.decode, out.to(output.dtype))
+
+
+class HeadModes:
+    """Static and mixed modes of :class:`kvrl.engines.vllm.runtime.WorkerContext` (a mixin)."""
+
+    def _plan_window(self, rows: list[RowPlan], bt_dev: Tensor, block_size: int, sink: int,
+                     recent: int) -> WindowPlan:
+        """The one-token rows and the prompt chunks of a step (static sink + recent patterns
+        and mixed gates); the ring slots and pooled regions of a static pattern."""
+        dev = bt_dev.device
+        one = [i for i, r in enumerate(rows) if r.q == 1]
+        m = np.asarray([rows[i].m for i in one], dtype=np.int64)
+        p = m - 1
+        ring = np.where(p >= sink + recent, sink + (p - sink) % recent, -1)
+        multi = [i for i, r in enumerate(rows) if r.q > 1]
+        wp = WindowPlan(torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
+                        len(one) == len(rows), torch.from_numpy(m).to(dev), bt_dev[one],
+                        torch.from_numpy(ring).to(dev), [rows[i] for i in multi])
+        if self.mode == "mixed":
+            return wp
+        windowed = self.windows[0]
+        pooled = {r.req.pooled for r in rows}
+        if len(pooled) > 1:
+            raise RuntimeError("a forward mixes requests with and without pooled heads; generate them in separate calls")
+        if pooled.pop():
+            if self.pool is None or self.pool.block_size != block_size:
+                self.pool = HeadPool(windowed, sink, recent, block_size)
+            wp.pool, wp.multi_rows, wp.all_blocks = self.pool, multi, bt_dev
+            wp.decode_rows = torch.tensor(one, dtype=torch.long, device=dev)
+            wp.nblk = max(-(-max(r.m for r in rows) // block_size), self.pool.ring_blocks)
+        return wp
+
+    def _pool_tables(self, wp: WindowPlan, kv_cache: Tensor) -> None:
+        """The step's region ids (the same for every layer), at its first layer: the layer's
+        cache tensor says how many blocks a layer has."""
+        pool, bs = wp.pool, kv_cache.shape[2]
+        wp.table = pool.table(wp.all_blocks, wp.nblk, kv_cache.shape[0])
+        slots = pool.slots(wp.m - 1)  # [Rd, L, H]
+        wp.decode_table = wp.table[wp.decode_rows]
+        region = wp.decode_table.gather(-1, (slots // bs)[..., None]).squeeze(-1)
+        wp.write_at = (region, slots % bs)
+
+    def _pool_write(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, key: Tensor, value: Tensor,
+                    kv_cache: Tensor) -> None:
+        """Pooled heads: a one-token row's new key in every head at its slot (vLLM's write,
+        which would put every head at slot = position, is skipped); a prompt chunk's keys
+        in its full heads (its windowed heads' go to their rings after the chunk's attention,
+        which still reads the window they overwrite)."""
+        if wp.table is None:
+            self._pool_tables(wp, kv_cache)
+        regions = layout.regions(kv_cache, layer_idx)
+        d = key.shape[-1]
+        if wp.decode.numel():
+            region, offset = wp.write_at
+            k, v = (key[:wp.decode.numel()], value[:wp.decode.numel()]) if wp.all_decode else \
+                (key.index_select(0, wp.decode), value.index_select(0, wp.decode))
+            layout.region_write(regions, region[:, layer_idx].reshape(-1), offset[:, layer_idx].reshape(-1),
+                                k.reshape(-1, d), v.reshape(-1, d))
+        full = self.full_heads[layer_idx].to(kv_cache.device)
+        bs = kv_cache.shape[2]
+        for i, row in zip(wp.multi_rows, wp.multi):
+            p = torch.arange(row.done, row.m, device=kv_cache.device)
+            region = wp.table[i, layer_idx, full][:, p // bs]  # [F, q]
+            span = slice(row.start, row.start + row.q)
+            layout.region_write(regions, region.reshape(-1), (p % bs).repeat(full.numel()),
+                                key[span, full].transpose(0, 1).reshape(-1, d),
+                                value[span, full].transpose(0, 1).reshape(-1, d))
+
+    def _window_attention(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, query: Tensor,
+                          kv_cache: Tensor, scale: float, output: Tensor) -> None:
+        windowed, sink, recent = self.windows
+        windowed = windowed[layer_idx].to(kv_cache.device)
+        if wp.decode.numel():
+            lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
+            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            wp.put(output, layout.head_attention(q, kv_cache, wp.blocks, lens, scale))
+        for row in wp.multi:  # sink + recent mask over the stock layout (ring slots hold only dead keys)
+            k, v = layout.read(kv_cache, row.blocks[None], row.m)
+            self._chunk_attention(row, windowed, query, k, v, scale, output)
+            # the last `recent` new keys of the windowed heads into their rings, after the attention
+            heads = self.windowed_heads[layer_idx].to(k.device)
+            first = max(row.done, row.m - recent, sink + recent)
+            if heads.numel() and first < row.m:
+                p = torch.arange(first, row.m, device=k.device)
+                hh, pp = heads.repeat_interleave(p.numel()), p.repeat(heads.numel())
+                layout.write(kv_cache, row.blocks[None], torch.zeros_like(hh), hh, sink + (pp - sink) % recent,
+                             k[0, hh, pp], v[0, hh, pp])
+
+    def _mixed_decode(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, q: Tensor, kv_cache: Tensor,
+                      scale: float) -> Tensor:
+        """Mixed gates for one-token rows q [R, Hq, D]: α·(every slot, the layout's kernel) +
+        (1 − α)·(the sink slots and the last ``recent``, gathered) per KV head, as
+        :func:`kvrl.kernels.mixed.mixed_gate_attention` computes it."""
+        mg, h = self.mixed, kv_cache.shape[1]
+        full = layout.head_attention(q, kv_cache, wp.blocks, wp.m[:, None].expand(-1, h), scale)
+        w = torch.arange(mg.sink + mg.recent, device=q.device)
+        m = wp.m[:, None]
+        slots = torch.where(w < mg.sink, w, m - mg.recent + (w - mg.sink))  # [R, W]
+        valid = (slots < m) & ((w < mg.sink) | (slots >= mg.sink))  # each slot once, none past m
+        k, v = layout.gather(kv_cache, wp.blocks, slots.clamp(min=0))
+        group = q.shape[1] // h
+        window = F.scaled_dot_product_attention(q[:, :, None], k.to(q.dtype), v.to(q.dtype), scale=scale,
+                                                enable_gqa=True, attn_mask=valid[:, None, None, :])[:, :, 0]
+        alpha = mg.gates[layer_idx].to(q.device, torch.float32).repeat_interleave(group)[None, :, None]
+        return alpha * full.float() + (1 - alpha) * window.float()
+
+    def _chunk_attention(self, row: RowPlan, windowed: Tensor, query: Tensor, k: Tensor, v: Tensor, scale: float,
+                         output: Tensor) -> None:
+        """A prompt chunk's queries over keys ``k``/``v`` [1, H, m, D] at positions 0..m−1
+        (a windowed head's dead ones may hold anything) with the pattern's mask."""
+        _, sink, recent = self.windows
+        qpos = torch.arange(row.done, row.m, device=k.device)
+        kpos = torch.arange(row.m, device=k.device)
+        causal = kpos[None, :] <= qpos[:, None]
+        window = causal & ((kpos[None, :] < sink) | (qpos[:, None] < kpos[None, :] + recent))
+        mask = torch.where(windowed[:, None, None], window[None], causal[None])  # [H, Q, N]
+        q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+        group = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
+                                             attn_mask=mask.repeat_interleave(group, dim=0)[None])
+        output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+
+    def _pool_attention(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, query: Tensor, key: Tensor,
+                        value: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:
+        """Pooled heads: one-token rows through the layout's kernel over their heads' regions
+        (a full head's m slots, a windowed head's min(m, sink + recent)); a prompt chunk
+        over its full heads' slots and its windowed heads' rings put back at their
+        positions, plus the chunk's own keys; then the chunk's windowed keys into the rings."""
+        windowed, sink, recent = self.windows
+        windowed = windowed[layer_idx].to(kv_cache.device)
+        regions = layout.regions(kv_cache, layer_idx)
+        if wp.decode.numel():
+            lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
+            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            wp.put(output, layout.region_attention(q, regions, wp.decode_table[:, layer_idx], lens, scale))
+        win = self.windowed_heads[layer_idx].to(kv_cache.device)
+        bs, dev = kv_cache.shape[2], kv_cache.device
+        for i, row in zip(wp.multi_rows, wp.multi):
+            table = wp.table[i, layer_idx]  # [H, nblk]
+            k, v = layout.region_read(regions, table, row.m)  # full heads: slot = position, this chunk's too
+            span = slice(row.start, row.start + row.q)
+            if win.numel():
+                # slot s of a windowed head holds position s below sink, else the last p < done with
+                # p ≡ s (mod recent); the chunk's keys are in hand
+                s = torch.arange(min(row.done, sink + recent), device=dev)
+                p = torch.where(s < sink, s, s + (row.done - 1 - s).div(recent, rounding_mode="floor") * recent)
+                kw, vw = k.new_zeros(win.numel(), *k.shape[1:]), v.new_zeros(win.numel(), *v.shape[1:])
+                kw[:, p], vw[:, p] = k[win][:, s], v[win][:, s]
+                kw[:, row.done:], vw[:, row.done:] = key[span, win].transpose(0, 1), value[span, win].transpose(0, 1)
+                k, v = k.index_copy(0, win, kw), v.index_copy(0, win, vw)
+            self._chunk_attention(row, windowed, query, k[None], v[None], scale, output)
+            # the chunk's windowed keys a later query sees (sinks and the last `recent`) into the rings
+            p = torch.arange(row.done, row.m, device=dev)
+            p = p[(p < sink) | (p >= row.m - recent)]
+            if win.numel() and p.numel():
+                slot = torch.where(p >= sink + recent, sink + (p - sink) % recent, p)
+                region = table[win][:, slot // bs]  # [W, n]
+                layout.region_write(regions, region.reshape(-1), (slot % bs).repeat(win.numel()),
+                                    key[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, k.shape[-1]),
+                                    value[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, v.shape[-1]))
+
+    def _static_attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout,
+                          query: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:
+        side = self.side[layer_name]
+        h = kv_cache.shape[1]
+        group = query.shape[1] // h
+        for row in plan.rows:
+            st = row.req
+            dev = kv_cache.device
+            lens = (row.lens[layer_idx] + row.q).to(dev)  # [H] after this forward's appends
+            n = int(lens.max())
+            blocks = row.blocks[None]
+            keys, values = layout.read(kv_cache, blocks, n)
+            pos, _ = side.read(blocks, n)
+            keys, values, pos = keys[0], values[0], pos[0]
+            pos = pos.masked_fill(torch.arange(n, device=dev)[None, :] >= lens[:, None], -1)
+            death = st.death[layer_idx].to(dev).gather(-1, pos.clamp(min=0)).long()  # [H, N]
+            qpos = plan.positions[row.start:row.start + row.q]
+            k = pos[:, None, :]
+            qq = qpos[None, :, None]
+            allowed = (k >= 0) & (k <= qq) & (qq < death[:, None, :])  # [H, Q, N]
+            q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(q, keys[None], values[None],
+                                                 attn_mask=allowed.repeat_interleave(group, dim=0)[None],
+                                                 scale=scale, enable_gqa=True)
+            output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            # drop the keys no later query can see (death <= m), per head, keeping order
+            alive = (pos >= 0) & (death > row.m)
+            new_lens = alive.sum(-1)
+            st.lens[layer_idx] = new_lens.cpu()
+            changed = (new_lens != lens).nonzero().squeeze(-1)
+            for hh in changed.tolist():
+                idx = alive[hh].nonzero().squeeze(-1)
+                heads = torch.full_like(idx, hh)
+                slots = torch.arange(idx.numel(), device=dev)
+                zero = torch.zeros_like(idx)
+                layout.write(kv_cache, blocks, zero, heads, slots, keys[hh, idx], values[hh, idx])
+                side.write(blocks, zero, heads, slots, pos[hh, idx], None)
