@@ -72,11 +72,11 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     # cache. Some query of row b cannot see key k iff k < 0 or k > the row's smallest query
     # position (−1 for a padding query, which sees nothing), or k is a non-candidate.
     qmin = query_pos.amin(-1)[:, None, None]  # [B, 1, 1]
-    hidden = (key_pos < 0) | (key_pos > qmin)  # [B, H, N]
+    blind = (key_pos < 0) | (key_pos > qmin)  # [B, H, N]: some query of the row cannot see the slot
     if candidates_only:
         first = torch.where(query_pos >= 0, query_pos, torch.iinfo(query_pos.dtype).max).amin(-1)[:, None, None]
-        hidden |= key_pos >= first
-    cols = hidden.flatten(0, -2).any(0)  # [N]
+        blind |= key_pos >= first
+    cols = blind.flatten(0, -2).any(0)  # [N]
     lo = int(torch.where(cols.any(), cols.int().argmax(), n))
     kp = key_pos[:, :, None, lo:]
     qp = query_pos[:, None, :, None]

@@ -327,8 +327,8 @@ class KVPolicy:
             # Every row keeps K: the complement of the N − K lowest priorities, read off a
             # mask in ascending slot order. At an eviction N − K (the interval) is far below
             # K, and this is 2–3x cheaper on a CPU than topk(K) and a sort.
-            out = priority.topk(key_pos.shape[-1] - k, dim=-1, largest=False).indices
-            mask = torch.ones(priority.shape, dtype=torch.bool, device=priority.device).scatter_(-1, out, False)
+            dropped = priority.topk(key_pos.shape[-1] - k, dim=-1, largest=False).indices
+            mask = torch.ones(priority.shape, dtype=torch.bool, device=priority.device).scatter_(-1, dropped, False)
             keep, fill = mask.nonzero()[:, -1].view(*mask.shape[:-1], k), None
         # Valid slots are already in position order, so this is the order unless a row keeps
         # an invalid slot or a fill: then a stable sort by position moves the invalid ones
