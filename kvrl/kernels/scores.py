@@ -268,33 +268,40 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
 
 
 def _unit_keys(keys: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised float32 keys (invalid slots 0: cos 0 with everything) and the norms + eps.
-    Contiguous: the vLLM engine reads keys as a transposed view of its cache ([D, bs] per
-    block), where the norm and the row gathers below read element by element. Normalised
-    in place, and masked only when a slot is invalid (a full vLLM eviction has none): each
-    pass over [B, H, N, D] costs as much as the copy."""
-    k = keys.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-    norm = k.norm(dim=-1, keepdim=True) + eps
-    k.div_(norm)
+    """Normalised float32 keys laid out [B, H, D, N] (invalid slots 0: cos 0 with
+    everything) and the norms + eps [B, H, N]. Slots along the last dim, because the vLLM
+    engine's keys are a transposed view of exactly that ([D, bs] per cache block): the
+    normalisation is then one pass and no transposing copy (it took 1 of R-KV's 8 ms per
+    14-request score call), and the matmuls take the transposed operand as it is.
+    Masked only when a slot is invalid (a full vLLM eviction has none)."""
+    kt = keys.transpose(-1, -2).float()
+    norm = (kt * kt).sum(-2).sqrt_() + eps  # linalg.vector_norm over dim −2 is 15x slower on a CPU
+    k = kt / norm[..., None, :]
     if not bool(valid.all()):
-        k.masked_fill_(~valid[..., None], 0.0)
+        k.masked_fill_(~valid[..., None, :], 0.0)
     return k, norm
+
+
+def _columns(k: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Columns ``idx`` [B, H, C] of k [B, H, D, N] → [B, H, D, C]."""
+    return k.gather(-1, idx[:, :, None, :].expand(-1, -1, k.shape[2], -1))
 
 
 def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
                 eps: float) -> torch.Tensor:
-    """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count, softmax."""
-    b, h, n, d = k.shape
+    """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count,
+    softmax; k [B, H, D, N] from :func:`_unit_keys`."""
+    b, h, d, n = k.shape
     # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix; as a product and
-    # a sum (vecdot), since a batched matrix-vector product is slow on a CPU.
-    rowsum = torch.linalg.vecdot(k, k.sum(-2, keepdim=True)) - (1 - eps / norm[..., 0]).square() * valid
+    # a sum, since a batched matrix-vector product is slow on a CPU.
+    rowsum = (k * k.sum(-1, keepdim=True)).sum(-2) - (1 - eps / norm).square() * valid
     # Zero entry (pick[n], n): subtract cos(pick[n], n) from row pick[n].
     found = pick >= 0
     row = pick.clamp(min=0)
     step = max(1, _block_elements(k) // 4 // max(1, b * h * d))
     for j0 in range(0, n, step):  # gather the picked rows' keys a chunk of columns at a time
         j1 = min(j0 + step, n)
-        cos = torch.linalg.vecdot(gather_slots(k, row[..., j0:j1]), k[..., j0:j1, :]) * found[..., j0:j1]
+        cos = (_columns(k, row[..., j0:j1]) * k[..., j0:j1]).sum(-2) * found[..., j0:j1]
         rowsum.scatter_add_(-1, row[..., j0:j1], -cos)
     score = rowsum / valid.sum(-1, keepdim=True).clamp(min=1)
     # A head without any valid slot would be all -inf (NaN after softmax); make it 0.
@@ -307,7 +314,7 @@ def _block_elements(x: torch.Tensor) -> int:
 
 def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool,
                  tile: int | None) -> torch.Tensor:
-    """For every column n of the normalised keys k [B, H, N, D] (invalid rows zero): the
+    """For every column n of the normalised keys k [B, H, D, N] (invalid slots zero): the
     latest (``last``) or earliest valid row m ≠ n with ``cos(m, n) > threshold``; −1 if none.
 
     Tiles (I, J) on and below the diagonal, block = cos(rows I, columns J): its column-wise
@@ -316,7 +323,7 @@ def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: b
     compared with the threshold and multiplied by an index code
     ``(a_i + 1)(t + 1) + (a_j + 1)`` in place (a = the local index, reversed for "first"),
     so one max along either axis finds the extreme hit's row or column (0 = no hit)."""
-    b, h, n, _ = k.shape
+    b, h, _, n = k.shape
     t = tile or int((_block_elements(k) // max(1, b * h)) ** 0.5)
     t = max(1, min(t, n, _MAX_TILE))
     local = torch.arange(t, device=k.device)
@@ -335,7 +342,7 @@ def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: b
         i1 = min(i0 + t, n)
         for j0 in range(0, i1, t):
             j1 = min(j0 + t, n)
-            blk = k[:, :, i0:i1] @ k[:, :, j0:j1].transpose(-1, -2)  # [B, H, ti, tj]
+            blk = k[..., i0:i1].transpose(-1, -2) @ k[..., j0:j1]  # [B, H, ti, tj]
             if j0 == i0:
                 blk.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
             blk.gt_(threshold)
@@ -352,15 +359,17 @@ def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last:
                    need: torch.Tensor, new: torch.Tensor, c: int) -> torch.Tensor:
     """The exempt rows (slots, −1 if none) of :func:`key_redundancy_update`'s incremental path.
 
-    k [B, H, N, D] normalised keys; kept [B, H, N] the slot of each column's previous pick
+    k [B, H, D, N] normalised keys; kept [B, H, N] the slot of each column's previous pick
     if it is still in the cache, else −1; need [B, H, N] the columns compared with every
     row (at most ``c`` per head); new [B, H, N] the slots that arrived since (⊆ need).
 
     Blocks of cos(need columns, all rows) are thresholded and multiplied by a row code
     (slot + 1 for "last", N − slot for "first"; 0 = no hit), so one max along the rows
     finds each need column's extreme near-duplicate; multiplied instead by the code of the
-    new columns only, one max along them finds every column's extreme *new* near-duplicate."""
-    b, h, n, _ = k.shape
+    new columns only, one max along them finds every column's extreme *new* near-duplicate.
+    Both products are made in place: a fresh block-sized temporary costs more than the
+    passes (page faults of a new allocation)."""
+    b, h, _, n = k.shape
     cols = (~need).to(torch.uint8).argsort(dim=-1, stable=True)[..., :c]  # the need columns, ascending
     slots = torch.arange(n, device=k.device)
     code = (slots + 1 if last else n - slots).float()
@@ -370,13 +379,14 @@ def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last:
     step = max(1, _block_elements(k) // max(1, b * h * n))
     for c0 in range(0, c, step):
         c1 = min(c0 + step, c)
-        blk = gather_slots(k, cols[..., c0:c1]) @ k.transpose(-1, -2)  # [B, H, c1 − c0, N]
+        blk = _columns(k, cols[..., c0:c1]).transpose(-1, -2) @ k  # [B, H, c1 − c0, N]
         blk.scatter_(-1, cols[..., c0:c1, None], float("-inf"))  # a slot is not its own near-duplicate
         blk.gt_(threshold)
         if threshold < 0:  # invalid rows have cos 0, which passes: mask them explicitly
             blk.mul_(valid[:, :, None, :])
-        extreme[..., c0:c1] = (blk * code).amax(-1)
-        newest = torch.maximum(newest, blk.mul_(new_code[..., c0:c1, None]).amax(-2))
+        extreme[..., c0:c1] = blk.mul_(code).amax(-1)
+        # every code is ≥ 1, so clamping turns the coded hits back into 1s
+        newest = torch.maximum(newest, blk.clamp_(max=1).mul_(new_code[..., c0:c1, None]).amax(-2))
 
     def decode(v: torch.Tensor) -> torch.Tensor:
         v = v.long()
