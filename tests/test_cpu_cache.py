@@ -72,3 +72,19 @@ def test_compact_rejects_a_bad_keep():
     kv, blocks = cache(torch.float32), tables(2, 6, 40)
     with pytest.raises(RuntimeError, match=r"keep must be contiguous int64 \[R, H, K\]"):
         cpu_cache.native().paged_compact_(kv, blocks.long(), torch.zeros(2, 2, 3, dtype=torch.long), None)
+
+
+def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpu_cache, "native", cpu_cache.native.__wrapped__)
+    with pytest.warns(UserWarning, match=r"falls back to torch ops.*Install g\+\+ and ninja"):
+        assert cpu_cache.native() is None
+    kv, blocks = cache(torch.float32), tables(2, 6, 40)
+    with pytest.warns(UserWarning):
+        k, v = cpu_cache.paged_read(kv, blocks, 9)
+    assert torch.equal(k, cpu_cache.paged_read_ref(kv, blocks, 9)[0])
