@@ -5,9 +5,9 @@ Both move data only, so the native results must equal the references exactly."""
 import pytest
 import torch
 
-from kvrl.kernels import cpu_cache
+from kvrl.kernels import cpu_cache, native
 
-if cpu_cache.native() is None:
+if native.ops() is None:
     pytest.skip("the native CPU cache ops did not build here (see the warning)", allow_module_level=True)
 
 
@@ -71,7 +71,7 @@ def test_compact_matches_reference(dtype, ratio):
 def test_compact_rejects_a_bad_keep():
     kv, blocks = cache(torch.float32), tables(2, 6, 40)
     with pytest.raises(RuntimeError, match=r"keep must be contiguous int64 \[R, H, K\]"):
-        cpu_cache.native().paged_compact_(kv, blocks.long(), torch.zeros(2, 2, 3, dtype=torch.long), None)
+        native.ops().paged_compact_(kv, blocks.long(), torch.zeros(2, 2, 3, dtype=torch.long), None)
 
 
 def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch):
@@ -81,9 +81,9 @@ def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(cpu_cache, "native", cpu_cache.native.__wrapped__)
-    with pytest.warns(UserWarning, match=r"falls back to torch ops.*Install g\+\+ and ninja"):
-        assert cpu_cache.native() is None
+    monkeypatch.setattr(native, "ops", native.ops.__wrapped__)
+    with pytest.warns(UserWarning, match=r"fall back to torch ops.*Install g\+\+ and ninja"):
+        assert native.ops() is None
     kv, blocks = cache(torch.float32), tables(2, 6, 40)
     with pytest.warns(UserWarning):
         k, v = cpu_cache.paged_read(kv, blocks, 9)

@@ -278,6 +278,38 @@ def test_key_redundancy_update_equals_key_redundancy(case, direction):
         assert torch.equal(mixed_pick.nan_to_num(-2), full_pick.nan_to_num(-2))
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("direction", ["last", "first"])
+def test_native_redundancy_equals_torch(case, direction, monkeypatch):
+    """The native CPU ops (kvrl/kernels/cpu_scores.cpp) against the torch code they replace,
+    on the update's incremental path and the full pass, with keys laid out as the vLLM
+    engine reads them (a transposed view of [B, H, D, N]): the same picks, and redundancy
+    within float32 rounding of a sum over N slots and D channels taken in another order."""
+    from kvrl.kernels import native
+
+    if native.ops() is None:
+        pytest.skip("the native CPU ops did not build here")
+    keys, valid = redundancy_case(case)
+    keys = keys.transpose(-1, -2).contiguous().transpose(-1, -2)
+    n = keys.shape[2]
+    pos = torch.arange(n).expand_as(valid).masked_fill(~valid, -1)
+    nan = torch.full(valid.shape, float("nan"))
+    kept = torch.tensor([j for j in range(n) if j >= 56 or j % 4 != 1])
+    for threshold in (0.5, 0.0, -0.3):
+        runs = []
+        for use in (True, False):
+            monkeypatch.setattr(native, "usable", lambda *t, use=use: use)
+            _, pick = key_redundancy_update(keys[:, :, :62], pos[:, :, :62], nan[:, :, :62], threshold,
+                                            retain_direction=direction)
+            state = torch.cat([pick, nan[:, :, 62:]], 2)[:, :, kept]
+            runs.append((pick, *key_redundancy_update(keys[:, :, kept], pos[:, :, kept], state, threshold,
+                                                      retain_direction=direction)))
+        (first, red, pick), (first_ref, red_ref, pick_ref) = runs
+        assert torch.equal(first.nan_to_num(-2), first_ref.nan_to_num(-2))
+        assert torch.equal(pick.nan_to_num(-2), pick_ref.nan_to_num(-2))
+        torch.testing.assert_close(red, red_ref, rtol=1e-5, atol=1e-7)
+
+
 def test_key_redundancy_rejects_unknown_direction():
     with pytest.raises(ValueError, match="retain_direction"):
         key_redundancy(torch.zeros(1, 1, 2, 2), torch.ones(1, 1, 2, dtype=torch.bool), retain_direction="middle")

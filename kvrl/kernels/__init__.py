@@ -1,7 +1,9 @@
-"""Kernels: torch reference ops (the specification) and, later, Triton versions of them.
+"""Kernels: torch reference ops (the specification) and native versions tested against them.
 
 ``kvrl.kernels.scores``: attention/redundancy scores and the compaction gather used by the
-KV policies. ``kvrl.kernels.replay``: attention under an eviction trace; it registers a
+KV policies. ``kvrl.kernels.cpu_cache``: reading and compacting vLLM's CPU paged cache.
+``kvrl.kernels.native``: the C++ ops behind both on a CPU (``*.cpp`` here, built on first
+use). ``kvrl.kernels.replay``: attention under an eviction trace; it registers a
 transformers attention function on import, so it is not imported here.
 """
 

@@ -11,41 +11,20 @@ logical slot j of head h lives in block ``blocks[r, j // bs]`` at offset ``j % b
   for ``j < counts[r]`` (keep ascending, so ``keep[j] ≥ j``); slots past the count are
   left as they were (they lie beyond the request's cache).
 
-Both are pure data movement, so the native ops (``cpu_cache.cpp``, built on first use with
-torch's C++ extension loader: a C++ compiler and ninja, ~30 s once, cached in
-``~/.cache/torch_extensions``) equal the references bit for bit. Torch's generic gathers
-and indexed writes move these ~16 KiB block regions at a quarter of the CPU's memory
-bandwidth, which made reading and compacting most of an eviction's fixed cost. Where the
-ops cannot be built, one warning says so and the references run.
+Both are pure data movement, so the native ops (``cpu_cache.cpp``, see
+:mod:`kvrl.kernels.native`) equal the references bit for bit. Torch's generic gathers and
+indexed writes move these ~16 KiB block regions at a quarter of the CPU's memory
+bandwidth, which made reading and compacting most of an eviction's fixed cost.
 """
 
 from __future__ import annotations
-
-import functools
-import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvrl.kernels import native
 from kvrl.kernels.scores import gather_slots
-
-
-@functools.cache
-def native():
-    """``torch.ops.kvrl_cpu`` once built, else None (with one warning naming the fix)."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(name="kvrl_cpu_cache", sources=[str(Path(__file__).with_name("cpu_cache.cpp"))],
-             extra_cflags=["-O3"], is_python_module=False, verbose=False)
-        return torch.ops.kvrl_cpu
-    except Exception as exc:  # no compiler, no ninja, an unwritable cache folder
-        warnings.warn(f"kvrl's native CPU cache ops did not build ({type(exc).__name__}: {exc}); reading and "
-                      "compacting the vLLM cache falls back to torch ops, 2-4x slower. Install g++ and ninja "
-                      "(pip install ninja) to build them.", stacklevel=2)
-        return None
 
 
 def views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
@@ -59,10 +38,9 @@ def views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
 def paged_read(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """K, V [R, H, n, D] of logical slots 0..n−1 (``blocks`` [R, ≥ ⌈n/bs⌉]); K is a
     transposed view of a contiguous [R, H, D, n′] tensor (matmuls take it as it is)."""
-    ops = native() if kv_cache.device.type == "cpu" and kv_cache.is_contiguous() else None
-    if ops is None:
+    if not (kv_cache.is_contiguous() and native.usable(kv_cache)):
         return paged_read_ref(kv_cache, blocks, n)
-    k_t, values = ops.paged_read(kv_cache, blocks.long(), n)
+    k_t, values = native.ops().paged_read(kv_cache, blocks.long(), n)
     return k_t[..., :n].transpose(-1, -2), values[:, :, :n]
 
 
@@ -70,10 +48,9 @@ def paged_compact_(kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tenso
     """In place: request r's slot j ← slot ``keep[r, h, j]`` for j < ``counts[r]`` (None:
     all K); keep [R, H, K] ascending there. No block past the one holding slot
     ``counts[r]`` − 1 is written."""
-    ops = native() if kv_cache.device.type == "cpu" and kv_cache.is_contiguous() else None
-    if ops is None:
+    if not (kv_cache.is_contiguous() and native.usable(kv_cache)):
         return paged_compact_ref(kv_cache, blocks, keep, counts)
-    ops.paged_compact_(kv_cache, blocks.long(), keep.long().contiguous(),
+    native.ops().paged_compact_(kv_cache, blocks.long(), keep.long().contiguous(),
                        None if counts is None else counts.long().contiguous())
 
 

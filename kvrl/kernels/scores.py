@@ -1,7 +1,9 @@
 """Scoring ops shared by the KV policies (torch reference implementations).
 
 Each function here is the specification for a later Triton kernel with the same signature,
-which is tested against it. Everything is computed in float32, like the references' fp32
+which is tested against it. On a CPU outside autograd, the key redundancy's per-head passes
+(normalising the keys, the row sums, the thresholded cosine blocks) run as native ops
+(:mod:`kvrl.kernels.native`), tested against the torch code here. Everything is computed in float32, like the references' fp32
 softmax, whatever the dtype of the inputs.
 
 Shapes: B batch, H KV heads, Hq = H·G query heads, W observation queries, N cache slots,
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvrl.kernels import native
 
 _GQA = ("max", "mean")
 _ORDERS = ("softmax_then_pool", "pool_then_softmax")
@@ -275,6 +279,8 @@ def _unit_keys(keys: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[tor
     14-request score call), and the matmuls take the transposed operand as it is.
     Masked only when a slot is invalid (a full vLLM eviction has none)."""
     kt = keys.transpose(-1, -2).float()
+    if native.usable(kt):  # one head at a time, in the core's cache (kvrl/kernels/cpu_scores.cpp)
+        return native.ops().unit_keys(kt.contiguous(), valid.contiguous(), eps)
     norm = (kt * kt).sum(-2).sqrt_() + eps  # linalg.vector_norm over dim −2 is 15x slower on a CPU
     k = kt / norm[..., None, :]
     if not bool(valid.all()):
@@ -291,6 +297,8 @@ def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: 
                 eps: float) -> torch.Tensor:
     """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count,
     softmax; k [B, H, D, N] from :func:`_unit_keys`."""
+    if native.usable(k):
+        return native.ops().redundancy(k, norm, valid.contiguous(), pick.contiguous(), eps)
     b, h, d, n = k.shape
     # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix; as a product and
     # a sum, since a batched matrix-vector product is slow on a CPU.
@@ -376,10 +384,18 @@ def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last:
     new_code = torch.where(new.gather(-1, cols), code[cols], 0.0)  # [B, H, c]
     extreme = k.new_empty(b, h, c)  # per need column, over all rows
     newest = k.new_zeros(b, h, n)  # per column, over the new rows
+    fused = native.usable(k)
+    if fused:
+        valid = valid.contiguous()
     step = max(1, _block_elements(k) // max(1, b * h * n))
     for c0 in range(0, c, step):
         c1 = min(c0 + step, c)
         blk = _columns(k, cols[..., c0:c1]).transpose(-1, -2) @ k  # [B, H, c1 − c0, N]
+        if fused:  # the passes below in one, row by row (kvrl/kernels/cpu_scores.cpp)
+            extreme[..., c0:c1] = native.ops().block_extremes(blk, cols[..., c0:c1].contiguous(),
+                                                              new_code[..., c0:c1].contiguous(), valid,
+                                                              threshold, last, newest)
+            continue
         blk.scatter_(-1, cols[..., c0:c1, None], float("-inf"))  # a slot is not its own near-duplicate
         blk.gt_(threshold)
         if threshold < 0:  # invalid rows have cos 0, which passes: mask them explicitly

@@ -1,0 +1,47 @@
+"""kvrl's native CPU ops, built on first use: ``torch.ops.kvrl_cpu``.
+
+``cpu_cache.cpp`` reads and compacts vLLM's CPU paged cache (:mod:`kvrl.kernels.cpu_cache`);
+``cpu_scores.cpp`` computes R-KV's and G-KV's key redundancy (:mod:`kvrl.kernels.scores`)
+one head at a time. Each op has a torch reference of the same semantics, which the tests
+compare it with and which runs where the ops cannot be built.
+
+The build uses torch's C++ extension loader (a C++ compiler and ninja; ~30 s once, cached
+in ``~/.cache/torch_extensions``, rebuilt when a source changes).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = ("cpu_cache.cpp", "cpu_scores.cpp")
+# Vector instructions by the capability torch detects at run time; each capability builds
+# its own library (the name carries it), so a cache folder shared by different CPUs holds
+# one per kind instead of code that faults on the other.
+FLAGS = {"AVX2": ["-mavx2", "-mfma"], "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]}
+
+
+@functools.cache
+def ops():
+    """``torch.ops.kvrl_cpu`` once built, else None (with one warning naming the fix)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        here = Path(__file__).parent
+        capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels use here
+        load(name=f"kvrl_cpu_{capability.lower()}", sources=[str(here / s) for s in SOURCES],
+             extra_cflags=["-O3", *FLAGS.get(capability, [])], is_python_module=False, verbose=False)
+        return torch.ops.kvrl_cpu
+    except Exception as exc:  # no compiler, no ninja, an unwritable cache folder
+        warnings.warn(f"kvrl's native CPU ops did not build ({type(exc).__name__}: {exc}); reading and compacting "
+                      "the vLLM cache and the key redundancy fall back to torch ops, 2-4x slower. Install g++ and "
+                      "ninja (pip install ninja) to build them.", stacklevel=2)
+        return None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the native ops apply: CPU tensors outside autograd, and the ops built."""
+    return all(t.device.type == "cpu" and not t.requires_grad for t in tensors) and ops() is not None
