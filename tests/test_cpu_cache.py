@@ -88,3 +88,17 @@ def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch):
     with pytest.warns(UserWarning):
         k, v = cpu_cache.paged_read(kv, blocks, 9)
     assert torch.equal(k, cpu_cache.paged_read_ref(kv, blocks, 9)[0])
+
+
+def test_compact_refuses_what_would_write_outside_the_request():
+    kv, blocks = cache(torch.float32), tables(1, 6, 40)
+    before = kv.clone()
+    descending = torch.arange(8).flip(0).view(1, 1, 8).expand(1, 3, 8).contiguous()
+    with pytest.raises(RuntimeError, match="keep must hold ascending slots of the block table"):
+        cpu_cache.paged_compact_(kv, blocks, descending, None)
+    beyond = (torch.arange(8) + 17).view(1, 1, 8).expand(1, 3, 8).contiguous()  # slot 24: past the 6-block table
+    with pytest.raises(RuntimeError, match="keep must hold ascending slots of the block table"):
+        cpu_cache.paged_compact_(kv, blocks, beyond, None)
+    with pytest.raises(RuntimeError, match="is outside the cache's 40 blocks"):
+        cpu_cache.paged_read(kv, blocks + 100, 8)
+    assert torch.equal(kv[blocks[0, 1:].long()], before[blocks[0, 1:].long()])

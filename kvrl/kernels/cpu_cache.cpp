@@ -16,14 +16,14 @@
 namespace {
 
 struct Geometry {
-  int64_t heads, bs, d;
+  int64_t blocks, heads, bs, d;
   int64_t region() const { return 2 * bs * d; }
 };
 
 Geometry geometry(const at::Tensor& kv) {
   TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.device().is_cpu(),
               "kv_cache must be a contiguous CPU tensor [num_blocks, H, block_size, 2*D]");
-  return {kv.size(1), kv.size(2), kv.size(3) / 2};
+  return {kv.size(0), kv.size(1), kv.size(2), kv.size(3) / 2};
 }
 
 // K as [R, H, D, nblk*bs] and V as [R, H, nblk*bs, D] of the first nblk blocks of each table:
@@ -38,7 +38,10 @@ void read_impl(const T* kv, const int64_t* blocks, int64_t table_stride, T* k_ou
       T* kt = k_out + rh * g.d * n;
       T* v = v_out + rh * n * g.d;
       for (int64_t b = 0; b < nblk; ++b) {
-        const T* region = kv + (blocks[r * table_stride + b] * g.heads + h) * g.region();
+        const int64_t block = blocks[r * table_stride + b];
+        TORCH_CHECK(block >= 0 && block < g.blocks, "block table entry ", block, " is outside the cache's ", g.blocks,
+                    " blocks");
+        const T* region = kv + (block * g.heads + h) * g.region();
         for (int64_t d = 0; d < g.d; ++d)
           std::memcpy(kt + d * n + b * g.bs, region + d * g.bs, g.bs * sizeof(T));
         std::memcpy(v + b * g.bs * g.d, region + g.bs * g.d, g.bs * g.d * sizeof(T));
@@ -52,22 +55,29 @@ void read_impl(const T* kv, const int64_t* blocks, int64_t table_stride, T* k_ou
 // V slot by slot in ascending slot order, and a source is never a slot already written.
 template <typename T>
 void compact_impl(T* kv, const int64_t* blocks, int64_t table_stride, const int64_t* keep, const int64_t* counts,
-                  int64_t rows, int64_t k, Geometry g) {
+                  int64_t rows, int64_t k, int64_t table_len, Geometry g) {
   at::parallel_for(0, rows * g.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<const T*> src(g.bs);
     std::vector<int64_t> off(g.bs);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / g.heads, h = rh % g.heads;
       const int64_t count = counts ? counts[r] : k;
+      TORCH_CHECK(count >= 0 && count <= k, "counts[", r, "] = ", count, " is outside 0..", k);
       const int64_t* kp = keep + rh * k;
       const int64_t* table = blocks + r * table_stride;
       auto region = [&](int64_t slot) { return kv + (table[slot / g.bs] * g.heads + h) * g.region(); };
       for (int64_t j0 = 0; j0 < count; j0 += g.bs) {
         const int64_t width = std::min(g.bs, count - j0);
+        TORCH_CHECK(table[j0 / g.bs] >= 0 && table[j0 / g.bs] < g.blocks, "block table entry outside the cache");
         T* dst = region(j0);
         bool moved = false;
         for (int64_t i = 0; i < width; ++i) {
           const int64_t s = kp[j0 + i];
+          // ascending and within the table: the in-place order never reads a written slot,
+          // and nothing outside the request's blocks is touched
+          TORCH_CHECK(s >= j0 + i && s < table_len * g.bs && (j0 + i == 0 || s > kp[j0 + i - 1]),
+                      "keep must hold ascending slots of the block table; got slot ", s, " at position ", j0 + i);
+          TORCH_CHECK(table[s / g.bs] >= 0 && table[s / g.bs] < g.blocks, "block table entry outside the cache");
           src[i] = region(s);
           off[i] = s % g.bs;
           moved |= s != j0 + i;
@@ -123,7 +133,7 @@ void paged_compact_(at::Tensor kv_cache, const at::Tensor& blocks, const at::Ten
   }
   KVRL_BY_SIZE(kv_cache.element_size(),
                compact_impl<T>(static_cast<T*>(kv_cache.data_ptr()), blocks.data_ptr<int64_t>(), blocks.stride(0),
-                               keep.data_ptr<int64_t>(), cp, keep.size(0), keep.size(2), g));
+                               keep.data_ptr<int64_t>(), cp, keep.size(0), keep.size(2), blocks.size(1), g));
 }
 
 }  // namespace

@@ -98,6 +98,7 @@ at::Tensor redundancy(const at::Tensor& k, const at::Tensor& norm, const at::Ten
       float* __restrict__ found = found_.data();
       int32_t* __restrict__ at = at_.data();
       for (int64_t j = 0; j < n; ++j) {
+        TORCH_CHECK(pi[j] >= -1 && pi[j] < n, "pick ", pi[j], " is no slot of the ", n, " (or -1)");
         at[j] = pi[j] >= 0 ? static_cast<int32_t>(pi[j]) : 0;
         found[j] = pi[j] >= 0 ? 1.f : 0.f;
       }
@@ -171,6 +172,7 @@ at::Tensor block_extremes(at::Tensor blk, const at::Tensor& cols, const at::Tens
       float* __restrict__ nw = np_ + i * n;
       for (int64_t q = 0; q < c; ++q) {
         float* __restrict__ row = bp + (i * c + q) * n;
+        TORCH_CHECK(cp[i * c + q] >= 0 && cp[i * c + q] < n, "column ", cp[i * c + q], " is no slot of the ", n);
         row[cp[i * c + q]] = -std::numeric_limits<float>::infinity();
         float ex = 0.f;
         if (last) {
