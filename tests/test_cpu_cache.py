@@ -101,4 +101,7 @@ def test_compact_refuses_what_would_write_outside_the_request():
         cpu_cache.paged_compact_(kv, blocks, beyond, None)
     with pytest.raises(RuntimeError, match="is outside the cache's 40 blocks"):
         cpu_cache.paged_read(kv, blocks + 100, 8)
+    identity = torch.arange(8).view(1, 1, 8).expand(1, 3, 8).contiguous()
+    with pytest.raises(RuntimeError, match="is outside the cache's 40 blocks"):
+        cpu_cache.paged_compact_(kv, blocks + 100, identity, None)
     assert torch.equal(kv[blocks[0, 1:].long()], before[blocks[0, 1:].long()])

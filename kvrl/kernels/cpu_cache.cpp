@@ -20,6 +20,18 @@ struct Geometry {
   int64_t region() const { return 2 * bs * d; }
 };
 
+// A block table entry must name a block of this cache: anything else would read or write
+// outside it.
+void check_block(int64_t block, const Geometry& g) {
+  TORCH_CHECK(block >= 0 && block < g.blocks, "block table entry ", block, " is outside the cache's ", g.blocks,
+              " blocks");
+}
+
+void check_tables(const at::Tensor& blocks) {
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.stride(1) == 1,
+              "blocks must be int64 [R, nb] with unit column stride");
+}
+
 Geometry geometry(const at::Tensor& kv) {
   TORCH_CHECK(kv.dim() == 4 && kv.is_contiguous() && kv.device().is_cpu(),
               "kv_cache must be a contiguous CPU tensor [num_blocks, H, block_size, 2*D]");
@@ -39,8 +51,7 @@ void read_impl(const T* kv, const int64_t* blocks, int64_t table_stride, T* k_ou
       T* v = v_out + rh * n * g.d;
       for (int64_t b = 0; b < nblk; ++b) {
         const int64_t block = blocks[r * table_stride + b];
-        TORCH_CHECK(block >= 0 && block < g.blocks, "block table entry ", block, " is outside the cache's ", g.blocks,
-                    " blocks");
+        check_block(block, g);
         const T* region = kv + (block * g.heads + h) * g.region();
         for (int64_t d = 0; d < g.d; ++d)
           std::memcpy(kt + d * n + b * g.bs, region + d * g.bs, g.bs * sizeof(T));
@@ -68,7 +79,7 @@ void compact_impl(T* kv, const int64_t* blocks, int64_t table_stride, const int6
       auto region = [&](int64_t slot) { return kv + (table[slot / g.bs] * g.heads + h) * g.region(); };
       for (int64_t j0 = 0; j0 < count; j0 += g.bs) {
         const int64_t width = std::min(g.bs, count - j0);
-        TORCH_CHECK(table[j0 / g.bs] >= 0 && table[j0 / g.bs] < g.blocks, "block table entry outside the cache");
+        check_block(table[j0 / g.bs], g);
         T* dst = region(j0);
         bool moved = false;
         for (int64_t i = 0; i < width; ++i) {
@@ -77,7 +88,7 @@ void compact_impl(T* kv, const int64_t* blocks, int64_t table_stride, const int6
           // and nothing outside the request's blocks is touched
           TORCH_CHECK(s >= j0 + i && s < table_len * g.bs && (j0 + i == 0 || s > kp[j0 + i - 1]),
                       "keep must hold ascending slots of the block table; got slot ", s, " at position ", j0 + i);
-          TORCH_CHECK(table[s / g.bs] >= 0 && table[s / g.bs] < g.blocks, "block table entry outside the cache");
+          check_block(table[s / g.bs], g);
           src[i] = region(s);
           off[i] = s % g.bs;
           moved |= s != j0 + i;
@@ -105,8 +116,7 @@ void compact_impl(T* kv, const int64_t* blocks, int64_t table_stride, const int6
 
 std::tuple<at::Tensor, at::Tensor> paged_read(const at::Tensor& kv_cache, const at::Tensor& blocks, int64_t n) {
   const Geometry g = geometry(kv_cache);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.stride(1) == 1,
-              "blocks must be int64 [R, nb] with unit column stride");
+  check_tables(blocks);
   const int64_t rows = blocks.size(0), nblk = (n + g.bs - 1) / g.bs;
   TORCH_CHECK(nblk <= blocks.size(1), "n = ", n, " needs ", nblk, " blocks, the tables hold ", blocks.size(1));
   auto k_t = at::empty({rows, g.heads, g.d, nblk * g.bs}, kv_cache.options());
@@ -120,8 +130,7 @@ std::tuple<at::Tensor, at::Tensor> paged_read(const at::Tensor& kv_cache, const 
 void paged_compact_(at::Tensor kv_cache, const at::Tensor& blocks, const at::Tensor& keep,
                     const std::optional<at::Tensor>& counts) {
   const Geometry g = geometry(kv_cache);
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.stride(1) == 1,
-              "blocks must be int64 [R, nb] with unit column stride");
+  check_tables(blocks);
   TORCH_CHECK(keep.dim() == 3 && keep.scalar_type() == at::kLong && keep.is_contiguous() &&
                   keep.size(0) == blocks.size(0) && keep.size(1) == g.heads,
               "keep must be contiguous int64 [R, H, K]");

@@ -51,7 +51,7 @@ def paged_compact_(kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tenso
     if not (kv_cache.is_contiguous() and native.usable(kv_cache)):
         return paged_compact_ref(kv_cache, blocks, keep, counts)
     native.ops().paged_compact_(kv_cache, blocks.long(), keep.long().contiguous(),
-                       None if counts is None else counts.long().contiguous())
+                                None if counts is None else counts.long().contiguous())
 
 
 def paged_read_ref(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:

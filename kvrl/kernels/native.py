@@ -5,7 +5,7 @@
 one head at a time. Each op has a torch reference of the same semantics, which the tests
 compare it with and which runs where the ops cannot be built.
 
-The build uses torch's C++ extension loader (a C++ compiler and ninja; ~30 s once, cached
+The build uses torch's C++ extension loader (a C++ compiler and ninja; about 20 s once, cached
 in ``~/.cache/torch_extensions``, rebuilt when a source changes).
 """
 

@@ -3,8 +3,8 @@
 Each function here is the specification for a later Triton kernel with the same signature,
 which is tested against it. On a CPU outside autograd, the key redundancy's per-head passes
 (normalising the keys, the row sums, the thresholded cosine blocks) run as native ops
-(:mod:`kvrl.kernels.native`), tested against the torch code here. Everything is computed in float32, like the references' fp32
-softmax, whatever the dtype of the inputs.
+(:mod:`kvrl.kernels.native`), tested against the torch code here. Everything is computed
+in float32, like the references' fp32 softmax, whatever the dtype of the inputs.
 
 Shapes: B batch, H KV heads, Hq = H·G query heads, W observation queries, N cache slots,
 D head dim. Query heads ``h·G … h·G+G−1`` belong to KV head ``h`` (consecutive grouping,
