@@ -6,7 +6,9 @@ import zlib
 import pytest
 import torch
 
-from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update, pool_slots, window_attention
+from kvrl.kernels import native
+from kvrl.kernels.scores import (attention_received, gather_slots, key_redundancy, key_redundancy_update, pool_slots,
+                                 window_attention)
 
 
 def naive_window_attention(queries, keys, key_pos, query_pos, scaling, gqa, order, candidates_only):
@@ -83,6 +85,36 @@ def test_window_attention_at_an_eviction(gqa, order):
     torch.testing.assert_close(graded.detach(), got)
     graded[..., :n - w].sum().backward()
     assert keys.grad is not None and keys.grad.isfinite().all() and keys.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+@pytest.mark.parametrize("order", ["softmax_then_pool", "pool_then_softmax"])
+@pytest.mark.parametrize("candidates_only", [False, True])
+@pytest.mark.parametrize("use_native", [True, False])
+def test_attention_received_matches_loop(gqa, order, candidates_only, use_native, monkeypatch):
+    """The sum over the queries that H2O, SnapKV, R-KV and G-KV score with, on the native CPU
+    op (kvrl/kernels/cpu_scores.cpp) and on torch: the loop's sum within float32 rounding.
+    21 slots (two 8-lane blocks and a tail), keys in the engine's transposed layout, logits up
+    to about ±60 so that the exponentials span the float32 range."""
+    if use_native and native.ops() is None:
+        pytest.skip("the native CPU ops did not build here")
+    monkeypatch.setattr(native, "usable", lambda *t: use_native)
+    torch.manual_seed(1)
+    b, h, g, n, w, d = 3, 2, 4, 21, 5, 8
+    queries = torch.randn(b, h * g, w, d) * 3
+    keys = (torch.randn(b, h, d, n) * 3).transpose(-1, -2)
+    key_pos = torch.arange(n).expand(b, h, n).clone()
+    key_pos[1, :, :3] = -1  # left padding
+    key_pos[1, 1, 9] = -1  # an empty slot in the middle of one head
+    key_pos[0, 0] = torch.tensor([0, 2, 3, *range(5, 23)])  # a compacted head: gaps
+    query_pos = torch.tensor([[18, 19, 20, 21, 22], [-1, 16, 18, 19, 20], [-1, -1, -1, -1, -1]])
+    key_pos[0, 1, -1] = 24  # a slot no query sees
+    got = attention_received(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order,
+                             candidates_only=candidates_only)
+    want = naive_window_attention(queries, keys, key_pos, query_pos, 0.5, gqa, order, candidates_only).sum(2)
+    assert got.shape == (b, h, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert (got[2] == 0).all() and (got[1, :, :3] == 0).all() and got[0, 1, -1] == 0
 
 
 def test_window_attention_rejects_bad_options():

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -192,6 +193,127 @@ at::Tensor block_extremes(at::Tensor blk, const at::Tensor& cols, const at::Tens
   return extreme;
 }
 
+
+// exp(x) for x ≤ 0 (Cephes expf: 2ⁿ·e^r with |r| ≤ ln2/2, within 2 ulp), in plain float and
+// integer operations so that the compiler vectorises the loops that call it; std::exp does not
+// vectorise without -ffast-math. Below −87.3 it returns about 1e-38 instead of a denormal.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.3f);
+  const float shift = 12582912.f;  // 1.5·2²³: adding it rounds x·log2(e) to an integer in the low bits
+  const float t = x * 1.44269504f + shift;
+  const float n = t - shift;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &t, 4);
+  bits = (bits - 0x4B400000 + 127) << 23;  // the integer n, as the exponent field of 2ⁿ
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// The softmax of the visible slots (seen[j] = 1) of src without its division: dst[j] ←
+// exp(src[j] − max), 0 where not seen; returns 1 / Σ dst, or 0 when the row sees nothing. The
+// callers fold the division into the pass that reads dst.
+float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, const float* __restrict__ seen,
+                    int64_t n) {
+  const float none = -std::numeric_limits<float>::infinity();
+  float most[8] = {none, none, none, none, none, none, none, none};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int t = 0; t < 8; ++t) most[t] = std::max(most[t], seen[j + t] > 0.f ? src[j + t] : none);
+  float top = none;
+  for (; j < n; ++j) top = std::max(top, seen[j] > 0.f ? src[j] : none);
+  for (int t = 0; t < 8; ++t) top = std::max(top, most[t]);
+  if (top == none) return 0.f;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (j = 0; j + 8 <= n; j += 8)
+    for (int t = 0; t < 8; ++t) {
+      dst[j + t] = exp_neg(src[j + t] - top) * seen[j + t];
+      acc[t] += dst[j + t];
+    }
+  float total = 0.f;
+  for (; j < n; ++j) {
+    dst[j] = exp_neg(src[j] - top) * seen[j];
+    total += dst[j];
+  }
+  for (int t = 0; t < 8; ++t) total += acc[t];
+  return 1.f / total;
+}
+
+// window_attention(...).sum(2) of kvrl/kernels/scores.py from the observation queries' logits
+// [B, H, G·W, N] (query head g of the group, query w at row g·W + w), one (sample, head) at a
+// time: masks by true position, softmax per query head then the pool over the group (or the
+// pool of the logits then one softmax), the sum over the queries; [B, H, N].
+at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_pos, const at::Tensor& query_pos,
+                              int64_t groups, bool mean, bool pool_first, bool candidates_only) {
+  TORCH_CHECK(logits.dim() == 4 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "logits must be a contiguous float32 tensor [B, H, G*W, N]");
+  const int64_t b = logits.size(0), h = logits.size(1), n = logits.size(3), w = query_pos.size(-1);
+  TORCH_CHECK(query_pos.scalar_type() == at::kLong && query_pos.is_contiguous() && query_pos.dim() == 2 &&
+                  query_pos.size(0) == b && groups * w == logits.size(2),
+              "query_pos must be a contiguous int64 tensor [B, W] with G*W = ", logits.size(2));
+  TORCH_CHECK(key_pos.scalar_type() == at::kLong && key_pos.is_contiguous() &&
+                  key_pos.sizes() == at::IntArrayRef({b, h, n}),
+              "key_pos must be a contiguous int64 tensor [B, H, N]");
+  auto out = at::zeros({b, h, n}, logits.options());
+  const float* lp = logits.data_ptr<float>();
+  const int64_t* kp = key_pos.data_ptr<int64_t>();
+  const int64_t* qp = query_pos.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> seen_(n), row_(n), pooled_(n);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* qi = qp + (i / h) * w;
+      const int64_t* ki = kp + i * n;
+      // R-KV's candidates_only: the queries' own keys (from the first valid query position on)
+      // are left out of every softmax.
+      int64_t first = std::numeric_limits<int64_t>::max();
+      if (candidates_only)
+        for (int64_t q = 0; q < w; ++q)
+          if (qi[q] >= 0) first = std::min(first, qi[q]);
+      float* __restrict__ seen = seen_.data();
+      float* __restrict__ row = row_.data();
+      float* __restrict__ pooled = pooled_.data();
+      float* __restrict__ oi = op + i * n;
+      for (int64_t q = 0; q < w; ++q) {
+        const int64_t pos = qi[q];
+        if (pos < 0) continue;  // a padding query sees nothing
+        for (int64_t j = 0; j < n; ++j) seen[j] = (ki[j] >= 0 && ki[j] <= pos && ki[j] < first) ? 1.f : 0.f;
+        if (pool_first) {  // pool the group's logits, then one softmax
+          const float* l0 = lp + (i * groups * w + q) * n;
+          std::copy(l0, l0 + n, pooled);
+          for (int64_t g = 1; g < groups; ++g) {
+            const float* __restrict__ lg = l0 + g * w * n;
+            for (int64_t j = 0; j < n; ++j) pooled[j] = mean ? pooled[j] + lg[j] : std::max(pooled[j], lg[j]);
+          }
+          if (mean)
+            for (int64_t j = 0; j < n; ++j) pooled[j] /= static_cast<float>(groups);
+          const float inv = softmax_terms(pooled, row, seen, n);
+          if (inv > 0.f)
+            for (int64_t j = 0; j < n; ++j) oi[j] += row[j] * inv;
+          continue;
+        }
+        std::fill(pooled, pooled + n, 0.f);  // a softmax per query head, then the pool
+        for (int64_t g = 0; g < groups; ++g) {
+          const float inv = softmax_terms(lp + ((i * groups + g) * w + q) * n, row, seen, n);
+          if (inv == 0.f) break;  // no visible slot, for any head of the group
+          for (int64_t j = 0; j < n; ++j) pooled[j] = mean ? pooled[j] + row[j] * inv : std::max(pooled[j], row[j] * inv);
+        }
+        const float scale = mean ? 1.f / static_cast<float>(groups) : 1.f;
+        for (int64_t j = 0; j < n; ++j) oi[j] += pooled[j] * scale;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvrl_cpu, m) {
@@ -199,10 +321,13 @@ TORCH_LIBRARY_FRAGMENT(kvrl_cpu, m) {
   m.def("redundancy(Tensor k, Tensor norm, Tensor valid, Tensor pick, float eps) -> Tensor");
   m.def("block_extremes(Tensor(a!) blk, Tensor cols, Tensor new_code, Tensor valid, float threshold, bool last, "
         "Tensor(b!) newest) -> Tensor");
+  m.def("attention_received(Tensor logits, Tensor key_pos, Tensor query_pos, int groups, bool mean, bool pool_first, "
+        "bool candidates_only) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvrl_cpu, CPU, m) {
   m.impl("unit_keys", &unit_keys);
   m.impl("redundancy", &redundancy);
   m.impl("block_extremes", &block_extremes);
+  m.impl("attention_received", &attention_received);
 }

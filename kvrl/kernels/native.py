@@ -1,8 +1,9 @@
 """kvrl's native CPU ops, built on first use: ``torch.ops.kvrl_cpu``.
 
 ``cpu_cache.cpp`` reads and compacts vLLM's CPU paged cache (:mod:`kvrl.kernels.cpu_cache`);
-``cpu_scores.cpp`` computes R-KV's and G-KV's key redundancy (:mod:`kvrl.kernels.scores`)
-one head at a time. Each op has a torch reference of the same semantics, which the tests
+``cpu_scores.cpp`` computes the attention the observation queries pay each slot (H2O, SnapKV,
+R-KV, G-KV) and R-KV's and G-KV's key redundancy (:mod:`kvrl.kernels.scores`) one head at a
+time. Each op has a torch reference of the same semantics, which the tests
 compare it with and which runs where the ops cannot be built.
 
 The build uses torch's C++ extension loader (a C++ compiler and ninja; about 20 s once, cached
@@ -33,11 +34,11 @@ def ops():
         here = Path(__file__).parent
         capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels use here
         load(name=f"kvrl_cpu_{capability.lower()}", sources=[str(here / s) for s in SOURCES],
-             extra_cflags=["-O3", *FLAGS.get(capability, [])], is_python_module=False, verbose=False)
+             extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])], is_python_module=False, verbose=False)
         return torch.ops.kvrl_cpu
     except Exception as exc:  # no compiler, no ninja, an unwritable cache folder
         warnings.warn(f"kvrl's native CPU ops did not build ({type(exc).__name__}: {exc}); reading and compacting "
-                      "the vLLM cache and the key redundancy fall back to torch ops, 2-4x slower. Install g++ and "
+                      "the vLLM cache and the policies' scores fall back to torch ops, 2-4x slower. Install g++ and "
                       "ninja (pip install ninja) to build them.", stacklevel=2)
         return None
 

@@ -1,8 +1,9 @@
 """Scoring ops shared by the KV policies (torch reference implementations).
 
 Each function here is the specification for a later Triton kernel with the same signature,
-which is tested against it. On a CPU outside autograd, the key redundancy's per-head passes
-(normalising the keys, the row sums, the thresholded cosine blocks) run as native ops
+which is tested against it. On a CPU outside autograd, the passes after the observation
+window's logits (masks, softmax, pool, sum over the queries) and the key redundancy's per-head
+passes (normalising the keys, the row sums, the thresholded cosine blocks) run as native ops
 (:mod:`kvrl.kernels.native`), tested against the torch code here. Everything is computed
 in float32, like the references' fp32 softmax, whatever the dtype of the inputs.
 
@@ -56,18 +57,9 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
         Probabilities; causal by true positions (query q sees key k iff 0 ≤ k ≤ q); invalid
         slots, and rows of queries that see no key at all, are 0.
     """
-    if gqa not in _GQA:
-        raise ValueError(f"gqa={gqa!r} is not one of {_GQA}")
-    if order not in _ORDERS:
-        raise ValueError(f"order={order!r} is not one of {_ORDERS}")
-    b, hq, w, d = queries.shape
+    b, hq, w, _ = queries.shape
     h, n = keys.shape[1], keys.shape[2]
-    if hq % h:
-        raise ValueError(f"queries have {hq} heads, not a multiple of the {h} KV heads of keys")
-    # Scaled queries (W·D values, not W·N logits) and in-place masking: at a vLLM eviction
-    # of many requests each pass over the [B, H, G, W, N] logits is the cost.
-    q = (queries.float() * scaling).reshape(b, h, hq // h * w, d)
-    logits = (q @ keys.float().transpose(-1, -2)).view(b, h, hq // h, w, n)
+    logits = _logits(queries, keys, scaling, gqa, order).view(b, h, hq // h, w, n)
     # A finite fill instead of -inf: a row with nothing visible becomes uniform instead of
     # NaN and is zeroed below, so no NaN can reach a gradient through torch.where. The fill
     # comes after pooling the logits (a mean of fills would overflow to -inf). Masks apply
@@ -107,6 +99,42 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
         return torch.cat([probs[..., :lo], probs[..., lo:] * visible], -1)
     probs[..., lo:].mul_(visible)
     return probs
+
+
+def attention_received(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
+                       query_pos: torch.Tensor, scaling: float, *, gqa: str = "max",
+                       order: str = "softmax_then_pool", candidates_only: bool = False) -> torch.Tensor:
+    """The attention each slot received from the observation queries, summed over them:
+    ``window_attention(...).sum(2)``, [B, H, N] float32 (same parameters).
+
+    H2O, SnapKV, R-KV and G-KV all need only this sum. On a CPU outside autograd it is one
+    native pass over the logits per (sample, KV head), which stay in the core's cache
+    (``cpu_scores.cpp``); torch's masked fill, softmax, pool and sum are a pass each over the
+    [B, H, G, W, N] logits, most of an H2O or SnapKV eviction after the matmul.
+    """
+    if native.usable(queries, keys):
+        logits = _logits(queries, keys, scaling, gqa, order)
+        return native.ops().attention_received(logits, key_pos.contiguous(), query_pos.contiguous(),
+                                               queries.shape[1] // keys.shape[1], gqa == "mean", order == "pool_then_softmax",
+                                               candidates_only)
+    return window_attention(queries, keys, key_pos, query_pos, scaling, gqa=gqa, order=order,
+                            candidates_only=candidates_only).sum(2)
+
+
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, gqa: str, order: str) -> torch.Tensor:
+    """Scaled float32 logits [B, H, G·W, N] of each KV head's query group over its keys."""
+    if gqa not in _GQA:
+        raise ValueError(f"gqa={gqa!r} is not one of {_GQA}")
+    if order not in _ORDERS:
+        raise ValueError(f"order={order!r} is not one of {_ORDERS}")
+    b, hq, w, d = queries.shape
+    h = keys.shape[1]
+    if hq % h:
+        raise ValueError(f"queries have {hq} heads, not a multiple of the {h} KV heads of keys")
+    # Scaled queries (W·D values, not W·N logits): at a vLLM eviction of many requests each
+    # pass over the logits is the cost.
+    q = (queries.float() * scaling).reshape(b, h, hq // h * w, d)
+    return q @ keys.float().transpose(-1, -2)
 
 
 _DIRECTIONS = ("last", "first")

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvrl.kernels.scores import key_redundancy_update, pool_slots, window_attention
+from kvrl.kernels.scores import attention_received, key_redundancy_update, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 from kvrl.policies.rkv import check_threshold
 
@@ -103,13 +103,13 @@ class GKV(KVPolicy):
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, S]: F (NaN outside the candidates), the picks."""
-        attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
-                                gqa="max", order="softmax_then_pool")
+        attn = attention_received(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
+                                  gqa="max", order="softmax_then_pool")
         valid = obs.key_pos >= 0
         candidates = valid & ~self.always_kept(obs.key_pos)
         tiny = torch.finfo(torch.float32).tiny  # guards a head whose candidates all have 0
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
-        local = attn.sum(2) / n_queries * candidates
+        local = attn / n_queries * candidates
         glob = local
         # Without the score cache nothing carries over between evictions, the picks included.
         nan = float("nan")

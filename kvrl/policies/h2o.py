@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import window_attention
+from kvrl.kernels.scores import attention_received
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -39,6 +39,6 @@ class H2O(KVPolicy):
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, 1], the accumulated attention."""
-        attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling, gqa="mean")
-        acc = self.previous_state(obs)[..., 0].nan_to_num(0.0) + attn.sum(2)
+        attn = attention_received(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling, gqa="mean")
+        acc = self.previous_state(obs)[..., 0].nan_to_num(0.0) + attn
         return acc, acc[..., None]

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import key_redundancy_update, pool_slots, window_attention
+from kvrl.kernels.scores import attention_received, key_redundancy_update, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -88,12 +88,12 @@ class RKV(KVPolicy):
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, 1] (the picks)."""
-        attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
-                                gqa="max", order="pool_then_softmax", candidates_only=True)
+        attn = attention_received(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
+                                  gqa="max", order="pool_then_softmax", candidates_only=True)
         valid = obs.key_pos >= 0
         candidates = valid & ~self.always_kept(obs.key_pos)
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
-        importance = pool_slots(attn.sum(2) / n_queries, candidates, self.kernel_size, "max")
+        importance = pool_slots(attn / n_queries, candidates, self.kernel_size, "max")
         redundancy, pick = key_redundancy_update(obs.keys, obs.key_pos, self.previous_state(obs)[..., 0],
                                                  self.threshold, retain_direction=self.retain_direction)
         return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, pick[..., None]

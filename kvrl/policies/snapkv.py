@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from kvrl.kernels.scores import pool_slots, window_attention
+from kvrl.kernels.scores import attention_received, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -43,6 +43,6 @@ class SnapKV(KVPolicy):
 
     def score(self, obs: Observation) -> tuple[Tensor, None]:
         """Keep-scores [B, H, N]: pooled window attention of the candidates."""
-        attn = window_attention(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling, gqa="mean")
+        attn = attention_received(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling, gqa="mean")
         candidates = (obs.key_pos >= 0) & ~self.always_kept(obs.key_pos)
-        return pool_slots(attn.sum(2), candidates, self.kernel_size, "avg"), None
+        return pool_slots(attn, candidates, self.kernel_size, "avg"), None
