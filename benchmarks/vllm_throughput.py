@@ -4,7 +4,7 @@ The model is built here from a config (random weights; EOS ignored, so every req
 decodes exactly ``--new`` tokens): Llama, 8 layers, hidden 512, 8 query / 2 KV heads of
 size 64, float32 — 8 KiB of KV per token, so at the mean context the KV read per decode
 step exceeds the weight read, as for the seed models at reasoning lengths. One torch
-thread. Three settings, one JSON line each:
+thread. Four settings, one JSON line each:
 
 ``equal``  the same batch (``--batch``, default 16) with the full cache and with each
     policy (interleaved, best of ``--repeats``): ``ratio`` = compressed/full tokens/s;
@@ -26,11 +26,17 @@ thread. Three settings, one JSON line each:
     would cost. StreamingLLM scores nothing (its eviction is the reads, selection and
     compaction every policy pays), so when it runs too, ``bound_share`` = its share plus a
     policy's floor share: the least that policy's eviction can cost on this data path.
+``bookkeeping``  what token mode costs besides eviction: the same batch with the full cache
+    and with StreamingLLM at a budget above every sequence (it never evicts, but plans each
+    step, remaps the slots, writes positions and keeps the query ring), interleaved, best of
+    ``--repeats``; ``overhead`` = 1 − full/no-eviction wall time. Achieved/predicted in
+    ``equal`` cannot exceed 1 − overhead − the eviction share.
 
     python benchmarks/vllm_throughput.py equal --batch 16
     python benchmarks/vllm_throughput.py equal --batch 64
     python benchmarks/vllm_throughput.py fixed
     python benchmarks/vllm_throughput.py calls --concurrency 1,16,64
+    python benchmarks/vllm_throughput.py bookkeeping --batch 64 --new 256 --repeats 3 --policies streaming
 
 Policies: ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``gkv`` at ``--budget``/``--interval``
 (sink 4, window 16), ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent
@@ -45,6 +51,7 @@ import json
 import os
 import tempfile
 import time
+import warnings
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -193,6 +200,21 @@ def fixed(args, engine, layers, kv_heads):
     return result
 
 
+def bookkeeping(args, engine, layers, kv_heads):
+    batch = prompts(args.batch)
+    sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
+    never = make_policy("streaming", budget=2 * (100 + args.new), interval=args.interval, window=16, sink=4)
+    best: dict[str, float] = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="kv budget")  # "will never evict": the point here
+        for _ in range(args.repeats):
+            for name, policy in (("full", None), ("no_evictions", never)):
+                best[name] = min(best.get(name, float("inf")), run(engine, batch, sampling, policy)[0])
+    return {"setting": "bookkeeping", "batch": args.batch, "new_tokens": args.new, "repeats": args.repeats,
+            "wall_s": {k: round(v, 2) for k, v in best.items()},
+            "overhead": round(1 - best["full"] / best["no_evictions"], 4)}
+
+
 def timing(owner, attr: str, spent: dict):
     """Replace ``owner.attr`` with a version that adds its wall seconds to ``spent[attr]``;
     returns what restores it."""
@@ -305,7 +327,7 @@ def calls(args, engine, layers, kv_heads):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("setting", choices=["equal", "fixed", "calls"])
+    ap.add_argument("setting", choices=["equal", "fixed", "calls", "bookkeeping"])
     ap.add_argument("--model", help="a model folder (default: build the benchmark model in a temporary folder)")
     ap.add_argument("--policies", default=",".join(TOKEN_POLICIES) + ",heads")
     ap.add_argument("--budget", type=int, default=256)
@@ -335,7 +357,7 @@ def main():
     warm = Sampling(max_new_tokens=40, ignore_eos=True)
     for name in ["full", *args.policies.split(",")]:  # warm-up: first calls compile and allocate
         engine.generate(prompts(2), warm, policy=make(name, args, layers, kv_heads))
-    setting = {"equal": equal, "fixed": fixed, "calls": calls}[args.setting]
+    setting = {"equal": equal, "fixed": fixed, "calls": calls, "bookkeeping": bookkeeping}[args.setting]
     print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": 1,
                       **setting(args, engine, layers, kv_heads)}))
 
