@@ -131,7 +131,7 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     runlog = RunLog(out, fresh=cfg.resume == "never")
 
     # ---- 1. trace data (full cache, kept when correct and long enough), on the trace actors
-    fs, kv = cfg.foresight, cfg.kv
+    kv = cfg.kv
     splits = write_splits(cfg)
     model, _ = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
     model.requires_grad_(False)
