@@ -193,7 +193,6 @@ at::Tensor block_extremes(at::Tensor blk, const at::Tensor& cols, const at::Tens
   return extreme;
 }
 
-
 // exp(x) for x ≤ 0 (Cephes expf: 2ⁿ·e^r with |r| ≤ ln2/2, within 2 ulp), in plain float and
 // integer operations so that the compiler vectorises the loops that call it; std::exp does not
 // vectorise without -ffast-math. Below −87.3 it returns about 1e-38 instead of a denormal.
@@ -304,7 +303,8 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
         for (int64_t g = 0; g < groups; ++g) {
           const float inv = softmax_terms(lp + ((i * groups + g) * w + q) * n, row, seen, n);
           if (inv == 0.f) break;  // no visible slot, for any head of the group
-          for (int64_t j = 0; j < n; ++j) pooled[j] = mean ? pooled[j] + row[j] * inv : std::max(pooled[j], row[j] * inv);
+          for (int64_t j = 0; j < n; ++j)
+            pooled[j] = mean ? pooled[j] + row[j] * inv : std::max(pooled[j], row[j] * inv);
         }
         const float scale = mean ? 1.f / static_cast<float>(groups) : 1.f;
         for (int64_t j = 0; j < n; ++j) oi[j] += pooled[j] * scale;

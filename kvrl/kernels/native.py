@@ -33,8 +33,11 @@ def ops():
 
         here = Path(__file__).parent
         capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels use here
+        # -fno-trapping-math lets GCC if-convert the masked max and exp loops of cpu_scores.cpp
+        # into vector code (nothing here reads floating-point exception flags).
         load(name=f"kvrl_cpu_{capability.lower()}", sources=[str(here / s) for s in SOURCES],
-             extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])], is_python_module=False, verbose=False)
+             extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])], is_python_module=False,
+             verbose=False)
         return torch.ops.kvrl_cpu
     except Exception as exc:  # no compiler, no ninja, an unwritable cache folder
         warnings.warn(f"kvrl's native CPU ops did not build ({type(exc).__name__}: {exc}); reading and compacting "

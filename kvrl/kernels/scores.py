@@ -114,9 +114,9 @@ def attention_received(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch
     """
     if native.usable(queries, keys):
         logits = _logits(queries, keys, scaling, gqa, order)
-        return native.ops().attention_received(logits, key_pos.contiguous(), query_pos.contiguous(),
-                                               queries.shape[1] // keys.shape[1], gqa == "mean", order == "pool_then_softmax",
-                                               candidates_only)
+        groups = queries.shape[1] // keys.shape[1]
+        return native.ops().attention_received(logits, key_pos.contiguous(), query_pos.contiguous(), groups,
+                                               gqa == "mean", order == "pool_then_softmax", candidates_only)
     return window_attention(queries, keys, key_pos, query_pos, scaling, gqa=gqa, order=order,
                             candidates_only=candidates_only).sum(2)
 
