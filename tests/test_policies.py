@@ -602,6 +602,23 @@ def test_ratio_mode_schedule_by_hand():
     assert [m for m, _ in cuts] == [10, 14, 18, 22, 26]
 
 
+@pytest.mark.parametrize("ratio", [None, 0.5])
+def test_schedule_of_many_rows_at_once(ratio):
+    """The vLLM engine plans every row of a step at once: cache_len_after and should_evict on
+    tensors of rows give what they give row by row, chunked prefill (m < prompt) included."""
+    from kvrl.engines.vllm.runtime import cache_len_after
+
+    policy = StreamingLLM(budget=6, interval=4, window=2, sink=1, budget_ratio=ratio)
+    prompt, m = torch.meshgrid(torch.arange(1, 15), torch.arange(0, 40), indexing="ij")
+    prompt, m = prompt.flatten(), m.flatten()
+    clen = cache_len_after(m, prompt, policy)
+    assert clen.tolist() == [cache_len_after(a, p, policy) for a, p in zip(m.tolist(), prompt.tolist())]
+    due = should_evict(m - prompt, clen + 1, policy, m)
+    assert due.dtype == torch.bool and due.any() and not due.all()
+    assert due.tolist() == [bool(should_evict(a - p, c + 1, policy, a))
+                            for a, p, c in zip(m.tolist(), prompt.tolist(), clen.tolist())]
+
+
 def test_ratio_mode_rows_of_a_batch_keep_their_own_budget():
     """Row 0 (true length 14) keeps max(6, 7) = 7 slots, row 1 (length 10, 4 padding slots)
     keeps 6: its keep is filled up to K = 7 with a slot it does not keep."""

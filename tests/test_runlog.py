@@ -1,12 +1,10 @@
 """kvrl.runlog: metrics that survive a crash, checkpoints that verify themselves, one run per directory."""
 
 import errno
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 

@@ -94,9 +94,11 @@ def geometry(config) -> dict[str, int]:
             "group": config.num_attention_heads // config.num_key_value_heads, "head_dim": head_dim}
 
 
-def should_evict(generated: int, cache_len: int, policy: KVPolicy, length: int) -> bool:
+def should_evict(generated: int | Tensor, cache_len: int | Tensor, policy: KVPolicy,
+                 length: int | Tensor) -> bool | Tensor:
     """Whether the engine evicts after the forward that just wrote to the cache, which
-    brought the sequence to true length ``length`` (prompt + generated tokens written).
+    brought the sequence to true length ``length`` (prompt + generated tokens written);
+    int64 tensors [R] of rows give a bool tensor [R].
 
     G-KV's rule (methods.md §1): evict when the number of generated tokens written to the
     cache is a multiple of ``interval`` — including 0, right after prefill — and the cache
@@ -105,7 +107,7 @@ def should_evict(generated: int, cache_len: int, policy: KVPolicy, length: int) 
     right after prefill. (R-KV also compresses at ``cache_len == budget``, which only
     reorders.)
     """
-    return generated % policy.interval == 0 and cache_len > policy.budget_at(length)
+    return (generated % policy.interval == 0) & (cache_len > policy.budget_at(length))
 
 
 def plackett_luce_logprob(scores: Tensor, candidates: Tensor, evicted: Tensor) -> Tensor:

@@ -110,13 +110,15 @@ def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
     never decreases and b grows by at most ``interval`` per interval (ratio ≤ 1), so once
     cut the cache is cut (or lands exactly on the budget) at every later multiple; with e
     the last multiple ≤ g: ``b(P + e) + (g − e)`` if ``P + e > b(P + e)``, else ``m``.
-    Chunked prefill (m < P) never evicts.
+    Chunked prefill (m < P) never evicts. ``m`` and ``prompt_len`` may be int64 tensors [R].
     """
-    if m < prompt_len:
-        return m
     g = m - prompt_len
     e = g - g % policy.interval
     kept = policy.budget_at(prompt_len + e)
+    if isinstance(m, Tensor):  # [R] lengths and prompt lengths → [R]
+        return torch.where((m >= prompt_len) & (prompt_len + e > kept), kept + (g - e), m)
+    if m < prompt_len:
+        return m
     return kept + (g - e) if prompt_len + e > kept else m
 
 
@@ -365,9 +367,8 @@ class WorkerContext(HeadModes):
         bt_dev = cm.block_table_tensor
         rows: list[RowPlan] = []
         fresh: list[int] = []
-        evicting: list[int] = []
-        c_prev: list[int] = []  # token mode: cache entries before the forward
         token = self.mode == "token"
+        counts = np.diff(qsl)
         for i, rid in enumerate(req_ids):
             done = int(ncomp[i])
             st = self.active.get(rid)
@@ -383,25 +384,15 @@ class WorkerContext(HeadModes):
                     f"request {rid} was preempted and is being recomputed ({st.done} -> {done} computed "
                     "tokens); a recompute does not replay the evictions. Give vLLM more KV cache "
                     "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
-            q = qsl[i + 1] - qsl[i]
-            row = RowPlan(st, qsl[i], q, done, bt_dev[i])
-            if token:
-                p = self.policy
-                want = cache_len_after(done, st.prompt_len, p)
-                if st.clen != want:
-                    raise RuntimeError(f"kvrl cache length out of step for request {rid}: {st.clen} vs {want}")
-                m = done + q
-                if m >= st.prompt_len and should_evict(m - st.prompt_len, st.clen + q, p, m):
-                    evicting.append(i)
-                c_prev.append(st.clen)
-                st.clen = cache_len_after(m, st.prompt_len, p)
-            elif self.mode == "static" and self.windows is None:  # lens: updated by the layers
+            q = int(counts[i])
+            # token mode reads the block table as a whole (a row view costs 2 µs, 64 of them a step)
+            row = RowPlan(st, qsl[i], q, done, None if token else bt_dev[i])
+            if self.mode == "static" and self.windows is None:  # lens: updated by the layers
                 row.lens = st.lens.clone()
             st.done = done + q
             rows.append(row)
 
         total = qsl[n]
-        counts = np.asarray([r.q for r in rows])
         tok_row = np.repeat(np.arange(n), counts)
         offs = np.arange(total) - np.repeat(np.asarray(qsl[:n]), counts)
         done_arr = np.asarray([r.done for r in rows])
@@ -415,9 +406,25 @@ class WorkerContext(HeadModes):
             plan.window = self._plan_window(rows, bt_dev, block_size, self.mixed.sink, self.mixed.recent)
         if not token:
             return plan
-        # queries to keep: the last `observe` of each row, at ring index position % W
-        w = self.policy.observe
-        keep = positions.numpy() >= (done_arr + counts)[tok_row] - w
+        # queries to keep, at ring index position % W: the last `observe` of each row, and of
+        # those only the ones an eviction will read. Evictions follow the forwards that bring
+        # the generated count g to a multiple of the interval, so a generated token's query
+        # (g = position − prompt + 1) is read iff (−g) mod interval < W; the W tokens before
+        # an eviction then overwrite every ring entry. W < interval (SnapKV, R-KV, G-KV)
+        # spares the other steps their ring write at every layer.
+        policy = self.policy
+        prompt = torch.tensor([r.req.prompt_len for r in rows])
+        c_prev = np.asarray([r.req.clen for r in rows])  # cache entries before the forward
+        m = torch.from_numpy(done_arr + counts)  # true lengths after it
+        # the HF cache's schedule, every row at once
+        due = (m >= prompt) & should_evict(m - prompt, torch.from_numpy(c_prev + counts), policy, m)
+        evicting = due.nonzero().squeeze(-1)
+        for r, c in zip(rows, cache_len_after(m, prompt, policy).tolist()):
+            r.req.clen = c
+        w = policy.observe
+        pos_np, prompt_tok = positions.numpy(), prompt.numpy()[tok_row]
+        keep = (pos_np >= m.numpy()[tok_row] - w) & (
+            (pos_np < prompt_tok) | ((prompt_tok - 1 - pos_np) % policy.interval < w))
         q_tok = torch.from_numpy(np.nonzero(keep)[0])
         q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
         q_pos = positions[q_tok]
@@ -427,14 +434,14 @@ class WorkerContext(HeadModes):
             ring_pos[torch.tensor(fresh, dtype=torch.long, device=dev)] = -1
         ring_pos.view(-1).index_copy_(0, plan.q_flat, q_pos.to(dev))
         # remap: token j of a row goes to logical slot c_prev + j
-        c_prev = np.asarray(c_prev)
         logical = torch.from_numpy(c_prev[tok_row] + offs)
         phys = bt[torch.from_numpy(tok_row), logical // block_size].long() * block_size + logical % block_size
         cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
         plan.kernel_seq_lens = torch.from_numpy(c_prev + counts).to(cm.seq_lens.device, cm.seq_lens.dtype)
-        if evicting:
-            plan.evict = self._evict_batch([rows[i] for i in evicting], (c_prev + counts)[evicting],
-                                           bt_dev[evicting], block_size)
+        if len(evicting):
+            ev = evicting.numpy()
+            plan.evict = self._evict_batch([rows[i] for i in ev], (c_prev + counts)[ev], bt_dev[evicting.to(dev)],
+                                           block_size)
         return plan
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
