@@ -348,21 +348,48 @@ def test_key_redundancy_rejects_unknown_direction():
 
 
 @pytest.mark.parametrize("mode", ["max", "avg"])
-def test_pool_slots_skips_invalid_slots(mode):
+@pytest.mark.parametrize("use_native", [True, False])
+@pytest.mark.parametrize("kernel", [3, 7])
+def test_pool_slots_skips_invalid_slots(mode, use_native, kernel, monkeypatch):
+    if use_native and native.ops() is None:
+        pytest.skip("the native CPU ops did not build here")
+    monkeypatch.setattr(native, "usable", lambda *t: use_native)
     torch.manual_seed(2)
-    x = torch.rand(2, 2, 9)
-    valid = torch.ones(2, 2, 9, dtype=torch.bool)
+    x = torch.rand(2, 3, 9) - 0.5
+    valid = torch.ones(2, 3, 9, dtype=torch.bool)
     valid[0, 0, [0, 1, 5]] = False
     valid[1, 1, 8] = False
-    got = pool_slots(x, valid, 3, mode)
+    valid[1, 2] = False  # a head without any valid slot
+    got = pool_slots(x, valid, kernel, mode)
+    pad = kernel // 2
     for b in range(2):
-        for h in range(2):
+        for h in range(3):
             ok = [n for n in range(9) if valid[b, h, n]]
             for i, n in enumerate(ok):  # neighbours are the adjacent *valid* slots
-                near = [float(x[b, h, m]) for m in ok[max(0, i - 1):i + 2]]
-                want = max(near) if mode == "max" else sum(near) / 3  # zero padding counts
-                assert got[b, h, n].item() == pytest.approx(want, rel=1e-6)
+                near = [float(x[b, h, m]) for m in ok[max(0, i - pad):i + pad + 1]]
+                want = max(near) if mode == "max" else sum(near) / kernel  # zero padding counts
+                assert got[b, h, n].item() == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert (got[~valid] == 0).all()
+
+
+def test_native_previous_picks_equals_torch():
+    """The lookup that starts key_redundancy_update (where is each slot's previous pick now,
+    which slots must search again, which are new), native vs its torch specification, on
+    positions with gaps and invalid slots in the middle and at the end, and picks that are
+    present, evicted, beyond the cache, −1, NaN or not an integer."""
+    if native.ops() is None:
+        pytest.skip("the native CPU ops did not build here")
+    pos = torch.tensor([[[0, 3, 4, -1, 9, 12, 13, -1], [2, -1, -1, 5, 6, 7, 8, 20]]])
+    prev = torch.tensor([[[-1, 9, 3, 4, 5.0, float("nan"), 12.5, 13], [20, 2, 3, 7, -1, float("nan"), 99, 8]]])
+    n = pos.shape[-1]
+    valid = pos >= 0
+    at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
+    present = (prev >= 0) & (pos.gather(-1, at) == prev)
+    kept, need, new = native.ops().previous_picks(pos, prev)
+    assert torch.equal(kept, torch.where(present, at, -1))
+    assert kept.tolist() == [[[-1, 4, 1, 2, -1, -1, -1, 6], [7, 0, -1, 5, -1, -1, -1, 6]]]
+    assert torch.equal(need, valid & ~(present | (prev == -1)))
+    assert torch.equal(new, valid & prev.isnan())
 
 
 def test_gather_slots():

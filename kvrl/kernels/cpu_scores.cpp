@@ -1,4 +1,4 @@
-// kvrl's native CPU ops for the key redundancy of R-KV and G-KV (specification: the torch
+// kvrl's native CPU ops for the policies' scores (specification: the torch
 // code of kvrl/kernels/scores.py, which they are tested against). One (sample, head) at a
 // time, so each head's keys [D, N] stay in the core's cache across what torch does in
 // several passes over the whole batch.
@@ -314,6 +314,87 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
   return out;
 }
 
+
+// pool_slots of kvrl/kernels/scores.py: x [B, H, N] pooled along each head's valid slots only
+// (neighbours are the previous/next valid slots), stride 1, an odd `kernel`; "max" pads with
+// -inf, "avg" with zeros that count (the window's sum / kernel, as avg_pool1d); 0 at invalid
+// slots. Torch needs a sort, two gathers, the pool and a scatter for the same.
+at::Tensor pool_valid(const at::Tensor& x, const at::Tensor& valid, int64_t kernel, bool is_max) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 tensor [B, H, N]");
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.is_contiguous() && valid.sizes() == x.sizes(),
+              "valid must be a contiguous bool tensor [B, H, N]");
+  TORCH_CHECK(kernel >= 1 && kernel % 2 == 1, "kernel must be odd and >= 1, got ", kernel);
+  const int64_t bh = x.size(0) * x.size(1), n = x.size(2), pad = kernel / 2;
+  auto out = at::zeros_like(x);
+  const float* xp = x.data_ptr<float>();
+  const bool* vp = valid.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> slot(n);
+    std::vector<float> packed(n);
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t m = 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (vp[i * n + j]) {
+          slot[m] = j;
+          packed[m++] = xp[i * n + j];
+        }
+      for (int64_t a = 0; a < m; ++a) {
+        const int64_t lo = std::max<int64_t>(0, a - pad), hi = std::min(m - 1, a + pad);
+        float r = is_max ? -std::numeric_limits<float>::infinity() : 0.f;
+        for (int64_t c = lo; c <= hi; ++c) r = is_max ? std::max(r, packed[c]) : r + packed[c];
+        op[i * n + slot[a]] = is_max ? r : r / static_cast<float>(kernel);
+      }
+    }
+  });
+  return out;
+}
+
+// The prelude of key_redundancy_update: per slot, the slot that holds its previous pick (a
+// true position; pos ascending among the valid slots) if that position is still in the cache,
+// else -1 (kept); whether its exempt row must be searched again (need: valid, and its pick is
+// neither present nor -1, i.e. NaN = arrived since, or an evicted position); whether it arrived
+// since (fresh: valid and NaN). One binary search per slot instead of torch's cummax,
+// searchsorted and six elementwise passes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> previous_picks(const at::Tensor& pos, const at::Tensor& prev) {
+  TORCH_CHECK(pos.dim() == 3 && pos.scalar_type() == at::kLong && pos.is_contiguous(),
+              "pos must be a contiguous int64 tensor [B, H, N]");
+  TORCH_CHECK(prev.scalar_type() == at::kFloat && prev.is_contiguous() && prev.sizes() == pos.sizes(),
+              "prev must be a contiguous float32 tensor [B, H, N]");
+  const int64_t bh = pos.size(0) * pos.size(1), n = pos.size(2);
+  auto kept = at::empty_like(pos);
+  auto need = at::empty(pos.sizes(), pos.options().dtype(at::kBool));
+  auto fresh = at::empty_like(need);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* vp = prev.data_ptr<float>();
+  int64_t* kp = kept.data_ptr<int64_t>();
+  bool* np_ = need.data_ptr<bool>();
+  bool* fp = fresh.data_ptr<bool>();
+  at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> carried(n);  // the last valid position at or before each slot: sorted
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* pi = pp + i * n;
+      int64_t last = -1;
+      for (int64_t j = 0; j < n; ++j) carried[j] = last = std::max(last, pi[j]);
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = vp[i * n + j];
+        int64_t at_slot = -1;
+        if (p >= 0.f && p == std::floor(p)) {
+          const auto target = static_cast<int64_t>(p);
+          const int64_t a = std::lower_bound(carried.begin(), carried.end(), target) - carried.begin();
+          if (a < n && pi[a] == target) at_slot = a;
+        }
+        const bool valid = pi[j] >= 0;
+        kp[i * n + j] = at_slot;
+        np_[i * n + j] = valid && at_slot < 0 && p != -1.f;
+        fp[i * n + j] = valid && std::isnan(p);
+      }
+    }
+  });
+  return {kept, need, fresh};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvrl_cpu, m) {
@@ -321,6 +402,8 @@ TORCH_LIBRARY_FRAGMENT(kvrl_cpu, m) {
   m.def("redundancy(Tensor k, Tensor norm, Tensor valid, Tensor pick, float eps) -> Tensor");
   m.def("block_extremes(Tensor(a!) blk, Tensor cols, Tensor new_code, Tensor valid, float threshold, bool last, "
         "Tensor(b!) newest) -> Tensor");
+  m.def("pool_valid(Tensor x, Tensor valid, int kernel, bool is_max) -> Tensor");
+  m.def("previous_picks(Tensor pos, Tensor prev) -> (Tensor, Tensor, Tensor)");
   m.def("attention_received(Tensor logits, Tensor key_pos, Tensor query_pos, int groups, bool mean, bool pool_first, "
         "bool candidates_only) -> Tensor");
 }
@@ -330,4 +413,6 @@ TORCH_LIBRARY_IMPL(kvrl_cpu, CPU, m) {
   m.impl("redundancy", &redundancy);
   m.impl("block_extremes", &block_extremes);
   m.impl("attention_received", &attention_received);
+  m.impl("pool_valid", &pool_valid);
+  m.impl("previous_picks", &previous_picks);
 }

@@ -2,8 +2,9 @@
 
 Each function here is the specification for a later Triton kernel with the same signature,
 which is tested against it. On a CPU outside autograd, the passes after the observation
-window's logits (masks, softmax, pool, sum over the queries) and the key redundancy's per-head
-passes (normalising the keys, the row sums, the thresholded cosine blocks) run as native ops
+window's logits (masks, softmax, pool, sum over the queries), the key redundancy's per-head
+passes (finding the previous picks, normalising the keys, the row sums, the thresholded cosine
+blocks) and the pooling along the valid slots run as native ops
 (:mod:`kvrl.kernels.native`), tested against the torch code here. Everything is computed
 in float32, like the references' fp32 softmax, whatever the dtype of the inputs.
 
@@ -277,10 +278,13 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     k, norm = _unit_keys(keys, valid, eps)
     # Find each previous pick among the slots: carrying the last valid position over the
     # invalid slots (−1) leaves a sorted row to search. A value that is no cache position
-    # (an evicted token, or anything else) is "not present".
-    at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
-    present = (prev >= 0) & (pos.gather(-1, at) == prev)
-    need = valid & ~(present | (prev == -1))  # new tokens and evicted picks
+    # (an evicted token, or anything else) is "not present". need: new tokens and evicted picks.
+    if native.usable(k):  # one binary search per slot (cpu_scores.cpp)
+        kept, need, new = native.ops().previous_picks(pos.contiguous(), prev.contiguous())
+    else:
+        at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
+        present = (prev >= 0) & (pos.gather(-1, at) == prev)
+        kept, need, new = torch.where(present, at, -1), valid & ~(present | (prev == -1)), valid & prev.isnan()
     counts = need.sum(-1).amax(-1)  # [B]: the most columns one head of a sample must compare
     full = 2 * counts >= n
     # A batch mixes samples at their first eviction (every column new) with later ones:
@@ -293,8 +297,8 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         pick[rows] = _exempt_rows(k[rows], valid[rows], threshold, last, tile)
     if n_full < b:
         rows = ~full if n_full else slice(None)
-        pick[rows] = _updated_picks(k[rows], valid[rows], threshold, last, torch.where(present, at, -1)[rows],
-                                    need[rows], (valid & prev.isnan())[rows], int(counts[rows].amax()))
+        pick[rows] = _updated_picks(k[rows], valid[rows], threshold, last, kept[rows], need[rows], new[rows],
+                                    int(counts[rows].amax()))
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
     return _redundancy(k, norm, valid, pick, eps), pick_pos.masked_fill_(~valid, float("nan"))
 
@@ -463,6 +467,10 @@ def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str
     -------
     Tensor [B, H, N]; 0 at invalid slots.
     """
+    if mode not in ("max", "avg"):
+        raise ValueError(f"mode={mode!r} is not one of ('max', 'avg')")
+    if native.usable(x) and x.dtype == torch.float32:  # one pass per head (cpu_scores.cpp)
+        return native.ops().pool_valid(x.contiguous(), valid.contiguous(), kernel_size, mode == "max")
     # Move the valid slots to the front (stable, so in order), pool, and move them back.
     order = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)
     packed = x.gather(-1, order)
@@ -470,10 +478,8 @@ def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str
     pad = kernel_size // 2
     if mode == "max":
         packed = F.max_pool1d(packed.masked_fill(~packed_valid, float("-inf")), kernel_size, 1, pad)
-    elif mode == "avg":
-        packed = F.avg_pool1d(packed.masked_fill(~packed_valid, 0.0), kernel_size, 1, pad)
     else:
-        raise ValueError(f"mode={mode!r} is not one of ('max', 'avg')")
+        packed = F.avg_pool1d(packed.masked_fill(~packed_valid, 0.0), kernel_size, 1, pad)
     out = torch.empty_like(packed).scatter_(-1, order, packed)
     return out.masked_fill(~valid, 0.0)
 
