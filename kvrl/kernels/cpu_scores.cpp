@@ -395,6 +395,78 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> previous_picks(const at::Tensor& 
   return {kept, need, fresh};
 }
 
+// The stale columns of _updated_picks (an old slot whose exempt row was evicted): its extreme
+// *old* near-duplicate now. At the previous eviction no row on the far side of the evicted pick
+// was a near-duplicate (it was the latest one for `last`, the earliest otherwise), so only the
+// old rows on the near side are scanned, outwards from the pick, 8 rows at a time (k is
+// [D, N]: a row block is one contiguous load per channel), up to the first hit: cos > threshold,
+// another slot, valid and not arrived since (fresh). Returns [B, H, N]: that row's slot, -1 for
+// none or a column that is not stale.
+at::Tensor stale_picks(const at::Tensor& k, const at::Tensor& pos, const at::Tensor& prev, const at::Tensor& stale,
+                       const at::Tensor& fresh, double threshold, bool last) {
+  TORCH_CHECK(k.dim() == 4 && k.scalar_type() == at::kFloat && k.is_contiguous(),
+              "k must be a contiguous float32 tensor [B, H, D, N]");
+  const int64_t bh = k.size(0) * k.size(1), d = k.size(2), n = k.size(3);
+  const std::vector<int64_t> shape = {k.size(0), k.size(1), n};
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.sizes() == shape,
+              "pos must be a contiguous int64 tensor [B, H, N]");
+  TORCH_CHECK(prev.scalar_type() == at::kFloat && prev.is_contiguous() && prev.sizes() == shape,
+              "prev must be a contiguous float32 tensor [B, H, N]");
+  for (const at::Tensor* m : {&stale, &fresh})
+    TORCH_CHECK(m->scalar_type() == at::kBool && m->is_contiguous() && m->sizes() == shape,
+                "stale and fresh must be contiguous bool tensors [B, H, N]");
+  auto out = at::full(shape, -1, pos.options());
+  const float t = static_cast<float>(threshold);
+  const float* kp = k.data_ptr<float>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* vp = prev.data_ptr<float>();
+  const bool* sp = stale.data_ptr<bool>();
+  const bool* fp = fresh.data_ptr<bool>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> carried(n);
+    std::vector<float> col(d);
+    for (int64_t i = begin; i < end; ++i) {
+      const float* ki = kp + i * d * n;
+      const int64_t* pi = pp + i * n;
+      const bool* fi = fp + i * n;
+      int64_t top = -1;
+      for (int64_t j = 0; j < n; ++j) carried[j] = top = std::max(top, pi[j]);
+      for (int64_t j = 0; j < n; ++j) {
+        if (!sp[i * n + j]) continue;
+        // the first slot past the evicted pick's position: rows [0, edge) lie before it
+        const auto evicted = static_cast<int64_t>(vp[i * n + j]);
+        const int64_t edge = std::upper_bound(carried.begin(), carried.end(), evicted) - carried.begin();
+        for (int64_t c = 0; c < d; ++c) col[c] = ki[c * n + j];
+        int64_t found = -1;
+        for (int64_t step = 0; found < 0; ++step) {
+          const int64_t lo = last ? edge - 8 * (step + 1) : edge + 8 * step;  // the block's rows [lo, lo + 8)
+          if (last ? lo + 8 <= 0 : lo >= n) break;
+          float dot[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          if (lo >= 0 && lo + 8 <= n) {
+            for (int64_t c = 0; c < d; ++c)
+              for (int r = 0; r < 8; ++r) dot[r] += col[c] * ki[c * n + lo + r];
+          } else {
+            for (int64_t c = 0; c < d; ++c)
+              for (int r = 0; r < 8; ++r)
+                if (lo + r >= 0 && lo + r < n) dot[r] += col[c] * ki[c * n + lo + r];
+          }
+          for (int r = 0; r < 8; ++r) {
+            const int64_t m = last ? lo + 7 - r : lo + r;  // outwards from the evicted pick
+            if (m < 0 || m >= n || m == j || pi[m] < 0 || fi[m]) continue;
+            if (dot[last ? 7 - r : r] > t) {
+              found = m;
+              break;
+            }
+          }
+        }
+        op[i * n + j] = found;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvrl_cpu, m) {
@@ -404,6 +476,8 @@ TORCH_LIBRARY_FRAGMENT(kvrl_cpu, m) {
         "Tensor(b!) newest) -> Tensor");
   m.def("pool_valid(Tensor x, Tensor valid, int kernel, bool is_max) -> Tensor");
   m.def("previous_picks(Tensor pos, Tensor prev) -> (Tensor, Tensor, Tensor)");
+  m.def("stale_picks(Tensor k, Tensor pos, Tensor prev, Tensor stale, Tensor fresh, float threshold, bool last) -> "
+        "Tensor");
   m.def("attention_received(Tensor logits, Tensor key_pos, Tensor query_pos, int groups, bool mean, bool pool_first, "
         "bool candidates_only) -> Tensor");
 }
@@ -415,4 +489,5 @@ TORCH_LIBRARY_IMPL(kvrl_cpu, CPU, m) {
   m.impl("attention_received", &attention_received);
   m.impl("pool_valid", &pool_valid);
   m.impl("previous_picks", &previous_picks);
+  m.impl("stale_picks", &stale_picks);
 }

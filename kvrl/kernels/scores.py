@@ -238,7 +238,10 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
 
     Both needs come from one block, cos(new and stale columns, all rows) — [U, N] for U
     new tokens (by symmetry its new-column rows are also the new rows of the old columns)
-    — instead of N²/2 pairs. When at least half of some head's slots need comparing (the
+    — instead of N²/2 pairs. On a CPU a stale column is resolved by a native scan instead:
+    at the previous eviction no row beyond its evicted pick was a near-duplicate ("last":
+    none later; "first": none earlier), so its old rows are compared outwards from the
+    evicted pick up to the first near-duplicate, and the block holds the new columns only. When at least half of some head's slots need comparing (the
     first eviction, where nothing has a pick: all of them), the tiled full pass of
     :func:`key_redundancy` is cheaper and runs instead.
 
@@ -287,6 +290,14 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         kept, need, new = torch.where(present, at, -1), valid & ~(present | (prev == -1)), valid & prev.isnan()
     counts = need.sum(-1).amax(-1)  # [B]: the most columns one head of a sample must compare
     full = 2 * counts >= n
+    if native.usable(k) and not bool(full.all()):
+        # An evicted pick's column needs a scan of the old rows on its near side, which stops
+        # at the first near-duplicate (a few rows of 8 in the vLLM benchmark's caches), not a
+        # column of the block: the block then holds the new tokens only, as many per head.
+        stale = need & ~new
+        kept = torch.where(stale, native.ops().stale_picks(k, pos.contiguous(), prev.contiguous(), stale, new,
+                                                            threshold, last), kept)
+        need = new
     # A batch mixes samples at their first eviction (every column new) with later ones:
     # each part takes its own path, so one newcomer does not make all of them compare N².
     # A path that takes every sample (the common case) indexes with a slice: views, no copies.
@@ -298,7 +309,7 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     if n_full < b:
         rows = ~full if n_full else slice(None)
         pick[rows] = _updated_picks(k[rows], valid[rows], threshold, last, kept[rows], need[rows], new[rows],
-                                    int(counts[rows].amax()))
+                                    int(need[rows].sum(-1).amax()))
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
     return _redundancy(k, norm, valid, pick, eps), pick_pos.masked_fill_(~valid, float("nan"))
 
