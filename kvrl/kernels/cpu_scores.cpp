@@ -35,6 +35,59 @@ float lane_sum(const float* __restrict__ x, int64_t n) {
   return s;
 }
 
+// exp(x) for x ≤ 0 (Cephes expf: 2ⁿ·e^r with |r| ≤ ln2/2, within 2 ulp), in plain float and
+// integer operations so that the compiler vectorises the loops that call it; std::exp does not
+// vectorise without -ffast-math. Below −87.3 it returns about 1e-38 instead of a denormal.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.3f);
+  const float shift = 12582912.f;  // 1.5·2²³: adding it rounds x·log2(e) to an integer in the low bits
+  const float t = x * 1.44269504f + shift;
+  const float n = t - shift;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &t, 4);
+  bits = (bits - 0x4B400000 + 127) << 23;  // the integer n, as the exponent field of 2ⁿ
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// The softmax of the visible slots (seen[j] = 1) of src without its division: dst[j] ←
+// exp(src[j] − max), 0 where not seen; returns 1 / Σ dst, or 0 when the row sees nothing. The
+// callers fold the division into the pass that reads dst.
+float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, const float* __restrict__ seen,
+                    int64_t n) {
+  const float none = -std::numeric_limits<float>::infinity();
+  float most[8] = {none, none, none, none, none, none, none, none};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int t = 0; t < 8; ++t) most[t] = std::max(most[t], seen[j + t] > 0.f ? src[j + t] : none);
+  float top = none;
+  for (; j < n; ++j) top = std::max(top, seen[j] > 0.f ? src[j] : none);
+  for (int t = 0; t < 8; ++t) top = std::max(top, most[t]);
+  if (top == none) return 0.f;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (j = 0; j + 8 <= n; j += 8)
+    for (int t = 0; t < 8; ++t) {
+      dst[j + t] = exp_neg(src[j + t] - top) * seen[j + t];
+      acc[t] += dst[j + t];
+    }
+  float total = 0.f;
+  for (; j < n; ++j) {
+    dst[j] = exp_neg(src[j] - top) * seen[j];
+    total += dst[j];
+  }
+  for (int t = 0; t < 8; ++t) total += acc[t];
+  return 1.f / total;
+}
+
 // Normalised keys (invalid slots 0) and the norms + eps: torch's (kt * kt).sum(-2).sqrt() + eps
 // and kt / norm, in the same order of operations.
 std::tuple<at::Tensor, at::Tensor> unit_keys(const at::Tensor& kt, const at::Tensor& valid, double eps) {
@@ -87,7 +140,7 @@ at::Tensor redundancy(const at::Tensor& k, const at::Tensor& norm, const at::Ten
   const int64_t* pp = pick.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> row_(n), cos_(n), found_(n);
+    std::vector<float> row_(n), cos_(n), found_(n), seen_(n);
     std::vector<int32_t> at_(n);
     for (int64_t i = begin; i < end; ++i) {
       const float* __restrict__ ki = kp + i * d * n;
@@ -97,6 +150,7 @@ at::Tensor redundancy(const at::Tensor& k, const at::Tensor& norm, const at::Ten
       float* __restrict__ row = row_.data();
       float* __restrict__ cos = cos_.data();
       float* __restrict__ found = found_.data();
+      float* __restrict__ seen = seen_.data();
       int32_t* __restrict__ at = at_.data();
       for (int64_t j = 0; j < n; ++j) {
         TORCH_CHECK(pi[j] >= -1 && pi[j] < n, "pick ", pi[j], " is no slot of the ", n, " (or -1)");
@@ -122,15 +176,12 @@ at::Tensor redundancy(const at::Tensor& k, const at::Tensor& norm, const at::Ten
         std::fill(oi, oi + n, 0.f);
         continue;
       }
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j)
-        if (vi[j]) top = std::max(top, row[j] / count);
-      float total = 0.f;
       for (int64_t j = 0; j < n; ++j) {
-        oi[j] = vi[j] ? std::exp(row[j] / count - top) : 0.f;
-        total += oi[j];
+        row[j] /= static_cast<float>(count);
+        seen[j] = vi[j] ? 1.f : 0.f;
       }
-      for (int64_t j = 0; j < n; ++j) oi[j] /= total;
+      const float inv = softmax_terms(row, oi, seen, n);
+      for (int64_t j = 0; j < n; ++j) oi[j] *= inv;
     }
   });
   return out;
@@ -191,59 +242,6 @@ at::Tensor block_extremes(at::Tensor blk, const at::Tensor& cols, const at::Tens
     }
   });
   return extreme;
-}
-
-// exp(x) for x ≤ 0 (Cephes expf: 2ⁿ·e^r with |r| ≤ ln2/2, within 2 ulp), in plain float and
-// integer operations so that the compiler vectorises the loops that call it; std::exp does not
-// vectorise without -ffast-math. Below −87.3 it returns about 1e-38 instead of a denormal.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.3f);
-  const float shift = 12582912.f;  // 1.5·2²³: adding it rounds x·log2(e) to an integer in the low bits
-  const float t = x * 1.44269504f + shift;
-  const float n = t - shift;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &t, 4);
-  bits = (bits - 0x4B400000 + 127) << 23;  // the integer n, as the exponent field of 2ⁿ
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-// The softmax of the visible slots (seen[j] = 1) of src without its division: dst[j] ←
-// exp(src[j] − max), 0 where not seen; returns 1 / Σ dst, or 0 when the row sees nothing. The
-// callers fold the division into the pass that reads dst.
-float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, const float* __restrict__ seen,
-                    int64_t n) {
-  const float none = -std::numeric_limits<float>::infinity();
-  float most[8] = {none, none, none, none, none, none, none, none};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int t = 0; t < 8; ++t) most[t] = std::max(most[t], seen[j + t] > 0.f ? src[j + t] : none);
-  float top = none;
-  for (; j < n; ++j) top = std::max(top, seen[j] > 0.f ? src[j] : none);
-  for (int t = 0; t < 8; ++t) top = std::max(top, most[t]);
-  if (top == none) return 0.f;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (j = 0; j + 8 <= n; j += 8)
-    for (int t = 0; t < 8; ++t) {
-      dst[j + t] = exp_neg(src[j + t] - top) * seen[j + t];
-      acc[t] += dst[j + t];
-    }
-  float total = 0.f;
-  for (; j < n; ++j) {
-    dst[j] = exp_neg(src[j] - top) * seen[j];
-    total += dst[j];
-  }
-  for (int t = 0; t < 8; ++t) total += acc[t];
-  return 1.f / total;
 }
 
 // window_attention(...).sum(2) of kvrl/kernels/scores.py from the observation queries' logits
@@ -355,7 +353,7 @@ at::Tensor pool_valid(const at::Tensor& x, const at::Tensor& valid, int64_t kern
 // true position; pos ascending among the valid slots) if that position is still in the cache,
 // else -1 (kept); whether its exempt row must be searched again (need: valid, and its pick is
 // neither present nor -1, i.e. NaN = arrived since, or an evicted position); whether it arrived
-// since (fresh: valid and NaN). One binary search per slot instead of torch's cummax,
+// since (fresh: valid and NaN). A position -> slot table per head instead of torch's cummax,
 // searchsorted and six elementwise passes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> previous_picks(const at::Tensor& pos, const at::Tensor& prev) {
   TORCH_CHECK(pos.dim() == 3 && pos.scalar_type() == at::kLong && pos.is_contiguous(),
@@ -372,19 +370,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> previous_picks(const at::Tensor& 
   bool* np_ = need.data_ptr<bool>();
   bool* fp = fresh.data_ptr<bool>();
   at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> carried(n);  // the last valid position at or before each slot: sorted
+    std::vector<int32_t> slot_of;  // position -> slot (-1: none); positions are below the sequence length
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* pi = pp + i * n;
-      int64_t last = -1;
-      for (int64_t j = 0; j < n; ++j) carried[j] = last = std::max(last, pi[j]);
+      int64_t top = -1;
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, pi[j]);
+      slot_of.assign(top + 1, -1);
+      for (int64_t j = 0; j < n; ++j)
+        if (pi[j] >= 0) slot_of[pi[j]] = static_cast<int32_t>(j);
       for (int64_t j = 0; j < n; ++j) {
         const float p = vp[i * n + j];
         int64_t at_slot = -1;
-        if (p >= 0.f && p == std::floor(p)) {
-          const auto target = static_cast<int64_t>(p);
-          const int64_t a = std::lower_bound(carried.begin(), carried.end(), target) - carried.begin();
-          if (a < n && pi[a] == target) at_slot = a;
-        }
+        if (p >= 0.f && p <= static_cast<float>(top) && p == std::floor(p)) at_slot = slot_of[static_cast<int64_t>(p)];
         const bool valid = pi[j] >= 0;
         kp[i * n + j] = at_slot;
         np_[i * n + j] = valid && at_slot < 0 && p != -1.f;

@@ -282,7 +282,7 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     # Find each previous pick among the slots: carrying the last valid position over the
     # invalid slots (−1) leaves a sorted row to search. A value that is no cache position
     # (an evicted token, or anything else) is "not present". need: new tokens and evicted picks.
-    if native.usable(k):  # one binary search per slot (cpu_scores.cpp)
+    if native.usable(k):  # a position -> slot table per head (cpu_scores.cpp)
         kept, need, new = native.ops().previous_picks(pos.contiguous(), prev.contiguous())
     else:
         at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
