@@ -312,7 +312,6 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
   return out;
 }
 
-
 // pool_slots of kvrl/kernels/scores.py: x [B, H, N] pooled along each head's valid slots only
 // (neighbours are the previous/next valid slots), stride 1, an odd `kernel`; "max" pads with
 // -inf, "avg" with zeros that count (the window's sum / kernel, as avg_pool1d); 0 at invalid

@@ -241,9 +241,10 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     — instead of N²/2 pairs. On a CPU a stale column is resolved by a native scan instead:
     at the previous eviction no row beyond its evicted pick was a near-duplicate ("last":
     none later; "first": none earlier), so its old rows are compared outwards from the
-    evicted pick up to the first near-duplicate, and the block holds the new columns only. When at least half of some head's slots need comparing (the
-    first eviction, where nothing has a pick: all of them), the tiled full pass of
-    :func:`key_redundancy` is cheaper and runs instead.
+    evicted pick up to the first near-duplicate, and the block holds the new columns only.
+    When at least half of some head's slots need comparing (the first eviction, where
+    nothing has a pick: all of them), the tiled full pass of :func:`key_redundancy` is
+    cheaper and runs instead.
 
     Up to float32 rounding of a cosine within rounding of ``threshold``, the redundancy is
     ``key_redundancy(keys, key_pos >= 0, ...)`` and the picks are the ones it uses, given
