@@ -16,8 +16,9 @@ reports a time, and raises if they disagree.
     written; score: the keys; compaction: K and V of the kept slots, read and written), the
     achieved GB/s, and their ratio to the peak measured by a 1 GiB device copy and to the
     nominal peak of the device (H100 SXM 3.35 TB/s, H100 PCIe 2.0, H200 4.8). R-KV and
-    G-KV are timed at a steady-state eviction (the picks of a previous eviction in their
-    state, the newest ``interval`` slots new), and at a first one (``first_score_ms``).
+    G-KV are timed at a later eviction (the picks of a previous one in their state, the
+    newest ``interval`` slots new; see :func:`steady_state`) and at a first one
+    (``first_score_ms``).
 ``replay``  (#17) the HF engine with the shrunk Qwen3 model (bf16 on CUDA): sampled rollouts
     under every policy and the full cache, scored again under their recorded trace (the
     flex-attention replay, the CUDA default): max and mean |Δlogprob|. bf16 is not exact
@@ -106,8 +107,11 @@ def observation(keys, values, policy, gen, device) -> Observation:
 
 
 def steady_state(policy, obs: Observation) -> Observation:
-    """R-KV's and G-KV's state as after a previous eviction of the same keys (their picks
-    are then mostly still in the cache), the newest ``interval`` slots without state."""
+    """R-KV's and G-KV's state as after a previous eviction of the same keys, the newest
+    ``interval`` slots without state. Every old pick is then still in the cache, so the
+    need columns are the new tokens alone: a real eviction also finds some picks evicted
+    (about 4 % of the columns in ``vllm_throughput.py``'s caches), which the torch path
+    adds to its cosine block."""
     first = Observation(**{**vars(obs), "state": torch.full_like(obs.state, float("nan"))})
     _, state = policy.score(first)
     state[:, :, -policy.interval:] = float("nan")
