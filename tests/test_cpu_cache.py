@@ -29,6 +29,9 @@ def test_read_matches_reference(dtype, n):
     k_ref, v_ref = cpu_cache.paged_read_ref(kv, blocks, n)
     assert k.shape == k_ref.shape == (5, 3, n, 8) and v.shape == v_ref.shape
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    for read in (cpu_cache.paged_read, cpu_cache.paged_read_ref):  # keys alone: the same keys, no V
+        k_only, none = read(kv, blocks, n, values=False)
+        assert none is None and torch.equal(k_only, k_ref)
 
 
 def ascending_keep(rows, h, n, k, seed):

@@ -97,6 +97,23 @@ def test_scores_and_state_shapes(policy):
     torch.testing.assert_close(policy.score(fresh)[0], policy.score(all_nan)[0])
 
 
+def test_score_reads_only_what_it_declares(policy):
+    """The vLLM engine passes None for the fields a policy's ``reads`` leaves out; a policy
+    that read one anyway would fail here, or score differently."""
+    obs = make_obs(policy)
+    assert policy.reads <= {"keys", "values", "queries"}
+    sparse = Observation(**{**vars(obs), **{f: None for f in ("keys", "values", "queries") if f not in policy.reads}})
+    scores, state = policy.score(obs)
+    got, got_state = policy.score(sparse)
+    assert torch.equal(got, scores)
+    assert (state is None) == (got_state is None)
+    if state is not None:
+        torch.testing.assert_close(got_state, state, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(policy.select(sparse, got).keep, policy.select(obs, scores).keep)
+    if type(policy).__name__ in ("H2O", "SnapKV", "RKV", "GKV", "StreamingLLM"):  # the engine's fast path
+        assert "values" not in policy.reads
+
+
 def check_selection(policy, obs, keep, scores=None):
     k = min(policy.budget, N)
     assert keep.shape == (B, H, k) and keep.dtype == torch.long

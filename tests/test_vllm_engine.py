@@ -249,11 +249,13 @@ def test_compaction_writes_only_the_blocks_of_the_slots_a_request_keeps(layout):
     kv = torch.randn(nb, h, bs, 2 * d, generator=g)
     blocks = torch.tensor([[0, 1, 2], [3, 1, 4]])  # request 1's second entry: request 0's block
     keys, values = lay.read(kv, blocks, 12)
+    k_only, no_values = lay.read(kv, blocks, 12, values=False)  # what key-scoring policies read
+    assert no_values is None and torch.equal(k_only, keys)
     side = SideStore.like(kv, 1)
     side.pos[:] = torch.arange(nb * bs, dtype=torch.int32).view(nb, 1, bs)
     keep = torch.tensor([[0, 2, 3, 5, 6, 8, 9], [1, 2, 3, 0, 0, 0, 0]]).view(2, 1, 7).expand(2, h, 7)
     counts = torch.tensor([7, 3])  # K = 7 spans two blocks; request 1 keeps one block's worth
-    lay.compact(kv, blocks, keep, counts, keys, values)
+    lay.compact(kv, blocks, keep, counts)
     side.write_prefix(blocks, torch.arange(14).view(2, 1, 7).expand(2, h, 7), None, counts)
     after, _ = lay.read(kv, blocks, 7)
     assert torch.equal(after[0], keys[0].gather(1, keep[0, :, :, None].expand(-1, -1, d)))

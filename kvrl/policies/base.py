@@ -34,6 +34,9 @@ class Observation:
     queries : Tensor [B, Hq, W, D]
         The last W post-RoPE queries, W ≤ ``policy.observe`` (fewer right after a short
         prompt); query head h·G+g belongs to KV head h.
+
+        Each of ``keys``, ``values`` and ``queries`` may be None when the policy's
+        ``reads`` does not name it: the vLLM engine then skips copying it out of the cache.
     key_pos : Tensor [B, H, N] int
         True position of each slot, −1 for padding or empty slots.
     query_pos : Tensor [B, W] int
@@ -192,6 +195,9 @@ class KVPolicy:
     sink: int = 0
     budget_ratio: float | None = None
     state_size: ClassVar[int] = 0
+    # The Observation fields score() reads (engines may pass None for the others); a policy
+    # that scores keys alone spares the engine half of each eviction's copy out of the cache.
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "values", "queries"})
 
     def __post_init__(self):
         if self.window < 1:
@@ -258,7 +264,7 @@ class KVPolicy:
         """``obs.state``, or all-NaN ("no state yet") when the engine passed None."""
         if obs.state is not None:
             return obs.state
-        return obs.keys.new_full((*obs.key_pos.shape, self.state_size), float("nan"), dtype=torch.float32)
+        return obs.key_pos.new_full((*obs.key_pos.shape, self.state_size), float("nan"), dtype=torch.float32)
 
     def select(self, obs: Observation, scores: Tensor, *, sample: bool = False,
                generator: torch.Generator | list | None = None) -> Selection:

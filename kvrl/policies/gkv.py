@@ -86,6 +86,7 @@ class GKV(KVPolicy):
     threshold: float = 0.5
     score_cache: bool = True
     state_size: ClassVar[int] = 2
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
     def __post_init__(self):
         super().__post_init__()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -204,10 +205,11 @@ class GoldenEviction(KVPolicy):
 
     attention: FullAttention = field(repr=False)
     chunk: int = 1024
+    reads: ClassVar[frozenset[str]] = frozenset()  # the recorded future attention, not the cache
 
     def score(self, obs: Observation) -> tuple[Tensor, None]:
         if obs.key_pos.shape[0] != 1:
             raise ValueError(f"GoldenEviction replays one trace; got a batch of {obs.key_pos.shape[0]}")
         end = int(obs.query_pos[0, -1]) + 1
         best = future_attention(self.attention, obs.layer, obs.key_pos[0].clamp(min=0), end, self.chunk)
-        return best[None].to(obs.keys.device), None
+        return best[None].to(obs.key_pos.device), None

@@ -32,6 +32,7 @@ class H2O(KVPolicy):
     """
 
     state_size: ClassVar[int] = 1
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
     @property
     def observe(self) -> int:

@@ -75,6 +75,7 @@ class RKV(KVPolicy):
     threshold: float = 0.5
     retain_direction: str = "last"
     state_size: ClassVar[int] = 1
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
     def __post_init__(self):
         super().__post_init__()

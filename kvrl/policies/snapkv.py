@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -35,6 +36,7 @@ class SnapKV(KVPolicy):
 
     window: int = 32
     kernel_size: int = 5
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
     def __post_init__(self):
         super().__post_init__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
@@ -25,6 +26,7 @@ class StreamingLLM(KVPolicy):
     """
 
     sink: int = 4
+    reads: ClassVar[frozenset[str]] = frozenset()
 
     def score(self, obs: Observation) -> tuple[Tensor, None]:
         """Keep-score = true position, [B, H, N] float32."""

@@ -38,11 +38,11 @@ class CPULayout(PagedLayout):
 
     views = staticmethod(cpu_cache.views)
 
-    def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def read(self, kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
         """Keys come back as a transposed view of a [R, H, D, N] tensor (runs of bs
         contiguous elements copied, where a [.., N, D] copy would transpose every block
         element by element); matmuls take the transposed operand as it is."""
-        return cpu_cache.paged_read(kv_cache, blocks, n)
+        return cpu_cache.paged_read(kv_cache, blocks, n, values)
 
     def gather(self, kv_cache: Tensor, blocks: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         kt, v = self.views(kv_cache)
@@ -58,10 +58,8 @@ class CPULayout(PagedLayout):
         kt[blk, heads, :, off] = keys.to(kt.dtype)
         v[blk, heads, off] = values.to(v.dtype)
 
-    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None, keys: Tensor,
-                values: Tensor) -> None:
-        """In place, slot by slot in ascending order (:func:`kvrl.kernels.cpu_cache.paged_compact_`);
-        the slots already read are not needed."""
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None) -> None:
+        """In place, slot by slot in ascending order (:func:`kvrl.kernels.cpu_cache.paged_compact_`)."""
         cpu_cache.paged_compact_(kv_cache, blocks, keep, counts)
 
     def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:

@@ -35,13 +35,14 @@ from torch import Tensor
 from kvrl.engines.vllm.layout import PagedLayout
 
 
-def flash_read(kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """K, V [R, H, n, D] of logical slots 0..n−1 (request r's slot j in block ``blocks[r, j // bs]``)."""
+def flash_read(kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
+    """K, V [R, H, n, D] of logical slots 0..n−1 (request r's slot j in block ``blocks[r, j // bs]``;
+    V None unless ``values``)."""
     bs, d2 = kv_cache.shape[2], kv_cache.shape[3]
     j = torch.arange(n, device=kv_cache.device)
     blk = blocks.to(kv_cache.device)[:, j // bs].long()  # [R, n]
-    x = kv_cache[blk, :, j % bs]  # [R, n, H, 2D]
-    return x[..., :d2 // 2].transpose(1, 2), x[..., d2 // 2:].transpose(1, 2)
+    x = (kv_cache if values else kv_cache[..., :d2 // 2])[blk, :, j % bs]  # [R, n, H, 2D or D]
+    return x[..., :d2 // 2].transpose(1, 2), x[..., d2 // 2:].transpose(1, 2) if values else None
 
 
 def flash_write(kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
@@ -121,13 +122,13 @@ def flash_compact(kv_cache: Tensor, block_table: Tensor, keep: Tensor, counts: T
 class FlashLayout(PagedLayout):
     """:class:`PagedLayout` of the FlashAttention cache."""
 
-    def read(self, kv_cache, blocks, n):
-        return flash_read(kv_cache, blocks, n)
+    def read(self, kv_cache, blocks, n, values=True):
+        return flash_read(kv_cache, blocks, n, values)
 
     def write(self, kv_cache, blocks, rows, heads, slots, keys, values):
         flash_write(kv_cache, blocks, rows, heads, slots, keys, values)
 
-    def compact(self, kv_cache, blocks, keep, counts, keys, values):
+    def compact(self, kv_cache, blocks, keep, counts):
         if counts is None:
             counts = torch.full((keep.shape[0],), keep.shape[2])
         op = flash_compact if kv_cache.is_cuda else flash_compact_ref

@@ -27,8 +27,9 @@ class PagedLayout:
     all three methods (:meth:`compact` with whole-block copies or a kernel).
     """
 
-    def read(self, kv_cache: Tensor, blocks: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """K, V [R, H, n, D] of logical slots 0..n−1 of every head of every request."""
+    def read(self, kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
+        """K, V [R, H, n, D] of logical slots 0..n−1 of every head of every request (V
+        None unless ``values``)."""
         raise NotImplementedError
 
     def write(self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
@@ -36,13 +37,12 @@ class PagedLayout:
         """Store keys/values [M, D] at (request ``rows[i]``, head ``heads[i]``, logical slot ``slots[i]``)."""
         raise NotImplementedError
 
-    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None, keys: Tensor,
-                values: Tensor) -> None:
+    def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None) -> None:
         """In place, per request r and head h: slot j ← slot ``keep[r, h, j]`` for j <
         ``counts[r]`` (None: every request keeps all K; keep [R, H, K] ascending there; the
         rest is ignored, and no block past the one holding slot counts[r] − 1 may be
-        written: a request whose count is below K owns fewer); ``keys``/``values``
-        [R, H, N, D] are the slots already read."""
+        written: a request whose count is below K owns fewer). Reads nothing the eviction
+        read: a policy may have scored without reading V, or any K/V at all."""
         raise NotImplementedError
 
     def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:

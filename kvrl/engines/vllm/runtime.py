@@ -588,23 +588,27 @@ class WorkerContext(HeadModes):
         them, and each request keeps ``budget_at(its length)`` of its own slots)."""
         start = time.perf_counter()
         policy, side = self.policy, self.side[layer_name]
-        keys, values = layout.read(kv_cache, eb.blocks, eb.n)  # [R, H, N, D]
+        reads = policy.reads  # what the policy scores from; the compaction reads nothing
+        keys = values = queries = None
+        if reads & {"keys", "values"}:
+            keys, values = layout.read(kv_cache, eb.blocks, eb.n, values="values" in reads)  # [R, H, N, D]
         pos, state = side.read(eb.blocks, eb.n)
         pos = pos.masked_fill(eb.pad, -1)
         qbuf = self.rings[layer_idx]  # [slots, W, Hq, D]
         qp = self.ring_pos[eb.qslot]  # [R, W] ring order; −1 = no query yet
         order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
         w = qbuf.shape[1]
-        queries = qbuf.view(-1, *qbuf.shape[2:]).index_select(0, (eb.qslot[:, None] * w + order).view(-1))
-        queries = queries.view(len(eb.rows), w, *qbuf.shape[2:]).transpose(1, 2).contiguous()  # [R, Hq, W, D]
+        if "queries" in reads:
+            queries = qbuf.view(-1, *qbuf.shape[2:]).index_select(0, (eb.qslot[:, None] * w + order).view(-1))
+            queries = queries.view(len(eb.rows), w, *qbuf.shape[2:]).transpose(1, 2).contiguous()  # [R, Hq, W, D]
         fields = (keys, values, queries, pos, qp.gather(-1, order), state)
         obs = Observation(*fields, layer_idx, scale)
         # Scored a group of requests at a time, the group's [rows, Hq, W, N] logits within
         # SCORE_LOGITS: the temporaries of window attention and redundancy then stay in the
         # CPU's caches (rows are independent, so the result is the same).
-        rows = max(1, SCORE_LOGITS // max(1, queries.shape[1] * queries.shape[2] * keys.shape[2]))
+        rows = max(1, SCORE_LOGITS // max(1, qbuf.shape[2] * w * pos.shape[2]))
         parts = [policy.score(Observation(*(x if x is None else x[i:i + rows] for x in fields), layer_idx, scale))
-                 for i in range(0, keys.shape[0], rows)]
+                 for i in range(0, pos.shape[0], rows)]
         scores = torch.cat([p[0] for p in parts])
         new_state = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
         sel = policy.select(obs, scores, sample=self.sample, generator=eb.generators)
@@ -617,7 +621,7 @@ class WorkerContext(HeadModes):
         r, h, j = (~kept & (pos >= 0)).nonzero(as_tuple=True)
         r, h, dead = r.cpu(), h.cpu(), pos[r, h, j].cpu()
         self.deaths[eb.qslot_host[r], layer_idx, h, dead] = eb.m[r]  # the last query of the forward saw them
-        layout.compact(kv_cache, eb.blocks, keep, counts, keys, values)
+        layout.compact(kv_cache, eb.blocks, keep, counts)
         side.write_prefix(eb.blocks, pos.gather(-1, keep), None if new_state is None else gather_slots(new_state, keep),
                           counts)
         if sel.logprob is not None:
