@@ -290,7 +290,8 @@ def calls(args, engine, layers, kv_heads):
             score = type(policy).score
 
             def shaped(self, obs, score=score, shapes=shapes):
-                shapes.append((*obs.queries.shape[:3], *obs.keys.shape[2:]))
+                if obs.queries is not None and obs.keys is not None:  # StreamingLLM reads neither
+                    shapes.append((*obs.queries.shape[:3], *obs.keys.shape[2:]))
                 return score(self, obs)
 
             type(policy).score = shaped
