@@ -15,8 +15,9 @@ thread. Four settings, one JSON line each:
 ``fixed``  the papers' setting: KV blocks for ``--full-requests`` full-length requests,
     ``--requests`` submitted: total tokens/s and peak running requests, full vs each
     policy (vLLM preempted nothing: ``preemptions``).
-``calls``  microseconds per eviction call (one layer's eviction of every request due in a
-    step), requests per call, microseconds per request and layer, and the eviction share of
+``calls``  microseconds per eviction call (one or, with fewer than 16 requests due, several
+    layers' eviction of every request due in a step), (request, layer) rows per call
+    (``requests_per_call``), microseconds per request and layer, and the eviction share of
     decode, at each of ``--concurrency``; ``us_per_request_by_phase`` splits the
     microseconds per request and layer into reading the caches, the policy's ``score`` and
     ``select``, the compaction and the rest (deaths, positions, state, query ring).
@@ -26,6 +27,9 @@ thread. Four settings, one JSON line each:
     would cost. StreamingLLM scores nothing (its eviction is the reads, selection and
     compaction every policy pays), so when it runs too, ``bound_share`` = its share plus a
     policy's floor share: the least that policy's eviction can cost on this data path.
+    Below 16 concurrent requests (``runtime.EVICT_ROWS``) the same run is repeated with one
+    layer per call: ``speedup_over_one_layer_per_call`` is its microseconds per request and
+    layer over the default's.
 ``bookkeeping``  what token mode costs besides eviction: the same batch with the full cache
     and with StreamingLLM at a budget above every sequence (it never evicts, but plans each
     step, remaps the slots, writes positions and keeps the query ring), interleaved, best of
@@ -47,6 +51,7 @@ its rollouts' attention over the full cache).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -264,23 +269,24 @@ def floor_us_per_request(shape, kv_heads: int, interval: int, *, redundancy: boo
 
 
 def calls(args, engine, layers, kv_heads):
+    from kvrl.engines.vllm import runtime
     from kvrl.engines.vllm.cpu_backend import CPULayout
     from kvrl.engines.vllm.runtime import CONTEXT
 
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
     result = {"setting": "calls", "new_tokens": args.new, "budget": args.budget, "interval": args.interval,
               "policies": {}}
-    evict = CONTEXT._evict
+    evict, rows_per_call = CONTEXT._evict, runtime.EVICT_ROWS
     for name in args.policies.split(","):
         rows = {}
         for n in [int(c) for c in args.concurrency.split(",")]:
             spent = {"calls": 0, "rows": 0, "seconds": 0.0, "read": 0.0, "score": 0.0, "select": 0.0, "compact": 0.0}
 
-            def timed(batch, *a, **k):
+            def timed(batch, evicted, spent=spent):
                 start = time.perf_counter()
-                evict(batch, *a, **k)
+                evict(batch, evicted)
                 spent["calls"] += 1
-                spent["rows"] += len(batch.rows)
+                spent["rows"] += len(batch.rows) * len(evicted)
                 spent["seconds"] += time.perf_counter() - start
 
             policy = make(name, args, layers, kv_heads)
@@ -317,6 +323,17 @@ def calls(args, engine, layers, kv_heads):
                                              redundancy=FLOOR_OPS[name])
                 rows[n]["floor_us_per_request"] = round(floor, 1)
                 rows[n]["floor_share"] = round(rows[n]["evict_share"] * floor / rows[n]["us_per_request"], 4)
+            if n < runtime.EVICT_ROWS:  # calls may take several layers: the same run at one layer per call
+                spent = {"calls": 0, "rows": 0, "seconds": 0.0}
+                CONTEXT._evict, runtime.EVICT_ROWS = functools.partial(timed, spent=spent), 1
+                try:
+                    _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
+                finally:
+                    CONTEXT._evict, runtime.EVICT_ROWS = evict, rows_per_call
+                one = 1e6 * spent["seconds"] / max(1, spent["rows"])
+                rows[n]["one_layer_per_call"] = {"us_per_request": round(one, 1),
+                                                 "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
+                rows[n]["speedup_over_one_layer_per_call"] = round(one / rows[n]["us_per_request"], 3)
         result["policies"][name] = rows
     streaming = result["policies"].get("streaming", {})
     for rows in result["policies"].values():

@@ -99,10 +99,13 @@ def test_scores_and_state_shapes(policy):
 
 def test_score_reads_only_what_it_declares(policy):
     """The vLLM engine passes None for the fields a policy's ``reads`` leaves out; a policy
-    that read one anyway would fail here, or score differently."""
-    obs = make_obs(policy)
-    assert policy.reads <= {"keys", "values", "queries"}
+    that read one anyway would fail here, or score differently (the layer: −1, rows of
+    several layers)."""
+    obs = Observation(**{**vars(make_obs(policy)), "layer": 0})
+    assert policy.reads <= {"keys", "values", "queries", "layer"}
     sparse = Observation(**{**vars(obs), **{f: None for f in ("keys", "values", "queries") if f not in policy.reads}})
+    if "layer" not in policy.reads:
+        sparse.layer = -1
     scores, state = policy.score(obs)
     got, got_state = policy.score(sparse)
     assert torch.equal(got, scores)

@@ -196,18 +196,30 @@ def test_policy_matches_hf(engine, hf, name):
 def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name, grouped, monkeypatch):
     """16 requests of 19-37 prompt tokens run at once: at each eviction step the engine
     evicts every due request of a layer in one padded batch (some right after prefill,
-    some later, caches of different lengths). Each must still equal its HF run alone,
-    also when the batch is scored one request at a time (``grouped``: the grouping that
-    keeps a large batch's temporaries in the CPU's caches, forced down to one row)."""
-    if grouped:
-        from kvrl.engines.vllm import runtime
+    some later, caches of different lengths), and the steps where few are due take
+    several layers per call. Each must still equal its HF run alone, also when the batch
+    is scored one request at a time (``grouped``: the grouping that keeps a large batch's
+    temporaries in the CPU's caches, forced down to one row) and every call takes all
+    layers."""
+    from kvrl.engines.vllm import runtime
 
+    if grouped:
         monkeypatch.setattr(runtime, "SCORE_LOGITS", 1)
+        monkeypatch.setattr(runtime, "EVICT_ROWS", 1000)
+    layers_per_call = []
+    evict = runtime.CONTEXT._evict
+    monkeypatch.setattr(runtime.CONTEXT, "_evict", lambda eb, layers: (layers_per_call.append(len(layers)),
+                                                                        evict(eb, layers)))
     batch = prompts(16, seed=5)
     sampling = Sampling(max_new_tokens=NEW)
     policy = token_policy(name)
     tokens, logprobs, _, traces = hf_alone(hf, batch, sampling, policy)
     out = engine.generate(batch, sampling, policy=policy)
+    n_layers = runtime.CONTEXT.geometry[0]
+    if grouped:
+        assert set(layers_per_call) == {n_layers}
+    else:  # 16 due at once: a layer per call; fewer: several
+        assert 1 in layers_per_call and max(layers_per_call) > 1, layers_per_call
     lengths = sorted(len(p) for p in out.prompt_ids)
     assert lengths[0] < BUDGET < lengths[-1] and len(set(lengths)) >= 4, lengths
     assert out.tokens == tokens, name

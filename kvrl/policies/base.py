@@ -46,6 +46,8 @@ class Observation:
         state yet hold NaN (the engine appends NaN for new tokens); each policy applies its
         own rule to them. None for policies with ``state_size == 0``.
     layer : int
+        −1 when the rows come from several layers: the vLLM engine evicts a few layers in
+        one call for a policy whose ``reads`` leaves out ``"layer"``.
     scaling : float
         Attention logit scale, 1/√D.
     """
@@ -195,9 +197,10 @@ class KVPolicy:
     sink: int = 0
     budget_ratio: float | None = None
     state_size: ClassVar[int] = 0
-    # The Observation fields score() reads (engines may pass None for the others); a policy
-    # that scores keys alone spares the engine half of each eviction's copy out of the cache.
-    reads: ClassVar[frozenset[str]] = frozenset({"keys", "values", "queries"})
+    # The Observation fields score() reads (engines may pass None, or −1 for the layer, for
+    # the others): a policy that scores keys alone spares the engine half of each eviction's
+    # copy out of the cache, and one that ignores the layer can be evicted layers at a time.
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "values", "queries", "layer"})
 
     def __post_init__(self):
         if self.window < 1:

@@ -205,7 +205,7 @@ class GoldenEviction(KVPolicy):
 
     attention: FullAttention = field(repr=False)
     chunk: int = 1024
-    reads: ClassVar[frozenset[str]] = frozenset()  # the recorded future attention, not the cache
+    reads: ClassVar[frozenset[str]] = frozenset({"layer"})  # the recorded future attention, not the cache
 
     def score(self, obs: Observation) -> tuple[Tensor, None]:
         if obs.key_pos.shape[0] != 1:

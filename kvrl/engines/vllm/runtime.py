@@ -31,8 +31,11 @@ One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
   the longest with position −1, which policies never keep or count), one ``score`` and
   ``select`` over the batch (sampled draws use each request's own generator, so a draw
   does not depend on what it was batched with), one death-table write and one compaction
-  scatter — no Python loop over requests or heads. Non-evicting steps cost one vectorised
-  write per layer (positions, NaN state, ring queries).
+  scatter — no Python loop over requests or heads. When fewer than ``EVICT_ROWS``
+  requests are due, one call takes several layers (a layer's eviction waits for the next
+  layers' attention: each layer has its own cache), unless the policy reads the layer.
+  Non-evicting steps cost one vectorised write per layer (positions, NaN state, ring
+  queries).
 * ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it).
   RLKV's heads and windows (a sink + recent pattern, :func:`.heads.window_heads`) on the CPU
   backend pool a request's blocks (:class:`HeadPool`): a windowed head keeps its window
@@ -95,6 +98,11 @@ from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, check
 # of L2 a core, 32 MiB of L3), with this constant edited, the calls benchmark at 64
 # requests scored G-KV fastest in 2-4 MiB groups, and 1.3x slower in 0.5 MiB ones.
 SCORE_LOGITS = 1 << 19
+# (request, layer) rows an eviction call gathers at least, when the policy ignores the layer:
+# with fewer requests due in a step than this, a call takes several layers, which spreads its
+# fixed cost (an R-KV score and select are some 150 small torch ops) over more rows; with more,
+# a call is one layer. `benchmarks/vllm_throughput.py calls` measures both below 16 requests.
+EVICT_ROWS = 16
 
 
 class EvictionRefused(RuntimeError):
@@ -160,8 +168,8 @@ class RowPlan:
 @dataclass
 class EvictBatch:
     """Token mode: the requests whose forward ends with an eviction, planned once per step
-    and evicted together at every layer (one read, score, select, compaction and death
-    update per layer for all of them)."""
+    and evicted together at every layer, ``per_call`` layers at a time
+    (:meth:`WorkerContext._evict`)."""
 
     rows: list[RowPlan]
     n: int  # slots to read: the longest cache among them (the others are padded)
@@ -172,6 +180,20 @@ class EvictBatch:
     m: Tensor  # [R] int32 true length after the forward = the death time of what is evicted
     generators: list | None  # sampling: each request's own generator
     events: Tensor | None  # sampling: [R, L, H] logprobs; row r is a view in rows[r].req.events
+    per_call: int = 1  # layers evicted per call (WorkerContext.attention)
+    layers: list[EvictLayer] = field(default_factory=list)  # attended, eviction not yet run
+    attended: int = 0
+
+
+@dataclass
+class EvictLayer:
+    """One layer's part of an :class:`EvictBatch`: what its eviction needs once deferred."""
+
+    index: int
+    name: str
+    layout: PagedLayout
+    kv_cache: Tensor
+    scale: float
 
 
 @dataclass
@@ -220,6 +242,7 @@ class WorkerContext(HeadModes):
         # int32 on the host, T ≥ every running request's length (one write per evicting layer)
         self.deaths: Tensor | None = None
         self.geometry: tuple[int, int] | None = None  # (layers, kv heads)
+        self.deferred: EvictBatch | None = None  # token mode: the last step's evictions
         self.device = torch.device("cpu")
 
     # ---- control (called through the worker extension) ----
@@ -240,6 +263,7 @@ class WorkerContext(HeadModes):
         self.active.clear()
         self.finished.clear()
         self.free_slots, self.n_slots = [], 0
+        self.deferred = None
         if not isinstance(regime, Full):
             check_config(self.vllm_config)
         self.regime = copy.deepcopy(regime)
@@ -359,6 +383,11 @@ class WorkerContext(HeadModes):
         if n == 0:
             return None
         self._release_finished()
+        if self.deferred is not None and self.deferred.layers:
+            raise RuntimeError(
+                f"the last forward's eviction never ran: {self.deferred.attended} of the model's "
+                f"{self.geometry[0]} layers attended through kvrl's backend (models with attention layers "
+                "outside it are not supported)")
         req_ids = ib.req_ids[:n]
         ncomp = ib.num_computed_tokens_cpu[:n]
         nprompt = ib.num_prompt_tokens[:n]
@@ -442,6 +471,7 @@ class WorkerContext(HeadModes):
             ev = evicting.numpy()
             plan.evict = self._evict_batch([rows[i] for i in ev], (c_prev + counts)[ev], bt_dev[evicting.to(dev)],
                                            block_size)
+        self.deferred = plan.evict
         return plan
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
@@ -456,8 +486,9 @@ class WorkerContext(HeadModes):
             events = torch.zeros(len(rows), *self.geometry)
             for i, r in enumerate(rows):
                 r.req.events[r.m - r.req.prompt_len] = events[i]
+        per_call = 1 if "layer" in self.policy.reads else -(-EVICT_ROWS // len(rows))
         return EvictBatch(rows, width, blocks[:, :width // block_size], pad, qslot.to(dev), qslot, m,
-                          generators, events)
+                          generators, events, min(per_call, self.geometry[0]))
 
     # ---- layer side ----
 
@@ -545,8 +576,15 @@ class WorkerContext(HeadModes):
         if plan.mode == "token":
             stock_forward()
             self._observe(plan, layer_idx, query)
-            if plan.evict is not None:
-                self._evict(plan.evict, layer_idx, layer_name, layout, kv_cache, scale)
+            eb = plan.evict
+            if eb is not None:
+                # Layers hold their own caches, so a layer's eviction may wait for later layers'
+                # attention and run with theirs (EVICT_ROWS); the last layer runs what is left.
+                eb.layers.append(EvictLayer(layer_idx, layer_name, layout, kv_cache, scale))
+                eb.attended += 1
+                if len(eb.layers) == eb.per_call or eb.attended == self.geometry[0]:
+                    self._evict(eb, eb.layers)
+                    eb.layers = []
             return
         if plan.mode == "mixed":
             from kvrl.kernels.mixed import mixed_gate_attention
@@ -581,54 +619,72 @@ class WorkerContext(HeadModes):
         kept = query[:total] if plan.q_tok.numel() == total else query.index_select(0, plan.q_tok)
         ring.view(-1, *query.shape[1:]).index_copy_(0, plan.q_flat, kept)
 
-    def _evict(self, eb: EvictBatch, layer_idx: int, layer_name: str, layout: PagedLayout, kv_cache: Tensor,
-               scale: float) -> None:
-        """Score, select and compact this layer's cache of every request in ``eb`` at once.
-        Shorter caches are padded to the longest (position −1: no policy keeps or counts
-        them, and each request keeps ``budget_at(its length)`` of its own slots)."""
+    def _evict(self, eb: EvictBatch, layers: list[EvictLayer]) -> None:
+        """Score, select and compact the caches of every request in ``eb`` at each of
+        ``layers`` (already attended) as one batch, row l·R + i = layer l, request i. Shorter
+        caches are padded to the longest (position −1: no policy keeps or counts them, and
+        each request keeps ``budget_at(its length)`` of its own slots)."""
         start = time.perf_counter()
-        policy, side = self.policy, self.side[layer_name]
-        reads = policy.reads  # what the policy scores from; the compaction reads nothing
-        keys = values = queries = None
+        policy, reads, r = self.policy, self.policy.reads, len(eb.rows)
+        sides = [self.side[lay.name] for lay in layers]
+
+        def stacked(parts: list) -> Tensor | None:
+            return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        keys = values = queries = None  # what the policy scores from; the compaction reads nothing
         if reads & {"keys", "values"}:
-            keys, values = layout.read(kv_cache, eb.blocks, eb.n, values="values" in reads)  # [R, H, N, D]
-        pos, state = side.read(eb.blocks, eb.n)
-        pos = pos.masked_fill(eb.pad, -1)
-        qbuf = self.rings[layer_idx]  # [slots, W, Hq, D]
+            kv = [lay.layout.read(lay.kv_cache, eb.blocks, eb.n, values="values" in reads) for lay in layers]
+            # keys are transposed views of [.., D, N] (CPULayout.read): stacked in that layout
+            keys = stacked([k.transpose(-1, -2) for k, _ in kv]).transpose(-1, -2)  # [L·R, H, N, D]
+            values = stacked([v for _, v in kv])
+        read = [side.read(eb.blocks, eb.n) for side in sides]
+        pos = stacked([p for p, _ in read]).masked_fill(eb.pad.repeat(len(layers), 1, 1), -1)
+        state = stacked([s for _, s in read])
         qp = self.ring_pos[eb.qslot]  # [R, W] ring order; −1 = no query yet
         order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
-        w = qbuf.shape[1]
+        w, (hq, d) = qp.shape[1], self.rings[layers[0].index].shape[2:]
         if "queries" in reads:
-            queries = qbuf.view(-1, *qbuf.shape[2:]).index_select(0, (eb.qslot[:, None] * w + order).view(-1))
-            queries = queries.view(len(eb.rows), w, *qbuf.shape[2:]).transpose(1, 2).contiguous()  # [R, Hq, W, D]
-        fields = (keys, values, queries, pos, qp.gather(-1, order), state)
-        obs = Observation(*fields, layer_idx, scale)
-        # Scored a group of requests at a time, the group's [rows, Hq, W, N] logits within
+            ring_rows = (eb.qslot[:, None] * w + order).view(-1)
+            queries = stacked([self.rings[lay.index].view(-1, hq, d).index_select(0, ring_rows) for lay in layers])
+            queries = queries.view(len(layers) * r, w, hq, d).transpose(1, 2).contiguous()  # [L·R, Hq, W, D]
+        fields = (keys, values, queries, pos, qp.gather(-1, order).repeat(len(layers), 1), state)
+        layer, scale = layers[0].index if len(layers) == 1 else -1, layers[0].scale
+        obs = Observation(*fields, layer, scale)
+        # Scored a group of rows at a time, the group's [rows, Hq, W, N] logits within
         # SCORE_LOGITS: the temporaries of window attention and redundancy then stay in the
         # CPU's caches (rows are independent, so the result is the same).
-        rows = max(1, SCORE_LOGITS // max(1, qbuf.shape[2] * w * pos.shape[2]))
-        parts = [policy.score(Observation(*(x if x is None else x[i:i + rows] for x in fields), layer_idx, scale))
+        rows = max(1, SCORE_LOGITS // max(1, hq * w * pos.shape[2]))
+        parts = [policy.score(Observation(*(x if x is None else x[i:i + rows] for x in fields), layer, scale))
                  for i in range(0, pos.shape[0], rows)]
         scores = torch.cat([p[0] for p in parts])
         new_state = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
-        sel = policy.select(obs, scores, sample=self.sample, generator=eb.generators)
-        keep = sel.keep  # [R, H, K]; request r keeps keep[r, :, :sel.count[r]]
+        # each request's generator draws layer by layer, as at one layer per call
+        generators = None if eb.generators is None else eb.generators * len(layers)
+        sel = policy.select(obs, scores, sample=self.sample, generator=generators)
+        keep = sel.keep  # [L·R, H, K]; row j keeps keep[j, :, :sel.count[j]]
         # counts below K only in ratio mode; None spares the common case its masks
         counts = None if bool((sel.count == keep.shape[-1]).all()) else sel.count
         mine = True if counts is None else (torch.arange(keep.shape[-1], device=keep.device)
                                             < counts.to(keep.device)[:, None, None]).expand_as(keep)
         kept = torch.zeros(pos.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, mine)
-        r, h, j = (~kept & (pos >= 0)).nonzero(as_tuple=True)
-        r, h, dead = r.cpu(), h.cpu(), pos[r, h, j].cpu()
-        self.deaths[eb.qslot_host[r], layer_idx, h, dead] = eb.m[r]  # the last query of the forward saw them
-        layout.compact(kv_cache, eb.blocks, keep, counts)
-        side.write_prefix(eb.blocks, pos.gather(-1, keep), None if new_state is None else gather_slots(new_state, keep),
-                          counts)
-        if sel.logprob is not None:
-            eb.events[:, layer_idx] = sel.logprob.float().cpu()
-        share = (time.perf_counter() - start) / len(eb.rows)
+        j, h, n = (~kept & (pos >= 0)).nonzero(as_tuple=True)
+        j, h, dead = j.cpu(), h.cpu(), pos[j, h, n].cpu()
+        layer_of = torch.tensor([lay.index for lay in layers])
+        # the last query of the forward saw them
+        self.deaths[eb.qslot_host[j % r], layer_of[j // r], h, dead] = eb.m[j % r]
+        kept_pos = pos.gather(-1, keep)
+        kept_state = None if new_state is None else gather_slots(new_state, keep)
+        for li, (lay, side) in enumerate(zip(layers, sides)):
+            own = slice(li * r, (li + 1) * r)
+            c = None if counts is None else counts[own]
+            lay.layout.compact(lay.kv_cache, eb.blocks, keep[own], c)
+            side.write_prefix(eb.blocks, kept_pos[own], None if kept_state is None else kept_state[own], c)
+            if sel.logprob is not None:
+                eb.events[:, lay.index] = sel.logprob[own].float().cpu()
+        share = (time.perf_counter() - start) / r
         for row in eb.rows:
             row.req.evict_seconds += share
+
 
 def check_config(vllm_config) -> None:
     """Refuse vLLM features that would corrupt a compacted cache (raises ValueError)."""
