@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -132,7 +133,10 @@ class Seen:
 
 class Recorder:
     """Policy mixin: record every eviction in ``SEEN[SEEN["tag"]]``. vLLM's worker deep-copies
-    the policy, but runs in this process, so the copy records into the same ``SEEN``."""
+    the policy, but runs in this process, so the copy records into the same ``SEEN``. It
+    reads the layer, so the vLLM engine evicts one layer per call (``KVPolicy.reads``)."""
+
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries", "layer"})
 
     def score(self, obs: Observation):
         scores, state = super().score(obs)
