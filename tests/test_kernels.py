@@ -117,6 +117,17 @@ def test_attention_received_matches_loop(gqa, order, candidates_only, use_native
     assert (got[2] == 0).all() and (got[1, :, :3] == 0).all() and got[0, 1, -1] == 0
 
 
+def test_native_attention_received_refuses_positions_beyond_32_bits():
+    """The native op compares positions in 32 bits (one vector compare per query): a query
+    position it cannot represent is an error, not a wrong mask."""
+    if native.ops() is None:
+        pytest.skip("the native CPU ops did not build here")
+    logits, key_pos = torch.zeros(1, 1, 1, 3), torch.arange(3).view(1, 1, 3)
+    with pytest.raises(RuntimeError, match="below 2"):
+        native.ops().attention_received(logits, key_pos, torch.tensor([[2 ** 31]]), 1, True, False, False)
+    assert native.ops().attention_received(logits, key_pos, torch.tensor([[2]]), 1, True, False, False).sum() == 1
+
+
 def test_window_attention_rejects_bad_options():
     q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 1, 3, 4)
     pos, qpos = torch.arange(3).view(1, 1, 3), torch.tensor([[2]])

