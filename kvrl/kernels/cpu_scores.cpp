@@ -13,7 +13,10 @@
 #include <limits>
 #include <vector>
 
+// The hand-vectorised paths below, where native.py builds with -mavx2 -mfma or with the AVX-512
+// flags (which imply AVX2; -mfma is passed too); other builds run the scalar loops beside them.
 #if defined(__AVX2__) && defined(__FMA__)
+#define KVRL_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -63,7 +66,7 @@ inline float exp_neg(float x) {
   return p * scale;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRL_AVX2
 // exp_neg on 8 lanes (the same steps, with fused multiply-adds). GCC leaves the scalar loops
 // below partly unvectorised (the masked max pass stays scalar, for std::max's NaN order), which
 // made attention_received's pass over the logits slower than torch's softmax alone; by hand it
@@ -88,13 +91,13 @@ inline __m256 exp_neg8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-inline float lanes_max(__m256 v) {
+inline float register_max(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
 }
 
-inline float lanes_sum(__m256 v) {
+inline float register_sum(__m256 v) {
   __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(m) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1));
@@ -109,14 +112,14 @@ float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, cons
   const float none = -std::numeric_limits<float>::infinity();
   float top = none, total = 0.f;
   int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRL_AVX2
   const __m256 zero = _mm256_setzero_ps(), low = _mm256_set1_ps(none);
   __m256 most = low;
   for (; j + 8 <= n; j += 8) {
     const __m256 on = _mm256_cmp_ps(_mm256_loadu_ps(seen + j), zero, _CMP_GT_OQ);
     most = _mm256_max_ps(most, _mm256_blendv_ps(low, _mm256_loadu_ps(src + j), on));
   }
-  top = lanes_max(most);
+  top = register_max(most);
   for (int64_t i = j; i < n; ++i) top = std::max(top, seen[i] > 0.f ? src[i] : none);
   if (top == none) return 0.f;
   const __m256 vtop = _mm256_set1_ps(top);
@@ -127,7 +130,7 @@ float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, cons
     _mm256_storeu_ps(dst + j, e);
     acc = _mm256_add_ps(acc, e);
   }
-  total = lanes_sum(acc);
+  total = register_sum(acc);
 #else
   float most[8] = {none, none, none, none, none, none, none, none};
   for (; j + 8 <= n; j += 8)
@@ -138,13 +141,15 @@ float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, cons
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (j = 0; j + 8 <= n; j += 8)
     for (int t = 0; t < 8; ++t) {
-      dst[j + t] = exp_neg(src[j + t] - top) * seen[j + t];
+      const float e = exp_neg(src[j + t] - top);
+      dst[j + t] = seen[j + t] > 0.f ? e : 0.f;
       acc[t] += dst[j + t];
     }
   for (int t = 0; t < 8; ++t) total += acc[t];
 #endif
   for (; j < n; ++j) {
-    dst[j] = seen[j] > 0.f ? exp_neg(src[j] - top) : 0.f;
+    const float e = exp_neg(src[j] - top);
+    dst[j] = seen[j] > 0.f ? e : 0.f;
     total += dst[j];
   }
   return 1.f / total;
@@ -154,7 +159,7 @@ float softmax_terms(const float* __restrict__ src, float* __restrict__ dst, cons
 // AVX2: GCC keeps std::max's loop scalar.
 inline void pool_into(float* __restrict__ a, const float* __restrict__ b, float c, bool mean, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRL_AVX2
   const __m256 vc = _mm256_set1_ps(c);
   for (; j + 8 <= n; j += 8) {
     const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(b + j), vc), y = _mm256_loadu_ps(a + j);
@@ -240,7 +245,7 @@ at::Tensor redundancy(const at::Tensor& k, const at::Tensor& norm, const at::Ten
         const float s = lane_sum(kc, n);
         for (int64_t j = 0; j < n; ++j) row[j] += kc[j] * s;
         int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVRL_AVX2
         for (; j + 8 <= n; j += 8) {  // the picks' entries by a vector gather (the loop is not vectorised)
           const __m256 picked = _mm256_i32gather_ps(kc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + j)), 4);
           _mm256_storeu_ps(cos + j, _mm256_fmadd_ps(picked, _mm256_loadu_ps(kc + j), _mm256_loadu_ps(cos + j)));
