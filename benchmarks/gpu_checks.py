@@ -195,6 +195,8 @@ def replay(args, device) -> dict:
            "flex": device.type == "cuda", "regimes": {}}
     for name in ["full", *POLICIES]:
         policy = Full() if name == "full" else make_policy(name, model.config, **schedule)
+        if getattr(policy, "trainable", lambda: None)() is not None:  # the learned scorer is built on the CPU
+            policy.trainable().to(device)
         rollouts = engine.generate(QUESTIONS, Sampling(max_new_tokens=new, temperature=1.0, seed=1,
                                                        ignore_eos=True), policy=policy)
         with torch.no_grad():

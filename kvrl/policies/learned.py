@@ -118,6 +118,9 @@ class LearnedScorer(KVPolicy):
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] (= −eviction score) and state [B, H, N, 2G]."""
         x, state = self.features(obs)
+        if x.device != self.scorer.w1.device:  # einsum's own error names neither the scorer nor the fix
+            raise ValueError(f"the scorer is on {self.scorer.w1.device}, the cache on {x.device}: "
+                             f"move it with policy.scorer.to({str(x.device)!r})")
         return -self.scorer(obs.layer, x.to(self.scorer.w1.dtype)).float(), state
 
     def features(self, obs: Observation) -> tuple[Tensor, Tensor]:
