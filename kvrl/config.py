@@ -296,6 +296,34 @@ class SelfDistillConfig:
 
 
 @dataclass
+class PretrainConfig:
+    # job=pretrain_tiny: the tiny reasoner trained from scratch on env.id's reference completions.
+    # Its shape: query heads of size 32 (hidden / 32 of them) in kv_heads groups, tied embeddings
+    layers: int = checked(4, ge=1)
+    hidden: int = checked(128, lambda v: v >= 32 and v % 32 == 0, "must be a multiple of 32 (query heads of size 32)")
+    kv_heads: int = checked(2, ge=1)
+    intermediate: int = checked(384, ge=1)  # MLP width
+    max_positions: int = checked(1024, ge=64)
+    # grow the task sizes from small to env.kwargs's over this fraction of trainer.steps (0 = full size from
+    # the start; environments with a size spec, e.g. kvrl/multihop-v0)
+    curriculum: float = checked(0.0, lambda v: 0 <= v <= 1, "must be a fraction in [0, 1]")
+    # kvrl/counts-v0 only: the share of rows whose unneeded tokens an oracle evicts (the shipped counts
+    # reasoner's 0.5); 0 = the full causal context, as a real model is trained
+    eviction_dropout: float = checked(0.0, lambda v: 0 <= v < 1, "must be in [0, 1)")
+    checkpoint_every: int = checked(0, ge=0)  # steps between resumable checkpoints (0 = none)
+    eval_tasks: int = checked(64, ge=1)  # held-out tasks of the greedy accuracy in the log
+
+    def problems(self, cfg: "Config") -> list[str]:
+        if (self.hidden // 32) % self.kv_heads:
+            return [f"pretrain.kv_heads={self.kv_heads} must divide the {self.hidden // 32} query heads of "
+                    f"pretrain.hidden={self.hidden}; set pretrain.kv_heads to a divisor of {self.hidden // 32}"]
+        if self.eviction_dropout > 0 and cfg.env.id != "kvrl/counts-v0":
+            return [f"pretrain.eviction_dropout={self.eviction_dropout} is the counts task's oracle eviction, but "
+                    f"env.id={cfg.env.id}; set pretrain.eviction_dropout=0"]
+        return []
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard (`pip install tensorboard`)
     # also log to Weights & Biases (`pip install wandb`); WANDB_MODE=offline writes output_dir/wandb without a network
@@ -314,6 +342,9 @@ class EvalConfig:
                                    "must be fractions in (0, 1] or token counts > 1")
     samples: int = checked(1, ge=1)  # samples per task; accuracy is their mean (pass@1)
     pass_k: List[int] = checked([1], lambda v: all(k >= 1 for k in v), "must be >= 1")  # pass@k for k <= samples
+    # also measure the task's properties on the model's attention (kvrl.eval.properties; the env's tasks must
+    # carry their reference chain of thought in meta["completion"]) and set them beside the papers' orderings
+    properties: bool = False
 
     def problems(self, cfg: "Config") -> list[str]:
         """The eval job's budgets are eval.budgets, not kv.budget; every line names a known kind."""
@@ -408,6 +439,7 @@ class Config:
     distill: DistillConfig = field(default_factory=DistillConfig)
     rlkv: RLKVConfig = field(default_factory=RLKVConfig)
     self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
 
 
 @dataclass(frozen=True)
@@ -426,7 +458,7 @@ JOBS = {
     "eval": Job("kvrl.jobs.eval:main", sections=("model", "env", "eval")),
     "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
     "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env"), ray=True),
-    "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main"),
+    "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main", sections=("env", "pretrain")),
     "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True,
               algos={"rl_full": (), "rl_sparse": ("kv",), "distill": ("distill", "kv")}),
     "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), algos={"rlkv": ("rlkv",)}, ray=True),

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from kvrl.models import SHIPPED
 from kvrl.runlog import trained_model
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
@@ -35,12 +36,13 @@ ENV_ARG_RULES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
 
 
 def model_problems(path: str) -> list[str]:
-    """model.path: "tiny", a folder with a config.json, the output_dir of a run that trained model
+    """model.path: a shipped model ("tiny", "tiny-multihop"), a folder with a config.json, the output_dir of a run that trained model
     weights (:func:`kvrl.runlog.trained_model`, without reading them), a known architecture, or a
     hub id org/name."""
     fix = ("pass a local folder with a config.json (save_pretrained writes one), the output_dir of an RL run "
-           "(the weights it trained), a hub id such as Qwen/Qwen3-4B, or set model.path=tiny")
-    if path == "tiny" or path in json.loads(ARCHITECTURES.read_text()):
+           f"(the weights it trained), a hub id such as Qwen/Qwen3-4B, or set model.path=tiny (shipped: "
+           f"{' | '.join(SHIPPED)})")
+    if path in SHIPPED or path in json.loads(ARCHITECTURES.read_text()):
         return []
     local = Path(path).expanduser()
     if local.exists():

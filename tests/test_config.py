@@ -92,7 +92,7 @@ def test_help_lists_recipes_jobs_and_keys(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "tiny_eval" in out and "tiny_pretrain" in out
-    assert "Train the embedded tiny reasoner from scratch" in out  # first comment line
+    assert "Train the embedded tiny reasoner (model.path=tiny) from scratch" in out  # first comment line
     assert "pretrain_tiny" in out and "trainer.lr=0.003" in out and "eval.budgets=[0.25,0.5]" in out
 
 

@@ -1,7 +1,5 @@
 """The tiny reasoner: task family, tokenizer, reference decoding, replay, shipped weights."""
 
-from types import SimpleNamespace as NS
-
 import numpy as np
 import pytest
 import torch
@@ -141,12 +139,14 @@ def test_shipped_tiny_reasoner_solves_its_tasks():
 
 
 def test_pretraining_loss_falls(tmp_path):
+    """recipe=tiny_pretrain (running counts, oracle-eviction dropout), shrunk: the loss falls."""
+    from kvrl.config import load_config
     from kvrl.jobs.pretrain_tiny import main
 
-    cfg = NS(seed=0, device="cpu", output_dir=str(tmp_path),
-             trainer=NS(lr=3e-3, steps=40, batch_size=8, warmup_steps=5, weight_decay=0.0, log_every=39))
-    first = main(NS(**{**vars(cfg), "trainer": NS(**{**vars(cfg.trainer), "steps": 1})}))["loss"]
-    last = main(cfg)["loss"]
+    shrunk = ["recipe=tiny_pretrain", "trainer.batch_size=8", "trainer.warmup_steps=5", "trainer.log_every=39",
+              "pretrain.eval_tasks=4", f"output_dir={tmp_path}", "resume=never"]
+    first = main(load_config([*shrunk, "trainer.steps=1"]))["loss"]
+    last = main(load_config([*shrunk, "trainer.steps=40"]))["loss"]
     assert last < 0.7 * first
     assert (tmp_path / "model" / "model.safetensors").exists()
 

@@ -12,7 +12,10 @@ Public API::
 Built-in ids (entry points are imported only by ``make``):
 
 * ``kvrl/math-v0``   -> :class:`kvrl.envs.math.MathEnv` (JSONL/parquet math sets, math-verify reward)
-* ``kvrl/chains-v0`` -> :class:`kvrl.envs.chains.ChainsEnv` (the tiny reasoner's synthetic tasks)
+* ``kvrl/counts-v0`` -> :class:`kvrl.envs.counts.CountsEnv` (running counts: the tiny reasoner's tasks)
+* ``kvrl/multihop-v0`` -> :class:`kvrl.envs.multihop.MultiHopEnv` (multi-query chains: the
+  multihop reasoner's tasks, with a long chain of thought that re-reads itself)
+* ``kvrl/chains-v0`` -> :class:`kvrl.envs.chains.ChainsEnv` (single-query variable chains)
 * ``kvrl/eviction-v0`` -> :class:`kvrl.envs.eviction.EvictionEnv` (ForesightKV's eviction MDP over stored traces)
 """
 
@@ -23,6 +26,7 @@ from kvrl.envs.registry import EnvNotFoundError, make, register, registered
 register("kvrl/math-v0", "kvrl.envs.math:MathEnv")
 register("kvrl/chains-v0", "kvrl.envs.chains:ChainsEnv")
 register("kvrl/counts-v0", "kvrl.envs.counts:CountsEnv")
+register("kvrl/multihop-v0", "kvrl.envs.multihop:MultiHopEnv")
 register("kvrl/eviction-v0", "kvrl.envs.eviction:EvictionEnv")
 
 __all__ = [

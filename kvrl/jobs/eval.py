@@ -25,6 +25,7 @@ decoding step, for one sample) and ``report.md`` gathering them.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -144,13 +145,24 @@ def main(cfg) -> dict:
     with atomic(out / "rows.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
+    # ---- the task's properties, measured on the model's own attention over reference traces
+    props = None
+    if ev.properties:
+        from kvrl.eval.properties import measure
+        from kvrl.models.tiny import load_model
+
+        model, tok = load_model(cfg.model.path, device=cfg.device)
+        props = measure(model, tok, tasks[:64])
+        with atomic(out / "properties.json") as tmp:
+            tmp.write_text(json.dumps(props, indent=1) + "\n")
+
     # ---- pictures and report.md
     plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
     plot_modes(rows, out / "error_modes.png")
     shown = next(iter(traces.items()), None)
     if shown is not None:
         plot_retention(*shown[1], out / "retention.png", f"{shown[0][0]} at {shown[0][1]}")
-    write_report(cfg, rows, mean_len, out, weights, retention=shown is not None)
+    write_report(cfg, rows, mean_len, out, weights, retention=shown is not None, props=props)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}
 
@@ -210,9 +222,66 @@ def plot_retention(trace, prompt_len: int, path: Path, title: str, layer: int = 
     plt.close(fig)
 
 
-def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str, retention: bool) -> None:
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion p over n tasks."""
+    if n == 0:
+        return 0.0, 1.0
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+# The orderings the papers report at equal cache budgets, best first (zoo names), with their setting.
+PAPERS = [
+    ("R-KV (Cai et al. 2025)", "R1-Llama-8B / R1-Qwen-14B on AIME24 and MATH-500",
+     "R-KV keeps ~100 % of the full cache's accuracy at 10 % of the cache, SnapKV ~60 %", ["rkv", "snapkv"]),
+    ("G-KV (Liao et al. 2025)", "R1-Qwen-7B / R1-Llama-8B on AMC23, AIME24, LiveCodeBench",
+     "G-KV > R-KV > SnapKV > StreamingLLM at equal budgets (G-KV ~+20 points on AMC23 at 512)",
+     ["gkv", "rkv", "snapkv", "streaming"]),
+]
+
+
+def orderings(rows: list[dict]) -> list[str]:
+    """Per budget: the zoo best first with 95 % intervals, and each pair the papers order
+    (a above b): agrees, reversed (intervals apart), or a tie (intervals overlap)."""
+    lines = []
+    points = [r["point"] for r in rows if r["budget"] is not None]
+    for point in dict.fromkeys(points):
+        at = {r["policy"]: r for r in rows if r["point"] == point and r["budget"] is not None}
+        ranked = sorted(at.values(), key=lambda r: -r["accuracy"])
+        lines.append(f"- budget {point}: " + " > ".join(f"{r['policy']} {r['accuracy']:.2f}" for r in ranked))
+        for paper, _, _, order in PAPERS:
+            verdicts = []
+            for a, b in zip(order, order[1:]):
+                if a not in at or b not in at:
+                    continue
+                (alo, ahi), (blo, bhi) = (wilson(at[x]["accuracy"], at[x]["tasks"]) for x in (a, b))
+                verdict = "agrees" if alo > bhi else "reversed" if ahi < blo else "tie"
+                verdicts.append(f"{a} > {b}: {verdict}")
+            if verdicts:
+                lines.append(f"  - {paper}'s order: " + "; ".join(verdicts))
+    return lines
+
+
+PROPERTY_TEXT = {
+    "cot_tokens": "chain-of-thought tokens (mean)",
+    "cot_share": "share of the sequence that is chain of thought",
+    "cot_far_mass": "attention of CoT queries on CoT tokens >= {far} back (re-reading its own conclusions)",
+    "prompt_mass": "attention of CoT queries on the prompt",
+    "near_mass": "attention of CoT queries on the {far} newest tokens",
+    "redundant_keys": "CoT keys with a near-duplicate key (cosine >= {duplicate_cos}, same KV head)",
+    "repeated_trigrams": "CoT tokens that end a 3-gram already in the sequence",
+    "h2o_recall": "of the {keep:.0%} of tokens the rest of the trace reads most, share in the top by accumulated "
+                  "attention so far (H2O's score)",
+    "recent_recall": "... share among the newest tokens",
+    "random_recall": "... share expected of a random choice",
+}
+
+
+def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str, retention: bool,
+                 props: dict | None = None) -> None:
     ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
-    head = ["policy", "budget", "accuracy", *[f"pass@{k}" for k in ks], "gen tokens", "truncated",
+    head = ["policy", "budget", "accuracy [95 % CI]", *[f"pass@{k}" for k in ks], "gen tokens", "truncated",
             *MODES, "KV retention", "peak KV", "tokens/s"]
     lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", ""]
     if weights != cfg.model.path:
@@ -224,11 +293,20 @@ def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         budget = r["point"] if r["budget_ratio"] is None else f"max({r['point']}, {r['budget_ratio']:g}·L)"
-        cells = [r["policy"], budget, f"{r['accuracy']:.3f} ± {r['accuracy_se']:.3f}",
+        lo, hi = wilson(r["accuracy"], r["tasks"])
+        cells = [r["policy"], budget, f"{r['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]",
                  *[f"{r[f'pass@{k}']:.3f}" for k in ks], f"{r['gen_tokens']:.1f}", f"{r['truncated']:.0%}",
                  *[f"{r[f'mode/{m}']:.0%}" for m in MODES], f"{r['kv_retention']:.0%}", f"{r['peak_kv_tokens']:.0f}",
                  f"{r['decode_tokens_per_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if props is not None:
+        lines += ["", f"## The task's properties ({props['tasks']} reference traces, the model's own attention; "
+                  "kvrl/eval/properties.py)", "", "| property | value |", "|---|---|"]
+        lines += [f"| {text.format(**props)} | {props[key]:g} |" for key, text in PROPERTY_TEXT.items()]
+        lines += ["", "## Orderings: this run beside the papers'", ""]
+        lines += [f"- {paper} ({setting}): {claim}." for paper, setting, claim, _ in PAPERS]
+        lines += ["", "This run (greedy accuracy, 95 % Wilson intervals decide agrees / reversed / tie):", ""]
+        lines += orderings(rows)
     lines += ["", "![accuracy vs budget](accuracy.png)", "", "![error modes](error_modes.png)", ""]
     if retention:
         lines += ["![retention](retention.png)", ""]

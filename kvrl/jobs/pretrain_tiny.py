@@ -1,24 +1,30 @@
-"""job=pretrain_tiny: train the tiny reasoner from scratch on running counts.
+"""job=pretrain_tiny: train a tiny reasoner from scratch on a procedural task family.
 
-    python -m kvrl.run recipe=tiny_pretrain
+    python -m kvrl.run recipe=tiny_pretrain            # running counts (the shipped "tiny")
+    python -m kvrl.run recipe=tiny_multihop_pretrain   # multi-query chains ("tiny-multihop")
 
+Fresh tasks every batch (``env.id``'s reference completions), loss on the chain of thought
+only, AdamW with warm-up and a cosine schedule over a fixed number of steps (not wall time,
+so a seed reproduces a run). ``pretrain.curriculum`` grows the task sizes from small to
+``env.kwargs``'s over that fraction of the steps (environments with a size ``spec``).
+A run checkpoints every ``pretrain.checkpoint_every`` steps (model, optimizer, schedule,
+task stream and RNG) and ``resume=auto`` continues from the newest intact checkpoint, so a
+stopped run loses at most that many steps and ends with the weights it would have had.
 
-Fresh tasks every batch, loss on the chain of thought only, AdamW with warm-up and a cosine
-schedule over a fixed number of steps (not wall time, so a seed reproduces a run).
+Running counts (``kvrl/counts-v0``) was chosen for the first reasoner because it trains in
+minutes: a read at a fixed distance was learned in ~100 steps. It was trained with
+``pretrain.eviction_dropout=0.5`` (rows whose unneeded tokens an oracle evicts), which made it
+robust to exactly the evictions an oracle makes. The multi-query chains
+(``kvrl/multihop-v0``) need content-keyed lookups; they are trained without eviction
+dropout, so that the model meets compression as a real model does, untrained for it.
 
-Why running counts (``kvrl/counts-v0``), measured on this stack while designing it:
-variable chains (``kvrl/chains-v0``, tiny_reasoner.md's attempt 4) kept their
-content-keyed prompt lookup at chance for 1,400 steps with sparse- and dense-lookup
-curricula, and plain key-value recall among 12 pairs stayed at chance for 400 steps, while
-a read at a fixed distance was learned in ~100 steps. A running sum mod 10 stalled at
-chance too (one operand says nothing about the sum); a count has partial signal (below 5
-the count is copied). Counts reach ~0.9 teacher-forced accuracy in ~200 steps.
-It trains on one thread: two threads oversubscribed by other processes were up to 10x
-slower, and one thread makes the run reproducible across machines with a different count.
+It trains on one thread on a CPU: two threads oversubscribed by other processes were up to
+10x slower, and one thread makes the run reproducible across machines with a different count.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -29,10 +35,13 @@ from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
 from kvrl.engines.hf import HFEngine, Sampling
-from kvrl.envs.counts import make_count_task
+from kvrl.envs import make
+from kvrl.envs.base import correct
 from kvrl.kernels.replay import NEVER, Replay
 from kvrl.models.tiny import build_tokenizer, tiny_config
-from kvrl.runlog import RunLog, seal, setup_process
+from kvrl.runlog import (RunLog, config_changes, flatten, intact_checkpoint, mark_latest, save_torch, seal,
+                         setup_process, write_json)
+
 
 def cot_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Teacher-forced next-token accuracy on the chain of thought."""
@@ -41,20 +50,20 @@ def cot_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((pred[at] == cur[at]).float().mean())
 
 
-def eviction_dropout(rng: np.random.Generator, tasks: list[dict], T: int, layers: int, heads: int,
+def eviction_dropout(rng: np.random.Generator, tasks, T: int, layers: int, heads: int,
                      p: float = 0.5) -> torch.Tensor:
-    """Death pattern [layers, B, heads, T] for a batch: with probability p per row, every
-    token the task no longer needs is evicted (each ``d ;`` pair survives until the step
-    that copies it, plus BOS and a recent window of 2-24 tokens); other rows see the full
-    causal context. Without it the model's reads depend diffusely on every token, and
-    evicting even unneeded ones broke it (oracle at 50 % of the sequence: 0.01)."""
+    """Running counts only: death pattern [layers, B, heads, T] for a batch; with probability
+    p per row, every token the task no longer needs is evicted (each ``d ;`` pair survives
+    until the step that copies it, plus BOS and a recent window of 2-24 tokens); other rows
+    see the full causal context. Without it the counts model's reads depend diffusely on
+    every token, and evicting even unneeded ones broke it (oracle at 50 % of the sequence: 0.01)."""
     k = torch.arange(T)
     rows = []
     for t in tasks:
         if rng.random() >= p:
             rows.append(torch.full((T,), NEVER))
             continue
-        n = len(t["digits"])
+        n = len(t.meta["digits"])
         d = k + int(rng.integers(2, 25))
         d[0] = NEVER
         j = torch.arange(1, n + 1)
@@ -64,12 +73,13 @@ def eviction_dropout(rng: np.random.Generator, tasks: list[dict], T: int, layers
     return torch.stack(rows).to(torch.int32)[None, :, None].expand(layers, -1, heads, -1).contiguous()
 
 
-def encode_batch(tokenizer, tasks: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids and labels (-100 on the prompt and padding)."""
+def encode_batch(tokenizer, tasks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and labels (-100 on the prompt and padding) of the tasks'
+    prompts and reference completions (``meta["completion"]``) ended by EOS."""
     rows, labels = [], []
     for t in tasks:
-        prompt = tokenizer(t["prompt"])["input_ids"]
-        cot = tokenizer(t["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        prompt = tokenizer(t.prompt)["input_ids"]
+        cot = tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(prompt + cot)
         labels.append([-100] * len(prompt) + cot)
     width = max(map(len, rows))
@@ -79,21 +89,40 @@ def encode_batch(tokenizer, tasks: list[dict]) -> tuple[torch.Tensor, torch.Tens
     return ids, lab
 
 
-def boxed_accuracy(engine, tasks: list[dict], max_new_tokens: int = 160) -> float:
-    """Greedy accuracy: the completion's ``\\boxed{ d }`` equals the answer."""
-    out = engine.generate([t["prompt"] for t in tasks], Sampling(max_new_tokens))
-    return float(np.mean([f"\\boxed{{ {t['answer']} }}" in text for t, text in zip(tasks, out.texts)]))
+def boxed_accuracy(engine, tasks, max_new_tokens: int) -> float:
+    """Greedy accuracy: the completion's last ``\\boxed{}`` holds the answer."""
+    out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens))
+    return float(np.mean([correct(t, text) for t, text in zip(tasks, out.texts)]))
+
+
+def draw(env, spec, rng: np.random.Generator, n: int, frac: float):
+    """n tasks from ``env`` at curriculum fraction ``frac`` (sizes from ``spec.scaled``)."""
+    if spec is not None:
+        env.spec = spec.scaled(frac)
+    return [env.sample_task(rng) for _ in range(n)]
 
 
 def main(cfg) -> dict:
-    # ---- one thread: reproducible, and robust to other processes on the cores
-    tr = cfg.trainer
-    setup_process(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    held_out = [make_count_task(np.random.default_rng(10**6 + cfg.seed + i)) for i in range(64)]
+    # ---- one thread on a CPU: reproducible, and robust to other processes on the cores
+    tr, pc = cfg.trainer, cfg.pretrain
+    setup_process(cfg.seed, threads=1 if cfg.device == "cpu" else None)
+    out_dir = Path(cfg.output_dir)
+    env = make(cfg.env.id, **cfg.env.kwargs)
+    spec = getattr(env, "spec", None)
+    if pc.curriculum > 0 and not hasattr(spec, "scaled"):
+        raise ValueError(f"pretrain.curriculum={pc.curriculum}: {cfg.env.id} has no size spec to grow; "
+                         "set pretrain.curriculum=0")
+    held_env = make(cfg.env.id, **cfg.env.kwargs)
+    held_env.reset(seed=10**6 + cfg.seed)
+    held_out = held_env.tasks(pc.eval_tasks)
     tokenizer = build_tokenizer()
-    model = LlamaForCausalLM(tiny_config(tokenizer)).to(cfg.device)
-    model.set_attn_implementation("kvrl_replay")
+    new_tokens = max(len(tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"])
+                     for t in held_out) + 8
+    model = LlamaForCausalLM(tiny_config(tokenizer, layers=pc.layers, hidden=pc.hidden, kv_heads=pc.kv_heads,
+                                         intermediate=pc.intermediate, max_positions=pc.max_positions))
+    model = model.to(cfg.device)
+    attention = "kvrl_replay" if pc.eviction_dropout > 0 else "sdpa"
+    model.set_attn_implementation(attention)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(0.9, 0.95), weight_decay=tr.weight_decay)
 
     def lr_at(step: int) -> float:
@@ -103,44 +132,86 @@ def main(cfg) -> dict:
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    out_dir = Path(cfg.output_dir)
-    log = RunLog(out_dir, fresh=True)
-    t0, tokens = time.time(), 0
-    bar = tqdm(range(tr.steps), desc="pretrain tiny reasoner", mininterval=5)
+    rng = np.random.default_rng(cfg.seed)
+    start, tokens, elapsed = 0, 0, 0.0
+
+    # ---- resume: the newest intact checkpoint of this output_dir, if its settings are this run's
+    settings = json.loads(json.dumps(flatten(cfg)))
+    path = intact_checkpoint(out_dir / "checkpoints") if cfg.resume == "auto" else (
+        None if cfg.resume == "never" else Path(cfg.resume))
+    if path is not None:
+        changed = config_changes(json.loads((path / "config.json").read_text()), settings, cfg.RESUMABLE)
+        if changed:
+            raise ValueError(f"{out_dir} holds a pretraining run with other settings (checkpoint {path}):\n  "
+                             + "\n  ".join(changed) + "\nrerun with its settings to continue it, or pass "
+                             "resume=never (or another output_dir) to start afresh")
+        state = torch.load(path / "state.pt", weights_only=False, map_location=cfg.device)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        rng.bit_generator.state = state["rng"]
+        torch.set_rng_state(state["torch_rng"])
+        start, tokens, elapsed = state["step"], state["tokens"], state["elapsed_s"]
+        print(f"resumed from {path} at step {start}")
+    log = RunLog(out_dir, fresh=path is None)
+    log.trim(lambda row: row["step"] < start)
+
+    def checkpoint(step: int) -> None:
+        folder = out_dir / "checkpoints" / f"step_{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_torch({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "step": step,
+                    "tokens": tokens, "elapsed_s": elapsed + time.time() - t0}, folder / "state.pt")
+        write_json(folder / "config.json", settings)
+        seal(folder)
+        mark_latest(folder)
+
+    t0 = time.time()
+    rec: dict = {}
+    bar = tqdm(range(start, tr.steps), desc=f"pretrain on {cfg.env.id}", mininterval=5,
+               initial=start, total=tr.steps)
     for step in bar:
-        # ---- one step on fresh tasks
+        # ---- one step on fresh tasks (sizes grown by the curriculum)
         model.train()
-        tasks = [make_count_task(rng) for _ in range(tr.batch_size)]
+        frac = step / (pc.curriculum * tr.steps) if pc.curriculum > 0 else 1.0
+        tasks = draw(env, spec, rng, tr.batch_size, frac)
         ids, labels = encode_batch(tokenizer, tasks)
         ids, labels = ids.to(cfg.device), labels.to(cfg.device)
-        death = eviction_dropout(rng, tasks, ids.shape[1], model.config.num_hidden_layers,
-                                 model.config.num_key_value_heads).to(cfg.device)
         pos = torch.arange(ids.shape[1], device=cfg.device).expand_as(ids)
-        out = model(input_ids=ids, labels=labels, position_ids=pos, kvrl_replay=Replay(death, pos))
+        extra = {}
+        if pc.eviction_dropout > 0:
+            death = eviction_dropout(rng, tasks, ids.shape[1], model.config.num_hidden_layers,
+                                     model.config.num_key_value_heads, pc.eviction_dropout).to(cfg.device)
+            extra = {"kvrl_replay": Replay(death, pos)}
+        out = model(input_ids=ids, labels=labels, position_ids=pos, **extra)
         loss = out.loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), tr.max_grad_norm or float("inf"))
         opt.step()
         sched.step()
         tokens += ids.numel()
         # ---- logging; greedy held-out accuracy a few times per run
-        if step % tr.log_every == 0 or step == tr.steps - 1:
-            rec = {"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0],
-                   "cot_acc": cot_accuracy(out.logits.detach(), labels),
-                   "tokens_per_s": tokens / (time.time() - t0), "elapsed_s": time.time() - t0}
-            if step % (tr.log_every * 10) == 0 or step == tr.steps - 1:
+        last = step == tr.steps - 1
+        if step % tr.log_every == 0 or last:
+            now = elapsed + time.time() - t0
+            rec = {"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0], "frac": min(frac, 1.0),
+                   "cot_acc": cot_accuracy(out.logits.detach(), labels), "tokens": tokens,
+                   "tokens_per_s": tokens / max(now, 1e-9), "elapsed_s": now}
+            if step % (tr.log_every * 10) == 0 or last:
                 model.eval()
-                rec["held_out_acc"] = boxed_accuracy(HFEngine(model, tokenizer), held_out)
-                model.set_attn_implementation("kvrl_replay")
+                rec["held_out_acc"] = boxed_accuracy(HFEngine(model, tokenizer), held_out, new_tokens)
+                model.set_attn_implementation(attention)
             log.log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3g}", cot=f"{rec['cot_acc']:.3f}", acc=rec.get("held_out_acc", "-"))
+        if pc.checkpoint_every and (step + 1) % pc.checkpoint_every == 0 and not last:
+            checkpoint(step + 1)
     # ---- save in the shipped layout
     log.close()
     model.eval()
     model.set_attn_implementation("sdpa")  # the saved config's default attention
-    model.save_pretrained(out_dir / "model")
+    model.cpu().save_pretrained(out_dir / "model")
     tokenizer.save_pretrained(out_dir / "model")
     seal(out_dir / "model")  # whole: model.path=<output_dir> loads it (kvrl.runlog.trained_model)
-    print(f"saved {out_dir / 'model'}; ship it with: cp -r {out_dir / 'model'}/. kvrl/models/weights/tiny_reasoner/")
+    print(f"saved {out_dir / 'model'}; ship it with: cp -r {out_dir / 'model'}/. kvrl/models/weights/<name>/")
     return rec

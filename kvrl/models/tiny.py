@@ -19,9 +19,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from kvrl.envs.chains import VOCAB
+from kvrl.models import SHIPPED
 from kvrl.runlog import trained_model
 
-TINY_PATH = Path(__file__).parent / "weights" / "tiny_reasoner"
+TINY_PATH = SHIPPED["tiny"][0]
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -36,30 +37,36 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<pad>", unk_token="<pad>", padding_side="left")
 
 
-def tiny_config(tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
-    """The architecture of tiny_reasoner.md's attempt 4: Llama, hidden 128, 4 query / 2 KV
-    heads of size 32 (a head size vLLM's CPU kernels support), tied embeddings."""
+def tiny_config(tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, hidden: int = 128, kv_heads: int = 2,
+                intermediate: int = 384, max_positions: int = 1024) -> LlamaConfig:
+    """A tiny Llama with query heads of size 32 (a head size vLLM's CPU kernels support) and
+    tied embeddings. The defaults are the shipped counts reasoner's (tiny_reasoner.md's
+    attempt 4): hidden 128, 4 query / 2 KV heads, 4 layers."""
+    if hidden % 32 or (hidden // 32) % kv_heads:
+        raise ValueError(f"hidden={hidden} must be a multiple of 32 whose {hidden // 32} query heads of size 32 "
+                         f"split into kv_heads={kv_heads} groups")
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=hidden // 32, num_key_value_heads=kv_heads, head_dim=32,
+        max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
 
 @functools.cache
 def resolve_path(path: str) -> str:
-    """``"tiny"`` names the shipped weights; a kvrl run directory (an ``output_dir``, without a
+    """``"tiny"`` and ``"tiny-multihop"`` name the shipped weights (:data:`SHIPPED`); a kvrl run directory (an ``output_dir``, without a
     config.json) names the weights that run trained, its final model or else its newest
     complete checkpoint's (:func:`kvrl.runlog.trained_model`: verified against their checksums,
     refused with what to pass instead for a run that trained no model weights), with a note on
     stderr saying which; anything else is passed through. Once per process: every caller
     (config, tokenizer, weights) gets the same folder, even if the run saves a newer one meanwhile."""
-    if path == "tiny":
-        if not (TINY_PATH / "config.json").exists():
+    if path in SHIPPED:
+        folder, recipe = SHIPPED[path]
+        if not (folder / "config.json").exists():
             raise FileNotFoundError(
-                f"the tiny reasoner's weights are missing from {TINY_PATH}; reinstall kvrl, or "
-                "train them with `python -m kvrl.run recipe=tiny_pretrain`")
-        return str(TINY_PATH)
+                f"the {path} reasoner's weights are missing from {folder}; reinstall kvrl, or "
+                f"train them with `python -m kvrl.run recipe={recipe}`")
+        return str(folder)
     local = Path(path).expanduser()
     if local.is_dir() and not (local / "config.json").exists():
         found = trained_model(local)
