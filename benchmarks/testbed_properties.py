@@ -2,7 +2,8 @@
 reasoner's own attention over held-out reference traces (:mod:`kvrl.eval.properties`):
 chain-of-thought length and share, long-range re-reads of the chain of thought, redundancy
 (near-duplicate keys, repeated 3-grams) and whether accumulated attention predicts what
-the rest of the trace reads. Prints one JSON line: the counts and multihop reasoners side
+the rest of the trace reads, and (multihop) the share of the sequence an oracle must keep at
+its peak (:func:`kvrl.envs.multihop.oracle_need`). Prints one JSON line: the counts and multihop reasoners side
 by side.
 
     python benchmarks/testbed_properties.py [--tasks 64]
@@ -14,6 +15,7 @@ import json
 import torch
 
 from kvrl.envs import make
+from kvrl.envs.multihop import oracle_need
 from kvrl.eval.properties import measure
 from kvrl.models.tiny import load_model
 
@@ -31,7 +33,10 @@ def main():
         model, tok = load_model(path)
         env = make(env_id)
         env.reset(seed=args.seed)
-        out[name] = measure(model, tok, env.tasks(args.tasks))
+        tasks = env.tasks(args.tasks)
+        out[name] = measure(model, tok, tasks)
+    peaks = [oracle_need(t.meta) for t in tasks]  # multihop's: what an oracle must keep at its peak
+    out["multihop"]["oracle_peak_share"] = round(sum(p / n for p, n in peaks) / len(peaks), 4)
     print(json.dumps(out))
 
 

@@ -164,6 +164,24 @@ def make_multihop_task(rng: np.random.Generator, spec: MultiHopSpec = MultiHopSp
             "chains": chains, "statements": statements, "segments": [7 * len(c) for c in chains]}
 
 
+def oracle_need(meta: dict) -> tuple[int, int]:
+    """(peak tokens an oracle must hold, sequence length) for a task's reference trace, in
+    word-level tokens (BOS and EOS included): at the start of each segment and of the answer,
+    the statements of the queries not yet answered (3 tokens each), the query list, the
+    conclusions (``q = v ;``) already written, and the whole current segment, which its
+    walk-up reads back. What no policy can go below without losing information."""
+    lhs = [a for a, _ in meta["statements"]]
+    q = len(meta["queries"])
+    prompt = 1 + 3 * len(lhs) + 2 + q
+    segments = [7 * len(c) for c in meta["chains"]]
+    peak = 0
+    for i in range(q + 1):  # before segment i (i == q: the answer)
+        needed = {n for chain in meta["chains"][i:] for n in chain}
+        current = segments[i] if i < q else q + 2
+        peak = max(peak, 1 + 3 * len(needed) + 2 + q + 4 * i + current)
+    return peak, prompt + sum(segments) + q + 3
+
+
 def query_accuracy(task: Task, completion: str) -> float:
     """The share of the queries whose value the boxed answer gets right (a metric: partial
     credit that moves before the exact answer does)."""

@@ -18,6 +18,10 @@ query head):
     ≥ ``duplicate_cos`` with another key of the same KV head, after RoPE, as the policies
     score them), averaged over layers and KV heads; and the share of CoT tokens that end a
     3-gram already in the sequence (R-KV's n-gram view).
+``attention_sparsity``
+    G-KV's Figure 9 measure: the share of a CoT query's visible keys whose attention weight
+    is below 1 % of that query's largest (real reasoning models: over 90 % in most layers).
+    Where attention is diffuse, evicting the keys it spreads over perturbs every head.
 ``h2o_recall``, ``recent_recall``, ``random_recall``
     is accumulated attention informative but not sufficient? At cuts 25 / 50 / 75 % through
     the chain of thought, the ``keep`` share of the tokens seen so far that the *rest* of the
@@ -81,7 +85,7 @@ def _one(model, ids: list[int], prompt_len: int, far: int, duplicate_cos: float,
     cot_q = (q >= P) & (k <= q)
     regions = {"cot_far_mass": (k >= P) & (q - k >= far), "prompt_mass": k < P, "near_mass": (q - k < far) & (k >= P)}
     out = {name: 0.0 for name in regions}
-    redundant, recall = 0.0, {"h2o_recall": 0.0, "recent_recall": 0.0, "random_recall": 0.0}
+    redundant, sparsity, recall = 0.0, 0.0, {"h2o_recall": 0.0, "recent_recall": 0.0, "random_recall": 0.0}
     cuts = [P + int(f * (T - P)) for f in (0.25, 0.5, 0.75)]
     layers = sorted(_RECORD)
     for layer in layers:
@@ -90,6 +94,8 @@ def _one(model, ids: list[int], prompt_len: int, far: int, duplicate_cos: float,
         rows = w[:, P:]  # CoT queries
         for name, region in regions.items():
             out[name] += float((rows * (region & cot_q)[P:]).sum(-1).mean()) / len(layers)
+        faint = (rows < 0.01 * rows.amax(-1, keepdim=True)) & cot_q[P:]
+        sparsity += float((faint.sum(-1) / cot_q[P:].sum(-1)).mean()) / len(layers)
         unit = torch.nn.functional.normalize(key[0].float().cpu(), dim=-1)  # [H_kv, T, D]
         cos = unit @ unit.transpose(-1, -2)
         cos.diagonal(dim1=-2, dim2=-1).fill_(-1.0)
@@ -104,7 +110,8 @@ def _one(model, ids: list[int], prompt_len: int, far: int, duplicate_cos: float,
             recall["h2o_recall"] += float((mark & by_acc).sum(-1).float().mean()) / n / len(cuts) / len(layers)
             recall["recent_recall"] += float(mark[:, t - n:].sum(-1).float().mean()) / n / len(cuts) / len(layers)
             recall["random_recall"] += n / t / len(cuts) / len(layers)
-    return {"cot_tokens": T - P, "cot_share": (T - P) / T, **out, "redundant_keys": redundant,
+    return {"cot_tokens": T - P, "cot_share": (T - P) / T, **out, "attention_sparsity": sparsity,
+            "redundant_keys": redundant,
             "repeated_trigrams": trigram_repeats(ids, P), **recall}
 
 
@@ -113,6 +120,10 @@ def measure(model, tokenizer, tasks, *, far: int = 64, duplicate_cos: float = 0.
     reference chain of thought); ``keep`` is the share of tokens kept in the recall test."""
     rows = []
     for t in tasks:
+        if "completion" not in t.meta:
+            raise ValueError(f"task {t.id} has no reference chain of thought (meta['completion']) to measure the "
+                             "properties on: use a procedural environment (kvrl/counts-v0, kvrl/multihop-v0, "
+                             "kvrl/chains-v0) or set eval.properties=false")
         prompt = tokenizer(t.prompt)["input_ids"]
         cot = tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"]
         rows.append(_one(model, prompt + cot, len(prompt), far, duplicate_cos, keep))

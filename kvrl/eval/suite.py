@@ -18,7 +18,8 @@ Contract:
   every sample = pass@1) with its standard error over tasks, pass@k (the unbiased
   estimator of Chen et al. 2021) for k <= samples per task, mean generated length, the
   share cut at the length limit, error-mode shares, KV retention and peak KV tokens per
-  sequence, decode tokens/s.
+  sequence, decode tokens/s, and the mean of each of the environment's own metrics
+  (``info/NAME``: its weight-0 rewards).
 """
 
 from __future__ import annotations
@@ -177,6 +178,9 @@ def summarise(samples: list[dict], ks: list[int]) -> dict:
         "kv_retention": float(np.mean([s["retention"] for s in samples])),
         "peak_kv_tokens": float(np.mean([s["peak_kv"] for s in samples])),
     }
+    # the environment's own metrics (its weight-0 rewards, e.g. multihop's per-query accuracy)
+    metrics = [k for k, v in samples[0]["info"].items() if k not in ("reward", "correct") and isinstance(v, float)]
+    row.update({f"info/{k}": float(np.mean([s["info"][k] for s in samples])) for k in metrics})
     seconds = sum(s["seconds"] for s in samples)
     row["decode_tokens_per_s"] = sum(s["tokens"] for s in samples) / seconds if seconds > 0 else 0.0
     return row

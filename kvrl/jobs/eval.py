@@ -140,7 +140,8 @@ def main(cfg) -> dict:
                    "budget": point if spec.budgeted else None, "budget_ratio": spec.budget_ratio(kv),
                    **summarise(run(spec, point), ev.pass_k)}
             rows.append(row)
-            print(f"{row['policy']:<12}{row['point']:>8}  acc {row['accuracy']:.3f} ± {row['accuracy_se']:.3f}  "
+            extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("info/"))
+            print(f"{row['policy']:<12}{row['point']:>8}  acc {row['accuracy']:.3f} ± {row['accuracy_se']:.3f}{extra}  "
                   f"len {row['gen_tokens']:.1f}  kv {row['kv_retention']:.0%}  {row['decode_tokens_per_s']:.0f} tok/s")
     with atomic(out / "rows.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -249,7 +250,10 @@ def orderings(rows: list[dict]) -> list[str]:
     for point in dict.fromkeys(points):
         at = {r["policy"]: r for r in rows if r["point"] == point and r["budget"] is not None}
         ranked = sorted(at.values(), key=lambda r: -r["accuracy"])
-        lines.append(f"- budget {point}: " + " > ".join(f"{r['policy']} {r['accuracy']:.2f}" for r in ranked))
+        text = f"{ranked[0]['policy']} {ranked[0]['accuracy']:.3f}"
+        for above, r in zip(ranked, ranked[1:]):
+            text += f" {'>' if r['accuracy'] < above['accuracy'] else '='} {r['policy']} {r['accuracy']:.3f}"
+        lines.append(f"- budget {point}: {text}")
         for paper, _, _, order in PAPERS:
             verdicts = []
             for a, b in zip(order, order[1:]):
@@ -269,6 +273,7 @@ PROPERTY_TEXT = {
     "cot_far_mass": "attention of CoT queries on CoT tokens >= {far} back (re-reading its own conclusions)",
     "prompt_mass": "attention of CoT queries on the prompt",
     "near_mass": "attention of CoT queries on the {far} newest tokens",
+    "attention_sparsity": "CoT query-key pairs below 1 % of the query's largest attention weight (G-KV's sparsity)",
     "redundant_keys": "CoT keys with a near-duplicate key (cosine >= {duplicate_cos}, same KV head)",
     "repeated_trigrams": "CoT tokens that end a 3-gram already in the sequence",
     "h2o_recall": "of the {keep:.0%} of tokens the rest of the trace reads most, share in the top by accumulated "
@@ -281,8 +286,9 @@ PROPERTY_TEXT = {
 def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str, retention: bool,
                  props: dict | None = None) -> None:
     ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
-    head = ["policy", "budget", "accuracy [95 % CI]", *[f"pass@{k}" for k in ks], "gen tokens", "truncated",
-            *MODES, "KV retention", "peak KV", "tokens/s"]
+    metrics = [k for k in rows[0] if k.startswith("info/")]
+    head = ["policy", "budget", "accuracy [95 % CI]", *[f"pass@{k}" for k in ks], *[k[5:] for k in metrics],
+            "gen tokens", "truncated", *MODES, "KV retention", "peak KV", "tokens/s"]
     lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", ""]
     if weights != cfg.model.path:
         lines += [f"Weights: {weights}.", ""]
@@ -295,7 +301,8 @@ def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str
         budget = r["point"] if r["budget_ratio"] is None else f"max({r['point']}, {r['budget_ratio']:g}·L)"
         lo, hi = wilson(r["accuracy"], r["tasks"])
         cells = [r["policy"], budget, f"{r['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]",
-                 *[f"{r[f'pass@{k}']:.3f}" for k in ks], f"{r['gen_tokens']:.1f}", f"{r['truncated']:.0%}",
+                 *[f"{r[f'pass@{k}']:.3f}" for k in ks], *[f"{r[k]:.3f}" for k in metrics],
+                 f"{r['gen_tokens']:.1f}", f"{r['truncated']:.0%}",
                  *[f"{r[f'mode/{m}']:.0%}" for m in MODES], f"{r['kv_retention']:.0%}", f"{r['peak_kv_tokens']:.0f}",
                  f"{r['decode_tokens_per_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
