@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrl.kernels.scores import gather_slots, key_redundancy, window_attention
+from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update, window_attention
 from kvrl.policies import (GKV, H2O, POLICIES, RKV, Evicting, Full, HeadAllocation, KVPolicy, LearnedScorer,
                            Mixed, Observation, Static, StreamingLLM, Window, as_regime, checksum, make_policy,
                            plackett_luce_logprob, should_evict)
@@ -407,6 +407,35 @@ def test_redundancy_retain_direction_and_threshold(threshold, direction):
     if threshold == 0.5:  # which copy of e0 survives (is least redundant)
         survivor, oldest_penalised = (5, 1) if direction == "last" else (1, 5)
         assert got[0, 0, survivor] < got[0, 0, 3] < got[0, 0, oldest_penalised]
+
+
+def test_redundancy_three_copies():
+    """Copies at slots 10 < 30 < 45 of 48 orthonormal keys (every other cosine is 0). Under
+    "last" each column's entry in its latest near-duplicate row is zeroed — col 10 <- 45,
+    col 30 <- 45, col 45 <- 30 — so the cosine pairs left in each copy's row sum are:
+    10: (10, 30), (10, 45) -> 2; 30: (30, 10) -> 1; 45: none -> 0. Penalised: 10 by 30 and 45,
+    30 by 10, 45 by nothing (R-KV's rule). G-KV's Triton kernel @345e290 gives 2, 1, 1 here
+    (45 by 10; see key_redundancy's docstring). "first_vllm" mirrors "last": 0, 1, 2."""
+    n = 48
+    keys = torch.eye(n)
+    keys[[30, 45]] = keys[10].clone()
+    keys, valid = keys.view(1, 1, n, n), torch.ones(1, 1, n, dtype=torch.bool)
+    copies = [10, 30, 45]
+    for direction, pairs, rowsums in [("last", {10: 45, 30: 45, 45: 30}, [2, 1, 0]),
+                                      ("first_vllm", {10: 30, 30: 10, 45: 10}, [0, 1, 2])]:
+        red, pick = key_redundancy_update(keys, torch.arange(n).view(1, 1, n), torch.full((1, 1, n), float("nan")),
+                                          retain_direction=direction)
+        assert {m: int(pick[0, 0, m]) for m in copies} == pairs  # each column's zeroed row
+        assert (pick[0, 0, [m for m in range(n) if m not in copies]] == -1).all()
+        # every non-copy slot has row sum 0: log(red_m / red_0) · N is slot m's row sum
+        np.testing.assert_allclose((red[0, 0].log() - red[0, 0, 0].log()).numpy() * n,
+                                   [rowsums[copies.index(m)] if m in copies else 0 for m in range(n)], atol=1e-4)
+        torch.testing.assert_close(key_redundancy(keys, valid, retain_direction=direction), red)
+    obs = Observation(keys=keys, values=keys, queries=torch.ones(1, 1, 1, n), key_pos=torch.arange(n).view(1, 1, n),
+                      query_pos=torch.tensor([[n - 1]]), state=None, layer=0, scaling=0.5)
+    want = softmax(np.array([2.0 if m == 10 else 1.0 if m == 30 else 0.0 for m in range(n)]) / n)
+    scores, _ = GKV(budget=8, window=1, mix_lambda=0.0).score(obs)  # -R ÷ max over the candidates
+    np.testing.assert_allclose(scores[0, 0, :n - 1].numpy(), -want[:n - 1] / want[:n - 1].max(), rtol=1e-5)
 
 
 # R-KV's cal_similarity by hand, on keys k0 = k1 = e0, k2 = 0.3 e0 + e2, k3 = e1, k4 = e0 + e1

@@ -199,12 +199,17 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     bug is not reproduced). Slot order must be position order among valid slots, so that
     "latest row" means "most recent token".
 
-    Caveat: this is R-KV's relation, which methods.md §8 also gives for G-KV. G-KV's Triton
-    kernel, read line by line (and emulated in a loop), differs as soon as a token has two or
-    more near-duplicates: it walks the rows from the last in blocks of 16 and, in each
-    64-column tile, zeroes each row's largest near-duplicate column that no earlier-visited
-    (later) row block has zeroed yet — with copies at 10 < 30 < 45 it penalises 10 by 30 and
-    45, 30 by 10 and 45 by 10. That rule is not reproduced.
+    G-KV: methods.md §8 and issue #38's audit give ``"last"`` as the rule of G-KV's Triton
+    kernel (the audit ran G-KV @6db3b2e's kernel in Triton's CPU interpreter: equal to
+    ``"last"`` within 3.7e-9 on 14 cases, and slot 45 of the three copies penalised by
+    neither). The kernel of ``gkv/utils/compression_score.py`` at G-KV @345e290, run the
+    same way (block pointers rewritten as masked loads for Triton 3.9), zeroes per row
+    instead: visiting the rows from the last in blocks of 16, each row zeroes, in each
+    64-column tile, its largest near-duplicate column that no earlier-visited block has
+    zeroed. On the three copies its row sums are 2, 1, 1 (slot 45 penalised by 10) where
+    ``"last"``'s are 2, 1, 0. The two rules agree while no token has two or more
+    near-duplicates; kvrl does not implement the 345e290 rule, and the 6db3b2e kernel was
+    not available here to compare.
 
     Cost: the N×N cosines are computed once per unordered pair, tile by tile (one
     [B, H, tile, tile] float32 block at a time, on or below the diagonal), so the work is

@@ -61,9 +61,11 @@ class GKV(KVPolicy):
         Near-duplicate cosine threshold, in [0, 1]: ``cal_similarity_triton(threshold=0.5)``
         in ``gkv/utils/compression_score.py`` (``ScoreBasedKV`` never passes it, so 0.5 is
         the only value the reference runs). There is no ``retain_direction``: the reference
-        stores one (``--retain_direction``) but passes it to neither similarity function;
-        its Triton kernel has one fixed rule, approximated here by "last" (see the caveat
-        in :func:`kvrl.kernels.scores.key_redundancy`).
+        stores one (``--retain_direction``) but passes it to neither similarity function.
+        kvrl runs "last", the rule methods.md §8 and issue #38's audit give for G-KV's
+        Triton kernel (@6db3b2e, equal within 3.7e-9); the kernel at @345e290 differs for a
+        token with two or more near-duplicates (see the G-KV paragraph of
+        :func:`kvrl.kernels.scores.key_redundancy`).
     score_cache : bool, default True
         The reference's ``enable_score_cache`` (``ScoreBasedKV.update_kv``): True is G-KV
         (``S ÷ max S``, smoothing with the stored F, ``R ÷ max R``); False drops all three,
