@@ -766,6 +766,30 @@ def test_ratio_mode_rows_of_a_batch_keep_their_own_budget():
     assert (sel.evicted[1] >= 0).sum() == 10 - 6 and (sel.evicted[0] >= 0).sum() == 14 - 7
 
 
+def test_gkv_ratio_budget_counts_each_rows_own_length():
+    """G-KV's ratio mode takes ``cur_len``, the padded width of its batch, for every row:
+    ``int(40 · 0.5) = 20`` for both rows below, so its 24-token row would keep 20 tokens
+    (padding goes first). kvrl takes each row's own true length: 20 for the 40-token row,
+    ``max(8, ⌊24 · 0.5⌋) = 12`` for the 24-token one (16 left-padding slots), the budget
+    that row gets alone (G-KV's too at batch size 1)."""
+    n, w = 40, 4
+    policy = GKV(budget=8, window=w, budget_ratio=0.5)
+    key_pos = torch.stack([torch.arange(n), torch.tensor([-1] * 16 + list(range(24)))]).view(2, 1, n)
+    g = torch.Generator().manual_seed(0)
+    obs = Observation(keys=torch.randn(2, 1, n, 8, generator=g), values=torch.randn(2, 1, n, 8, generator=g),
+                      queries=torch.randn(2, 2, w, 8, generator=g), key_pos=key_pos,
+                      query_pos=torch.tensor([[36, 37, 38, 39], [20, 21, 22, 23]]), state=None, layer=0, scaling=0.5)
+    sel = policy.select(obs, policy.score(obs)[0])
+    assert sel.count.tolist() == [20, 12]  # G-KV: [20, 20]
+    short = key_pos[1, 0, sel.keep[1, 0, :12]]
+    assert (short >= 0).all() and short[-w:].tolist() == [20, 21, 22, 23]
+    alone = Observation(keys=obs.keys[1:, :, 16:], values=obs.values[1:, :, 16:], queries=obs.queries[1:],
+                        key_pos=key_pos[1:, :, 16:], query_pos=obs.query_pos[1:], state=None, layer=0, scaling=0.5)
+    sel_alone = policy.select(alone, policy.score(alone)[0])
+    assert sel_alone.count.tolist() == [12]
+    assert alone.key_pos[0, 0, sel_alone.keep[0, 0]].tolist() == short.tolist()  # as if alone
+
+
 def test_foresight_training_action_refuses_ratio_mode():
     policy = make_policy("learned", **{**POLICY_KWARGS["learned"], "budget_ratio": 0.5})
     obs = make_obs(policy)
