@@ -568,6 +568,25 @@ def test_gkv_without_score_cache():
     assert not torch.allclose(cached.score(stale)[0], cached.score(obs)[0])  # ... which G-KV does
 
 
+def test_gkv_without_normalisation():
+    """normalise=False (the reference's --disable_norm): F smooths the raw S, R enters raw:
+    ``λ·max(α·F_old, S) − (1−λ)·R`` with S and R as G-KV without its score cache has them."""
+    lam, alpha = 0.3, 0.8
+    obs = make_obs(GKV(budget=12, window=4))
+    f_old = obs.state[..., 0]
+    raw = dict(budget=12, window=4, score_cache=False)
+    s = GKV(**raw, mix_lambda=1.0).score(obs)[0]  # S, unnormalised
+    r = -GKV(**raw, mix_lambda=0.0).score(obs)[0]  # R, unnormalised
+    f = torch.maximum(alpha * torch.where(f_old.isnan(), s, f_old), s)
+    policy = GKV(budget=12, window=4, mix_lambda=lam, alpha=alpha, normalise=False)
+    scores, state = policy.score(obs)
+    candidates = (obs.key_pos >= 0) & ~policy.always_kept(obs.key_pos)
+    torch.testing.assert_close(scores[candidates], (lam * f - (1 - lam) * r)[candidates])
+    torch.testing.assert_close(state[..., 0][candidates], f[candidates])
+    normalised = GKV(budget=12, window=4, mix_lambda=lam, alpha=alpha).score(obs)[0]
+    assert not torch.allclose(normalised[candidates], scores[candidates])
+
+
 def test_rkv_importance():
     """Logits max over the group, softmax over the candidates only, mean over queries, max-pool 7."""
     rng = np.random.default_rng(0)

@@ -24,7 +24,7 @@ class GKV(KVPolicy):
 
     1. local score S: softmax of each observation query over all visible keys (window
        included, causal), max over the GQA group, non-candidate columns dropped, mean over
-       the queries; then ``S ÷ max_candidates S`` (with ``score_cache`` only);
+       the queries; then ``S ÷ max_candidates S`` (with ``score_cache`` and ``normalise``);
     2. global score F from the previous F (state, S = 1) with decay ``alpha`` (with
        ``score_cache`` only; without it F = S):
        ``max``: ``max(α·F_old, S)``; ``mean``: ``α·F_old + (1−α)·S``; ``sum`` (H2O mode):
@@ -33,7 +33,7 @@ class GKV(KVPolicy):
     3. optional ``max_pool1d(F, kernel_size)`` over the candidates (off by default;
        :func:`kvrl.kernels.scores.pool_slots`);
     4. redundancy R (:func:`kvrl.kernels.scores.key_redundancy` with ``threshold``, the
-       "last" direction) ÷ its max over candidates (with ``score_cache`` only);
+       "last" direction) ÷ its max over candidates (with ``score_cache`` and ``normalise``);
     5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
 
     The new state is [F, pick] (S = 2; S = 1, F alone, when ``mix_lambda == 1`` computes
@@ -82,9 +82,7 @@ class GKV(KVPolicy):
                                                      real caches
     ``retain_direction``,      —                     stored, read by neither similarity path
     ``retain_ratio``                                 (``retain_ratio`` only by the raw one)
-    ``disable_norm``           not expressed         smoothing on the raw S and R without the
-                                                     two ÷ max; on G-KV's CLI, no script uses
-                                                     it (size not measured)
+    ``disable_norm``           ``normalise=False``   none
     ``triton_similarity``      not expressed         ``cal_similarity_raw``: sample 0's keys
     False                                            for the whole batch, eps 1e-8, R-KV's
                                                      token-0 fallback, no padding mask; only
@@ -133,8 +131,11 @@ class GKV(KVPolicy):
         R-KV recipe is ``GKV(score_cache=False, kernel_size=5, mix_lambda=0.1)``, its SnapKV
         recipe ``GKV(score_cache=False, kernel_size=5, mix_lambda=1.0)`` (``enable_pooling``
         uses ``ScoreBasedKV``'s kernel_size 5, which the CLI does not expose; the script runs
-        every recipe with window 16). The reference's ``disable_norm`` (smoothing without the
-        two normalisations; no recipe uses it) is not expressed.
+        every recipe with window 16).
+    normalise : bool, default True
+        With ``score_cache``, divide S and R by their max over the candidates (G-KV, eq. 5).
+        False is the reference's ``disable_norm`` (on its CLI, in no script): F smooths the
+        raw S, and R enters raw.
     """
 
     window: int = 16
@@ -144,6 +145,7 @@ class GKV(KVPolicy):
     kernel_size: int = 0
     threshold: float = 0.5
     score_cache: bool = True
+    normalise: bool = True
     state_size: ClassVar[int] = 2
     reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
@@ -174,8 +176,10 @@ class GKV(KVPolicy):
         # Without the score cache nothing carries over between evictions, the picks included.
         nan = float("nan")
         previous = self.previous_state(obs) if self.score_cache else glob.new_full((*glob.shape, 2), nan)
-        if self.score_cache:
+        norm = self.score_cache and self.normalise  # the reference: enable_score_cache and not disable_norm
+        if norm:
             local = local / local.amax(-1, keepdim=True).clamp(min=tiny)
+        if self.score_cache:
             old = previous[..., 0]
             a = self.alpha
             if self.mode == "sum":
@@ -190,7 +194,7 @@ class GKV(KVPolicy):
             red, pick = key_redundancy_update(obs.keys, obs.key_pos, previous[..., 1], self.threshold)
             state.append(pick)
             red = red * candidates
-            if self.score_cache:
+            if norm:
                 red = red / red.amax(-1, keepdim=True).clamp(min=tiny)
             score = score - (1 - self.mix_lambda) * red
         return score, torch.stack(state, -1)
