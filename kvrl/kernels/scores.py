@@ -176,9 +176,9 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
 
     * ``"last"``: ``rkv/utils.py::cal_similarity`` (the paper's code) and
       ``vLLM/rkv/algo.py::cal_similarity`` (R-KV's later vLLM port) alike;
-    * ``"first"``: the paper's code. Its ``min`` over indices that are 0 wherever a pair is
-      not a near-duplicate — the zeroed diagonal always is not — gives 0 for every row: every
-      row's cosine with token 0 is zeroed, so token 0's redundancy is exp(0)/Z and every other
+    * ``"first"``: the paper's code. Its ``min`` over indices that are j for a near-duplicate
+      j and 0 elsewhere is 0 for every row (column 0's index is 0 either way): every row's
+      cosine with token 0 is zeroed, so token 0's redundancy is exp(0)/Z and every other
       token counts all its cosines. No cosine pair is compared, so no fast path is needed;
     * ``"first_vllm"``: the vLLM port, which fixed the paper's ``"first"`` with a sentinel
       (``seq_len`` instead of 0) for the pairs that are not near-duplicates.
@@ -188,8 +188,8 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     the paper's code, where the max over all-0 indices is 0, "token 0") or with the last
     valid slot (``"first_vllm"``: the port clamps its sentinel to N − 1) is zeroed instead.
     Dropping it changes token 0's redundancy by up to 8.8 % at threshold 0.5 and 30 % at
-    0.7, and R-KV's kept set in 15 and 119 of 200 caches (``benchmarks/rkv_fallback.py``;
-    R-KV's table in :class:`kvrl.policies.RKV`). ``"first"`` is that fallback for every
+    0.7, and R-KV's kept set in 15 and 119 of 200 random caches whose keys share an offset
+    (``benchmarks/rkv_fallback.py``; R-KV's table in :class:`kvrl.policies.RKV`). ``"first"`` is that fallback for every
     token, with or without ``fallback``. The first valid slot is the oldest token of kvrl's
     position-ordered caches and slot 0 of the reference's, which after its first eviction
     holds its best-scored kept token (R-KV keeps score order): the two coincide per call on

@@ -100,8 +100,9 @@ class RKV(KVPolicy):
         Which near-duplicate of each token does not count it: R-KV's ``retain_direction``
         (``R1KV(retain_direction=...)`` → ``cal_similarity``). ``"last"``: the most recent
         one, so the newest copy of a repeated key survives (both R-KV versions). ``"first"``
-        is the paper's code (``rkv/utils.py``): its min over indices that are 0 off the
-        near-duplicates is 0 for every row, so every row's cosine with token 0 is zeroed:
+        is the paper's code (``rkv/utils.py``): its min over indices that are j for a
+        near-duplicate j and 0 elsewhere is 0 for every row, so every row's cosine with token 0
+        is zeroed:
         token 0's redundancy counts nothing (it alone looks unique), every other token's counts
         all its cosines. ``"first_vllm"`` is R-KV's later
         vLLM port (``vLLM/rkv/algo.py``), which fixed that: the earliest near-duplicate, so
