@@ -335,7 +335,8 @@ class EvalConfig:
     # job=eval's lines: zoo names (full streaming h2o snapkv rkv gkv learned), window, or eval.settings entries
     policies: List[str] = checked(["full", "streaming", "h2o", "snapkv", "rkv", "gkv"], lambda v: len(v) > 0,
                                   "must name at least one policy")
-    # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}}
+    # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}};
+    # a token policy's own interval / window / sink replace kv's for its line
     settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     # KV budgets: <= 1 a fraction of the full cache's mean sequence length, > 1 a number of tokens
     budgets: List[float] = checked([0.25, 0.5], lambda v: len(v) > 0 and all(b > 0 for b in v),

@@ -209,7 +209,7 @@ def test_ratio_mode_keeps_the_budget_of_each_length_and_rows_match_alone(engine,
     assert max(max(c) for c in kept.values()) > BUDGET, "the ratio never raised the budget"
 
 
-@pytest.mark.parametrize("name,kw", [("rkv", {}), ("rkv", {"retain_direction": "first"}), ("gkv", {})])
+@pytest.mark.parametrize("name,kw", [("rkv", {}), ("rkv", {"retain_direction": "first_vllm"}), ("gkv", {})])
 def test_redundancy_picks_in_the_state_equal_the_full_computation(name, kw, monkeypatch):
     """R-KV and G-KV carry each slot's exempt row ("pick") in their state, so that an
     eviction compares only the new keys and those whose pick was evicted with the cache

@@ -190,6 +190,19 @@ def test_every_base_is_used_and_is_not_a_recipe():
     assert not bases & set(available_recipes())
 
 
+def test_every_recipe_header_names_its_source():
+    """Issue #38: a recipe's leading comments name the paper table or setting it reproduces
+    (and, in the file or its base, what deliberately differs), or say it reproduces none."""
+    for path in sorted(recipes_dir().glob("**/*.yaml")):
+        header = []
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            header.append(line)
+        text = " ".join(header)
+        assert "Source:" in text or "reproduc" in text.lower(), f"{path.name}: its header names no source table"
+
+
 def test_a_recipe_overrides_its_base(capsys, tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "method.yaml").write_text("# shared\njob: eval\nkv:\n  sink: 2\n  window: 3\n")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvrl.eval.suite import error_mode, kv_usage, pass_at_k, repeats
+from kvrl.eval.suite import PolicySpec, error_mode, kv_usage, pass_at_k, repeats
 from kvrl.models import shrunk
 from kvrl.run import main
 
@@ -124,3 +124,15 @@ def test_kv_usage_of_a_trace():
     retention, peak = kv_usage(EvictionTrace.from_death(death, torch.tensor([10])), prompt_len=4)
     alive = [5, 6, 6, 6, 7, 8]  # steps 4..9: seen q + 1 keys minus the dead ones
     assert peak == 8 and retention == pytest.approx(sum(a / (q + 1) for a, q in zip(alive, range(4, 10))) / 6)
+
+
+def test_a_line_sets_its_own_window_and_sink():
+    """recipes/base/eval_math.yaml runs R-KV at its 8 observation queries and StreamingLLM
+    with its 4 sinks beside G-KV's window 16 and no sink: a token policy's own interval,
+    window and sink replace kv's for its line."""
+    kv = {"interval": 128, "window": 16, "sink": 0, "budget_ratio": None}
+    settings = {"rkv": {"window": 8}, "streaming": {"sink": 4}}
+    rkv, streaming, gkv = (PolicySpec.of(name, settings).regime(None, 512, kv) for name in ("rkv", "streaming", "gkv"))
+    assert (rkv.window, rkv.sink, rkv.interval) == (8, 0, 128)
+    assert (streaming.window, streaming.sink) == (16, 4)
+    assert (gkv.window, gkv.sink, gkv.budget) == (16, 0, 512)

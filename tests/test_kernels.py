@@ -146,7 +146,7 @@ def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6, direction="last"):
             k = k / (k.norm(dim=-1, keepdim=True) + eps)
             ok = [n for n in range(n_) if valid[b, h, n]]
             cos = {(m, n): float(k[m] @ k[n]) for m in ok for n in ok if m != n}
-            for n in ok:  # zero the latest (first: earliest) row similar to column n
+            for n in ok:  # zero the latest (first_vllm: earliest) row similar to column n
                 rows = [m for m in ok if m != n and cos[m, n] > threshold]
                 if rows:
                     cos[max(rows) if direction == "last" else min(rows), n] = 0.0
@@ -157,7 +157,7 @@ def naive_redundancy(keys, valid, threshold=0.5, eps=1e-6, direction="last"):
     return out
 
 
-@pytest.mark.parametrize("direction", ["last", "first"])
+@pytest.mark.parametrize("direction", ["last", "first_vllm"])
 def test_key_redundancy_matches_loop(direction):
     torch.manual_seed(1)
     b, h, n, d = 2, 2, 10, 4
@@ -173,9 +173,11 @@ def test_key_redundancy_matches_loop(direction):
         assert (got[~valid] == 0).all()
 
 
-def dense_redundancy(keys, valid, threshold=0.5, *, eps=1e-6, first=False):
+def dense_redundancy(keys, valid, threshold=0.5, *, eps=1e-6, direction="last", fallback=False):
     """The dense implementation the tiled ``key_redundancy`` replaced, kept as its reference
-    (N×N cosines and masks); ``first=True`` takes the earliest row instead of the latest."""
+    (N×N cosines and masks): per column the latest ("last") or earliest ("first_vllm")
+    near-duplicate row, or the first valid row ("first", R-KV's paper code); ``fallback``: a
+    column without one takes the first ("last") or last ("first_vllm") valid row."""
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + eps)
     cos = k @ k.transpose(-1, -2)  # [B, H, N(rows m), N(columns n)]
@@ -183,10 +185,19 @@ def dense_redundancy(keys, valid, threshold=0.5, *, eps=1e-6, first=False):
     slots = torch.arange(n, device=keys.device)
     pair = valid[..., :, None] & valid[..., None, :] & (slots[:, None] != slots[None, :])
     cos = cos.masked_fill(~pair, 0.0)
-    if first:
-        latest = torch.where((cos > threshold) & pair, slots[:, None], n).amin(-2)
+    hit = (cos > threshold) & pair
+    if direction == "first_vllm":
+        latest = torch.where(hit, slots[:, None], n).amin(-2)
+        latest = latest.masked_fill(latest == n, -1)
     else:
-        latest = torch.where((cos > threshold) & pair, slots[:, None], -1).amax(-2)  # per column
+        latest = torch.where(hit, slots[:, None], -1).amax(-2)  # per column
+    if direction == "first":
+        latest = torch.full_like(latest, -1)
+    if fallback or direction == "first":
+        first_valid = torch.where(valid, slots, n).amin(-1, keepdim=True)
+        last_valid = torch.where(valid, slots, -1).amax(-1, keepdim=True)
+        end = last_valid if direction == "first_vllm" else first_valid
+        latest = torch.where((latest < 0) & valid & (slots != end), end, latest)
     cos = cos.masked_fill(slots[:, None] == latest[..., None, :], 0.0)
     score = cos.sum(-1) / valid.sum(-1, keepdim=True).clamp(min=1)
     return score.masked_fill(~valid, float("-inf")).softmax(-1).nan_to_num(0.0)
@@ -244,15 +255,19 @@ def redundancy_case(name):
 CASES = ["random", "clustered", "exact_duplicates", "near_threshold", "holes", "all_invalid_heads", "ragged", "bf16"]
 
 
+# retain_direction and fallback: both R-KV versions' rules ("first" always falls back)
+RULES = [("last", False), ("last", True), ("first", False), ("first_vllm", False), ("first_vllm", True)]
+
+
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("direction", ["last", "first"])
-def test_key_redundancy_equals_dense(case, direction):
+@pytest.mark.parametrize("direction,fallback", RULES)
+def test_key_redundancy_equals_dense(case, direction, fallback):
     """The tiled kernel against the dense implementation it replaced, within 1e-6."""
     keys, valid = redundancy_case(case)
     for threshold in (0.5, 0.0, 0.8, -0.3):
-        want = dense_redundancy(keys, valid, threshold, first=direction == "first")
+        want = dense_redundancy(keys, valid, threshold, direction=direction, fallback=fallback)
         for tile in (None, 5, 32):
-            got = key_redundancy(keys, valid, threshold, retain_direction=direction, tile=tile)
+            got = key_redundancy(keys, valid, threshold, retain_direction=direction, fallback=fallback, tile=tile)
             assert got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
             assert (got - want).abs().max() <= 1e-6
@@ -267,8 +282,8 @@ def test_key_redundancy_equals_dense_at_scale():
     centres = torch.randn(2, 2, 32, 64, generator=gen)
     keys = centres[:, :, torch.randint(0, 32, (600,), generator=gen)] + 0.7 * torch.randn(2, 2, 600, 64, generator=gen)
     valid = torch.rand(2, 2, 600, generator=gen) > 0.1
-    for direction in ("last", "first"):
-        want = dense_redundancy(keys, valid, first=direction == "first")
+    for direction in ("last", "first_vllm"):
+        want = dense_redundancy(keys, valid, direction=direction)
         for tile in (None, 128):
             got = key_redundancy(keys, valid, retain_direction=direction, tile=tile)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -281,49 +296,48 @@ def test_key_redundancy_equals_dense_on_cuda():
     fp32 matmuls (no TF32), so only the block sizes differ."""
     keys, valid = redundancy_case("clustered")
     keys, valid = keys.cuda(), valid.cuda()
-    for direction in ("last", "first"):
-        want = dense_redundancy(keys, valid, first=direction == "first")
+    for direction in ("last", "first_vllm"):
+        want = dense_redundancy(keys, valid, direction=direction)
         for tile in (None, 16):
             got = key_redundancy(keys, valid, retain_direction=direction, tile=tile)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("direction", ["last", "first"])
-def test_key_redundancy_update_equals_key_redundancy(case, direction):
+@pytest.mark.parametrize("direction,fallback", RULES)
+def test_key_redundancy_update_equals_key_redundancy(case, direction, fallback):
     """One eviction step on the equivalence cases: picks of slots 0..61 (positions = slots),
     every 4th of slots 0..55 evicted, slots 62..69 new (NaN). The update's redundancy equals
     ``key_redundancy`` of the new cache within 1e-6 and its picks are the full pass's."""
     keys, valid = redundancy_case(case)
+    rule = dict(retain_direction=direction, fallback=fallback)
     n = keys.shape[2]
     pos = torch.arange(n).expand_as(valid).masked_fill(~valid, -1)
     nan = torch.full(valid.shape, float("nan"))
     kept = torch.tensor([j for j in range(n) if j >= 56 or j % 4 != 1])
     for threshold in (0.5, 0.0, -0.3):
-        _, pick = key_redundancy_update(keys[:, :, :62], pos[:, :, :62], nan[:, :, :62], threshold,
-                                        retain_direction=direction)
+        _, pick = key_redundancy_update(keys[:, :, :62], pos[:, :, :62], nan[:, :, :62], threshold, **rule)
         state = torch.cat([pick, nan[:, :, 62:]], 2)[:, :, kept]
         cache_keys, cache_pos = keys[:, :, kept], pos[:, :, kept]
-        got, got_pick = key_redundancy_update(cache_keys, cache_pos, state, threshold, retain_direction=direction)
-        want = key_redundancy(cache_keys, cache_pos >= 0, threshold, retain_direction=direction)
+        got, got_pick = key_redundancy_update(cache_keys, cache_pos, state, threshold, **rule)
+        want = key_redundancy(cache_keys, cache_pos >= 0, threshold, **rule)
         assert (got - want).abs().max() <= 1e-6
-        _, full_pick = key_redundancy_update(cache_keys, cache_pos, nan[:, :, kept], threshold,
-                                             retain_direction=direction)
+        _, full_pick = key_redundancy_update(cache_keys, cache_pos, nan[:, :, kept], threshold, **rule)
         assert torch.equal(got_pick.nan_to_num(-2), full_pick.nan_to_num(-2))
         stale = (state >= 0) & ~(state[..., :, None] == cache_pos[..., None, :]).any(-1)
-        assert stale.any() or threshold < 0.5 or case == "all_invalid_heads"  # some picks were evicted
+        assert stale.any() or threshold < 0.5 or case == "all_invalid_heads" or direction == "first"  # evicted picks
         # A batch whose sample 0 evicts for the first time (no state) beside sample 1: each
         # takes its own path (full pass / update), with the same results.
         first = state.clone()
         first[0] = float("nan")
-        mixed, mixed_pick = key_redundancy_update(cache_keys, cache_pos, first, threshold, retain_direction=direction)
+        mixed, mixed_pick = key_redundancy_update(cache_keys, cache_pos, first, threshold, **rule)
         assert (mixed - want).abs().max() <= 1e-6
         assert torch.equal(mixed_pick.nan_to_num(-2), full_pick.nan_to_num(-2))
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("direction", ["last", "first"])
-def test_native_redundancy_equals_torch(case, direction, monkeypatch):
+@pytest.mark.parametrize("direction,fallback", RULES)
+def test_native_redundancy_equals_torch(case, direction, fallback, monkeypatch):
     """The native CPU ops (kvrl/kernels/cpu_scores.cpp) against the torch code they replace,
     on the update's incremental path and the full pass, with keys laid out as the vLLM
     engine reads them (a transposed view of [B, H, D, N]): the same picks, and redundancy
@@ -333,6 +347,7 @@ def test_native_redundancy_equals_torch(case, direction, monkeypatch):
     if native.ops() is None:
         pytest.skip("the native CPU ops did not build here")
     keys, valid = redundancy_case(case)
+    rule = dict(retain_direction=direction, fallback=fallback)
     keys = keys.transpose(-1, -2).contiguous().transpose(-1, -2)
     n = keys.shape[2]
     pos = torch.arange(n).expand_as(valid).masked_fill(~valid, -1)
@@ -342,11 +357,9 @@ def test_native_redundancy_equals_torch(case, direction, monkeypatch):
         runs = []
         for use in (True, False):
             monkeypatch.setattr(native, "usable", lambda *t, use=use: use)
-            _, pick = key_redundancy_update(keys[:, :, :62], pos[:, :, :62], nan[:, :, :62], threshold,
-                                            retain_direction=direction)
+            _, pick = key_redundancy_update(keys[:, :, :62], pos[:, :, :62], nan[:, :, :62], threshold, **rule)
             state = torch.cat([pick, nan[:, :, 62:]], 2)[:, :, kept]
-            runs.append((pick, *key_redundancy_update(keys[:, :, kept], pos[:, :, kept], state, threshold,
-                                                      retain_direction=direction)))
+            runs.append((pick, *key_redundancy_update(keys[:, :, kept], pos[:, :, kept], state, threshold, **rule)))
         (first, red, pick), (first_ref, red_ref, pick_ref) = runs
         assert torch.equal(first.nan_to_num(-2), first_ref.nan_to_num(-2))
         assert torch.equal(pick.nan_to_num(-2), pick_ref.nan_to_num(-2))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrl.kernels.scores import gather_slots, key_redundancy, window_attention
+from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update, window_attention
 from kvrl.policies import (GKV, H2O, POLICIES, RKV, Evicting, Full, HeadAllocation, KVPolicy, LearnedScorer,
                            Mixed, Observation, Static, StreamingLLM, Window, as_regime, checksum, make_policy,
                            plackett_luce_logprob, should_evict)
@@ -34,7 +34,9 @@ assert set(POLICY_KWARGS) == set(POLICIES)
 
 # Non-default knobs that reference recipes need, through the same contract.
 VARIANTS = {
-    "rkv_first": ("rkv", dict(budget=12, window=4, retain_direction="first", threshold=0.3)),
+    "rkv_first_vllm": ("rkv", dict(budget=12, window=4, retain_direction="first_vllm", threshold=0.3)),
+    # R-KV's rkv/utils.py with run_math.py's λ
+    "rkv_fallback": ("rkv", dict(budget=12, window=4, fallback=True, mix_lambda=0.07)),
     "gkv_no_score_cache": ("gkv", dict(budget=12, window=4, kernel_size=5, mix_lambda=0.1, score_cache=False)),
 }
 
@@ -373,20 +375,20 @@ def copies_keys():
 # Rows of the entries zeroed per column n ((row, column) pairs), worked out by hand from
 # "the latest/earliest row m != n with cos(m, n) > threshold":
 #   threshold 0.5, last:  col 0 <- 6, col 6 <- 0, col 1 <- 5, col 3 <- 5, col 5 <- 3
-#   threshold 0.5, first: col 0 <- 6, col 6 <- 0, col 1 <- 3, col 3 <- 1, col 5 <- 1
+#   threshold 0.5, first_vllm: col 0 <- 6, col 6 <- 0, col 1 <- 3, col 3 <- 1, col 5 <- 1
 #   threshold 0.3, last:  col 0 <- 6, col 6 <- 0, col 1 <- 5, col 3 <- 5, col 5 <- 4, col 4 <- 5
 ZEROED = {
     (0.5, "last"): [(6, 0), (0, 6), (5, 1), (5, 3), (3, 5)],
-    (0.5, "first"): [(6, 0), (0, 6), (3, 1), (1, 3), (1, 5)],
+    (0.5, "first_vllm"): [(6, 0), (0, 6), (3, 1), (1, 3), (1, 5)],
     (0.3, "last"): [(6, 0), (0, 6), (5, 1), (5, 3), (4, 5), (5, 4)],
 }
 # The resulting row sums (divided by the 7 valid slots before the softmax), by hand:
 #   0.5 last:  slot 1 penalised by 3 and 5 (+0.4 from slot 4), 3 by 1 only, 5 by neither;
-#   0.5 first: the reverse: 1 by neither, 3 by 5 only, 5 by 1 and 3;
+#   0.5 first_vllm: the reverse: 1 by neither, 3 by 5 only, 5 by 1 and 3;
 #   0.3 last:  slot 4 now near-duplicates the copies: its latest (5) exempts it, 5 exempts 4.
 ROWSUMS = {
     (0.5, "last"): [0, 2.4, 0, 1.4, 1.2, 0.4, 0],
-    (0.5, "first"): [0, 0.4, 0, 1.4, 1.2, 2.4, 0],
+    (0.5, "first_vllm"): [0, 0.4, 0, 1.4, 1.2, 2.4, 0],
     (0.3, "last"): [0, 2.4, 0, 2.4, 0.8, 0, 0],
 }
 
@@ -405,6 +407,111 @@ def test_redundancy_retain_direction_and_threshold(threshold, direction):
     if threshold == 0.5:  # which copy of e0 survives (is least redundant)
         survivor, oldest_penalised = (5, 1) if direction == "last" else (1, 5)
         assert got[0, 0, survivor] < got[0, 0, 3] < got[0, 0, oldest_penalised]
+
+
+def test_redundancy_three_copies():
+    """Copies at slots 10 < 30 < 45 of 48 orthonormal keys (every other cosine is 0). Under
+    "last" each column's entry in its latest near-duplicate row is zeroed — col 10 <- 45,
+    col 30 <- 45, col 45 <- 30 — so the cosine pairs left in each copy's row sum are:
+    10: (10, 30), (10, 45) -> 2; 30: (30, 10) -> 1; 45: none -> 0. Penalised: 10 by 30 and 45,
+    30 by 10, 45 by nothing (R-KV's rule). G-KV's Triton kernel @345e290 gives 2, 1, 1 here
+    (45 by 10; see key_redundancy's docstring). "first_vllm" mirrors "last": 0, 1, 2."""
+    n = 48
+    keys = torch.eye(n)
+    keys[[30, 45]] = keys[10].clone()
+    keys, valid = keys.view(1, 1, n, n), torch.ones(1, 1, n, dtype=torch.bool)
+    copies = [10, 30, 45]
+    for direction, pairs, rowsums in [("last", {10: 45, 30: 45, 45: 30}, [2, 1, 0]),
+                                      ("first_vllm", {10: 30, 30: 10, 45: 10}, [0, 1, 2])]:
+        red, pick = key_redundancy_update(keys, torch.arange(n).view(1, 1, n), torch.full((1, 1, n), float("nan")),
+                                          retain_direction=direction)
+        assert {m: int(pick[0, 0, m]) for m in copies} == pairs  # each column's zeroed row
+        assert (pick[0, 0, [m for m in range(n) if m not in copies]] == -1).all()
+        # every non-copy slot has row sum 0: log(red_m / red_0) · N is slot m's row sum
+        np.testing.assert_allclose((red[0, 0].log() - red[0, 0, 0].log()).numpy() * n,
+                                   [rowsums[copies.index(m)] if m in copies else 0 for m in range(n)], atol=1e-4)
+        torch.testing.assert_close(key_redundancy(keys, valid, retain_direction=direction), red)
+    obs = Observation(keys=keys, values=keys, queries=torch.ones(1, 1, 1, n), key_pos=torch.arange(n).view(1, 1, n),
+                      query_pos=torch.tensor([[n - 1]]), state=None, layer=0, scaling=0.5)
+    want = softmax(np.array([2.0 if m == 10 else 1.0 if m == 30 else 0.0 for m in range(n)]) / n)
+    scores, _ = GKV(budget=8, window=1, mix_lambda=0.0).score(obs)  # -R ÷ max over the candidates
+    np.testing.assert_allclose(scores[0, 0, :n - 1].numpy(), -want[:n - 1] / want[:n - 1].max(), rtol=1e-5)
+
+
+# R-KV's cal_similarity by hand, on keys k0 = k1 = e0, k2 = 0.3 e0 + e2, k3 = e1, k4 = e0 + e1
+# (s = cos 45° = 0.7071, c = cos(k2, e0) = 0.3/√1.09 = 0.2873, c' = cos(k2, k4) = c/√2 = 0.2032).
+# Near-duplicates (cos > 0.5): 0-1, 0-4, 1-4, 3-4; slot 2 has none. The reference zeroes, per
+# row i, its entry at column retain[i], then means each column over the 5 rows:
+#   "last" (rkv/utils.py and the vLLM port): retain = 4, 4, [0], 4, 3 — the max over indices
+#       that are 0 off the near-duplicates, so row 2 falls back to column 0 (kvrl: fallback=True);
+#   "first" (rkv/utils.py): the min over the same indices is 0 for every row (each row's own
+#       diagonal is 0): every row zeroes column 0;
+#   "first_vllm" (vLLM/rkv/algo.py): retain = 1, 0, [4], 4, 0 — off the near-duplicates the
+#       index is the sentinel 5, clamped to 4: row 2 falls back to column 4 (kvrl: fallback=True).
+# Column sums, with the [fallback] entry kept (fallback=False) or zeroed (True):
+S, C = math.sqrt(0.5), 0.3 / math.sqrt(1.09)
+HAND_KEYS = [[1, 0, 0], [1, 0, 0], [0.3, 0, 1], [0, 1, 0], [1, 1, 0]]
+HAND_COLSUMS = {
+    ("last", False): [1 + C + S, 1 + C + S, 2 * C + C * S, 0, C * S],  # col 0: rows 1, [2], 4
+    ("last", True): [1 + S, 1 + C + S, 2 * C + C * S, 0, C * S],
+    ("first", False): [0, 1 + C + S, 2 * C + C * S, S, 3 * S + C * S],
+    ("first", True): [0, 1 + C + S, 2 * C + C * S, S, 3 * S + C * S],  # "first" always falls back
+    ("first_vllm", False): [C, C + S, 2 * C + C * S, S, 2 * S + C * S],  # col 4: rows 0, 1, [2]
+    ("first_vllm", True): [C, C + S, 2 * C + C * S, S, 2 * S],
+}
+
+
+@pytest.mark.parametrize("direction,fallback", sorted(HAND_COLSUMS))
+def test_rkv_retain_directions_by_hand(direction, fallback):
+    keys = torch.tensor(HAND_KEYS, dtype=torch.float32).view(1, 1, 5, 3)
+    want = softmax(np.array(HAND_COLSUMS[direction, fallback]) / 5)
+    got = key_redundancy(keys, torch.ones(1, 1, 5, dtype=torch.bool), retain_direction=direction, fallback=fallback)
+    np.testing.assert_allclose(got[0, 0].numpy(), want, rtol=1e-5)
+    obs = Observation(keys=keys, values=keys, queries=torch.ones(1, 1, 1, 3), key_pos=torch.arange(5).view(1, 1, 5),
+                      query_pos=torch.tensor([[4]]), state=None, layer=0, scaling=0.5)
+    scores, _ = RKV(budget=3, window=1, mix_lambda=0.0, retain_direction=direction, fallback=fallback).score(obs)
+    np.testing.assert_allclose(scores[0, 0, :4].numpy(), -want[:4], rtol=1e-5)
+
+
+def rkv_reference_similarity(keys, threshold):
+    """R-KV's ``cal_similarity`` with retain_direction "last" (rkv/utils.py), in NumPy:
+    norm + 1e-8, zero diagonal, per row zero column max(j: cos > threshold, else 0), column
+    means, softmax. keys [N, D] -> [N]."""
+    k = keys / (np.linalg.norm(keys, axis=-1, keepdims=True) + 1e-8)
+    cos = k @ k.T
+    np.fill_diagonal(cos, 0.0)
+    idx = np.where(cos > threshold, np.arange(len(k))[None, :], 0).max(-1)
+    cos[np.arange(len(k)), idx] = 0.0
+    return softmax(cos.mean(0))
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.7])
+def test_rkv_token0_fallback(threshold):
+    """R-KV's token-0 fallback (a token with no near-duplicate zeroes its cosine with token
+    0) is RKV(fallback=True), equal to the reference within float32 rounding. Dropping it,
+    kvrl's default, is not the "≤ 0.6 % of token 0's redundancy" kvrl once claimed: on these
+    keys (a shared offset, as real keys have) it is 1.55 % at threshold 0.5 and 24 % at 0.7,
+    where it changes R-KV's kept set."""
+    n, d, w = 32, 16, 4
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randn(1, 1, n, d, generator=g) + torch.randn(1, 1, 1, d, generator=g)
+    queries = torch.randn(1, 2, w, d, generator=g)
+    valid = torch.ones(1, 1, n, dtype=torch.bool)
+    reference = rkv_reference_similarity(keys[0, 0].double().numpy(), threshold)
+    quirk = key_redundancy(keys, valid, threshold, fallback=True)[0, 0]
+    np.testing.assert_allclose(quirk.numpy(), reference, rtol=1e-5)
+    plain = key_redundancy(keys, valid, threshold)[0, 0]
+    change = float((plain[0] - quirk[0]) / plain[0])
+    assert change > 0.006  # the old claim's bound
+    assert change == pytest.approx(0.0155 if threshold == 0.5 else 0.236, abs=0.001)
+    torch.testing.assert_close(plain[1:] / plain[1:].sum(), quirk[1:] / quirk[1:].sum())  # only token 0 moves
+    obs = Observation(keys=keys, values=keys, queries=queries, key_pos=torch.arange(n).view(1, 1, n),
+                      query_pos=torch.arange(n - w, n).view(1, w), state=None, layer=0, scaling=d ** -0.5)
+    kept = []
+    for fallback in (False, True):
+        policy = RKV(budget=16, window=w, threshold=threshold, fallback=fallback)
+        kept.append(set(policy.select(obs, policy.score(obs)[0]).keep[0, 0].tolist()))
+    assert (kept[0] ^ kept[1]) == (set() if threshold == 0.5 else {0, 24})  # 0.7: token 0 is evicted
 
 
 def copies_obs():
@@ -459,6 +566,25 @@ def test_gkv_without_score_cache():
     torch.testing.assert_close(policy.score(stale)[0], scores)  # no smoothing with a stored F
     cached = GKV(budget=4, window=1, mix_lambda=lam, kernel_size=3)
     assert not torch.allclose(cached.score(stale)[0], cached.score(obs)[0])  # ... which G-KV does
+
+
+def test_gkv_without_normalisation():
+    """normalise=False (the reference's --disable_norm): F smooths the raw S, R enters raw:
+    ``λ·max(α·F_old, S) − (1−λ)·R`` with S and R as G-KV without its score cache has them."""
+    lam, alpha = 0.3, 0.8
+    obs = make_obs(GKV(budget=12, window=4))
+    f_old = obs.state[..., 0]
+    raw = dict(budget=12, window=4, score_cache=False)
+    s = GKV(**raw, mix_lambda=1.0).score(obs)[0]  # S, unnormalised
+    r = -GKV(**raw, mix_lambda=0.0).score(obs)[0]  # R, unnormalised
+    f = torch.maximum(alpha * torch.where(f_old.isnan(), s, f_old), s)
+    policy = GKV(budget=12, window=4, mix_lambda=lam, alpha=alpha, normalise=False)
+    scores, state = policy.score(obs)
+    candidates = (obs.key_pos >= 0) & ~policy.always_kept(obs.key_pos)
+    torch.testing.assert_close(scores[candidates], (lam * f - (1 - lam) * r)[candidates])
+    torch.testing.assert_close(state[..., 0][candidates], f[candidates])
+    normalised = GKV(budget=12, window=4, mix_lambda=lam, alpha=alpha).score(obs)[0]
+    assert not torch.allclose(normalised[candidates], scores[candidates])
 
 
 def test_rkv_importance():
@@ -657,6 +783,30 @@ def test_ratio_mode_rows_of_a_batch_keep_their_own_budget():
         assert sel.keep[1, 0, 6] not in sel.keep[1, 0, :6]  # the fill
     sel = policy.select(obs, policy.score(obs)[0], sample=True, generator=[torch.Generator().manual_seed(0)] * 2)
     assert (sel.evicted[1] >= 0).sum() == 10 - 6 and (sel.evicted[0] >= 0).sum() == 14 - 7
+
+
+def test_gkv_ratio_budget_counts_each_rows_own_length():
+    """G-KV's ratio mode takes ``cur_len``, the padded width of its batch, for every row:
+    ``int(40 · 0.5) = 20`` for both rows below, so its 24-token row would keep 20 tokens
+    (padding goes first). kvrl takes each row's own true length: 20 for the 40-token row,
+    ``max(8, ⌊24 · 0.5⌋) = 12`` for the 24-token one (16 left-padding slots), the budget
+    that row gets alone (G-KV's too at batch size 1)."""
+    n, w = 40, 4
+    policy = GKV(budget=8, window=w, budget_ratio=0.5)
+    key_pos = torch.stack([torch.arange(n), torch.tensor([-1] * 16 + list(range(24)))]).view(2, 1, n)
+    g = torch.Generator().manual_seed(0)
+    obs = Observation(keys=torch.randn(2, 1, n, 8, generator=g), values=torch.randn(2, 1, n, 8, generator=g),
+                      queries=torch.randn(2, 2, w, 8, generator=g), key_pos=key_pos,
+                      query_pos=torch.tensor([[36, 37, 38, 39], [20, 21, 22, 23]]), state=None, layer=0, scaling=0.5)
+    sel = policy.select(obs, policy.score(obs)[0])
+    assert sel.count.tolist() == [20, 12]  # G-KV: [20, 20]
+    short = key_pos[1, 0, sel.keep[1, 0, :12]]
+    assert (short >= 0).all() and short[-w:].tolist() == [20, 21, 22, 23]
+    alone = Observation(keys=obs.keys[1:, :, 16:], values=obs.values[1:, :, 16:], queries=obs.queries[1:],
+                        key_pos=key_pos[1:, :, 16:], query_pos=obs.query_pos[1:], state=None, layer=0, scaling=0.5)
+    sel_alone = policy.select(alone, policy.score(alone)[0])
+    assert sel_alone.count.tolist() == [12]
+    assert alone.key_pos[0, 0, sel_alone.keep[0, 0]].tolist() == short.tolist()  # as if alone
 
 
 def test_foresight_training_action_refuses_ratio_mode():

@@ -8,7 +8,9 @@ Contract:
   a run directory), ``heads`` (RLKV's head reallocation from an RLKV run's gates, at
   its ``sparsities`` instead of budgets). A token-policy line runs in G-KV's ratio mode
   (:meth:`kvrl.policies.KVPolicy.budget_at`, the budget then being the floor) with its own
-  ``budget_ratio``, else ``kv.budget_ratio``.
+  ``budget_ratio``, else ``kv.budget_ratio``, and with its own ``interval``, ``window`` and
+  ``sink`` where it sets them, else ``kv``'s: each paper's line can run at its own settings
+  (R-KV observes 8 queries, G-KV 16, StreamingLLM keeps 4 sinks).
 * :func:`error_mode` classifies a sample by deterministic rules (the README lists them):
   ``correct`` (reward > 0), ``repetition`` (its last :data:`LOOP_WINDOW` words are one
   short span repeated: at most :data:`LOOP_DISTINCT` distinct n-grams, RLKV's "repetition
@@ -84,7 +86,8 @@ class PolicySpec:
 
     def regime(self, config, point, kv: dict):
         """The cache regime at ``point`` (a budget in tokens, or a sparsity for heads).
-        ``kv``: interval, window, sink, budget_ratio."""
+        ``kv``: interval, window, sink, budget_ratio; a token policy's own arguments
+        override them."""
         kw = {k: v for k, v in self.kwargs.items() if k not in ("run", "sparsities", "budget_ratio")}
         if self.kind == "full":
             return Full()
@@ -96,7 +99,7 @@ class PolicySpec:
         if self.kind == "heads":
             return head_allocation(self._run(), point, config, **kw)
         kv = {**kv, "budget_ratio": self.budget_ratio(kv)}
-        policy = make_policy(self.kind, config if self.kind == "learned" else None, budget=point, **kv, **kw)
+        policy = make_policy(self.kind, config if self.kind == "learned" else None, budget=point, **{**kv, **kw})
         if self.kind == "learned":
             from safetensors.torch import load_file
 

@@ -6,7 +6,8 @@
 Rows are ``eval.policies`` (zoo names, or names of ``eval.settings`` entries: a learned
 ForesightKV scorer, RLKV heads, a zoo member with its own arguments; see
 :class:`kvrl.eval.suite.PolicySpec`) at each of ``eval.budgets`` (<= 1: a fraction of the
-full cache's mean sequence length; > 1: tokens), with ``kv.interval/window/sink``. In G-KV's
+full cache's mean sequence length; > 1: tokens), with ``kv.interval/window/sink`` (a token
+policy's line may set its own: ``eval.settings.rkv.window=8``). In G-KV's
 ratio mode (``kv.budget_ratio``, or a line's ``eval.settings.NAME.budget_ratio``) a budget is
 the floor: an eviction keeps ``max(budget, ⌊ratio·tokens seen⌋)``. The full
 cache always runs first: it is the reference line and the length fractions are of.

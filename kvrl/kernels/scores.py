@@ -138,7 +138,13 @@ def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, gqa: str,
     return q @ keys.float().transpose(-1, -2)
 
 
-_DIRECTIONS = ("last", "first")
+# R-KV's retain_direction values: "last" (both versions of R-KV, and G-KV), "first" (the paper's
+# code, rkv/utils.py), "first_vllm" (R-KV's later vLLM port, vLLM/rkv/algo.py).
+RETAIN_DIRECTIONS = ("last", "first", "first_vllm")
+# Which valid slot takes the zeroed entry of a token without any near-duplicate, under
+# ``fallback=True``: R-KV's max/min over indices that are 0 (rkv/utils.py) or clamped to N − 1
+# (the vLLM port) where there is no near-duplicate. The paper's "first" always falls back.
+_FALLBACK = {"last": "first", "first": "first", "first_vllm": "last"}
 # Elements of one [B, H, tile, tile] cosine block: 16 MiB of float32 on a CPU (cache-sized);
 # 256 MiB elsewhere, where fewer, larger blocks save kernel launches (one block for a
 # vLLM request with 8 KV heads up to N ≈ 2900).
@@ -147,7 +153,7 @@ _MAX_TILE = 4094  # keeps the blocks' index codes (< (tile + 1)² ≤ 2²⁴) ex
 
 
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5, *,
-                   retain_direction: str = "last", eps: float = 1e-6,
+                   retain_direction: str = "last", fallback: bool = False, eps: float = 1e-6,
                    tile: int | None = None) -> torch.Tensor:
     """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` / R-KV's ``cal_similarity``
     (methods.md §8 step 7 and R-KV step 5).
@@ -158,28 +164,52 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
        ``"last"`` the entry in the **latest** row m (largest slot, m ≠ n) with
        ``cos(m, n) > threshold`` — each token's most recent near-duplicate does not count
        it, so with copies at slots 10 < 30 < 45, slot 10 is penalised by 30 and 45, slot 30
-       by 10 only, slot 45 by neither (the newest copy survives); with ``"first"`` the entry
-       in the **earliest** such row — slot 10 is penalised by neither, 30 by 45 only, 45 by
-       10 and 30 (the oldest copy survives);
+       by 10 only, slot 45 by neither (the newest copy survives); with ``"first_vllm"`` the
+       entry in the **earliest** such row — slot 10 is penalised by neither, 30 by 45 only,
+       45 by 10 and 30 (the oldest copy survives); with ``"first"`` (R-KV's paper code) the
+       entry in the first valid row, whatever the cosines;
     3. row sums ÷ number of valid tokens; invalid slots −inf; softmax over the N slots.
 
-    ``"first"`` follows R-KV's vLLM port (``vLLM/rkv/algo.py::cal_similarity``), which fixed
-    the original ``rkv/utils.py``, where rows without a near-duplicate min-reduce over 0s
-    and so nearly always pick slot 0. R-KV zeroes, per row i, its entry at its last/first
-    near-duplicate j and averages columns; cosine is symmetric, so that is this
-    column-per-row rule transposed. R-KV's fallbacks for a row without any near-duplicate
-    (zero column 0 for ``"last"``, column N−1 for ``"first"``) are not reproduced.
+    R-KV zeroes, per row i, its entry at its last/first near-duplicate j and averages
+    columns; cosine is symmetric, so that is this column-per-row rule transposed. Its
+    ``retain_direction`` values, by source:
+
+    * ``"last"``: ``rkv/utils.py::cal_similarity`` (the paper's code) and
+      ``vLLM/rkv/algo.py::cal_similarity`` (R-KV's later vLLM port) alike;
+    * ``"first"``: the paper's code. Its ``min`` over indices that are j for a near-duplicate
+      j and 0 elsewhere is 0 for every row (column 0's index is 0 either way): every row's
+      cosine with token 0 is zeroed, so token 0's redundancy is exp(0)/Z and every other
+      token counts all its cosines. No cosine pair is compared, so no fast path is needed;
+    * ``"first_vllm"``: the vLLM port, which fixed the paper's ``"first"`` with a sentinel
+      (``seq_len`` instead of 0) for the pairs that are not near-duplicates.
+
+    ``fallback`` reproduces the references' rule for a token with no near-duplicate at all,
+    which kvrl drops by default: the token's cosine with the first valid slot (``"last"``:
+    the paper's code, where the max over all-0 indices is 0, "token 0") or with the last
+    valid slot (``"first_vllm"``: the port clamps its sentinel to N − 1) is zeroed instead.
+    Dropping it changes token 0's redundancy by up to 8.8 % at threshold 0.5 and 30 % at
+    0.7, and R-KV's kept set in 15 and 119 of 200 random caches whose keys share an offset
+    (``benchmarks/rkv_fallback.py``; R-KV's table in :class:`kvrl.policies.RKV`). ``"first"`` is that fallback for every
+    token, with or without ``fallback``. The first valid slot is the oldest token of kvrl's
+    position-ordered caches and slot 0 of the reference's, which after its first eviction
+    holds its best-scored kept token (R-KV keeps score order): the two coincide per call on
+    the same cache, not across a generation.
 
     Every sample uses its own keys (R-KV reads ``key_states[0]`` for the whole batch; that
     bug is not reproduced). Slot order must be position order among valid slots, so that
     "latest row" means "most recent token".
 
-    Caveat: this is R-KV's relation, which methods.md §8 also gives for G-KV. G-KV's Triton
-    kernel, read line by line (and emulated in a loop), differs as soon as a token has two or
-    more near-duplicates: it walks the rows from the last in blocks of 16 and, in each
-    64-column tile, zeroes each row's largest near-duplicate column that no earlier-visited
-    (later) row block has zeroed yet — with copies at 10 < 30 < 45 it penalises 10 by 30 and
-    45, 30 by 10 and 45 by 10. That rule is not reproduced.
+    G-KV: methods.md §8 and issue #38's audit give ``"last"`` as the rule of G-KV's Triton
+    kernel (the audit ran G-KV @6db3b2e's kernel in Triton's CPU interpreter: equal to
+    ``"last"`` within 3.7e-9 on 14 cases, and slot 45 of the three copies penalised by
+    neither). The kernel of ``gkv/utils/compression_score.py`` at G-KV @345e290, run the
+    same way (block pointers rewritten as masked loads for Triton 3.9), zeroes per row
+    instead: visiting the rows from the last in blocks of 16, each row zeroes, in each
+    64-column tile, its largest near-duplicate column that no earlier-visited block has
+    zeroed. On the three copies its row sums are 2, 1, 1 (slot 45 penalised by 10) where
+    ``"last"``'s are 2, 1, 0. The two rules agree while no token has two or more
+    near-duplicates; kvrl does not implement the 345e290 rule, and the 6db3b2e kernel was
+    not available here to compare.
 
     Cost: the N×N cosines are computed once per unordered pair, tile by tile (one
     [B, H, tile, tile] float32 block at a time, on or below the diagonal), so the work is
@@ -192,6 +222,7 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     at an eviction, :func:`key_redundancy_update` reuses those of the previous eviction and
     compares only the new tokens and the tokens whose exempt row was evicted with the cache
     (U·N pairs for U new tokens instead of N²/2); R-KV and G-KV call it with their state.
+    Every direction and ``fallback`` runs on these paths and on the native CPU ops.
 
     Parameters
     ----------
@@ -199,8 +230,12 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     valid : Tensor [B, H, N] bool
     threshold : float
         Near-duplicate cosine threshold (0.5, hard-coded in both references).
-    retain_direction : {"last", "first"}
-        Which near-duplicate of each token does not count it (R-KV's ``retain_direction``).
+    retain_direction : {"last", "first", "first_vllm"}
+        Which near-duplicate of each token does not count it (R-KV's ``retain_direction``;
+        ``"first"`` is the paper's code, ``"first_vllm"`` the vLLM port's).
+    fallback : bool
+        Zero a token's cosine with the first (``"last"``) or last (``"first_vllm"``) valid
+        slot when it has no near-duplicate, as the references do.
     eps : float
         Added to the key norms (G-KV: 1e-6; R-KV: 1e-8).
     tile : int, optional
@@ -212,16 +247,20 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     Tensor [B, H, N] float32
         Redundancy, a distribution over the valid slots (0 at invalid slots).
     """
-    if retain_direction not in _DIRECTIONS:
-        raise ValueError(f"retain_direction={retain_direction!r} is not one of {_DIRECTIONS}")
+    if retain_direction not in RETAIN_DIRECTIONS:
+        raise ValueError(f"retain_direction={retain_direction!r} is not one of {RETAIN_DIRECTIONS}")
     k, norm = _unit_keys(keys, valid, eps)
-    pick = _exempt_rows(k, valid, threshold, retain_direction == "last", tile)
-    return _redundancy(k, norm, valid, pick, eps)
+    if retain_direction == "first":
+        pick = torch.full(valid.shape, -1, dtype=torch.long, device=k.device)
+    else:
+        pick = _exempt_rows(k, valid, threshold, retain_direction == "last", tile)
+    side = _FALLBACK[retain_direction] if fallback or retain_direction == "first" else None
+    return _redundancy(k, norm, valid, pick, eps, side)
 
 
 def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pick: torch.Tensor,
-                          threshold: float = 0.5, *, retain_direction: str = "last", eps: float = 1e-6,
-                          tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          threshold: float = 0.5, *, retain_direction: str = "last", fallback: bool = False,
+                          eps: float = 1e-6, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`key_redundancy` at an eviction, reusing each slot's exempt row ("pick") from
     the previous eviction instead of comparing all N×N key pairs again.
 
@@ -231,16 +270,16 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
 
     * new column (``previous_pick`` NaN): compared with every row;
     * ``"last"``: an old column takes its latest *new* near-duplicate row if it has one,
-      else keeps its previous pick (or none); ``"first"``: an old column keeps its
+      else keeps its previous pick (or none); ``"first_vllm"``: an old column keeps its
       previous pick (new rows are later), and one without a pick (−1) takes its earliest
-      new near-duplicate, if any;
+      new near-duplicate, if any; ``"first"`` (the paper's code) compares no pairs at all;
     * old column whose pick is no longer in the cache (evicted): compared with every row.
 
     Both needs come from one block, cos(new and stale columns, all rows) — [U, N] for U
     new tokens (by symmetry its new-column rows are also the new rows of the old columns)
     — instead of N²/2 pairs. On a CPU a stale column is resolved by a native scan instead:
     at the previous eviction no row beyond its evicted pick was a near-duplicate ("last":
-    none later; "first": none earlier), so its old rows are compared outwards from the
+    none later; "first_vllm": none earlier), so its old rows are compared outwards from the
     evicted pick up to the first near-duplicate, and the block holds the new columns only.
     When at least half of some head's slots need comparing (the first eviction, where
     nothing has a pick: all of them), the tiled full pass of :func:`key_redundancy` is
@@ -250,7 +289,9 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     ``key_redundancy(keys, key_pos >= 0, ...)`` and the picks are the ones it uses, given
     that ``previous_pick`` holds this function's picks of the previous eviction for the
     tokens that survived it and NaN for the tokens that arrived since (the per-token state
-    of R-KV and G-KV, compacted with the cache by the engines).
+    of R-KV and G-KV, compacted with the cache by the engines). The picks are the
+    near-duplicates only: ``fallback`` is applied afresh at every call, since the first and
+    last valid slots change with the cache.
 
     Parameters
     ----------
@@ -261,7 +302,7 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         Per slot, the true position of its exempt row as returned by the previous call, −1
         for none, NaN for a token without one (arrived since; all NaN: no state at all).
         Positions, not slots, because compaction moves the slots.
-    threshold, retain_direction, eps, tile
+    threshold, retain_direction, fallback, eps, tile
         As in :func:`key_redundancy` (``tile`` only sizes the full pass).
 
     Returns
@@ -269,17 +310,22 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     redundancy : Tensor [B, H, N] float32
         As :func:`key_redundancy`.
     pick : Tensor [B, H, N] float32
-        Every valid slot's exempt row now, as a true position (−1: none; exact in float32
-        below 2²⁴); NaN at invalid slots. The next call's ``previous_pick`` after compaction.
+        Every valid slot's exempt row now, as a true position (−1: none, and always with
+        ``"first"``; exact in float32 below 2²⁴); NaN at invalid slots. The next call's
+        ``previous_pick`` after compaction.
     """
-    if retain_direction not in _DIRECTIONS:
-        raise ValueError(f"retain_direction={retain_direction!r} is not one of {_DIRECTIONS}")
+    if retain_direction not in RETAIN_DIRECTIONS:
+        raise ValueError(f"retain_direction={retain_direction!r} is not one of {RETAIN_DIRECTIONS}")
     last = retain_direction == "last"
+    side = _FALLBACK[retain_direction] if fallback or retain_direction == "first" else None
     b, h, n, _ = keys.shape
     pos = key_pos.long()
     valid = pos >= 0
     prev = previous_pick.float()
     k, norm = _unit_keys(keys, valid, eps)
+    if retain_direction == "first":
+        none = torch.full((b, h, n), -1, dtype=torch.long, device=k.device)
+        return _redundancy(k, norm, valid, none, eps, side), none.float().masked_fill_(~valid, float("nan"))
     # Find each previous pick among the slots: carrying the last valid position over the
     # invalid slots (−1) leaves a sorted row to search. A value that is no cache position
     # (an evicted token, or anything else) is "not present". need: new tokens and evicted picks.
@@ -312,7 +358,7 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         pick[rows] = _updated_picks(k[rows], valid[rows], threshold, last, kept[rows], need[rows], new[rows],
                                     int(need[rows].sum(-1).amax()))
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
-    return _redundancy(k, norm, valid, pick, eps), pick_pos.masked_fill_(~valid, float("nan"))
+    return _redundancy(k, norm, valid, pick, eps, side), pick_pos.masked_fill_(~valid, float("nan"))
 
 
 def _unit_keys(keys: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,9 +384,18 @@ def _columns(k: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
-                eps: float) -> torch.Tensor:
+                eps: float, fallback: str | None) -> torch.Tensor:
     """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count,
-    softmax; k [B, H, D, N] from :func:`_unit_keys`."""
+    softmax; k [B, H, D, N] from :func:`_unit_keys`. ``fallback`` ("first" or "last"): a
+    valid column without a pick takes the first or last valid slot of its head instead
+    (itself excepted: the diagonal is already 0)."""
+    if fallback is not None:
+        n = valid.shape[-1]
+        slots = torch.arange(n, device=valid.device)
+        first = fallback == "first"
+        ends = torch.where(valid, slots, n if first else -1)
+        end = (ends.amin(-1) if first else ends.amax(-1))[..., None]
+        pick = torch.where((pick < 0) & valid & (slots != end), end, pick)
     if native.usable(k):
         return native.ops().redundancy(k, norm, valid.contiguous(), pick.contiguous(), eps)
     b, h, d, n = k.shape

@@ -24,7 +24,7 @@ class GKV(KVPolicy):
 
     1. local score S: softmax of each observation query over all visible keys (window
        included, causal), max over the GQA group, non-candidate columns dropped, mean over
-       the queries; then ``S ÷ max_candidates S`` (with ``score_cache`` only);
+       the queries; then ``S ÷ max_candidates S`` (with ``score_cache`` and ``normalise``);
     2. global score F from the previous F (state, S = 1) with decay ``alpha`` (with
        ``score_cache`` only; without it F = S):
        ``max``: ``max(α·F_old, S)``; ``mean``: ``α·F_old + (1−α)·S``; ``sum`` (H2O mode):
@@ -33,7 +33,7 @@ class GKV(KVPolicy):
     3. optional ``max_pool1d(F, kernel_size)`` over the candidates (off by default;
        :func:`kvrl.kernels.scores.pool_slots`);
     4. redundancy R (:func:`kvrl.kernels.scores.key_redundancy` with ``threshold``, the
-       "last" direction) ÷ its max over candidates (with ``score_cache`` only);
+       "last" direction) ÷ its max over candidates (with ``score_cache`` and ``normalise``);
     5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
 
     The new state is [F, pick] (S = 2; S = 1, F alone, when ``mix_lambda == 1`` computes
@@ -49,6 +49,61 @@ class GKV(KVPolicy):
     window 16, interval 128, mix_lambda 0.5, alpha 0.8, max smoothing, no pooling. The CLI
     defaults differ (window 64, mix_lambda 0.1). ``mix_lambda=1`` turns redundancy off.
 
+    The reference's knobs (``ScoreBasedKV`` and ``gkv/inference_main.py``'s CLI, G-KV
+    @345e290; issue #38's audit against 6db3b2e, every knob set to match: the same kept
+    tokens in all 29 cases of R-KV and G-KV, G-KV's scores within 3.3e-7) and what is left
+    different:
+
+    ========================== ===================== =========================================
+    G-KV                       kvrl                  remaining difference
+    ========================== ===================== =========================================
+    ``budget``                 ``budget``            none (G-KV @345e290 also runs a no-op
+                                                     compression at N == budget)
+    ``window_size``            ``window``            none
+    ``divide_length``          ``interval``          none (:func:`should_evict`)
+    ``mix_lambda``             ``mix_lambda``        none
+    ``alpha``                  ``alpha``             none
+    ``smooth_method``          ``mode``              none ("sum" is not on G-KV's CLI)
+    ``enable_pooling``,        ``kernel_size``       none; 0 is off, 5 is ``enable_pooling``
+    ``kernel_size`` 5
+    ``suppressing_redundancy`` ``mix_lambda < 1``    none: off is ``mix_lambda=1`` (score = F)
+    ``enable_score_cache``     ``score_cache``       none
+    ``compress_mode="ratio"``, ``budget_ratio``      G-KV's length is its batch's padded
+    ``compress_ratio``                               width, kvrl's each row's own: equal at
+                                                     batch 1; a shorter row of a batch keeps
+                                                     fewer tokens in kvrl (tests/test_policies.py
+                                                     ::test_gkv_ratio_budget_counts_each_rows_own_length)
+    similarity threshold 0.5   ``threshold``         none (hard-coded in the reference)
+    Triton redundancy rule     "last"                the 6db3b2e kernel: equal within 3.7e-9
+                                                     (issue #38); the 345e290 kernel: differs
+                                                     for a token with two or more
+                                                     near-duplicates (three copies: row sums
+                                                     2, 1, 1 against 2, 1, 0); not measured on
+                                                     real caches
+    ``retain_direction``,      —                     stored, read by neither similarity path
+    ``retain_ratio``                                 (``retain_ratio`` only by the raw one)
+    ``disable_norm``           ``normalise=False``   none
+    ``triton_similarity``      not expressed         ``cal_similarity_raw``: sample 0's keys
+    False                                            for the whole batch, eps 1e-8, R-KV's
+                                                     token-0 fallback, no padding mask; only
+                                                     the class default switches it (not on the
+                                                     CLI, no script); kvrl keeps one
+                                                     per-sample, padding-aware similarity
+                                                     (size not measured)
+    finished rows              no special case       G-KV still compacts a finished row's K/V
+                                                     but returns its old positions and score
+                                                     cache, which no longer describe the keys;
+                                                     kvrl keeps them consistent. Kept sets agree
+                                                     (issue #38); expressing G-KV's would store
+                                                     a state that is wrong by construction
+    ``attention_shift_``       not expressed         CAKE's ``+ γ·std`` over the queries
+    ``indicator``
+    GQA ``pooling="max"``      max (fixed)           none
+    padding at min − 1e-6      never a candidate     none: both evict padding first
+    TF32 ``tl.dot`` on GPU     float32               ~1e-3 relative in the cosines can flip a
+                                                     near-duplicate at 0.5 (not measured)
+    ========================== ===================== =========================================
+
     Parameters
     ----------
     mix_lambda : float, default 0.5
@@ -61,9 +116,11 @@ class GKV(KVPolicy):
         Near-duplicate cosine threshold, in [0, 1]: ``cal_similarity_triton(threshold=0.5)``
         in ``gkv/utils/compression_score.py`` (``ScoreBasedKV`` never passes it, so 0.5 is
         the only value the reference runs). There is no ``retain_direction``: the reference
-        stores one (``--retain_direction``) but passes it to neither similarity function;
-        its Triton kernel has one fixed rule, approximated here by "last" (see the caveat
-        in :func:`kvrl.kernels.scores.key_redundancy`).
+        stores one (``--retain_direction``) but passes it to neither similarity function.
+        kvrl runs "last", the rule methods.md §8 and issue #38's audit give for G-KV's
+        Triton kernel (@6db3b2e, equal within 3.7e-9); the kernel at @345e290 differs for a
+        token with two or more near-duplicates (see the G-KV paragraph of
+        :func:`kvrl.kernels.scores.key_redundancy`).
     score_cache : bool, default True
         The reference's ``enable_score_cache`` (``ScoreBasedKV.update_kv``): True is G-KV
         (``S ÷ max S``, smoothing with the stored F, ``R ÷ max R``); False drops all three,
@@ -74,8 +131,11 @@ class GKV(KVPolicy):
         R-KV recipe is ``GKV(score_cache=False, kernel_size=5, mix_lambda=0.1)``, its SnapKV
         recipe ``GKV(score_cache=False, kernel_size=5, mix_lambda=1.0)`` (``enable_pooling``
         uses ``ScoreBasedKV``'s kernel_size 5, which the CLI does not expose; the script runs
-        every recipe with window 16). The reference's ``disable_norm`` (smoothing without the
-        two normalisations; no recipe uses it) is not expressed.
+        every recipe with window 16).
+    normalise : bool, default True
+        With ``score_cache``, divide S and R by their max over the candidates (G-KV, eq. 5).
+        False is the reference's ``disable_norm`` (on its CLI, in no script): F smooths the
+        raw S, and R enters raw.
     """
 
     window: int = 16
@@ -85,6 +145,7 @@ class GKV(KVPolicy):
     kernel_size: int = 0
     threshold: float = 0.5
     score_cache: bool = True
+    normalise: bool = True
     state_size: ClassVar[int] = 2
     reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
@@ -115,8 +176,10 @@ class GKV(KVPolicy):
         # Without the score cache nothing carries over between evictions, the picks included.
         nan = float("nan")
         previous = self.previous_state(obs) if self.score_cache else glob.new_full((*glob.shape, 2), nan)
-        if self.score_cache:
+        norm = self.score_cache and self.normalise  # the reference: enable_score_cache and not disable_norm
+        if norm:
             local = local / local.amax(-1, keepdim=True).clamp(min=tiny)
+        if self.score_cache:
             old = previous[..., 0]
             a = self.alpha
             if self.mode == "sum":
@@ -131,7 +194,7 @@ class GKV(KVPolicy):
             red, pick = key_redundancy_update(obs.keys, obs.key_pos, previous[..., 1], self.threshold)
             state.append(pick)
             red = red * candidates
-            if self.score_cache:
+            if norm:
                 red = red / red.amax(-1, keepdim=True).clamp(min=tiny)
             score = score - (1 - self.mix_lambda) * red
         return score, torch.stack(state, -1)

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import attention_received, key_redundancy_update, pool_slots
+from kvrl.kernels.scores import RETAIN_DIRECTIONS, attention_received, key_redundancy_update, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -37,14 +37,50 @@ class RKV(KVPolicy):
     compare the new tokens and the tokens whose pick was evicted with the cache, instead of
     all N×N key pairs, and gives the same redundancy as without state.
 
-    Departures from the reference, on purpose: every sample uses its own keys (the
-    reference reads ``key_states[0]`` for the whole batch, issue #20); R-KV's column-0
-    fallback (a row with no near-duplicate zeroes its cosine with token 0, ≤ 0.6 % of
-    token 0's redundancy) is not reproduced — G-KV's padding-aware similarity (÷ valid
-    length, eps 1e-6) is used, which equals R-KV's ÷ N without padding; caches stay in
-    position order (the reference keeps them in score order, so its later pooling mixes
-    score neighbours, not position neighbours); eviction follows :func:`should_evict`
-    (R-KV also fires at N == budget, which only reorders).
+    The reference's knobs (``R1KV`` and ``cal_similarity`` in ``rkv/``, ``run_math.py``; R-KV
+    @d15c976, with ``rkv/utils.py`` read at cc5a9b9) and what is left different. Sizes are
+    measured by ``benchmarks/rkv_fallback.py`` (random keys with a shared offset, 200 caches of
+    64 slots) unless a test is named:
+
+    ====================== ======================= =============================================
+    R-KV                   kvrl                    remaining difference
+    ====================== ======================= =============================================
+    ``budget``             ``budget``              R-KV also compresses at N == budget, where it
+                                                   keeps every token and only reorders
+                                                   (:func:`should_evict`): same kept sets
+    ``window_size`` 8      ``window`` 8            none
+    ``buffer`` 128         ``interval`` 128        R-KV's "newline" trigger is not implemented;
+                                                   its step counter is never reset across
+                                                   ``generate`` calls (not measured)
+    ``kernel_size`` 7      ``kernel_size`` 7       R-KV keeps its cache in score order, so from
+                                                   its second eviction on it pools score
+                                                   neighbours; kvrl keeps position order and
+                                                   pools position neighbours (not measured)
+    ``mix_lambda`` 0.07    ``mix_lambda`` 0.1      the class/CLI default is 0.07, the README,
+                                                   SGLang and HF evaluations use 0.1; pass 0.07
+                                                   for ``run_math.py``
+    ``threshold`` 0.5      ``threshold`` 0.5       none (hard-coded in ``cal_similarity``)
+    ``retain_direction``   ``retain_direction``    none for "last" and "first" (the paper's
+                                                   code) and "first_vllm" (its vLLM port) per
+                                                   call; the ``*_percent`` directions are not
+                                                   implemented
+    ``retain_ratio``       —                       used by the ``*_percent`` directions only
+    token-0 fallback       ``fallback`` False      off: token 0's redundancy changes by up to
+                                                   8.8 % at threshold 0.5 (1.55 % in
+                                                   tests/test_policies.py::test_rkv_token0_fallback,
+                                                   1.54 % in issue #38's audit) and 30 % at 0.7;
+                                                   kept sets change in 15 / 200 caches at 0.5
+                                                   and 119 / 200 at 0.7. ``fallback=True``
+                                                   reproduces it (within 1e-5 relative)
+    key norm eps 1e-8      1e-6 (G-KV's)           up to 3.9e-7 relative in the redundancy
+    ``key_states[0]``      each sample's keys      R-KV scores every sample with sample 0's
+                                                   redundancy (issue #20): equal at batch 1
+    bf16 importance        float32 throughout      R-KV casts the attention mean to the query
+                                                   dtype before pooling (not measured)
+    ====================== ======================= =============================================
+
+    Redundancy is G-KV's padding-aware form (÷ valid length), which equals R-KV's ÷ N
+    without padding.
 
     Parameters
     ----------
@@ -60,20 +96,29 @@ class RKV(KVPolicy):
         runs). In [0, 1]: below 0 the reference's zeroed diagonal would itself count as a
         near-duplicate; at 1 no pair qualifies (up to float rounding of exact copies), which
         leaves the plain mean cosine.
-    retain_direction : {"last", "first"}, default "last"
+    retain_direction : {"last", "first", "first_vllm"}, default "last"
         Which near-duplicate of each token does not count it: R-KV's ``retain_direction``
         (``R1KV(retain_direction=...)`` → ``cal_similarity``). ``"last"``: the most recent
-        one, so the newest copy of a repeated key survives; ``"first"``: the earliest one,
-        so the oldest copy survives. ``"first"`` follows the fixed version in R-KV's
-        ``vLLM/rkv/algo.py`` (the original ``rkv/utils.py`` min-reduces over 0s and so
-        nearly always exempts slot 0). See :func:`kvrl.kernels.scores.key_redundancy`.
-        The ``*_percent`` directions (with ``retain_ratio``) are not implemented.
+        one, so the newest copy of a repeated key survives (both R-KV versions). ``"first"``
+        is the paper's code (``rkv/utils.py``): its min over indices that are j for a
+        near-duplicate j and 0 elsewhere is 0 for every row, so every row's cosine with token 0
+        is zeroed:
+        token 0's redundancy counts nothing (it alone looks unique), every other token's counts
+        all its cosines. ``"first_vllm"`` is R-KV's later
+        vLLM port (``vLLM/rkv/algo.py``), which fixed that: the earliest near-duplicate, so
+        the oldest copy survives. See :func:`kvrl.kernels.scores.key_redundancy`.
+    fallback : bool, default False
+        Reproduce the reference's rule for a token with no near-duplicate: zero its cosine
+        with token 0 (the first valid slot; ``"last"``) or with the newest slot
+        (``"first_vllm"``, the port's clamp to N − 1). Off by default, as kvrl always ran;
+        ``fallback=True`` with ``mix_lambda=0.07`` is ``rkv/utils.py`` with ``run_math.py``'s λ.
     """
 
     mix_lambda: float = 0.1
     kernel_size: int = 7
     threshold: float = 0.5
     retain_direction: str = "last"
+    fallback: bool = False
     state_size: ClassVar[int] = 1
     reads: ClassVar[frozenset[str]] = frozenset({"keys", "queries"})
 
@@ -84,8 +129,9 @@ class RKV(KVPolicy):
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size}: must be odd and ≥ 1 (1 = no pooling)")
         check_threshold(self.threshold)
-        if self.retain_direction not in ("last", "first"):
-            raise ValueError(f"retain_direction={self.retain_direction!r}: must be 'last' or 'first'")
+        if self.retain_direction not in RETAIN_DIRECTIONS:
+            raise ValueError(f"retain_direction={self.retain_direction!r}: must be one of {RETAIN_DIRECTIONS} "
+                             "('first' is R-KV's rkv/utils.py, 'first_vllm' its vLLM port)")
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, 1] (the picks)."""
@@ -96,5 +142,6 @@ class RKV(KVPolicy):
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
         importance = pool_slots(attn / n_queries, candidates, self.kernel_size, "max")
         redundancy, pick = key_redundancy_update(obs.keys, obs.key_pos, self.previous_state(obs)[..., 0],
-                                                 self.threshold, retain_direction=self.retain_direction)
+                                                 self.threshold, retain_direction=self.retain_direction,
+                                                 fallback=self.fallback)
         return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, pick[..., None]
