@@ -147,6 +147,9 @@ class TrainerConfig:
     micro_batch_tokens: int = checked(0, ge=0)
     # recompute each decoder layer's activations in backward instead of keeping them (full-model training)
     gradient_checkpointing: bool = False
+    # RL jobs: an update whose loss or gradient norm is not finite is skipped (logged with skipped=1); this
+    # many skipped in a row stop the run (the weights are not saved: resume=auto continues from the last checkpoint)
+    max_nonfinite_steps: int = checked(3, ge=1)
 
 
 @dataclass
@@ -415,7 +418,8 @@ class Config:
     # what a resumed run may change (a key, or a section with its dot); anything else must equal the checkpoint's
     RESUMABLE: ClassVar[tuple[str, ...]] = ("trainer.steps", "logging.", "resume", "print_config", "dry_run",
                                             "rl.checkpoint_every", "workers.address", "workers.num_cpus",
-                                            "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib")
+                                            "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib",
+                                            "trainer.max_nonfinite_steps")
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     seed: int = checked(0, ge=0)  # seed for every random number generator

@@ -5,7 +5,8 @@ Every job writes under ``output_dir`` through this module, so the rules live in 
 * :func:`setup_process` — one torch thread (actors and tests share two cores: more threads
   only contend, up to 100x slower), flushed denormals (float32 Adam on CPU slows
   several-fold once moments go subnormal), and the seed.
-* :class:`RunLog` — ``metrics.jsonl``, one JSON object per line, flushed per line, mirrored
+* :class:`RunLog` — ``metrics.jsonl``, one standard JSON object per line (a NaN or inf is
+  written as ``null``: ``json.loads`` elsewhere refuses ``NaN``), flushed per line, mirrored
   to TensorBoard (``logging.tensorboard``) and W&B (``logging.wandb``; ``WANDB_MODE=offline``
   works without a network). :meth:`RunLog.trim` drops the rows a crashed run logged after
   its last checkpoint, so a resumed run logs every step exactly once; a torn last line
@@ -34,6 +35,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import secrets
 import socket
@@ -291,9 +293,10 @@ class RunLog:
 
     def log(self, row: dict, step: int | None = None) -> None:
         """Append ``row``; numeric values also go to TensorBoard / W&B at ``step``
-        (default ``row["step"]``)."""
+        (default ``row["step"]``); a non-finite float is written to the file as null."""
+        standard = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(standard, allow_nan=False) + "\n")
         step = row.get("step") if step is None else step
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.writer is not None:

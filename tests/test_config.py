@@ -124,6 +124,13 @@ def test_validation_messages_say_the_fix():
     assert "model.dtype must be one of float32 | bfloat16 | float16 (got 'float64')" in message
 
 
+def test_the_non_finite_update_limit_is_validated_and_resumable():
+    with pytest.raises(ConfigError, match=r"trainer.max_nonfinite_steps must be >= 1 \(got 0\); set "
+                                          r"trainer.max_nonfinite_steps=3"):
+        load_config(["recipe=tiny_rl_full", "trainer.max_nonfinite_steps=0"])
+    assert "trainer.max_nonfinite_steps" in Config.RESUMABLE  # raise it and resume=auto a run it stopped
+
+
 def test_budget_ratio_is_a_fraction_and_refused_where_the_budget_is_fixed():
     assert load_config(["recipe=tiny_gkv_sparse", "kv.budget_ratio=0.25"]).kv.budget_ratio == 0.25
     assert load_config(["recipe=tiny_eval", "kv.budget_ratio=0.2", "eval.policies=[gkv,rkv]"]).kv.budget_ratio == 0.2

@@ -1,6 +1,7 @@
 """kvrl.runlog: metrics that survive a crash, checkpoints that verify themselves, one run per directory."""
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,19 @@ def test_metrics_trim_and_a_torn_last_line(tmp_path):
     log.trim(lambda r: r["step"] <= 2)
     assert [r["step"] for r in RunLog(tmp_path, fresh=False).records()] == [1, 2]
     assert RunLog(tmp_path, fresh=True).records() == []
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path):
+    """metrics.jsonl stays standard JSON: other readers (jq, JSON.parse) refuse NaN and Infinity."""
+    log = RunLog(tmp_path, fresh=True)
+    log.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "reward_mean": 0.5})
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert row == {"step": 1, "loss": None, "grad_norm": None, "reward_mean": 0.5}
+    assert log.records() == [row]
 
 
 def test_a_damaged_line_before_the_last_is_an_error(tmp_path):

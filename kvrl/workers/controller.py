@@ -147,6 +147,7 @@ class Controller:
         self.step = 0  # updates done
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
+        self.skipped_in_row = 0  # updates skipped for a non-finite loss or gradient norm, up to this step
         self.restarts = [0] * w.rollout
         self.lives = [0] * w.rollout  # incarnation of each rollout actor: a death is counted once
         self.runlog: RunLog | None = None  # opened by resume(): fresh, or appending to the resumed run's
@@ -217,7 +218,21 @@ class Controller:
                 "rollout_s": gen["seconds"], "learn_s": learn_s, "step_s": time.perf_counter() - start,
                 "restarts": sum(self.restarts),
             }
-            self.runlog.log(record)
+            self.runlog.log(record)  # a non-finite value is written as null (standard JSON)
+            if record["skipped"]:
+                self.skipped_in_row += 1
+                tqdm.write(f"step {self.step}: skipped the update, its loss ({record['loss']}) or gradient norm "
+                           f"({record['grad_norm']}) is not finite ({self.skipped_in_row} in a row, the run stops at "
+                           f"trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps})")
+                if self.skipped_in_row >= cfg.trainer.max_nonfinite_steps:
+                    raise FloatingPointError(
+                        f"{self.skipped_in_row} updates in a row (to step {self.step}) had a non-finite loss or "
+                        f"gradient norm and were skipped; the run stops (metrics in {self.runlog.path}). Lower "
+                        "trainer.lr or trainer.max_grad_norm, or check the algorithm's loss on these samples; "
+                        "resume=auto continues from the last checkpoint (raise trainer.max_nonfinite_steps to "
+                        "tolerate more in a row)")
+            else:
+                self.skipped_in_row = 0
             if self.step == steps or (cfg.rl.checkpoint_every and self.step % cfg.rl.checkpoint_every == 0):
                 self.checkpoint(pending)
             bar.update(1)
@@ -329,7 +344,7 @@ class Controller:
                 out[key] = float(values.min())
             elif key in ("loss", "tokens"):  # each learner's loss is its share of the step's
                 out[key] = float(values.sum())
-            elif key in ("grad_norm", "lr", "version"):  # the same on every learner
+            elif key in ("grad_norm", "lr", "version", "skipped"):  # the same on every learner
                 out[key] = float(values[0])
             else:
                 out[key] = float((values * tokens).sum() / max(tokens.sum(), 1.0))
