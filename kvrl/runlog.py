@@ -132,18 +132,25 @@ def seal(folder: str | Path) -> None:
         tmp.write_text("".join(f"{_digest(p)}  {p.relative_to(folder)}\n" for p in files))
 
 
-def damage(folder: str | Path) -> str | None:
-    """Why ``folder`` is not an intact sealed checkpoint, or None when every file matches."""
+def damage(folder: str | Path, only: str | None = None) -> str | None:
+    """Why ``folder`` is not an intact sealed folder, or None when every file matches.
+    ``only``: check that one file (a name in ``folder``), which its SHA256SUMS must list."""
     folder = Path(folder)
     if not (folder / SUMS).is_file():
         return f"no {SUMS} (the save did not finish)"
+    listed = False
     for line in (folder / SUMS).read_text().splitlines():
         digest, _, name = line.partition("  ")
+        if only is not None and name != only:
+            continue
+        listed = True
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
         if _digest(path) != digest:
-            return f"{path} does not match its checksum in {SUMS}"
+            return f"{path} does not match its checksum in {folder / SUMS}"
+    if not listed and only is not None:
+        return f"{folder / only} is not listed in {folder / SUMS}, which seals that folder"
     return None
 
 
