@@ -232,7 +232,9 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
 
 
 def flatten(cfg, prefix: str = "") -> dict:
-    """A dataclass config as {dotted key: value}."""
+    """A dataclass config as {dotted key: value}: what a checkpoint's config.json and W&B record. A
+    value read from the environment is recorded as its ``${oc.env:NAME}`` reference
+    (``cfg.env_references``, :func:`kvrl.config.load_config`): a secret is never written."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -240,6 +242,8 @@ def flatten(cfg, prefix: str = "") -> dict:
             out.update(flatten(value, f"{prefix}{f.name}."))
         else:
             out[prefix + f.name] = value
+    if not prefix:
+        out.update(getattr(cfg, "env_references", {}))
     return out
 
 
