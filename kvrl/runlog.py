@@ -38,6 +38,7 @@ import json
 import math
 import os
 import secrets
+import shutil
 import socket
 import sys
 from contextlib import contextmanager
@@ -74,16 +75,28 @@ def atomic(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+# how torch.save's C++ writer reports a failed write (ENOSPC among them): a RuntimeError without an errno
+TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWriter failed writing", "unexpected pos")
+
+
 @contextmanager
 def disk_full_names(path: str | Path) -> Iterator[None]:
-    """Re-raise "no space left on device" with the file that could not be written."""
+    """Re-raise "no space left on device" with the file that could not be written, as an OSError
+    (ENOSPC); torch.save's own report of a failed write too."""
+    fix = "free space there or point output_dir at a larger disk (resume=auto continues the run)"
     try:
         yield
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: free space there or "
-                                    "point output_dir at a larger disk (resume=auto continues the run)") from err
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: {fix}") from err
+    except RuntimeError as err:
+        if not any(sign in str(err) for sign in TORCH_WRITE_FAILED):
+            raise
+        where = next(p for p in Path(path).absolute().parents if p.exists())
+        free = shutil.disk_usage(where).free / 2**20
+        raise OSError(errno.ENOSPC, f"writing {path} failed (torch.save: {str(err).splitlines()[0]}), which is how "
+                                    f"it reports a full disk ({free:.0f} MiB free on {where} now): {fix}") from err
 
 
 def write_json(path: str | Path, obj) -> None:
@@ -155,15 +168,17 @@ def damage(folder: str | Path, only: str | None = None) -> str | None:
 
 
 def intact_checkpoint(root: str | Path) -> Path | None:
-    """The newest intact checkpoint folder under ``root`` (``latest`` first, then the
-    ``step_*`` folders from the newest), with a warning for every damaged one skipped."""
+    """The newest intact checkpoint folder under ``root``, by step: ``latest`` is not trusted
+    over a newer sealed one (a crash between :func:`seal` and :func:`mark_latest` leaves
+    exactly that). A warning for every damaged one skipped and for a ``latest`` pointing nowhere."""
     root = Path(root)
     if not root.is_dir():
         return None
     latest = latest_checkpoint(root)
-    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    for folder in ([latest] if latest is not None else []) + [p for p in folders if p != latest]:
-        why = damage(folder) if folder.is_dir() else f"{folder} does not exist ({root / 'latest'} points at it)"
+    if latest is not None and not latest.is_dir():
+        print(f"kvrl: warning: {latest} does not exist ({root / 'latest'} points at it)", file=sys.stderr)
+    for folder in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):  # step_NNNNNN: by step
+        why = damage(folder)
         if why is None:
             return folder
         print(f"kvrl: warning: skipping checkpoint {folder}: {why}", file=sys.stderr)
@@ -175,7 +190,7 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
     trained, and a note saying which one it is; None when ``run`` is no kvrl run directory.
 
     The final export ``run/model`` when it is sealed, else the sealed ``model/`` of the
-    newest sealed checkpoint (``latest`` first, then the ``step_*`` folders from the newest):
+    newest sealed checkpoint (by step, as :func:`intact_checkpoint` chooses):
     a run that is still going, or died, gives its last saved weights. ``verify``: check the
     folder's files against its SHA256SUMS (reads them all; a damaged one is skipped with a
     warning, as resume does), else only that it was sealed (the config gate: no reading).
@@ -198,9 +213,7 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
     if final.is_dir() and verify and (final / SUMS).is_file():
         print(f"kvrl: warning: skipping {final}: {why}", file=sys.stderr)
     root = run / "checkpoints"
-    latest = latest_checkpoint(root) if root.is_dir() else None
-    folders = ([latest] if latest is not None else []) + sorted(
-        (p for p in root.glob("step_*") if p.is_dir() and p != latest), reverse=True)
+    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
     for folder in folders:
         if not (folder / SUMS).is_file():  # the checkpoint itself did not finish
             continue

@@ -264,7 +264,7 @@ class NanAdvantages(Controller):
 def test_non_finite_updates_are_skipped_and_stop_the_run_after_max_in_a_row(random_model, tmp_path, capsys):
     cfg = config(tmp_path, random_model, "trainer.steps=3", "rl.checkpoint_every=1", "trainer.max_nonfinite_steps=2")
     with pytest.raises(FloatingPointError, match=r"2 updates in a row \(to step 2\) had a non-finite loss or "
-                                                 r"gradient norm(.|\n)*resume=auto continues"):
+                                                 r"gradient norm(.|\n)*rerun the same command to continue it .*resume=auto"):
         train(cfg, NanAdvantages)
     assert "step 1: skipped the update" in capsys.readouterr().out
 
@@ -312,6 +312,25 @@ def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(ran
     with pytest.raises(FloatingPointError, match=r"not saving the checkpoint .*ckpt: non-finite values in "):
         learner.save(str(tmp_path / "ckpt"))
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_dead_learner_ends_the_run_saying_that_resume_continues_it(random_model, tmp_path):
+    """Before: Ray's raw ActorDiedError, with no word on the way back."""
+    from ray.exceptions import RayActorError
+
+    def kill(controller, step):
+        if step == 1:  # the learner dies while step 2 generates
+            ray.kill(controller.learners[0], no_restart=True)
+
+    controller = Controller(config(tmp_path, random_model, "trainer.steps=2"), on_dispatch=kill)
+    try:
+        with pytest.raises(RuntimeError, match=r"an actor of the run died after 1 steps \(.*\); the run stops: rerun the "
+                                               r"same command to continue it from its newest intact checkpoint in "
+                                               r".*checkpoints \(resume=auto") as info:
+            controller.run()
+    finally:
+        controller.close()
+    assert isinstance(info.value.__cause__, RayActorError)
 
 
 def test_a_worker_that_cannot_start_reports_its_own_error(random_model, tmp_path):

@@ -55,7 +55,7 @@ from kvrl.engines.hf import check_prompts
 from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
-                         plot_rewards, seal, write_json)
+                         plot_rewards, save_torch, seal, write_json)
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker
 
@@ -164,6 +164,19 @@ class Controller:
     # ---- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict:
+        """Train to trainer.steps; the last step's metrics. An actor lost for good (a learner, or a
+        rollout worker past workers.max_restarts) ends the run saying that resume=auto continues it."""
+        try:
+            return self.loop()
+        except RayActorError as err:  # Ray's own report names neither the run nor the way back
+            raise RuntimeError(f"an actor of the run died after {self.step} steps ({str(err).splitlines()[0]}); "
+                               f"{self.resume_hint()}") from err
+
+    def resume_hint(self) -> str:
+        return (f"the run stops: rerun the same command to continue it from its newest intact checkpoint in "
+                f"{self.out / 'checkpoints'} (resume=auto; steps after that checkpoint are redone)")
+
+    def loop(self) -> dict:
         cfg, steps, G = self.cfg, self.cfg.trainer.steps, self.cfg.rl.group_size
         record: dict = {}
         bar = tqdm(total=steps, initial=self.step, desc=f"rl {cfg.rl.algo}", unit="step")
@@ -227,10 +240,9 @@ class Controller:
                 if self.skipped_in_row >= cfg.trainer.max_nonfinite_steps:
                     raise FloatingPointError(
                         f"{self.skipped_in_row} updates in a row (to step {self.step}) had a non-finite loss or "
-                        f"gradient norm and were skipped; the run stops (metrics in {self.runlog.path}). Lower "
-                        "trainer.lr or trainer.max_grad_norm, or check the algorithm's loss on these samples; "
-                        "resume=auto continues from the last checkpoint (raise trainer.max_nonfinite_steps to "
-                        "tolerate more in a row)")
+                        f"gradient norm and were skipped (metrics in {self.runlog.path}). Lower "
+                        "trainer.lr or trainer.max_grad_norm, or check the algorithm's loss on these samples, or "
+                        f"raise trainer.max_nonfinite_steps to tolerate more in a row; {self.resume_hint()}")
             else:
                 self.skipped_in_row = 0
             if self.step == steps or (cfg.rl.checkpoint_every and self.step % cfg.rl.checkpoint_every == 0):
@@ -319,7 +331,7 @@ class Controller:
             except ActorDiedError:  # Ray gave up on it
                 break
         raise RuntimeError(f"rollout worker {i} died {self.restarts[i]} times, more than "
-                           f"workers.max_restarts={limit}: {err}")
+                           f"workers.max_restarts={limit}: {err}; {self.resume_hint()}")
 
     # ---- 5-6. update and push -----------------------------------------------------------------
 
@@ -365,7 +377,7 @@ class Controller:
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         self.get([learner.save.remote(str(path)) for learner in self.learners], "saving the checkpoint")
-        torch.save({
+        save_torch({
             "step": self.step, "version": self.version, "samples_total": self.samples_total,
             # with async_steps=1 the next step's tasks are already drawn: save the cursor before them
             "env": pending.env_state if pending is not None else self.env.state_dict(),
