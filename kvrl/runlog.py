@@ -129,7 +129,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 SUMS = "SHA256SUMS"
 
 
-def _digest(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file's content, hex (read in blocks: weights can be gigabytes)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -142,7 +143,7 @@ def seal(folder: str | Path) -> None:
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS and not p.name.startswith("."))
     with atomic(folder / SUMS) as tmp:
-        tmp.write_text("".join(f"{_digest(p)}  {p.relative_to(folder)}\n" for p in files))
+        tmp.write_text("".join(f"{sha256_of(p)}  {p.relative_to(folder)}\n" for p in files))
 
 
 def damage(folder: str | Path, only: str | None = None) -> str | None:
@@ -160,7 +161,7 @@ def damage(folder: str | Path, only: str | None = None) -> str | None:
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
-        if _digest(path) != digest:
+        if sha256_of(path) != digest:
             return f"{path} does not match its checksum in {folder / SUMS}"
     if not listed and only is not None:
         return f"{folder / only} is not listed in {folder / SUMS}, which seals that folder"

@@ -33,7 +33,7 @@ import torch
 from kvrl.envs.chat import after_thinking
 from kvrl.envs.verify import extract_boxed
 from kvrl.policies import POLICIES, Full, Static, Window, make_policy
-from kvrl.policies.heads import head_allocation
+from kvrl.policies.heads import GATES_FILE, head_allocation
 from kvrl.runlog import SUMS, damage
 
 KINDS = ("full", "window", "heads", *POLICIES)
@@ -102,6 +102,16 @@ class PolicySpec:
 
             policy.scorer.load_state_dict(load_file(self._scorer()))
         return policy
+
+    def artefact(self) -> Path | None:
+        """The file a learned or heads line loads (its scorer, its gates), which its samples depend on;
+        None for the other lines."""
+        if self.kind == "learned":
+            return self._scorer()
+        if self.kind == "heads":
+            run = self._run()
+            return run / GATES_FILE if run.is_dir() else run
+        return None
 
     def _run(self) -> Path:
         if "run" not in self.kwargs:
