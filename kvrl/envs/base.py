@@ -67,9 +67,9 @@ class Reward:
 
     ``fn(task, completion)`` returns a finite number, or ``(number, extra_info)`` to report
     diagnostics (``extra_info`` is merged into the step's ``info``); anything else (NaN,
-    inf, a string, a tensor) is an error naming the environment, the function and the task. The episode reward is
-    ``Σ weight · fn``; ``weight == 0`` makes the function a metric only: it is reported in
-    ``info[name]`` but never added to the reward.
+    inf, a string, a tensor) is an error naming the environment, the function and the task.
+    The episode reward is ``Σ weight · fn``; ``weight == 0`` makes the function a metric
+    only: it is reported in ``info[name]`` but never added to the reward.
     """
 
     fn: Callable[[Task, str], Any]
