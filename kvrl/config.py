@@ -17,7 +17,13 @@ Contract:
   over counts gives MathEnv only `path`), and a mapping given whole on the command line
   (`env.kwargs='{path: data.jsonl}'`, `env.kwargs={}` to clear) replaces the recipe's instead of
   merging into it; `env.kwargs.path=...` merges one key.
-* Recipes live in the repository's `recipes/` folder, or in `$KVRL_RECIPES_DIR`.
+* Recipes live in the repository's `recipes/` folder, or in `$KVRL_RECIPES_DIR`; `recipe=` takes a
+  name there (a path, `../x` or `/x`, is refused), `base:` likewise a name in its `base/`. A recipe
+  of your own loads by path with `recipe_file=PATH` (its stem becomes `recipe`).
+* `${oc.env:NAME}` reads an environment variable into the config (the job gets the value), but what
+  a run writes down (a checkpoint's config.json, W&B, `print_config`) holds the reference, never
+  the value (`Config.env_references`), and an error message shows `${oc.env:NAME}` where the value
+  would be; a resumed run compares the references.
 * Every problem — unknown recipe or base, a recipe that is not UTF-8 or YAML, unknown or renamed
   key (in a recipe or on the command line), wrong type, malformed argument, out-of-range or
   non-finite value, KV geometry the job's policy refuses, a model path or an environment
@@ -38,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, get_origin
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException, ValidationError
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -147,6 +153,9 @@ class TrainerConfig:
     micro_batch_tokens: int = checked(0, ge=0)
     # recompute each decoder layer's activations in backward instead of keeping them (full-model training)
     gradient_checkpointing: bool = False
+    # RL jobs: an update whose loss or gradient norm is not finite is skipped (logged with skipped=1); this
+    # many skipped in a row stop the run (the weights are not saved: resume=auto continues from the last checkpoint)
+    max_nonfinite_steps: int = checked(3, ge=1)
 
 
 @dataclass
@@ -416,8 +425,15 @@ class Config:
     # what a resumed run may change (a key, or a section with its dot); anything else must equal the checkpoint's
     RESUMABLE: ClassVar[tuple[str, ...]] = ("trainer.steps", "logging.", "resume", "print_config", "dry_run",
                                             "rl.checkpoint_every", "workers.address", "workers.num_cpus",
-                                            "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib")
+                                            "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib",
+                                            "trainer.max_nonfinite_steps",
+                                            "recipe_file")  # where the values came from: the values are compared
+    # a value read from the environment (`${oc.env:NAME}`, directly or through another key) -> how it reads with
+    # the reference unresolved: what checkpoints, W&B and print_config show instead (set by load_config; the
+    # resolved value stays in the field for the job to use)
+    env_references: ClassVar[Dict[str, Any]] = {}
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
+    recipe_file: str = ""  # a recipe of your own, by path (instead of recipe=NAME); its stem becomes recipe
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     seed: int = checked(0, ge=0)  # seed for every random number generator
     run_name: str = "${recipe}"  # name of this run in logs and output paths
@@ -613,22 +629,32 @@ def _read_yaml(path: Path) -> DictConfig:
     return layer
 
 
-def _load_recipe(name: str) -> list[tuple[DictConfig, str]]:
-    """The recipe's layers with their sources, to merge in order: its base (if any), then the recipe."""
+def _recipe_path(name: str) -> Path:
+    """recipes/NAME.yaml. A name, never a path: `recipe=../../x` or `recipe=/etc/x` would load YAML from
+    anywhere under a name that looks like a shipped recipe's (a file of your own is `recipe_file=PATH`)."""
+    names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or ".." in name:
+        raise ConfigError(f"recipe={name} is not a recipe name: recipe= takes the name of a file in {recipes_dir()} "
+                          f"({', '.join(names) or '(none)'}); load a file of your own with recipe_file={name}")
     path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
-        names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
         near = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
         hint = f"did you mean recipe={near[0]}? " if near else ""
         raise ConfigError(f"unknown recipe {name!r}: no {path}; {hint}available recipes: "
                           f"{', '.join(names) or '(none)'}")
+    return path
+
+
+def _load_recipe(path: Path) -> list[tuple[DictConfig, str]]:
+    """The recipe's layers with their sources, to merge in order: its base (if any), then the recipe."""
     recipe = _read_yaml(path)
     if "base" not in recipe:
         return [(recipe, str(path))]
-    # `base: NAME`: the keys a method's recipes share, in recipes/base/NAME.yaml
+    # `base: NAME`: the keys a method's recipes share, in recipes/base/NAME.yaml (a name, as recipe= takes)
     base = recipe.pop("base")
     base_path = recipes_dir() / "base" / f"{base}.yaml"
-    if not isinstance(base, str) or not base_path.is_file():
+    if not isinstance(base, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", base) or ".." in base \
+            or not base_path.is_file():
         names = ", ".join(sorted(p.stem for p in base_path.parent.glob("*.yaml"))) or "(none)"
         raise ConfigError(f"{path}: unknown base {base!r}: no {base_path}; available bases: {names}")
     return [(_read_yaml(base_path), str(base_path)), (recipe, str(path))]
@@ -692,9 +718,21 @@ def validate(cfg: Config) -> None:
 def load_config(argv: Sequence[str]) -> Config:
     """schema ⊕ base ⊕ recipes/NAME.yaml ⊕ `key=value` arguments -> validated, typed Config."""
     cli = _parse_cli(argv)
-    name = str(cli.get("recipe", Config.recipe))
-    cli.recipe = name  # the name chosen here wins over a `recipe:` written in the file
-    layers = _load_recipe(name)
+    own = str(cli.get("recipe_file") or "")
+    if own:
+        if "recipe" in cli:
+            raise ConfigError(f"recipe={cli.recipe} and recipe_file={own} both name the recipe; give one")
+        path = Path(own).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"recipe_file={own}: no such file; give the path of a YAML recipe (or recipe=NAME for "
+                              f"one in {recipes_dir()})")
+        name = path.stem
+    else:
+        name = str(cli.get("recipe", Config.recipe))
+        path = _recipe_path(name)
+    # what the command line chose wins over a `recipe:` / `recipe_file:` written in the file
+    cli.recipe, cli.recipe_file = name, own
+    layers = _load_recipe(path)
     recipe_path = layers[-1][1]
     merged = OmegaConf.structured(Config)
     for layer, source in layers + [(cli, "command line")]:
@@ -713,12 +751,51 @@ def load_config(argv: Sequence[str]) -> Config:
         raise ConfigError(f"job is not set; add `job: NAME` to {recipe_path} or pass job=NAME "
                           "(`python -m kvrl.run --help` lists the jobs)")
     OmegaConf.set_readonly(merged, True)
+    raw = repr(OmegaConf.to_container(merged, resolve=False))
+    names = list(dict.fromkeys(name.strip() for name in ENV_REFERENCE.findall(raw)))
+    secrets = {name: os.environ[name] for name in names if os.environ.get(name)}
     try:
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "the config"
-        raise ConfigError(f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another key, "
-                          "e.g. output_dir=outputs/${run_name}") from None
-    assert isinstance(cfg, Config)
-    validate(cfg)
+        try:
+            cfg = OmegaConf.to_object(merged)
+            references = _env_references(merged) if names else {}
+        except OmegaConfBaseException as err:
+            key = getattr(err, "full_key", None) or "the config"
+            raise ConfigError(f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another "
+                              "key, e.g. output_dir=outputs/${run_name}") from None
+        assert isinstance(cfg, Config)
+        cfg.env_references = references
+        validate(cfg)
+    except ConfigError as err:  # a message shows values: never the environment's in the clear
+        message = str(err)
+        for name, value in secrets.items():
+            message = re.sub(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", f"${{oc.env:{name}}}", message)
+        raise ConfigError(message) from None
     return cfg
+
+
+ENV_REFERENCE = re.compile(r"\$\{oc\.env:([^,}]+)")
+
+
+def _env_references(merged: DictConfig) -> dict[str, Any]:
+    """The keys whose value reads an environment variable (`${oc.env:NAME}`, directly or through another
+    key's interpolation) -> their value with every such reference left as it is written.
+
+    The variables are resolved into the config (a job needs a token's value), but a checkpoint's
+    config.json, W&B and print_config would then hold a secret in the clear: they write these instead
+    (`Config.env_references`), so a resumed run compares the references, not the values."""
+
+    def escape(node: Any) -> Any:  # `\${` is OmegaConf's literal `${`: the reference survives resolution
+        if isinstance(node, dict):
+            return {k: escape(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [escape(v) for v in node]
+        return node.replace("${oc.env:", "\\${oc.env:") if isinstance(node, str) else node
+
+    escaped = OmegaConf.create(escape(OmegaConf.to_container(merged, resolve=False)))
+    references = {}
+    for key in schema_keys():
+        node = OmegaConf.select(escaped, key, throw_on_missing=False)
+        value = OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+        if "${oc.env:" in repr(value):
+            references[key] = value
+    return references

@@ -49,8 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"kvrl: error: {err}", file=sys.stderr)
         return 2
-    if cfg.print_config:
-        print(OmegaConf.to_yaml(cfg), end="")
+    if cfg.print_config:  # a value read from the environment is shown as its reference, never in the clear
+        shown = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cfg)))
+        for key, reference in cfg.env_references.items():
+            OmegaConf.update(shown, key, reference, merge=False)
+        print(OmegaConf.to_yaml(shown), end="")
         return 0
     # heavy imports (torch, transformers, ray) start here, after the config is known good
     if cfg.dry_run:

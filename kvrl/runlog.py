@@ -5,7 +5,8 @@ Every job writes under ``output_dir`` through this module, so the rules live in 
 * :func:`setup_process` — one torch thread (actors and tests share two cores: more threads
   only contend, up to 100x slower), flushed denormals (float32 Adam on CPU slows
   several-fold once moments go subnormal), and the seed.
-* :class:`RunLog` — ``metrics.jsonl``, one JSON object per line, flushed per line, mirrored
+* :class:`RunLog` — ``metrics.jsonl``, one standard JSON object per line (a NaN or inf is
+  written as ``null``: ``json.loads`` elsewhere refuses ``NaN``), flushed per line, mirrored
   to TensorBoard (``logging.tensorboard``) and W&B (``logging.wandb``; ``WANDB_MODE=offline``
   works without a network). :meth:`RunLog.trim` drops the rows a crashed run logged after
   its last checkpoint, so a resumed run logs every step exactly once; a torn last line
@@ -34,8 +35,10 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import secrets
+import shutil
 import socket
 import sys
 from contextlib import contextmanager
@@ -72,16 +75,28 @@ def atomic(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+# how torch.save's C++ writer reports a failed write (ENOSPC among them): a RuntimeError without an errno
+TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWriter failed writing", "unexpected pos")
+
+
 @contextmanager
 def disk_full_names(path: str | Path) -> Iterator[None]:
-    """Re-raise "no space left on device" with the file that could not be written."""
+    """Re-raise "no space left on device" with the file that could not be written, as an OSError
+    (ENOSPC); torch.save's own report of a failed write too."""
+    fix = "free space there or point output_dir at a larger disk (resume=auto continues the run)"
     try:
         yield
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: free space there or "
-                                    "point output_dir at a larger disk (resume=auto continues the run)") from err
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: {fix}") from err
+    except RuntimeError as err:
+        if not any(sign in str(err) for sign in TORCH_WRITE_FAILED):
+            raise
+        where = next(p for p in Path(path).absolute().parents if p.exists())
+        free = shutil.disk_usage(where).free / 2**20
+        raise OSError(errno.ENOSPC, f"writing {path} failed (torch.save: {str(err).splitlines()[0]}), which is how "
+                                    f"it reports a full disk ({free:.0f} MiB free on {where} now): {fix}") from err
 
 
 def write_json(path: str | Path, obj) -> None:
@@ -114,7 +129,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 SUMS = "SHA256SUMS"
 
 
-def _digest(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file's content, hex (read in blocks: weights can be gigabytes)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -127,34 +143,43 @@ def seal(folder: str | Path) -> None:
     folder = Path(folder)
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != SUMS and not p.name.startswith("."))
     with atomic(folder / SUMS) as tmp:
-        tmp.write_text("".join(f"{_digest(p)}  {p.relative_to(folder)}\n" for p in files))
+        tmp.write_text("".join(f"{sha256_of(p)}  {p.relative_to(folder)}\n" for p in files))
 
 
-def damage(folder: str | Path) -> str | None:
-    """Why ``folder`` is not an intact sealed checkpoint, or None when every file matches."""
+def damage(folder: str | Path, only: str | None = None) -> str | None:
+    """Why ``folder`` is not an intact sealed folder, or None when every file matches.
+    ``only``: check that one file (a name in ``folder``), which its SHA256SUMS must list."""
     folder = Path(folder)
     if not (folder / SUMS).is_file():
         return f"no {SUMS} (the save did not finish)"
+    listed = False
     for line in (folder / SUMS).read_text().splitlines():
         digest, _, name = line.partition("  ")
+        if only is not None and name != only:
+            continue
+        listed = True
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
-        if _digest(path) != digest:
-            return f"{path} does not match its checksum in {SUMS}"
+        if sha256_of(path) != digest:
+            return f"{path} does not match its checksum in {folder / SUMS}"
+    if not listed and only is not None:
+        return f"{folder / only} is not listed in {folder / SUMS}, which seals that folder"
     return None
 
 
 def intact_checkpoint(root: str | Path) -> Path | None:
-    """The newest intact checkpoint folder under ``root`` (``latest`` first, then the
-    ``step_*`` folders from the newest), with a warning for every damaged one skipped."""
+    """The newest intact checkpoint folder under ``root``, by step: ``latest`` is not trusted
+    over a newer sealed one (a crash between :func:`seal` and :func:`mark_latest` leaves
+    exactly that). A warning for every damaged one skipped and for a ``latest`` pointing nowhere."""
     root = Path(root)
     if not root.is_dir():
         return None
     latest = latest_checkpoint(root)
-    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
-    for folder in ([latest] if latest is not None else []) + [p for p in folders if p != latest]:
-        why = damage(folder) if folder.is_dir() else f"{folder} does not exist ({root / 'latest'} points at it)"
+    if latest is not None and not latest.is_dir():
+        print(f"kvrl: warning: {latest} does not exist ({root / 'latest'} points at it)", file=sys.stderr)
+    for folder in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):  # step_NNNNNN: by step
+        why = damage(folder)
         if why is None:
             return folder
         print(f"kvrl: warning: skipping checkpoint {folder}: {why}", file=sys.stderr)
@@ -166,7 +191,7 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
     trained, and a note saying which one it is; None when ``run`` is no kvrl run directory.
 
     The final export ``run/model`` when it is sealed, else the sealed ``model/`` of the
-    newest sealed checkpoint (``latest`` first, then the ``step_*`` folders from the newest):
+    newest sealed checkpoint (by step, as :func:`intact_checkpoint` chooses):
     a run that is still going, or died, gives its last saved weights. ``verify``: check the
     folder's files against its SHA256SUMS (reads them all; a damaged one is skipped with a
     warning, as resume does), else only that it was sealed (the config gate: no reading).
@@ -189,9 +214,7 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
     if final.is_dir() and verify and (final / SUMS).is_file():
         print(f"kvrl: warning: skipping {final}: {why}", file=sys.stderr)
     root = run / "checkpoints"
-    latest = latest_checkpoint(root) if root.is_dir() else None
-    folders = ([latest] if latest is not None else []) + sorted(
-        (p for p in root.glob("step_*") if p.is_dir() and p != latest), reverse=True)
+    folders = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
     for folder in folders:
         if not (folder / SUMS).is_file():  # the checkpoint itself did not finish
             continue
@@ -223,7 +246,9 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
 
 
 def flatten(cfg, prefix: str = "") -> dict:
-    """A dataclass config as {dotted key: value}."""
+    """A dataclass config as {dotted key: value}: what a checkpoint's config.json and W&B record. A
+    value read from the environment is recorded as its ``${oc.env:NAME}`` reference
+    (``cfg.env_references``, :func:`kvrl.config.load_config`): a secret is never written."""
     out = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -231,6 +256,8 @@ def flatten(cfg, prefix: str = "") -> dict:
             out.update(flatten(value, f"{prefix}{f.name}."))
         else:
             out[prefix + f.name] = value
+    if not prefix:
+        out.update(getattr(cfg, "env_references", {}))
     return out
 
 
@@ -291,9 +318,10 @@ class RunLog:
 
     def log(self, row: dict, step: int | None = None) -> None:
         """Append ``row``; numeric values also go to TensorBoard / W&B at ``step``
-        (default ``row["step"]``)."""
+        (default ``row["step"]``); a non-finite float is written to the file as null."""
+        standard = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(standard, allow_nan=False) + "\n")
         step = row.get("step") if step is None else step
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.writer is not None:

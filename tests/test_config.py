@@ -124,6 +124,13 @@ def test_validation_messages_say_the_fix():
     assert "model.dtype must be one of float32 | bfloat16 | float16 (got 'float64')" in message
 
 
+def test_the_non_finite_update_limit_is_validated_and_resumable():
+    with pytest.raises(ConfigError, match=r"trainer.max_nonfinite_steps must be >= 1 \(got 0\); set "
+                                          r"trainer.max_nonfinite_steps=3"):
+        load_config(["recipe=tiny_rl_full", "trainer.max_nonfinite_steps=0"])
+    assert "trainer.max_nonfinite_steps" in Config.RESUMABLE  # raise it and resume=auto a run it stopped
+
+
 def test_budget_ratio_is_a_fraction_and_refused_where_the_budget_is_fixed():
     assert load_config(["recipe=tiny_gkv_sparse", "kv.budget_ratio=0.25"]).kv.budget_ratio == 0.25
     assert load_config(["recipe=tiny_eval", "kv.budget_ratio=0.2", "eval.policies=[gkv,rkv]"]).kv.budget_ratio == 0.2
@@ -219,3 +226,60 @@ def test_a_recipe_overrides_its_base(capsys, tmp_path, monkeypatch):
     assert main(["recipe=model"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "base" / "method.yaml") in err and "did you mean kv.window?" in err
+
+
+@pytest.mark.parametrize("name", ["../../x", "/etc/passwd", "base/rl", "..", "tiny_rl_full/../tiny_eval"])
+def test_recipe_takes_a_name_never_a_path(name, capsys, tmp_path):
+    """Before: recipe=../../x loaded YAML from anywhere under a recipe's name."""
+    (tmp_path / "x.yaml").write_text("job: eval\n")
+    assert main([f"recipe={name}"]) == 2
+    err = capsys.readouterr().err
+    assert f"recipe={name} is not a recipe name" in err and "tiny_rl_full" in err
+    assert f"load a file of your own with recipe_file={name}" in err
+
+
+def test_a_recipe_of_your_own_loads_with_recipe_file(tmp_path, capsys):
+    own = tmp_path / "mine.yaml"
+    own.write_text("# my recipe\njob: eval\ntrainer:\n  steps: 7\n")
+    cfg = load_config([f"recipe_file={own}"])
+    assert (cfg.recipe, cfg.recipe_file, cfg.run_name, cfg.trainer.steps) == ("mine", str(own), "mine", 7)
+    assert main([f"recipe_file={own}", "recipe=tiny_rl_full"]) == 2
+    assert "both name the recipe; give one" in capsys.readouterr().err
+    assert main([f"recipe_file={tmp_path / 'none.yaml'}"]) == 2
+    assert "none.yaml: no such file" in capsys.readouterr().err
+    (tmp_path / "escape.yaml").write_text("base: ../../x\njob: rl\n")
+    assert main([f"recipe_file={tmp_path / 'escape.yaml'}"]) == 2
+    assert "unknown base '../../x'" in capsys.readouterr().err
+
+
+def test_a_value_from_the_environment_is_never_written_or_shown(monkeypatch, tmp_path, capsys):
+    """`${oc.env:...}` gives the job the value; config.json (of a checkpoint), print_config and error
+    messages hold the reference. Before: the secret was in every checkpoint's config.json."""
+    import json
+
+    from kvrl.jobs.pretrain_tiny import main as pretrain
+    from kvrl.runlog import flatten
+
+    secret = "s3cr3t-T0KEN-value"
+    monkeypatch.setenv("KVRL_TEST_TOKEN", secret)
+    args = ["recipe=tiny_pretrain", "run_name=${oc.env:KVRL_TEST_TOKEN}", f"output_dir={tmp_path}",
+            "trainer.steps=2", "trainer.batch_size=2", "trainer.log_every=1", "pretrain.eval_tasks=1",
+            "pretrain.checkpoint_every=1", "pretrain.layers=1", "pretrain.hidden=32", "pretrain.kv_heads=1",
+            "pretrain.intermediate=32"]
+    cfg = load_config(args)
+    assert cfg.run_name == secret  # the job has the value
+    assert flatten(cfg)["run_name"] == "${oc.env:KVRL_TEST_TOKEN}"
+    pretrain(cfg)
+    written = (tmp_path / "checkpoints" / "step_000001" / "config.json").read_text()
+    assert secret not in written and json.loads(written)["run_name"] == "${oc.env:KVRL_TEST_TOKEN}"
+    monkeypatch.setenv("KVRL_TEST_TOKEN", "a-rotated-token")  # resume compares the references
+    capsys.readouterr()
+    pretrain(load_config([*args, "trainer.steps=3"]))
+    assert "resumed from" in capsys.readouterr().out
+    assert main([*args, "print_config=true"]) == 0
+    printed = capsys.readouterr().out
+    assert "a-rotated-token" not in printed and "run_name: ${oc.env:KVRL_TEST_TOKEN}" in printed
+    for bad in ("model.dtype=${oc.env:KVRL_TEST_TOKEN}", "trainer.lr=${oc.env:KVRL_TEST_TOKEN}"):
+        assert main(["recipe=tiny_pretrain", bad]) == 2
+        err = capsys.readouterr().err
+        assert "a-rotated-token" not in err and "${oc.env:KVRL_TEST_TOKEN}" in err, err

@@ -96,6 +96,16 @@ def test_text_env_step_and_weights():
     assert env.score(task, "no idea") == (0.0, {"exact": 0.0, "length": 7.0, "reward": 0.0})
 
 
+@pytest.mark.parametrize("returned", [float("nan"), float("inf"), "0.5", torch.tensor(1.0)])
+def test_a_reward_that_is_no_finite_number_is_an_error_naming_env_function_and_task(returned):
+    """NaN and inf would be trained on and checkpointed; "0.5" would pass float() unnoticed."""
+    env = TextEnv(rewards=[Reward(exact, 1.0, "exact"), Reward(lambda task, completion: returned, 0.5, "judge")])
+    env.id = "my/env-v0"
+    with pytest.raises(ValueError, match=r"environment my/env-v0: reward function 'judge' returned .* for task "
+                                         r"'add-1-2'; a reward must be a finite number"):
+        env.score(Task(id="add-1-2", prompt="1 + 2?", answer="3"), "\\boxed{3}")
+
+
 def test_trace_episode_reward_at_end():
     env = DropEnv()
     obs, _ = env.reset(seed=0)

@@ -65,6 +65,17 @@ class FailsInActors(DigitsEnv):
         super().__init__()
 
 
+def no_value(task, completion):
+    return float("nan")
+
+
+class NanRewardEnv(DigitsEnv):
+    """A reward function that returns NaN: an error, never a step trained on NaN."""
+
+    def __init__(self, **ignored):
+        TextEnv.__init__(self, rewards=[Reward(digits, 1.0, "digits"), Reward(no_value, 1.0, "judge")])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_local(tmp_path_factory):
     # the rollout actors build this module's environments to score their samples: they must import it
@@ -229,6 +240,97 @@ def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
     finally:
         controller.close()
     assert len(seen) == 2 * 16 and set(seen) == workers and os.getpid() not in workers
+
+
+def test_a_nan_reward_stops_the_run_before_any_update(random_model, tmp_path):
+    """The rollout actor that scores it names the environment, the reward function and the task;
+    nothing is trained, logged or checkpointed (before: step 1 trained on NaN and was sealed)."""
+    with pytest.raises(ValueError, match=rf"(?s)environment {__name__}:NanRewardEnv: reward function 'judge' "
+                                         r"returned nan \(float\) for task 'digits-"):
+        train(config(tmp_path, random_model, f"env.id={__name__}:NanRewardEnv", "trainer.steps=1"))
+    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "metrics.jsonl").exists()  # no step was logged
+
+
+class NanAdvantages(Controller):
+    """Every update's loss is NaN (as a broken loss or an overflow would make it)."""
+
+    def learn(self, samples):
+        for s in samples:
+            s.advantage = float("nan")
+        return super().learn(samples)
+
+
+def test_non_finite_updates_are_skipped_and_stop_the_run_after_max_in_a_row(random_model, tmp_path, capsys):
+    cfg = config(tmp_path, random_model, "trainer.steps=3", "rl.checkpoint_every=1", "trainer.max_nonfinite_steps=2")
+    with pytest.raises(FloatingPointError, match=r"2 updates in a row \(to step 2\) had a non-finite loss or "
+                                                 r"gradient norm(.|\n)*rerun the same command to continue it .*resume=auto"):
+        train(cfg, NanAdvantages)
+    assert "step 1: skipped the update" in capsys.readouterr().out
+
+    def refuse(name):
+        raise AssertionError(f"metrics.jsonl holds {name}: not standard JSON")
+
+    rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["skipped"], r["loss"], r["grad_norm"]) for r in rows] == [(1, 1.0, None, None),
+                                                                                     (2, 1.0, None, None)]
+    # step 1 was checkpointed with the untouched (finite) weights; the run stopped before step 2's
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000001"]
+    start = load_file(str(Path(random_model) / "model.safetensors"))
+    saved = load_file(str(tmp_path / "checkpoints" / "step_000001" / "model" / "model.safetensors"))
+    same_params(saved, start, atol=0, mean_atol=0)
+
+
+def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(random_model, tmp_path):
+    """The learner itself, without Ray: a NaN loss skips the optimizer step (Adam would spread the
+    NaN into every weight and both moments), and save() refuses non-finite state."""
+    from kvrl.algos.base import Sample
+    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.workers.learner import Learner
+
+    cfg = config(tmp_path, random_model)
+    learner = Learner.__ray_actor_class__(cfg, 0, 1)
+    model, tok = load_model(random_model)
+    rng = np.random.default_rng(1)
+    prompts = [make_chain_task(rng, ChainSpec(4, 8, 1, 3))["prompt"] for _ in range(4)]
+    out = HFEngine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=0))
+
+    def samples(advantage):
+        return [Sample(f"0/{b}/0", out.prompt_ids[b], out.tokens[b], out.logprobs[b], out.finish_reasons[b],
+                       out.texts[b], 0, advantage=advantage) for b in range(4)]
+
+    before = {k: v.clone() for k, v in learner.engine.model.state_dict().items()}
+    metrics = learner.step(samples(float("nan")), sum(len(t) for t in out.tokens))
+    assert metrics["skipped"] == 1.0 and not np.isfinite(metrics["loss"])
+    same_params(learner.engine.model.state_dict(), before, atol=0, mean_atol=0)
+    assert not learner.opt.state  # no moments were written
+    metrics = learner.step(samples(1.0), sum(len(t) for t in out.tokens))
+    assert metrics["skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
+    with torch.no_grad():
+        learner.params[0].view(-1)[0] = float("inf")
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FloatingPointError, match=r"not saving the checkpoint .*ckpt: non-finite values in "):
+        learner.save(str(tmp_path / "ckpt"))
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_dead_learner_ends_the_run_saying_that_resume_continues_it(random_model, tmp_path):
+    """Before: Ray's raw ActorDiedError, with no word on the way back."""
+    from ray.exceptions import RayActorError
+
+    def kill(controller, step):
+        if step == 1:  # the learner dies while step 2 generates
+            ray.kill(controller.learners[0], no_restart=True)
+
+    controller = Controller(config(tmp_path, random_model, "trainer.steps=2"), on_dispatch=kill)
+    try:
+        with pytest.raises(RuntimeError, match=r"an actor of the run died after 1 steps \(.*\); the run stops: rerun the "
+                                               r"same command to continue it from its newest intact checkpoint in "
+                                               r".*checkpoints \(resume=auto") as info:
+            controller.run()
+    finally:
+        controller.close()
+    assert isinstance(info.value.__cause__, RayActorError)
 
 
 def test_a_worker_that_cannot_start_reports_its_own_error(random_model, tmp_path):

@@ -1,6 +1,7 @@
 """kvrl.runlog: metrics that survive a crash, checkpoints that verify themselves, one run per directory."""
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,19 @@ def test_metrics_trim_and_a_torn_last_line(tmp_path):
     log.trim(lambda r: r["step"] <= 2)
     assert [r["step"] for r in RunLog(tmp_path, fresh=False).records()] == [1, 2]
     assert RunLog(tmp_path, fresh=True).records() == []
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path):
+    """metrics.jsonl stays standard JSON: other readers (jq, JSON.parse) refuse NaN and Infinity."""
+    log = RunLog(tmp_path, fresh=True)
+    log.log({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "reward_mean": 0.5})
+
+    def refuse(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert row == {"step": 1, "loss": None, "grad_norm": None, "reward_mean": 0.5}
+    assert log.records() == [row]
 
 
 def test_a_damaged_line_before_the_last_is_an_error(tmp_path):
@@ -48,6 +62,32 @@ def test_a_full_disk_names_the_file(tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("failure", ["dev_full", "basic_ios"])
+def test_a_full_disk_under_torch_save_names_the_file(failure, tmp_path, monkeypatch):
+    """torch.save's C++ writer reports ENOSPC as a RuntimeError without an errno (before: the run
+    ended with `RuntimeError: basic_ios::clear` and no file named)."""
+    import torch
+
+    from kvrl.runlog import save_torch
+
+    real = torch.save
+    if failure == "dev_full":  # a real full device: torch.save's own report of it
+        if not os.path.exists("/dev/full"):
+            pytest.skip("no /dev/full")
+        writer = lambda obj, f, *a, **k: real(obj, "/dev/full", *a, **k)  # noqa: E731
+    else:
+        def writer(obj, f, *a, **k):
+            raise RuntimeError("basic_ios::clear: iostream error")
+    monkeypatch.setattr(torch, "save", writer)
+    with pytest.raises(OSError, match=r"writing .*learner\.pt failed \(torch\.save: .*\), which is how it reports "
+                                      r"a full disk \(\d+ MiB free on .*\): free space there .*resume=auto") as info:
+        save_torch({"w": torch.zeros(4096)}, tmp_path / "learner.pt")
+    assert info.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="^a bug$"):  # any other error stays what it is
+        save_torch({}, tmp_path / "learner.pt")
+
+
 def checkpoint(root, step: int, payload: bytes):
     folder = root / f"step_{step:06d}"
     folder.mkdir(parents=True)
@@ -70,6 +110,24 @@ def test_a_flipped_bit_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
     assert f"skipping checkpoint {second}" in capsys.readouterr().err
     (first / "sub" / "shard").write_bytes(b"\x00" * 10)  # truncated
     assert "does not match" in damage(first) and intact_checkpoint(tmp_path) is None
+
+
+def test_a_sealed_checkpoint_newer_than_latest_is_taken(tmp_path, capsys):
+    """A crash between seal() and mark_latest() leaves latest one checkpoint behind: resume (and
+    model.path=<run>) take the newest intact one, as the README promises (before: latest's, silently)."""
+    root = tmp_path / "checkpoints"
+    for step in (1, 2):
+        folder = root / f"step_{step:06d}"
+        (folder / "model").mkdir(parents=True)
+        (folder / "model" / "model.safetensors").write_bytes(bytes([step]) * 4)
+        seal(folder / "model")
+        seal(folder)
+        if step == 1:  # step 2's process died before mark_latest()
+            mark_latest(folder)
+    assert (root / "latest").read_text() == "step_000001"
+    assert intact_checkpoint(root) == root / "step_000002"
+    assert trained_model(tmp_path)[0] == root / "step_000002" / "model"
+    assert capsys.readouterr().err == ""
 
 
 def test_unsealed_checkpoints_and_bad_pointers_are_skipped(tmp_path, capsys):

@@ -167,3 +167,57 @@ def test_eval_job_prints_the_budget_table(tmp_path, capsys):
                                                          ("rlkv", "s=0.5")]
     assert rows[0]["accuracy"] > rows[1]["accuracy"]
     assert (tmp_path / "report.md").exists()
+
+
+def flipped_copy(folder, tmp_path, name):
+    """A copy of a shipped folder with one byte of ``name`` flipped (an exponent byte of a weight
+    in a safetensors file); the shipped files are never touched."""
+    import shutil
+
+    copy = shutil.copytree(folder, tmp_path / folder.name)
+    data = bytearray((copy / name).read_bytes())
+    data[-3] ^= 0x40  # inside the last float32 tensor: its exponent byte
+    (copy / name).write_bytes(bytes(data))
+    return copy
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-multihop"])
+def test_a_flipped_byte_in_the_shipped_weights_is_refused(name, tmp_path, monkeypatch):
+    """Before: the flipped model loaded and scored 0.000 with exit status 0."""
+    from kvrl.models import SHIPPED
+    from kvrl.models.tiny import resolve_path
+    from kvrl.runlog import damage
+
+    folder, recipe = SHIPPED[name]
+    assert damage(folder) is None  # the real shipped folder is whole
+    monkeypatch.setitem(SHIPPED, name, (flipped_copy(folder, tmp_path, "model.safetensors"), recipe))
+    resolve_path.cache_clear()  # once per process: forget the real folder
+    try:
+        with pytest.raises(ValueError, match=rf"(?s)the shipped {name} reasoner is damaged: .*model.safetensors does "
+                                             r"not match its checksum in .*SHA256SUMS; restore it: reinstall kvrl.*"
+                                             rf"git checkout -- .*recipe={recipe}"):
+            load_model(name)
+    finally:
+        resolve_path.cache_clear()
+
+
+def test_a_flipped_byte_in_the_shipped_scorer_or_gates_is_refused(tmp_path):
+    from kvrl.eval.suite import PolicySpec
+    from kvrl.models import WEIGHTS
+    from kvrl.policies.heads import load_gates
+
+    config = tiny_config(build_tokenizer())
+    kv = {"interval": 8, "window": 8, "sink": 4, "budget_ratio": None}
+    shipped = WEIGHTS / "tiny_artefacts"
+    PolicySpec("foresight", "learned", {"run": str(shipped / "foresight_scorer.safetensors")}).regime(config, 32, kv)
+    assert load_gates(shipped / "rlkv_gates.safetensors").shape == (4, 2)
+    scorer = flipped_copy(shipped, tmp_path / "a", "foresight_scorer.safetensors") / "foresight_scorer.safetensors"
+    with pytest.raises(ValueError, match=r"(?s)the ForesightKV scorer .*foresight_scorer.safetensors is damaged: .*"
+                                         r"does not match its checksum in .*SHA256SUMS; restore the file"):
+        PolicySpec("foresight", "learned", {"run": str(scorer)}).regime(config, 32, kv)
+    gates = flipped_copy(shipped, tmp_path / "b", "rlkv_gates.safetensors") / "rlkv_gates.safetensors"
+    with pytest.raises(ValueError, match=r"(?s)the RLKV gates .*rlkv_gates.safetensors are damaged: .*does not match "
+                                         r"its checksum in .*SHA256SUMS; restore the file"):
+        load_gates(gates)
+    with pytest.raises(ValueError, match="damaged"):
+        PolicySpec("rlkv", "heads", {"run": str(gates)}).regime(config, 0.5, kv)

@@ -28,6 +28,8 @@ Two kinds:
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -63,10 +65,11 @@ class Task:
 class Reward:
     """A named reward function with a weight.
 
-    ``fn(task, completion)`` returns a number, or ``(number, extra_info)`` to report
-    diagnostics (``extra_info`` is merged into the step's ``info``). The episode reward is
-    ``Σ weight · fn``; ``weight == 0`` makes the function a metric only: it is reported in
-    ``info[name]`` but never added to the reward.
+    ``fn(task, completion)`` returns a finite number, or ``(number, extra_info)`` to report
+    diagnostics (``extra_info`` is merged into the step's ``info``); anything else (NaN,
+    inf, a string, a tensor) is an error naming the environment, the function and the task.
+    The episode reward is ``Σ weight · fn``; ``weight == 0`` makes the function a metric
+    only: it is reported in ``info[name]`` but never added to the reward.
     """
 
     fn: Callable[[Task, str], Any]
@@ -231,6 +234,11 @@ class TextEnv(Env):
             if isinstance(out, tuple):
                 out, extra = out
                 info.update(extra)
+            # a NaN or inf would be trained on and checkpointed; "0.5" would pass float() silently
+            if not isinstance(out, numbers.Real) or not math.isfinite(out):
+                raise ValueError(f"environment {self.id or type(self).__qualname__}: reward function {r.name!r} "
+                                 f"returned {out!r} ({type(out).__name__}) for task {task.id!r}; a reward must be a "
+                                 f"finite number (int or float): fix {r.name}, e.g. return 0.0 where it has no value")
             value = float(out)
             info[r.name] = value
             if r.weight != 0:

@@ -36,7 +36,8 @@ import torch
 from kvrl.envs.chat import after_thinking
 from kvrl.envs.verify import extract_boxed
 from kvrl.policies import POLICIES, Full, Static, Window, make_policy
-from kvrl.policies.heads import head_allocation
+from kvrl.policies.heads import GATES_FILE, head_allocation
+from kvrl.runlog import SUMS, damage
 
 KINDS = ("full", "window", "heads", *POLICIES)
 MODES = ("correct", "wrong", "no_answer", "repetition")
@@ -106,6 +107,16 @@ class PolicySpec:
             policy.scorer.load_state_dict(load_file(self._scorer()))
         return policy
 
+    def artefact(self) -> Path | None:
+        """The file a learned or heads line loads (its scorer, its gates), which its samples depend on;
+        None for the other lines."""
+        if self.kind == "learned":
+            return self._scorer()
+        if self.kind == "heads":
+            run = self._run()
+            return run / GATES_FILE if run.is_dir() else run
+        return None
+
     def _run(self) -> Path:
         if "run" not in self.kwargs:
             raise ValueError(f"eval policy {self.name!r} ({self.kind}) needs the run that trained it: set "
@@ -115,8 +126,16 @@ class PolicySpec:
     def _scorer(self) -> Path:
         run = self._run()
         for path in (run, run / "rl" / "scorer.safetensors", run / "sft" / "scorer.safetensors"):
-            if path.is_file():
-                return path
+            if not path.is_file():
+                continue
+            # a folder sealed by a SHA256SUMS (the shipped tiny_artefacts) vouches for its files
+            why = damage(path.parent, only=path.name) if (path.parent / SUMS).is_file() else None
+            if why is not None:
+                raise ValueError(f"the ForesightKV scorer {path} is damaged: {why}; restore the file (shipped with "
+                                 f"kvrl: reinstall kvrl, or `git checkout -- {path}` in a clone) or regenerate it "
+                                 "with the run that wrote it (python -m kvrl.run recipe=tiny_foresight writes "
+                                 "rl/scorer.safetensors)")
+            return path
         raise FileNotFoundError(f"no ForesightKV scorer in {run} (rl/scorer.safetensors or sft/scorer.safetensors): "
                                 f"run `python -m kvrl.run recipe=tiny_foresight output_dir={run}` or point "
                                 f"eval.settings.{self.name}.run at a scorer.safetensors")

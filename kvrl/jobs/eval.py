@@ -16,17 +16,30 @@ that temperature from the ``sampling.top_p`` nucleus).
 
 Writes to ``output_dir``: ``samples.jsonl`` (one line per sample: policy, point, task, sample
 index, completion, reward, info, error mode, KV usage — the checkpoint: a rerun skips every
-sample already there, an interrupted one continues where it stopped), ``rows.jsonl`` (one
+sample already there, an interrupted one continues where it stopped), ``settings.json``
+(what the samples depend on, by digest: see below), ``rows.jsonl`` (one
 line per (policy, point), :func:`kvrl.eval.suite.summarise`), ``accuracy.png`` (accuracy
 vs budget, full cache as a reference line), ``error_modes.png`` (stacked bars),
 ``retention.png`` (which key positions each KV head of one layer still holds at each
 decoding step, for one sample) and ``report.md`` gathering them.
+
+A sample depends on more than (policy, point, task, sample index): every sample line records
+``setting``, a digest of the run's settings (the model's files by content checksum, dtype,
+device, engine, seed, sampling, environment, ``kv.*``) and of its line's (the policy, its
+arguments, the checksum of the scorer or gates it loads), and ``task_sha``, a digest of the
+task's content. A rerun into a folder whose samples of a line it runs have another setting, or
+of a task whose content changed, is refused with the keys that differ (``settings.json`` keeps
+each digest's settings), as a resumed training run is; other lines' samples stay where they
+are. The model's files are hashed once per folder: a rerun whose file sizes and modification
+times match ``settings.json``'s reuses the checksums. Task ids must be unique.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -38,7 +51,7 @@ from kvrl.engines.hf import Sampling
 from kvrl.envs import make
 from kvrl.eval.suite import MODES, PolicySpec, error_mode, kv_usage, summarise
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import OutputLock, atomic, pyplot, setup_process
+from kvrl.runlog import OutputLock, atomic, config_changes, pyplot, setup_process, sha256_of
 
 
 def read_samples(path: Path) -> list[dict]:
@@ -52,6 +65,30 @@ def read_samples(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             break
     return rows
+
+
+def digest(obj) -> str:
+    """A short digest of a JSON-able value (keys sorted): what samples.jsonl keys settings and tasks by."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def task_sha(task) -> str:
+    """The task's content: what it asks and what its rewards read (not where its row sits in a file)."""
+    meta = {k: v for k, v in task.meta.items() if k != "source"}
+    return digest([task.id, task.prompt, task.answer, meta])
+
+
+def model_files(folder: Path, known: dict) -> dict[str, str]:
+    """{file: SHA-256} of every file in the model folder. ``known`` ({path: [size, mtime_ns, sha]},
+    updated here) spares rereading gigabytes for a file whose size and modification time it has."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        stat = path.stat()
+        seen = known.get(str(path.resolve()))
+        if seen is None or seen[:2] != [stat.st_size, stat.st_mtime_ns]:
+            seen = known[str(path.resolve())] = [stat.st_size, stat.st_mtime_ns, sha256_of(path)]
+        files[str(path.relative_to(folder))] = seen[2]
+    return files
 
 
 def point_label(spec: PolicySpec, point) -> str:
@@ -72,8 +109,61 @@ def main(cfg) -> dict:
     # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
     data = getattr(env, "data", None)
     tasks = list(data)[:cfg.env.num_eval_tasks] if data else env.tasks(cfg.env.num_eval_tasks)
+    ids = Counter(t.id for t in tasks)
+    if any(n > 1 for n in ids.values()):  # samples are keyed by task id, and a row counts tasks by id
+        where = {}
+        for k, t in enumerate(tasks):
+            where.setdefault(t.id, []).append(t.meta.get("source", f"task {k + 1}"))
+        shared = [f"{i!r} by {', '.join(map(str, where[i][:5]))}{' ...' if n > 5 else ''} ({n} tasks)"
+                  for i, n in ids.items() if n > 1]
+        raise ValueError(f"{cfg.env.id}: task ids must be unique, but {len(shared)} are shared: "
+                         + "; ".join(shared[:5]) + ("; ..." if len(shared) > 5 else "")
+                         + "; give every task its own id (a data set's id field) or drop the repeated rows")
+    # ---- what the samples depend on (module docstring): another setting's samples are refused
+    settings_path = out / "settings.json"
+    recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
+    local = Path(weights).is_dir()
+    run_settings = {
+        "model.path": None if local else cfg.model.path,  # a local folder counts by its content
+        **({f"model.files.{name}": sha for name, sha in model_files(Path(weights), recorded["files"]).items()}
+           if local else {}),
+        "model.dtype": cfg.model.dtype, "model.stop_ids": cfg.model.stop_ids,
+        "model.max_model_len": cfg.model.max_model_len, "device": cfg.device, "workers.engine": cfg.workers.engine,
+        "seed": cfg.seed, "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
+        "sampling.temperature": cfg.sampling.temperature, "sampling.top_p": cfg.sampling.top_p,
+        "sampling.batch_size": cfg.sampling.batch_size,  # batches draw their seeds by offset
+        "env.id": cfg.env.id, "env.kwargs": cfg.env.kwargs, "env.chat_template": cfg.env.chat_template,
+        "env.system_prompt": cfg.env.system_prompt, "env.thinking": cfg.env.thinking,
+        "kv.interval": cfg.kv.interval, "kv.window": cfg.kv.window, "kv.sink": cfg.kv.sink,
+        "kv.budget_ratio": cfg.kv.budget_ratio,
+    }
+    setting, settings = {}, {}
+    for spec in specs:
+        artefact = spec.artefact()
+        line = {"policy": spec.kind, **{k: v for k, v in spec.kwargs.items() if k != "sparsities"},  # only points
+                "artefact_sha256": sha256_of(artefact) if artefact is not None and artefact.is_file() else None}
+        settings[spec.name] = {**run_settings, **{f"eval.settings.{spec.name}.{k}": v for k, v in line.items()}}
+        setting[spec.name] = digest(settings[spec.name])
     samples_path = out / "samples.jsonl"
     done = read_samples(samples_path)
+    other = next((s for s in done if s["policy"] in setting and s.get("setting") != setting[s["policy"]]), None)
+    if other is not None:
+        before = recorded["settings"].get(other.get("setting"))
+        changed = config_changes(before, settings[other["policy"]], ()) if before else [
+            f"(not recorded in {settings_path}: written by a kvrl that kept no settings, or the file was removed)"]
+        raise ValueError(f"{out} holds samples of line {other['policy']} from another setting than this "
+                         "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
+                         "or give this evaluation its own output_dir=...")
+    shas = {t.id: task_sha(t) for t in tasks}
+    moved = sorted({s["task"] for s in done if s["policy"] in setting and shas.get(s["task"], s["task_sha"])
+                    != s["task_sha"]})
+    if moved:
+        raise ValueError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
+                         f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
+                         "changed; give this evaluation its own output_dir=...")
+    recorded["settings"].update({setting[name]: value for name, value in settings.items()})
+    with atomic(settings_path) as tmp:
+        tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
     with atomic(samples_path) as tmp:  # rewrite without a torn line, then append
         tmp.write_text("".join(json.dumps(s) + "\n" for s in done))
     have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in done}
@@ -81,6 +171,7 @@ def main(cfg) -> dict:
     kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
           "budget_ratio": cfg.kv.budget_ratio}
     traces = {}
+    cells = {(t.id, i) for t in tasks for i in range(ev.samples)}
 
     def run(spec: PolicySpec, point) -> list[dict]:
         """This row's samples: the ones on disk, and the missing ones generated and appended."""
@@ -112,7 +203,8 @@ def main(cfg) -> dict:
                             else kv_usage(o.trace(b), len(o.prompt_ids[b]))
                         if o.traces is not None and (spec.name, label) not in traces:
                             traces[spec.name, label] = (o.trace(b), len(o.prompt_ids[b]))
-                        s = {"policy": spec.name, "point": label, "task": task.id, "sample": i,
+                        s = {"policy": spec.name, "point": label, "setting": setting[spec.name], "task": task.id,
+                             "task_sha": shas[task.id], "sample": i,
                              "completion": o.texts[b], "reward": reward, "info": info, "tokens": len(o.tokens[b]),
                              "prompt_tokens": len(o.prompt_ids[b]), "finish": o.finish_reasons[b],
                              "mode": error_mode(o.texts[b], reward), "retention": retention, "peak_kv": peak,
@@ -123,7 +215,8 @@ def main(cfg) -> dict:
                     f.flush()
                     bar.update()
             bar.close()
-        return [s for s in done if s["policy"] == spec.name and s["point"] == label]
+        return [s for s in done if s["policy"] == spec.name and s["point"] == label
+                and (s["task"], s["sample"]) in cells]  # this run's tasks and samples, not a larger earlier run's
 
     # ---- the full cache first: the reference, and what budget fractions are of
     full = run(specs[0], None)

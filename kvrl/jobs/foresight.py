@@ -153,6 +153,9 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     # ---- 4. stage 2 (RL) on the eviction MDP, on the Ray controller
     rl_cfg = replace(cfg, output_dir=str(out / "rl"), rl=replace(cfg.rl, algo="foresight"),
                      resume="never" if sft_trained else cfg.resume)  # a new stage 1 starts stage 2 over
+    # replace() builds a new Config: carry the environment's references, so no secret reaches its checkpoints
+    rl_cfg.env_references = {key: f"{ref}/rl" if key == "output_dir" else ref
+                             for key, ref in cfg.env_references.items() if key not in ("rl.algo", "resume")}
     controller = ForesightController(rl_cfg)
     try:
         controller.run()

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from kvrl.kernels import NEVER
+from kvrl.runlog import SUMS, damage
 
 GATES_FILE = "gates.safetensors"
 
@@ -160,6 +161,12 @@ def load_gates(path: str | Path) -> Tensor:
     if not path.is_file():
         raise FileNotFoundError(f"no RLKV gates at {path}: point eval.settings.NAME.run at an rlkv run's "
                                 f"output_dir, or its {GATES_FILE} / gates.tsv (python -m kvrl.run recipe=tiny_rlkv writes them)")
+    # a folder sealed by a SHA256SUMS (the shipped tiny_artefacts) vouches for its files: a flipped bit is refused
+    why = damage(path.parent, only=path.name) if (path.parent / SUMS).is_file() else None
+    if why is not None:
+        raise ValueError(f"the RLKV gates {path} are damaged: {why}; restore the file (shipped with kvrl: reinstall "
+                         f"kvrl, or `git checkout -- {path}` in a clone) or regenerate it with the run that wrote it "
+                         "(python -m kvrl.run recipe=tiny_rlkv writes gates.safetensors)")
     if path.suffix == ".tsv":
         return torch.from_numpy(np.loadtxt(path, delimiter="\t", ndmin=2)).float()
     from safetensors.torch import load_file

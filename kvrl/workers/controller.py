@@ -55,7 +55,7 @@ from kvrl.engines.hf import check_prompts
 from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
-                         plot_rewards, seal, write_json)
+                         plot_rewards, save_torch, seal, write_json)
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker
 
@@ -147,6 +147,7 @@ class Controller:
         self.step = 0  # updates done
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
+        self.skipped_in_row = 0  # updates skipped for a non-finite loss or gradient norm, up to this step
         self.restarts = [0] * w.rollout
         self.lives = [0] * w.rollout  # incarnation of each rollout actor: a death is counted once
         self.runlog: RunLog | None = None  # opened by resume(): fresh, or appending to the resumed run's
@@ -163,6 +164,19 @@ class Controller:
     # ---- the loop --------------------------------------------------------------------------
 
     def run(self) -> dict:
+        """Train to trainer.steps; the last step's metrics. An actor lost for good (a learner, or a
+        rollout worker past workers.max_restarts) ends the run saying that resume=auto continues it."""
+        try:
+            return self.loop()
+        except RayActorError as err:  # Ray's own report names neither the run nor the way back
+            raise RuntimeError(f"an actor of the run died after {self.step} steps ({str(err).splitlines()[0]}); "
+                               f"{self.resume_hint()}") from err
+
+    def resume_hint(self) -> str:
+        return (f"the run stops: rerun the same command to continue it from its newest intact checkpoint in "
+                f"{self.out / 'checkpoints'} (resume=auto; steps after that checkpoint are redone)")
+
+    def loop(self) -> dict:
         cfg, steps, G = self.cfg, self.cfg.trainer.steps, self.cfg.rl.group_size
         record: dict = {}
         bar = tqdm(total=steps, initial=self.step, desc=f"rl {cfg.rl.algo}", unit="step")
@@ -217,7 +231,20 @@ class Controller:
                 "rollout_s": gen["seconds"], "learn_s": learn_s, "step_s": time.perf_counter() - start,
                 "restarts": sum(self.restarts),
             }
-            self.runlog.log(record)
+            self.runlog.log(record)  # a non-finite value is written as null (standard JSON)
+            if record["skipped"]:
+                self.skipped_in_row += 1
+                tqdm.write(f"step {self.step}: skipped the update, its loss ({record['loss']}) or gradient norm "
+                           f"({record['grad_norm']}) is not finite ({self.skipped_in_row} in a row, the run stops at "
+                           f"trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps})")
+                if self.skipped_in_row >= cfg.trainer.max_nonfinite_steps:
+                    raise FloatingPointError(
+                        f"{self.skipped_in_row} updates in a row (to step {self.step}) had a non-finite loss or "
+                        f"gradient norm and were skipped (metrics in {self.runlog.path}). Lower "
+                        "trainer.lr or trainer.max_grad_norm, or check the algorithm's loss on these samples, or "
+                        f"raise trainer.max_nonfinite_steps to tolerate more in a row; {self.resume_hint()}")
+            else:
+                self.skipped_in_row = 0
             if self.step == steps or (cfg.rl.checkpoint_every and self.step % cfg.rl.checkpoint_every == 0):
                 self.checkpoint(pending)
             bar.update(1)
@@ -304,7 +331,7 @@ class Controller:
             except ActorDiedError:  # Ray gave up on it
                 break
         raise RuntimeError(f"rollout worker {i} died {self.restarts[i]} times, more than "
-                           f"workers.max_restarts={limit}: {err}")
+                           f"workers.max_restarts={limit}: {err}; {self.resume_hint()}")
 
     # ---- 5-6. update and push -----------------------------------------------------------------
 
@@ -329,7 +356,7 @@ class Controller:
                 out[key] = float(values.min())
             elif key in ("loss", "tokens"):  # each learner's loss is its share of the step's
                 out[key] = float(values.sum())
-            elif key in ("grad_norm", "lr", "version"):  # the same on every learner
+            elif key in ("grad_norm", "lr", "version", "skipped"):  # the same on every learner
                 out[key] = float(values[0])
             else:
                 out[key] = float((values * tokens).sum() / max(tokens.sum(), 1.0))
@@ -350,7 +377,7 @@ class Controller:
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         self.get([learner.save.remote(str(path)) for learner in self.learners], "saving the checkpoint")
-        torch.save({
+        save_torch({
             "step": self.step, "version": self.version, "samples_total": self.samples_total,
             # with async_steps=1 the next step's tasks are already drawn: save the cursor before them
             "env": pending.env_state if pending is not None else self.env.state_dict(),

@@ -57,6 +57,12 @@ def merge_metrics(results: list[tuple[dict, int]]) -> dict:
     return merged
 
 
+# ZeRO holds the reduced gradients and clips inside its step: an update cannot be skipped there
+DEEPSPEED_STOPS = ("; workers.backend=deepspeed cannot skip an update, so the run stops here (resume=auto continues "
+                   "from the last checkpoint): lower trainer.lr, or use workers.backend=ddp, which skips such updates "
+                   "(up to trainer.max_nonfinite_steps in a row)")
+
+
 @ray.remote
 class Learner:
     def __init__(self, cfg, rank: int, world: int):
@@ -149,9 +155,20 @@ class Learner:
                 loss.backward()
             total += loss.item()
             results.append((metrics, int(on.sum())))
+        # each rank's loss is its share: the step is bad when any share is not finite, decided alike on every rank
+        bad = torch.tensor([float(not math.isfinite(total))], device=self.cfg.device)
+        if self.world > 1:
+            dist.all_reduce(bad)
         if self.ds is not None:
+            if bad.item():
+                raise FloatingPointError(f"the loss is not finite ({total}) at update {self.version + 1}"
+                                         + DEEPSPEED_STOPS)
             self.ds.step()
             grad_norm = float(self.ds.get_global_grad_norm() or 0.0)
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"the gradient norm is not finite ({grad_norm}) at update "
+                                         f"{self.version + 1}" + DEEPSPEED_STOPS)
+            skipped = False
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             if self.world > 1:
@@ -163,11 +180,16 @@ class Learner:
                     offset += g.numel()
             max_norm = tr.max_grad_norm if tr.max_grad_norm > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
-            self.opt.step()
-        self.version += 1
+            # the reduced gradients' norm is the same on every rank, so the ranks skip together
+            skipped = bool(bad.item()) or not math.isfinite(grad_norm)
+            if skipped:  # Adam would write the NaN into every weight and both moments for good
+                self.opt.zero_grad(set_to_none=True)
+            else:
+                self.opt.step()
+        self.version += 1  # a skipped update still counts: versions stay the controller's step count
         metrics = merge_metrics(results)
         metrics.update(loss=total, grad_norm=grad_norm, lr=lr, version=self.version, micro_batches=len(parts),
-                       ids=[s.id for s in samples])
+                       skipped=float(skipped), ids=[s.id for s in samples])
         if self.world > 1:  # the controller checks that data-parallel learners stay identical
             metrics["checksum"] = checksum(self.algo.state(self.engine.model))
         return metrics
@@ -185,6 +207,15 @@ class Learner:
         """This learner's part of a checkpoint (the controller seals the folder when all are written);
         rank 0 adds the weights as a transformers folder, ``model/``, when the algorithm trains them."""
         path = Path(path)
+        bad = [name for name, t in self.algo.state(self.engine.model).items()
+               if t.is_floating_point() and not torch.isfinite(t).all()]
+        bad += [f"optimizer state {key} of parameter {i}" for i, group in enumerate(self.opt.state.values())
+                for key, t in group.items() if torch.is_tensor(t) and t.is_floating_point()
+                and not torch.isfinite(t).all()]
+        if bad:  # a sealed checkpoint is what resume trusts: never seal NaN weights as a good state
+            raise FloatingPointError(f"not saving the checkpoint {path}: non-finite values in {', '.join(bad[:5])}"
+                                     f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint stays the newest "
+                                     "(resume=auto continues from it): lower trainer.lr or trainer.max_grad_norm")
         with disk_full_names(path):
             if self.ds is not None:
                 self.ds.save_checkpoint(str(path), tag="deepspeed")
