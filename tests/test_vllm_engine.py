@@ -721,6 +721,23 @@ def test_death_table_follows_the_attached_model():
     assert table.shape == (8, 4, 2, 20) and (table == NEVER).all()
 
 
+def test_query_ring_stays_the_size_of_the_requests_in_flight():
+    """A worker lives for many generate() calls with policies of different windows: its query
+    ring must hold the requests in flight, not double at every change of window (it did, and
+    the suite's process was OOM-killed at 24 GB after ~40 changes)."""
+    from kvrl.engines.vllm.runtime import WorkerContext
+
+    ctx = WorkerContext()
+    ctx.n_slots = 3
+    for i in range(60):
+        ring = ctx._ring_pos((4, 32, 8)[i % 3], "cpu")
+        assert ring.shape[0] < 8 and ring.shape[1] == (4, 32, 8)[i % 3]
+    ring[2, 0] = 7
+    ctx.n_slots = 9  # more requests in flight: grown, what is in it kept
+    grown = ctx._ring_pos(8, "cpu")
+    assert grown.shape[0] >= 9 and grown[2, 0] == 7 and (grown[3:] == -1).all()
+
+
 def test_cpu_head_attention_kernel_matches_torch():
     """Static mode's per-(request, head) attention: vLLM's CPU kernel over (block, head)
     regions equals the torch default over the padded caches (heads of different lengths,

@@ -502,10 +502,14 @@ class WorkerContext(HeadModes):
     def _ring_pos(self, w: int, device) -> Tensor:
         """The ring's positions [slots, W], grown to hold every slot in use (kept)."""
         old = self.ring_pos
-        if old is None or old.shape[0] < self.n_slots or old.shape[1] != w:
-            grown = torch.full((max(self.n_slots, 2 * (old.shape[0] if old is not None else 4)), w), -1,
+        if old is not None and old.shape[1] != w:  # another policy's window: nothing in it is needed
+            old = None
+        if old is None or old.shape[0] < self.n_slots:
+            # doubling only the ring in use: a ring doubled at every change of window grew
+            # without bound in a long-lived worker (one process, many policies)
+            grown = torch.full((max(self.n_slots, 2 * (old.shape[0] if old is not None else 2)), w), -1,
                                dtype=torch.long, device=device)
-            if old is not None and old.shape[1] == w:
+            if old is not None:
                 grown[:old.shape[0]] = old
             self.ring_pos = grown
         return self.ring_pos
