@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 
 from kvrl.algos.foresight import RULE_BASED, loss_ratios
 from kvrl.data.traces import load_traces
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.models.tiny import load_model, resolve_path
 from kvrl.policies import make_policy

@@ -180,7 +180,8 @@ QUESTIONS = ["What is 12 times 7?", "Solve 4y = 36 for y.", "Anna has 5 apples a
 def replay(args, device) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.engines.hf import HFEngine
+    from kvrl.engines.base import Sampling
     from kvrl.envs.chat import Chat
     from kvrl.models import shrunk
 

@@ -25,7 +25,8 @@ import time
 import numpy as np
 import torch
 
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.models.tiny import load_model
 from kvrl.policies import POLICIES, make_policy

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.models.tiny import load_model
 from kvrl.policies import POLICIES, make_policy

@@ -32,7 +32,8 @@ import torch
 
 from kvrl.cache import EvictionTrace
 from kvrl.config import load_config
-from kvrl.engines.hf import HFEngine, Rollouts, Sampling
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Rollouts, Sampling
 from kvrl.envs import make
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model, resolve_path

@@ -63,7 +63,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvrl.engines.hf import Sampling  # noqa: E402
+from kvrl.engines.base import Sampling  # noqa: E402
 from kvrl.engines.vllm.runtime import cache_len_after  # noqa: E402
 from kvrl.policies import HeadAllocation, Mixed, make_policy  # noqa: E402
 

@@ -6,7 +6,7 @@ import torch
 
 import kvrl.engines.hf as hf
 from kvrl.cache import EvictionTrace, KVCache
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.kernels import scores
 from kvrl.kernels.replay import NEVER

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import HFEngine, Sampling, nucleus
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Sampling, nucleus
 from kvrl.envs import make
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.kernels.replay import NEVER

@@ -5,7 +5,7 @@ uses them without changing its Scores."""
 import pytest
 import torch
 
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.kernels.logprobs import token_logprobs
 from kvrl.policies import make_policy
 

@@ -203,7 +203,7 @@ def test_worker_recovers_after_a_crash():
 
 
 def test_a_prompt_the_model_cannot_hold_names_its_row(tmp_path):
-    from kvrl.engines.hf import check_prompts
+    from kvrl.engines.base import check_prompts
     from kvrl.models.tiny import build_tokenizer
 
     path = tmp_path / "long.jsonl"

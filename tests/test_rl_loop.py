@@ -285,7 +285,8 @@ def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(ran
     """The learner itself, without Ray: a NaN loss skips the optimizer step (Adam would spread the
     NaN into every weight and both moments), and save() refuses non-finite state."""
     from kvrl.algos.base import Sample
-    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.engines.hf import HFEngine
+    from kvrl.engines.base import Sampling
     from kvrl.workers.learner import Learner
 
     cfg = config(tmp_path, random_model)
@@ -478,7 +479,8 @@ def test_tensorboard_missing_says_how_to_install(tmp_path):
 def test_collated_traces_replay_the_rollouts(random_model):
     """Per-sample traces from two generate calls of different lengths, stacked by
     collate(), make engine.score reproduce the behaviour logprobs (what G-KV needs)."""
-    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.engines.hf import HFEngine
+    from kvrl.engines.base import Sampling
     from kvrl.models.tiny import load_model
     from kvrl.policies import make_policy
     from kvrl.algos.base import collate
@@ -508,7 +510,8 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
     position that predicted it (which predicts nothing else)."""
     from kvrl.algos import make_algo
     from kvrl.algos.base import Sample, collate
-    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.engines.hf import HFEngine
+    from kvrl.engines.base import Sampling
     from kvrl.models.tiny import load_model
 
     model, tok = load_model(random_model)
@@ -554,7 +557,8 @@ def test_rl_learns_to_stop(tmp_path):
     GRPO with an overlong penalty (kvrl/counts-v0's ``overlong_penalty``), truncated samples
     kept, makes it stop again: the mean completion length falls while the reward rises, and
     the stop token's logprob is in every step's train/inference mismatch."""
-    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.engines.hf import HFEngine
+    from kvrl.engines.base import Sampling
     from kvrl.envs import make
     from kvrl.models.tiny import load_model
 
@@ -590,7 +594,8 @@ def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     """rl.kl_coef > 0: the reference is a frozen copy of the initial weights; KL is 0 until
     the model moves, and positive after."""
     from kvrl.algos.rl_full import RLFull
-    from kvrl.engines.hf import HFEngine, Sampling
+    from kvrl.engines.hf import HFEngine
+    from kvrl.engines.base import Sampling
     from kvrl.models.tiny import load_model
     from kvrl.algos.base import collate
     from kvrl.algos.base import Sample

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from kvrl.algos.distill import Distill
 from kvrl.algos.rl_sparse import RLSparse
 from kvrl.config import ConfigError, load_config
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.algos.base import collate
 from kvrl.algos.base import Sample

@@ -16,7 +16,7 @@ from kvrl.algos.rlkv import RLKV, adaptive_penalty
 from kvrl.policies.heads import export_gates, head_allocation, load_gates, ranking
 from kvrl.config import ConfigError, load_config
 from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.policies import Mixed
 from kvrl.policies.heads import HeadAllocation
 from kvrl.algos.base import collate

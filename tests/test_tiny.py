@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Sampling
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.policies import Static, Window
 from kvrl.kernels.replay import Replay

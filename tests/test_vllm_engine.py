@@ -22,7 +22,8 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "not usable 
 
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM  # noqa: E402
 
-from kvrl.engines.hf import HFEngine, Sampling  # noqa: E402
+from kvrl.engines.base import Engine, Sampling  # noqa: E402
+from kvrl.engines.hf import HFEngine  # noqa: E402
 from kvrl.engines.vllm import plugin  # noqa: E402
 from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read, flash_write  # noqa: E402
 from kvrl.engines.vllm.runtime import NEVER, EvictionRefused, cache_len_after, check_config  # noqa: E402
@@ -129,6 +130,7 @@ def test_plugin_is_inert_without_its_switch(monkeypatch):
 # ---------------------------------------------------------------- generation vs HF
 
 def test_full_cache_matches_hf(engine, hf):
+    assert isinstance(engine, Engine) and isinstance(hf, Engine)  # both implement the contract
     batch = prompts()
     assert len({len(p) for p in engine.encode(batch)}) > 3
     sampling = Sampling(max_new_tokens=NEW)
@@ -691,7 +693,7 @@ def test_plugin_loads_through_the_entry_point_in_worker_processes(model_dir):
     code = f"""
 import os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.engines.vllm import VLLMEngine
 from kvrl.policies import make_policy
 if __name__ == "__main__":

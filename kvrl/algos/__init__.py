@@ -11,7 +11,7 @@ rollout worker, ``collate``: a learner's :class:`~kvrl.algos.base.Batch`, and
 * ``setup(model, tokenizer) -> list[Parameter]`` — on a learner: anything it keeps beside
   the model (a reference model), and the parameters the optimizer updates;
 * ``loss(engine, batch) -> (loss, scores, metrics)`` — the learner loss on a collated
-  :class:`kvrl.algos.base.Batch`, with the recomputed :class:`kvrl.engines.hf.Scores`
+  :class:`kvrl.algos.base.Batch`, with the recomputed :class:`kvrl.engines.base.Scores`
   (the learner measures the train/inference mismatch from them);
 * ``state(model) -> Push`` / ``load(model, push)`` — the trainable state
   (:class:`kvrl.algos.push.Push`): pushed to every rollout worker after each update and

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.envs import Task, make
 from kvrl.kernels import NEVER
 
@@ -51,7 +51,7 @@ class Sample:
 class Batch:
     """A learner's share of one step, collated for ``Algorithm.loss``.
 
-    Tensors are [B, T] left-aligned like :class:`kvrl.engines.hf.Scores` (column j =
+    Tensors are [B, T] left-aligned like :class:`kvrl.engines.base.Scores` (column j =
     generated token j, or decision j), zero beyond each sample.
     """
 

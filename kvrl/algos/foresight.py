@@ -47,7 +47,7 @@ from kvrl.algos.base import Algorithm, Batch, Sample
 from kvrl.algos.grpo import grpo_loss
 from kvrl.algos.push import Push
 from kvrl.data.traces import Trace, load_traces
-from kvrl.engines.hf import Scores
+from kvrl.engines.base import Scores
 from kvrl.envs import Task, TextEnv
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
 from kvrl.policies import LearnedScorer, make_policy

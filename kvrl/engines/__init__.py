@@ -1,9 +1,9 @@
 """Rollout engines: hf (the reference decode loop) and vllm (the production plugin).
 
-Both have the same ``generate(prompts, Sampling, policy=None) -> Rollouts`` contract, where
-``policy`` is a cache regime (:mod:`kvrl.policies.regime`: Full, Evicting, Static, Mixed) or
-anything :func:`kvrl.policies.as_regime` takes; :func:`make_engine` builds the one
-``workers.engine`` names.
+Both implement the contract of :mod:`kvrl.engines.base` (``generate(prompts, Sampling,
+policy=None) -> Rollouts``, where ``policy`` is a cache regime or anything
+:func:`kvrl.policies.as_regime` takes); :func:`make_engine` builds the one ``workers.engine``
+names.
 """
 
 

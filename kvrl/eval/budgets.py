@@ -13,7 +13,8 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from kvrl.engines.hf import HFEngine, Sampling
+from kvrl.engines.hf import HFEngine
+from kvrl.engines.base import Sampling
 from kvrl.envs.base import Task
 
 PolicyFn = Callable[[list[Task], int], object]

@@ -47,7 +47,7 @@ from transformers import AutoConfig
 from tqdm import tqdm
 
 from kvrl.engines import make_engine
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.eval.suite import MODES, PolicySpec, error_mode, kv_usage, summarise
 from kvrl.models.tiny import resolve_path

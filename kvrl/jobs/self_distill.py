@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvrl.data.self_distill import select
 from kvrl.engines import make_engine
-from kvrl.engines.hf import Sampling
+from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.runlog import atomic, setup_process, write_json
 

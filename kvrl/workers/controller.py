@@ -51,7 +51,7 @@ from tqdm import tqdm
 from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.grpo import group_advantages, mask_truncated
-from kvrl.engines.hf import check_prompts
+from kvrl.engines.base import check_prompts
 from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,

@@ -66,7 +66,7 @@ class TraceWorker:
     def traces(self, tasks: list, seed: int) -> list[dict]:
         """Generate ``tasks`` with the full cache, keep the correct, long-enough traces that
         stopped, and score them: their rows, in task order."""
-        from kvrl.engines.hf import Sampling
+        from kvrl.engines.base import Sampling
 
         cfg = self.cfg
         out = self.gen.generate([t.prompt for t in tasks], Sampling(cfg.sampling.max_new_tokens,

@@ -21,7 +21,7 @@ Behaviour worth knowing:
 * Greedy decoding matches the HF engine; sampled tokens use vLLM's sampler (seed
   ``sampling.seed + i`` for prompt i) and sampled evictions one generator per request
   (seed ``sampling.seed + 1 + i``), so they are reproducible but not the HF engine's draws.
-  Both draw from the same top-p nucleus (:func:`kvrl.engines.hf.nucleus` is vLLM's rule)
+  Both draw from the same top-p nucleus (:func:`kvrl.engines.base.nucleus` is vLLM's rule)
   and record the same logprobs: ``logprobs_mode="processed_logprobs"`` returns those of
   the distribution vLLM sampled from (after temperature and top-p, renormalised).
 * A regime is installed on the workers when a different one, or a modified one, is
@@ -44,7 +44,7 @@ import uuid
 import torch
 
 from kvrl.cache import EvictionTrace
-from kvrl.engines.hf import Rollouts, Sampling, check_request, default_stop_ids, finish
+from kvrl.engines.base import Rollouts, Sampling, check_request, default_stop_ids, finish
 from kvrl.engines.vllm import plugin
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
@@ -77,7 +77,7 @@ class VLLMEngine:
     seed : int
     stop_ids : list[int], optional
         The ids that end a sequence; default the model folder's generation config and the
-        tokenizer's EOS (:func:`kvrl.engines.hf.default_stop_ids`), as the HF engine.
+        tokenizer's EOS (:func:`kvrl.engines.base.default_stop_ids`), as the HF engine.
     chat : kvrl.envs.chat.Chat, optional
         Render prompts through the tokenizer's chat template; None: raw prompts.
     **llm_kwargs
