@@ -1,7 +1,7 @@
 """Per-head compacting KV cache for transformers, and the eviction trace it records.
 
 Every kvrl compression method is a KV policy acting on a per-(layer, KV head) cache, and
-every rollout leaves an **eviction trace** (``../shared/DESIGN.md``):
+every rollout leaves an **eviction trace** (``docs/architecture.md``):
 
 * :class:`EvictionTrace` — ``death[layer, b, kv_head, k]`` = the first query position
   that no longer sees key position k. Query q sees key k iff ``k <= q < death[k]``.
@@ -42,6 +42,7 @@ from kvrl.kernels.mixed import mixed_gate_attention
 from kvrl.kernels.replay import NEVER, Replay, visibility
 from kvrl.kernels.scores import gather_slots
 from kvrl.policies.base import Observation, should_evict
+from kvrl.policies.evict import Eviction, evict
 from kvrl.policies.regime import Evicting, Mixed, Static, as_regime
 
 
@@ -227,12 +228,10 @@ class KVCache(Cache):
     def evict(self, layer_idx: int, scaling: float) -> None:
         """Score, select and compact one layer; record the deaths of the evicted keys."""
         start = time.perf_counter()
-        obs = self.observation(layer_idx, scaling)
-        scores, state = self.policy.score(obs)
-        sel = self.policy.select(obs, scores, sample=self.sample, generator=self.generator)
-        self.apply(layer_idx, sel.keep, state, sel.count)
-        if sel.logprob is not None:
-            self.logprobs[-1][layer_idx] = sel.logprob
+        ev = evict(self.policy, self.observation(layer_idx, scaling), sample=self.sample, generator=self.generator)
+        self._apply(layer_idx, ev)
+        if ev.logprob is not None:
+            self.logprobs[-1][layer_idx] = ev.logprob
         self.evict_seconds += time.perf_counter() - start
 
     def observation(self, layer_idx: int, scaling: float) -> Observation:
@@ -245,10 +244,12 @@ class KVCache(Cache):
         """Keep slots keep [B, H, K] of layer ``layer_idx`` (state: the policy's updated
         per-token state) and record the deaths of the others; with ``count`` [B], row b
         keeps only ``keep[b, :, :count[b]]`` (:class:`kvrl.policies.Selection`): the slots
-        after it stay in the layout as padding. :meth:`evict` calls it with the policy's
-        own selection; ForesightKV's eviction MDP calls it with an action chosen outside
-        the forward (:mod:`kvrl.envs.eviction`)."""
-        layer = self.layers[layer_idx]
+        after it stay in the layout as padding. ForesightKV's eviction MDP calls it with an
+        action chosen outside the forward (:mod:`kvrl.envs.eviction`)."""
+        self._apply(layer_idx, Eviction.of(keep, count, self.layers[layer_idx].key_pos, state))
+
+    def _apply(self, layer_idx: int, ev: Eviction) -> None:
+        layer, state = self.layers[layer_idx], ev.state
         valid = layer.key_pos >= 0
         length = layer.key_pos.amax((-2, -1)) + 1  # [B] true lengths: the newest token is cached
         over = valid.sum(-1).amax(-1) > self.policy.budget_at(length)  # [B]: rows that evict when decoded alone
@@ -257,18 +258,14 @@ class KVCache(Cache):
             # have been scored alone: it keeps all its keys (K >= its valid count) and its state.
             previous = self.policy.previous_state(self.observation(layer_idx, 1.0))
             state = torch.where(over[:, None, None, None], state, previous)
-        if count is None:  # an action: every slot of keep is kept
-            count = torch.full((keep.shape[0],), keep.shape[-1])
-        mine = (torch.arange(keep.shape[-1], device=keep.device) < count.to(keep.device)[:, None, None]).expand_as(keep)
-        kept = torch.zeros_like(valid).scatter_(-1, keep, mine)
-        b, h, n = (valid & ~kept).nonzero(as_tuple=True)
+        b, h, n = ev.dead
         # The last query of row b in this forward saw the key; the next one does not.
         self.death[layer_idx, b, h, layer.key_pos[b, h, n]] = (self.step_pos[b, -1] + 1).to(self.death.dtype)
-        layer.compact(keep, state)
-        if not bool(mine.all()):  # a row below K in ratio mode: its fill becomes padding
-            layer.key_pos = layer.key_pos.masked_fill(~mine, -1)
+        layer.compact(ev.keep, state)
+        if ev.mine is not None:  # a row below K in ratio mode: its fill becomes padding
+            layer.key_pos = layer.key_pos.masked_fill(~ev.mine, -1)
             if layer.state is not None:
-                layer.state = layer.state.masked_fill(~mine[..., None], float("nan"))
+                layer.state = layer.state.masked_fill(~ev.mine[..., None], float("nan"))
 
     def trace(self, lengths: Tensor) -> EvictionTrace:
         """The recorded trace; lengths [B] = prompt + generated tokens of each row."""

@@ -90,6 +90,7 @@ from kvrl.engines.vllm.layout import HeadPool, PagedLayout, SideStore
 from kvrl.kernels.replay import NEVER
 from kvrl.kernels.scores import gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
+from kvrl.policies.evict import evict
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 
@@ -653,38 +654,29 @@ class WorkerContext(HeadModes):
             queries = queries.view(len(layers) * r, w, hq, d).transpose(1, 2).contiguous()  # [L·R, Hq, W, D]
         fields = (keys, values, queries, pos, qp.gather(-1, order).repeat(len(layers), 1), state)
         layer, scale = layers[0].index if len(layers) == 1 else -1, layers[0].scale
-        obs = Observation(*fields, layer, scale)
         # Scored a group of rows at a time, the group's [rows, Hq, W, N] logits within
         # SCORE_LOGITS: the temporaries of window attention and redundancy then stay in the
         # CPU's caches (rows are independent, so the result is the same).
         rows = max(1, SCORE_LOGITS // max(1, hq * w * pos.shape[2]))
-        parts = [policy.score(Observation(*(x if x is None else x[i:i + rows] for x in fields), layer, scale))
-                 for i in range(0, pos.shape[0], rows)]
-        scores = torch.cat([p[0] for p in parts])
-        new_state = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
         # each request's generator draws layer by layer, as at one layer per call
         generators = None if eb.generators is None else eb.generators * len(layers)
-        sel = policy.select(obs, scores, sample=self.sample, generator=generators)
-        keep = sel.keep  # [L·R, H, K]; row j keeps keep[j, :, :sel.count[j]]
-        # counts below K only in ratio mode; None spares the common case its masks
-        counts = None if bool((sel.count == keep.shape[-1]).all()) else sel.count
-        mine = True if counts is None else (torch.arange(keep.shape[-1], device=keep.device)
-                                            < counts.to(keep.device)[:, None, None]).expand_as(keep)
-        kept = torch.zeros(pos.shape, dtype=torch.bool, device=keep.device).scatter_(-1, keep, mine)
-        j, h, n = (~kept & (pos >= 0)).nonzero(as_tuple=True)
+        ev = evict(policy, Observation(*fields, layer, scale), sample=self.sample, generator=generators,
+                   score_rows=rows)
+        keep, counts = ev.keep, ev.count  # [L·R, H, K]; row j keeps keep[j, :, :counts[j]]
+        j, h, n = ev.dead
         j, h, dead = j.cpu(), h.cpu(), pos[j, h, n].cpu()
         layer_of = torch.tensor([lay.index for lay in layers])
         # the last query of the forward saw them
         self.deaths[eb.qslot_host[j % r], layer_of[j // r], h, dead] = eb.m[j % r]
         kept_pos = pos.gather(-1, keep)
-        kept_state = None if new_state is None else gather_slots(new_state, keep)
+        kept_state = None if ev.state is None else gather_slots(ev.state, keep)
         for li, (lay, side) in enumerate(zip(layers, sides)):
             own = slice(li * r, (li + 1) * r)
             c = None if counts is None else counts[own]
             lay.layout.compact(lay.kv_cache, eb.blocks, keep[own], c)
             side.write_prefix(eb.blocks, kept_pos[own], None if kept_state is None else kept_state[own], c)
-            if sel.logprob is not None:
-                eb.events[:, lay.index] = sel.logprob[own].float().cpu()
+            if ev.logprob is not None:
+                eb.events[:, lay.index] = ev.logprob[own].float().cpu()
         share = (time.perf_counter() - start) / r
         for row in eb.rows:
             row.req.evict_seconds += share
