@@ -26,7 +26,6 @@ scoring, :mod:`kvrl.workers.traces`), and warns, with the fix, when one exceeds 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 
 from kvrl.config import JOBS, ConfigError
 from kvrl.envs.chat import Chat, encode_prompts
-from kvrl.policies.base import geometry
+from kvrl.policies.base import budget_at, geometry
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
 
@@ -107,9 +106,7 @@ def plan(cfg) -> dict:
     kept = T
     if cfg.kv.policy != "full" and cfg.kv.budget > 0:
         # the budget at the longest length (KVPolicy.budget_at: G-KV's ratio mode grows it with the length)
-        ratio = cfg.kv.budget_ratio
-        budget = cfg.kv.budget if ratio is None else max(cfg.kv.budget, math.floor(T * ratio))
-        kept = min(T, budget + cfg.kv.interval)
+        kept = min(T, budget_at(cfg.kv.budget, cfg.kv.budget_ratio, T) + cfg.kv.interval)
     if cfg.job == "rlkv":
         r = cfg.rlkv
         kept = round((1 - r.sparsity) * T + r.sparsity * min(T, r.eval_sink + r.eval_recent))

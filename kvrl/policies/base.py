@@ -89,6 +89,16 @@ class Selection:
     evicted: Tensor | None = None
 
 
+def budget_at(budget: int, ratio: float | None, length: int | Tensor) -> int | Tensor:
+    """The one copy of the budget's arithmetic (:meth:`KVPolicy.budget_at`; the dry-run plan
+    calls it before any policy exists): ``budget``, or ``max(budget, ⌊ratio·length⌋)``."""
+    if isinstance(length, Tensor):
+        if ratio is None:
+            return torch.full_like(length, budget, dtype=torch.long)
+        return (length.double() * ratio).floor().long().clamp(min=budget)
+    return budget if ratio is None else max(budget, math.floor(length * ratio))
+
+
 def geometry(config) -> dict[str, int]:
     """The attention shape of a transformers config: ``layers``, ``kv_heads``, ``group``
     (query heads per KV head) and ``head_dim``. Qwen2 (R1-Distill-Qwen) and older Llama
@@ -229,13 +239,7 @@ class KVPolicy:
         ``cur_len`` is the padded width of its batch; here each row counts its own tokens, so
         a row's budget does not depend on what it is batched with (equal at batch size 1).
         """
-        if isinstance(length, Tensor):
-            if self.budget_ratio is None:
-                return torch.full_like(length, self.budget, dtype=torch.long)
-            return (length.double() * self.budget_ratio).floor().long().clamp(min=self.budget)
-        if self.budget_ratio is None:
-            return self.budget
-        return max(self.budget, math.floor(length * self.budget_ratio))
+        return budget_at(self.budget, self.budget_ratio, length)
 
     @property
     def observe(self) -> int:
