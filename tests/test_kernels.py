@@ -427,3 +427,25 @@ def test_gather_slots():
                 assert torch.equal(got[b, h, j], x[b, h, idx[b, h, j]])
     pos = torch.arange(30).view(2, 3, 5)  # no trailing dims: positions
     assert torch.equal(gather_slots(pos, idx), pos.gather(2, idx))
+
+
+def test_a_stale_build_lock_is_removed_not_waited_on(tmp_path):
+    """A process killed while building the native ops leaves torch's lock file; every later kvrl
+    process waited on it forever, silently. Now the next build removes it and says so."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if native.ops() is None:
+        pytest.skip("the native ops do not build on this machine")
+    name = f"kvrl_cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
+    built = native.build_dir(name)
+    root = tmp_path / "ext"
+    shutil.copytree(built, root / name)  # already built: the child only re-checks, it does not compile
+    (root / name / "lock").touch()
+    code = "from kvrl.kernels import native; assert native.ops() is not None"
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)},
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "stale build lock" in res.stderr and not (root / name / "lock").exists()
