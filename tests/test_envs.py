@@ -136,6 +136,25 @@ def test_state_dict_resume_gives_same_next_tasks(consumed):
     assert [t.id for t in fresh.tasks(5)] == expected
 
 
+@pytest.mark.parametrize("change", ["edited", "shrunk"])
+def test_resume_refuses_a_data_set_changed_since_the_state_was_saved(change):
+    """A data line edited between a run and its resume was resumed silently; a file shrunk
+    to fewer rows than the saved cursor failed with a bare IndexError."""
+    env = _dataset_env(6)
+    env.reset(seed=3)
+    env.tasks(4)
+    state = env.state_dict()
+    fresh = _dataset_env(2 if change == "shrunk" else 6)
+    if change == "edited":
+        fresh.data[5] = Task(id="t5", prompt="p5 edited", answer="5")
+    with pytest.raises(ValueError, match="data set differs from the one this state was saved with .* restore the "
+                                         "data file the run started with, or start a new run"):
+        fresh.load_state_dict(state)
+    same = _dataset_env(6)
+    same.load_state_dict(state)  # the unchanged data resumes
+    assert [t.id for t in same.tasks(3)] == [t.id for t in env.tasks(3)]
+
+
 def test_dataset_epochs_cover_every_task():
     env = _dataset_env(5)
     env.reset(seed=0)

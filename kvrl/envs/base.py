@@ -28,6 +28,8 @@ Two kinds:
 from __future__ import annotations
 
 import abc
+import hashlib
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -200,6 +202,15 @@ class TextEnv(Env):
         self._pos += 1
         return task
 
+    def _data_sha256(self) -> str | None:
+        """Digest of the data set's tasks (ids, prompts, answers, in order); None if procedural."""
+        if self.data is None:
+            return None
+        h = hashlib.sha256()
+        for t in self.data:
+            h.update(json.dumps([t.id, t.prompt, t.answer]).encode())
+        return h.hexdigest()
+
     def tasks(self, n: int) -> list[Task]:
         """The next ``n`` tasks from the cursor (advances it, like ``n`` resets)."""
         return [self._next_task() for _ in range(n)]
@@ -254,9 +265,19 @@ class TextEnv(Env):
             "order": None if self._order is None else list(self._order),
             "pos": self._pos,
             "epoch": self._epoch,
+            "data_sha256": self._data_sha256(),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        # The cursor indexes the data set it was saved with: a data file edited or shrunk between
+        # a run and its resume would be resumed silently, or fail with a bare IndexError.
+        saved, now = state.get("data_sha256"), self._data_sha256()
+        if saved is not None and saved != now:
+            size = "no" if self.data is None else len(self.data)
+            raise ValueError(f"{type(self).__name__}: the data set differs from the one this state was saved with "
+                             f"(sha256 {saved[:12]}... then, {now[:12] if now else None}... now; {size} tasks now): "
+                             "restore the data file the run started with, or start a new run (output_dir=... or "
+                             "resume=never) to train on the new one")
         super().load_state_dict(state)
         self._order = None if state["order"] is None else list(state["order"])
         self._pos = state["pos"]
