@@ -435,7 +435,9 @@ class Config:
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     recipe_file: str = ""  # a recipe of your own, by path (instead of recipe=NAME); its stem becomes recipe
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
-    seed: int = checked(0, ge=0)  # seed for every random number generator
+    # seed for every random number generator; engines add sample indices to it and torch's generators
+    # take at most 64 bits, so 99999999999999999999 used to pass here and fail at engine start
+    seed: int = checked(0, lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)")
     run_name: str = "${recipe}"  # name of this run in logs and output paths
     output_dir: str = "outputs/${run_name}"  # where metrics, checkpoints and plots go
     device: str = "cpu"  # torch device, e.g. cpu or cuda

@@ -1,12 +1,13 @@
 """The config gate's checks that look outside the config: the model folder or hub id, an
-environment's constructor, and this machine (CUDA, the CPUs a local Ray can give its actors, the KV cache layout vLLM would pick on this CPU).
+environment's constructor, and this machine (CUDA, the CPUs and memory a local Ray can give its
+actors, the KV cache layout vLLM would pick on this CPU).
 
 `kvrl.config` calls the first two from its sections' `problems(cfg)`; `kvrl.run` calls
 `machine_problems` just before a job starts (not for `print_config` or `dry_run`, which plan
 for another machine). Each returns messages in the config's style ("KEY must be ... (got
-VALUE); set KEY=VALUE"). Nothing here imports Ray; torch is imported only to ask about CUDA
-when a CUDA device or GPUs are asked for, and an environment's module only to read its
-constructor's signature (nothing is built: building may need data files).
+VALUE); set KEY=VALUE"). Nothing here imports Ray; torch is imported to ask about CUDA when a
+CUDA device or GPUs are asked for and, for a local Ray, by the memory plan; an environment's
+module only to read its constructor's signature (nothing is built: building may need data files).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def machine_problems(cfg, ray: bool) -> list[str]:
                 f"set workers.rollout_cpus={int(w.rollout_cpus * scale * 100) / 100:g} workers.learner_cpus="
                 f"{int(w.learner_cpus * scale * 100) / 100:g} (fractions share a core), lower workers.rollout, or "
                 "run on a cluster (workers.address=HOST:PORT)")
+    if local_ray:
+        problems += host_memory_problems(cfg)
     if w.engine == "vllm" and cfg.model.dtype == "bfloat16" and not cfg.device.startswith("cuda") and (local_ray or not ray):
         import torch
 
@@ -146,3 +149,25 @@ def machine_problems(cfg, ray: bool) -> list[str]:
                             f"this machine has {count}; set workers.rollout_gpus=0 workers.learner_gpus=0 "
                             "device=cpu, or run on a cluster (workers.address=HOST:PORT)")
     return problems
+
+
+def host_memory_problems(cfg) -> list[str]:
+    """The local Ray's CPU actors must fit in this machine's memory, by the dry-run plan's
+    estimate (:func:`kvrl.plan.memory`): sizes that cannot run (``sampling.batch_size=10**9``,
+    a ``trainer.batch_size`` whose learner share cannot be held) are refused before any actor
+    climbs to an out-of-memory kill."""
+    from kvrl.plan import memory, model_config, plan, size
+
+    w = cfg.workers
+    p = plan(cfg)
+    peaks = {actor: sum(parts.values()) for actor, parts in memory(cfg, model_config(cfg.model.path), p).items()}
+    on_host = {"rollout": (w.rollout, w.rollout_gpus), "learner": (w.learners, w.learner_gpus)}
+    need = sum(peaks[a] * n for a, (n, gpus) in on_host.items() if not gpus)
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need <= have:
+        return []
+    parts = ", ".join(f"{n} {a} x ~{size(peaks[a])}" for a, (n, gpus) in on_host.items() if not gpus)
+    return [f"the local Ray's CPU actors need ~{size(need)} ({parts}, by the dry-run plan's estimate), this machine "
+            f"has {size(have)}: lower sampling.batch_size (sequences a rollout actor holds at once), trainer.batch_size "
+            "or set trainer.micro_batch_tokens (the learner's share held for backward), or run on a cluster "
+            "(workers.address=HOST:PORT); python -m kvrl.run ... dry_run=true shows the estimate"]

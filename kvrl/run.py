@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvrl: error: {err}", file=sys.stderr)
             return 2
         return 0
-    from kvrl.gate import machine_problems  # imports torch only when a CUDA device or GPUs are asked for
+    from kvrl.gate import machine_problems
 
     problems = machine_problems(cfg, ray=JOBS[cfg.job].ray)
     if problems:

@@ -27,7 +27,7 @@ CASES = [
      None, ["sampling.temperature must be a finite number (got inf); set sampling.temperature=1.0"]),
     ("eps_high_inf", ["recipe=tiny_rl_full", "rl.eps_high=inf"],
      None, ["rl.eps_high must be a finite number (got inf); set rl.eps_high=0.2"]),
-    ("seed_negative", ["recipe=tiny_rl_full", "seed=-1"], None, ["seed must be >= 0 (got -1); set seed=0"]),
+    ("seed_negative", ["recipe=tiny_rl_full", "seed=-1"], None, ["seed must be in [0, 2**32) (got -1); set seed=0"]),
     ("window_over_budget", ["recipe=tiny_gkv_sparse", "kv.window=80"],
      None, ["kv.budget must be >= kv.window + kv.sink + 1 = 85 (got 76)", "set kv.budget=85"]),
     ("sink_over_budget_foresight", ["recipe=tiny_foresight", "kv.sink=60"],
@@ -258,3 +258,25 @@ def test_vllm_bf16_on_an_amx_cpu_is_refused_before_the_engine_starts(monkeypatch
     assert bool(problems) == refused
     if refused:
         assert "set model.dtype=float32" in problems[0]
+
+
+@pytest.mark.parametrize("override, refused", [([], False), (["sampling.batch_size=1000000000"], True),
+                                               (["trainer.batch_size=1000000000000"], True)])
+def test_sizes_this_machine_cannot_hold_are_refused_before_any_actor_starts(monkeypatch, override, refused):
+    """sampling.batch_size=10**9 used to dry-run to a 217,437 GiB KV estimate and start; a huge
+    trainer.batch_size climbed in memory until killed. The gate compares the plan's estimate of
+    the local Ray's CPU actors with this machine's memory."""
+    from kvrl.gate import machine_problems
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    cfg = load_config(["recipe=tiny_rl_full", *override])
+    problems = [p for p in machine_problems(cfg, ray=True) if "CPU actors need" in p]
+    assert bool(problems) == refused
+    if refused:
+        assert "lower sampling.batch_size" in problems[0] and "dry_run=true shows the estimate" in problems[0]
+
+
+def test_a_seed_no_generator_takes_is_refused_by_the_config(monkeypatch):
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*32\) \(got 99999999999999999999\); set seed=0"):
+        load_config(["recipe=tiny_rl_full", "seed=99999999999999999999"])
