@@ -685,6 +685,34 @@ def test_flash_compact_kernel_matches_reference_on_cuda(layout, dtype):
     assert torch.equal(want, got)
 
 
+def test_a_model_vllm_would_read_with_another_head_dim_is_refused(model_dir, tmp_path):
+    """vLLM's Qwen2 derives head_dim = hidden // heads and ignores config.head_dim, loads the
+    weights anyway and runs a different model (#38: tokens differ from token 0). The engine
+    compares what vLLM built with transformers' reading and refuses, naming the field. In a
+    child process: a second engine here would re-attach this module's worker context."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    code = f"""
+import os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from kvrl.engines.vllm import VLLMEngine
+try:
+    VLLMEngine({str(tmp_path)!r}, max_model_len=256, kv_cache_gib=0.01)
+except ValueError as err:
+    print("REFUSED", err)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("REFUSED")), res.stderr[-3000:])
+    assert "(heads, kv_heads, head_dim) = (4, 2, 32), transformers reads (4, 2, 64)" in line, line
+    assert "head_dim=64" in line and "workers.engine=hf" in line
+
+
 # ---------------------------------------------------------------- multi-process (entry point)
 
 @pytest.mark.slow

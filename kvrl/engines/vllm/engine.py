@@ -52,6 +52,7 @@ from kvrl.engines.vllm.layout import HeadPool
 from kvrl.engines.vllm.heads import window_heads
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.kernels.replay import NEVER
+from kvrl.policies.base import geometry
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 WORKER_EXTENSION = "kvrl.engines.vllm.worker_ext.KVRLWorkerExtension"
@@ -59,6 +60,23 @@ WORKER_EXTENSION = "kvrl.engines.vllm.worker_ext.KVRLWorkerExtension"
 
 def _fingerprint(obj) -> str:
     return hashlib.sha1(pickle.dumps(obj)).hexdigest()
+
+
+def check_geometry(model: str, config, served: list[tuple[int, int, int]]) -> None:
+    """Refuse a model whose attention vLLM builds with another geometry than transformers reads
+    from its config: vLLM's Qwen2 derives head_dim = hidden_size // num_attention_heads and
+    ignores ``config.head_dim``, loads the weights anyway, and runs a different model (tokens
+    differ from the first, 7-8 nats per token from the learner's)."""
+    g = geometry(config)
+    want = (g["group"] * g["kv_heads"], g["kv_heads"], g["head_dim"])
+    wrong = sorted(set(served) - {want})
+    if wrong:
+        raise ValueError(
+            f"vLLM builds {model} with attention (heads, kv_heads, head_dim) = {wrong[0]}, transformers reads "
+            f"{want} from its config (head_dim={getattr(config, 'head_dim', None)}, hidden_size // "
+            f"num_attention_heads = {config.hidden_size // config.num_attention_heads}): the two engines would run "
+            "different models. Set head_dim to hidden_size // num_attention_heads in config.json (or drop it) if "
+            "the weights allow, or use workers.engine=hf")
 
 
 class VLLMEngine:
@@ -106,7 +124,7 @@ class VLLMEngine:
         kwargs.update(llm_kwargs)
         with apply_patches():
             self.llm = LLM(model=model, dtype=dtype, seed=seed, worker_extension_cls=WORKER_EXTENSION, **kwargs)
-        self._rpc("kvrl_attach")
+        check_geometry(model, self.llm.llm_engine.vllm_config.model_config.hf_config, self._rpc("kvrl_attach"))
         if tokenizer is None:
             from transformers import AutoTokenizer
 

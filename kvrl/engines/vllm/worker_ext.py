@@ -95,9 +95,12 @@ class KVRLWorkerExtension:
         args, kwargs = pickle.loads(blob)
         return pickle.dumps(getattr(self, method)(*args, **kwargs))
 
-    def kvrl_attach(self) -> bool:
+    def kvrl_attach(self) -> list[tuple[int, int, int]]:
+        """Attach the worker context; returns (heads, kv_heads, head_size) of every attention
+        layer vLLM built, for :meth:`VLLMEngine` to compare with transformers' reading."""
         context().attach(self.model_runner, self.vllm_config)
-        return True
+        layers = self.vllm_config.compilation_config.static_forward_context.values()
+        return [(a.num_heads, a.num_kv_heads, a.head_size) for a in layers if hasattr(a, "head_size")]
 
     def kvrl_set_policy(self, regime=None, sample: bool = False) -> bool:
         context().set_policy(regime, sample=sample)
