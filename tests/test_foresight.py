@@ -285,6 +285,13 @@ def test_pipeline_job_runs_and_resumes(tmp_path, capsys):
     assert main(args + ["trainer.steps=2"]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["loss_ratio"]) == {"golden", "foresight_sft", "foresight_rl", *fk.RULE_BASED}
+    # held-out accuracy beside the ratios (#33): every generating policy and the full cache, with intervals
+    accuracy = result["accuracy"]
+    assert set(accuracy) == {"full", "foresight_sft", "foresight_rl", *fk.RULE_BASED}
+    for a in accuracy.values():
+        assert a["tasks"] == 4 and a["ci95"][0] <= a["accuracy"] <= a["ci95"][1]
+    assert accuracy["full"]["accuracy"] >= 0.75  # the shipped reasoner, greedy, with the whole cache
+    assert "greedy accuracy of 4 tasks [95 % Wilson interval]" in capsys.readouterr().out
     assert len(load_traces(tmp_path / "traces" / "train")) == 8 and (tmp_path / "reward.png").exists()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rl_rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]

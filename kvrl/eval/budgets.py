@@ -40,7 +40,7 @@ def evaluate(engine: HFEngine, env, tasks: list[Task], max_new_tokens: int, poli
             infos.append(info)
     prompt_len = [len(ids) for ids in engine.encode([t.prompt for t in tasks])]
     seq_len = [p + len(g) for p, g in zip(prompt_len, tokens)]  # a stopped sample ends with its stop token
-    return {"acc": float(np.mean(rewards)), "texts": texts, "tokens": tokens,
+    return {"acc": float(np.mean(rewards)), "rewards": rewards, "texts": texts, "tokens": tokens,
             "mean_seq_len": float(np.mean(seq_len)),
             "cot_fraction": float(np.mean([(s - p) / s for s, p in zip(seq_len, prompt_len)])),
             "metrics": {k: float(np.mean([i[k] for i in infos])) for k in infos[0]}}

@@ -206,3 +206,12 @@ def summarise(samples: list[dict], ks: list[int]) -> dict:
     seconds = sum(s["seconds"] for s in samples)
     row["decode_tokens_per_s"] = sum(s["tokens"] for s in samples) / seconds if seconds > 0 else 0.0
     return row
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a proportion p over n tasks."""
+    if n == 0:
+        return 0.0, 1.0
+    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, mid - half), min(1.0, mid + half)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import Counter
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from tqdm import tqdm
 from kvrl.engines import make_engine
 from kvrl.engines.base import Sampling
 from kvrl.envs import make
-from kvrl.eval.suite import MODES, PolicySpec, error_mode, kv_usage, summarise
+from kvrl.eval.suite import MODES, PolicySpec, error_mode, kv_usage, summarise, wilson
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import OutputLock, atomic, config_changes, pyplot, setup_process, sha256_of
 
@@ -315,15 +314,6 @@ def plot_retention(trace, prompt_len: int, path: Path, title: str, layer: int = 
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95 % Wilson score interval of a proportion p over n tasks."""
-    if n == 0:
-        return 0.0, 1.0
-    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 # The orderings the papers report at equal cache budgets, best first (zoo names), with their setting.

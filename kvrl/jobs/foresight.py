@@ -1,4 +1,4 @@
-"""job=foresight: ForesightKV's pipeline, data → Golden Eviction → SFT → RL → loss ratios.
+"""job=foresight: ForesightKV's pipeline, data → Golden Eviction → SFT → RL → held-out accuracy and loss ratios.
 
     python -m kvrl.run                       # recipe=tiny_foresight, the main job
 
@@ -31,6 +31,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 from safetensors.torch import load_file, save_file
@@ -38,9 +39,14 @@ from tqdm import tqdm
 
 from kvrl.algos.foresight import (RULE_BASED, evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack,
                                   ranking_loss, scorer_state)
-from kvrl.data.traces import load_traces
+from kvrl.data.traces import SPLIT_SEEDS, load_traces
+from kvrl.engines.hf import HFEngine
+from kvrl.envs import make
+from kvrl.envs.chat import Chat
+from kvrl.eval.budgets import evaluate
+from kvrl.eval.suite import wilson
 from kvrl.models.tiny import load_model
-from kvrl.policies import LearnedScorer
+from kvrl.policies import LearnedScorer, make_policy
 from kvrl.runlog import OutputLock, RunLog, pyplot, save_torch, setup_process, write_json
 from kvrl.workers.controller import Controller, connect
 from kvrl.workers.traces import write_splits
@@ -113,6 +119,23 @@ def plot(records: list[dict], ratios: dict[str, float], path: Path) -> None:
     plt.close(fig)
 
 
+def heldout_accuracy(cfg, model, tokenizer, policies: dict, setting: dict) -> dict[str, dict]:
+    """Greedy accuracy (share of tasks with a positive reward, 95 % Wilson interval) of the full
+    cache and of each policy (a policy, or a zoo name built at ``setting``) on the held-out
+    task stream, whose first tasks gave the held-out traces: none was trained on."""
+    env = make(cfg.env.id, **cfg.env.kwargs)
+    env.reset(seed=cfg.seed + SPLIT_SEEDS["heldout"])
+    tasks = env.tasks(cfg.foresight.heldout)
+    engine = HFEngine(model, tokenizer, stop_ids=cfg.model.stop_ids or None, chat=Chat.of(cfg.env))
+    out = {}
+    for name, p in {"full": None, **policies}.items():
+        policy = make_policy(p, model.config, **setting) if isinstance(p, str) else p
+        r = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy, desc=name)
+        acc = float(np.mean([x > 0 for x in r["rewards"]]))
+        out[name] = {"accuracy": acc, "ci95": wilson(acc, len(tasks)), "tasks": len(tasks)}
+    return out
+
+
 def main(cfg) -> dict:
     out = Path(cfg.output_dir)
     lock = OutputLock(out)  # one run per output_dir (stage 2's controller holds out/rl)
@@ -133,7 +156,7 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     # ---- 1. trace data (full cache, kept when correct and long enough), on the trace actors
     kv = cfg.kv
     splits = write_splits(cfg)
-    model, _ = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
+    model, tokenizer = load_model(cfg.model.path, cfg.model.dtype, cfg.device)
     model.requires_grad_(False)
     train, heldout = load_traces(splits["train"]), load_traces(splits["heldout"])
     print(f"traces: {len(train)} train, {len(heldout)} held-out ({time.perf_counter() - started:.0f} s)")
@@ -171,16 +194,24 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     sft.scorer.load_state_dict(load_file(sft_path))
     ratios = loss_ratios(model, heldout, {"golden": "golden", "foresight_sft": sft, "foresight_rl": policy,
                                           **{n: n for n in RULE_BASED}}, **setting)
+    # ---- 6. held-out accuracy under the same cache: what a user gets from the scorer
+    accuracy = heldout_accuracy(cfg, model, tokenizer, {"foresight_sft": sft, "foresight_rl": policy,
+                                                        **{n: n for n in RULE_BASED}}, setting)
     plot(records, ratios, out / "reward.png")
-    result = {"setting": setting, "heldout_traces": len(heldout), "loss_ratio": ratios,
+    result = {"setting": setting, "heldout_traces": len(heldout), "loss_ratio": ratios, "accuracy": accuracy,
               "reward_first": records[0]["reward_mean"] if records else None,
               "reward_last": records[-1]["reward_mean"] if records else None,
               "minutes": (time.perf_counter() - started) / 60, "plot": str(out / "reward.png")}
     write_json(out / "results.json", result)
     runlog.close()
-    print(f"\nheld-out loss ratio (Σ compressed loss / Σ full-cache loss) at budget {kv.budget}, interval "
-          f"{kv.interval}, {len(heldout)} traces:")
-    for name, r in sorted(ratios.items(), key=lambda kv_: kv_[1]):
-        print(f"  {name:<14}{r:>14.4g}")
+    n = next(iter(accuracy.values()))["tasks"]
+    print(f"\nheld-out tasks at budget {kv.budget} (interval {kv.interval}, window {kv.window}, sink {kv.sink}): "
+          f"greedy accuracy of {n} tasks [95 % Wilson interval], and the loss ratio (Σ compressed loss / "
+          f"Σ full-cache loss over {len(heldout)} held-out traces; Golden Eviction is an oracle: no accuracy)")
+    for name in sorted({*accuracy, *ratios}, key=lambda x: (-accuracy.get(x, {"accuracy": -1})["accuracy"], x)):
+        a = accuracy.get(name)
+        acc = f"{a['accuracy']:.3f} [{a['ci95'][0]:.2f}, {a['ci95'][1]:.2f}]" if a else "-"
+        ratio = f"{ratios[name]:.4g}" if name in ratios else "-"
+        print(f"  {name:<14}{acc:>20}{ratio:>14}")
     print(f"plots: {out / 'reward.png'}; results: {out / 'results.json'}")
     return result
