@@ -389,17 +389,34 @@ class WorkerContext(HeadModes):
                 f"the last forward's eviction never ran: {self.deferred.attended} of the model's "
                 f"{self.geometry[0]} layers attended through kvrl's backend (models with attention layers "
                 "outside it are not supported)")
-        req_ids = ib.req_ids[:n]
-        ncomp = ib.num_computed_tokens_cpu[:n]
-        nprompt = ib.num_prompt_tokens[:n]
         qsl = cm.query_start_loc_cpu[:n + 1].tolist()
-        bt = ib.block_table[0].block_table.cpu[:n]  # the same rows as cm.block_table_tensor, on the host
-        bt_dev = cm.block_table_tensor
+        counts = np.diff(qsl)
+        rows, fresh = self._plan_rows(ib, n, qsl, counts, cm.block_table_tensor)
+        total = qsl[n]
+        tok_row = np.repeat(np.arange(n), counts)
+        offs = np.arange(total) - np.repeat(np.asarray(qsl[:n]), counts)
+        done = np.asarray([r.done for r in rows])
+        positions = torch.from_numpy(done[tok_row] + offs)
+        dev = cm.slot_mapping.device
+        none = torch.zeros(0, dtype=torch.long)
+        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
+        if self.mode == "static" and self.windows is not None:
+            plan.window = self._plan_window(rows, cm.block_table_tensor, block_size, *self.windows[1:])
+        elif self.mode == "mixed":
+            plan.window = self._plan_window(rows, cm.block_table_tensor, block_size, self.mixed.sink,
+                                            self.mixed.recent)
+        if self.mode == "token":
+            bt = ib.block_table[0].block_table.cpu[:n]  # the same rows as cm.block_table_tensor, on the host
+            self._plan_token(plan, cm, bt, block_size, positions, counts, tok_row, offs, done, fresh)
+        return plan
+
+    def _plan_rows(self, ib, n: int, qsl: list[int], counts: np.ndarray, bt_dev: Tensor) -> tuple[list[RowPlan], list[int]]:
+        """One RowPlan per scheduled request (new requests get their state and ring slot: the
+        slots returned as ``fresh``); refuses what a compacted cache cannot follow."""
+        ncomp, nprompt = ib.num_computed_tokens_cpu[:n], ib.num_prompt_tokens[:n]
         rows: list[RowPlan] = []
         fresh: list[int] = []
-        token = self.mode == "token"
-        counts = np.diff(qsl)
-        for i, rid in enumerate(req_ids):
+        for i, rid in enumerate(ib.req_ids[:n]):
             done = int(ncomp[i])
             st = self.active.get(rid)
             if st is None:
@@ -416,36 +433,28 @@ class WorkerContext(HeadModes):
                     "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
             q = int(counts[i])
             # token mode reads the block table as a whole (a row view costs 2 µs, 64 of them a step)
-            row = RowPlan(st, qsl[i], q, done, None if token else bt_dev[i])
+            row = RowPlan(st, qsl[i], q, done, None if self.mode == "token" else bt_dev[i])
             if self.mode == "static" and self.windows is None:  # lens: updated by the layers
                 row.lens = st.lens.clone()
             st.done = done + q
             rows.append(row)
+        return rows, fresh
 
-        total = qsl[n]
-        tok_row = np.repeat(np.arange(n), counts)
-        offs = np.arange(total) - np.repeat(np.asarray(qsl[:n]), counts)
-        done_arr = np.asarray([r.done for r in rows])
-        positions = torch.from_numpy(done_arr[tok_row] + offs)
-        dev = cm.slot_mapping.device
-        none = torch.zeros(0, dtype=torch.long)
-        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
-        if self.mode == "static" and self.windows is not None:
-            plan.window = self._plan_window(rows, bt_dev, block_size, *self.windows[1:])
-        elif self.mode == "mixed":
-            plan.window = self._plan_window(rows, bt_dev, block_size, self.mixed.sink, self.mixed.recent)
-        if not token:
-            return plan
+    def _plan_token(self, plan: StepPlan, cm, bt: Tensor, block_size: int, positions: Tensor, counts: np.ndarray,
+                    tok_row: np.ndarray, offs: np.ndarray, done: np.ndarray, fresh: list[int]) -> None:
+        """Token mode: which queries the ring keeps, the schedule, the remapped slot mapping and
+        kernel lengths, and the rows that evict after this forward's attention."""
         # queries to keep, at ring index position % W: the last `observe` of each row, and of
         # those only the ones an eviction will read. Evictions follow the forwards that bring
         # the generated count g to a multiple of the interval, so a generated token's query
         # (g = position − prompt + 1) is read iff (−g) mod interval < W; the W tokens before
         # an eviction then overwrite every ring entry. W < interval (SnapKV, R-KV, G-KV)
         # spares the other steps their ring write at every layer.
-        policy = self.policy
+        policy, rows, dev = self.policy, plan.rows, cm.slot_mapping.device  # positions: on the host
+        total = positions.shape[0]
         prompt = torch.tensor([r.req.prompt_len for r in rows])
         c_prev = np.asarray([r.req.clen for r in rows])  # cache entries before the forward
-        m = torch.from_numpy(done_arr + counts)  # true lengths after it
+        m = torch.from_numpy(done + counts)  # true lengths after it
         # the HF cache's schedule, every row at once
         due = (m >= prompt) & should_evict(m - prompt, torch.from_numpy(c_prev + counts), policy, m)
         evicting = due.nonzero().squeeze(-1)
@@ -470,10 +479,9 @@ class WorkerContext(HeadModes):
         plan.kernel_seq_lens = torch.from_numpy(c_prev + counts).to(cm.seq_lens.device, cm.seq_lens.dtype)
         if len(evicting):
             ev = evicting.numpy()
-            plan.evict = self._evict_batch([rows[i] for i in ev], (c_prev + counts)[ev], bt_dev[evicting.to(dev)],
-                                           block_size)
+            plan.evict = self._evict_batch([rows[i] for i in ev], (c_prev + counts)[ev],
+                                           cm.block_table_tensor[evicting.to(dev)], block_size)
         self.deferred = plan.evict
-        return plan
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
         dev = blocks.device
