@@ -1,6 +1,6 @@
 """G-KV RL-Sparse: GRPO on the whole model under the compressed cache it is served with.
 
-G-KV (Liao et al. 2025, seed 003 §5, ``../shared/reference/methods.md`` §1 "RL-Sparse"):
+G-KV (Liao et al. 2025, "G-KV", §5 "RL-Sparse"):
 rollouts decode under G-KV eviction and record which key each KV head stopped seeing
 when; the learner recomputes the logprobs with attention restricted by exactly that
 record, so the policy being trained is the policy that generated the samples. The replay

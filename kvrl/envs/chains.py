@@ -9,8 +9,8 @@ computing values, and answers in ``\\boxed{}``::
     prompt:      X 0 ; k 3 ; H X ; ... a H ; ... ? a :
     completion:  a H ; H X ; X 0 ; X = 0 ; H = 1 ; a = 2 ; \\boxed{ 2 }
 
-Why this shape (see ../shared/reference/tiny_reasoner.md): every lookup is keyed on a
-single token, and a query depth of 6-11 makes the chain of thought about 40 % of the
+Why this shape (what a model of this size learned in our pretraining trials): every lookup
+is keyed on a single token, and a query depth of 6-11 makes the chain of thought about 40 % of the
 sequence. The walk-up reads statements the walk-down copied up to ~80 tokens earlier, and
 the walk-down reads prompt statements that only become relevant mid-generation, so
 *decode-time* eviction decides the outcome, not only prompt compression.

@@ -28,8 +28,8 @@ What the methods see in such a trace (measured by ``benchmarks/testbed_propertie
   had no attention until that query starts;
 * a verifiable answer: the boxed digits, one per query, compared exactly.
 
-Every lookup is keyed on a single token (``../shared/reference/tiny_reasoner.md``: multi-token
-keys were not learned by a small model). Segments are separated by nothing but the next
+Every lookup is keyed on a single token (multi-token keys were not learned by a model of
+this size in our pretraining trials). Segments are separated by nothing but the next
 query's name: where one segment ends and which query comes next is read from the prompt.
 """
 
