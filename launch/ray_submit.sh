@@ -9,7 +9,8 @@
 # cluster on the machine, other users' included.
 #
 # Environment: KVRL_PYTHON (default .venv/bin/python), RAY_PORT (6379), RAY_DASHBOARD_PORT
-# (8265, where the job server listens), RAY_NUM_CPUS (all), RAY_AUTH_MODE (token; use the
+# (8265, where the job server listens), RAY_DASHBOARD_AGENT_PORT (52365, the node's job agent:
+# a head whose agent cannot bind it accepts a job and never runs it), RAY_NUM_CPUS (all), RAY_AUTH_MODE (token; use the
 # running head's mode), RAY_AUTH_TOKEN (default: ~/.ray/auth_token, created if missing;
 # a head started with another token needs that one), DRY_RUN=1 prints the commands only.
 # Outputs go to outputs/<run_name> in this checkout (output_dir is passed as an absolute
@@ -22,6 +23,7 @@ PY=${KVRL_PYTHON:-$PWD/.venv/bin/python}
 RAY="$(dirname "$PY")/ray"
 PORT=${RAY_PORT:-6379}
 DASH=${RAY_DASHBOARD_PORT:-8265}
+AGENT=${RAY_DASHBOARD_AGENT_PORT:-52365}
 LOG=${TMPDIR:-/tmp}/kvrl_ray_head_$PORT.log
 
 # Token auth (reference/stack.md §1): Ray 2.60 turns it on for new clusters, and a client
@@ -34,7 +36,7 @@ if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}" ] && [ -z "${DRY_R
 fi
 
 head_cmd=("$RAY" start --head --block --port "$PORT" --dashboard-port "$DASH" --include-dashboard true
-          --disable-usage-stats ${RAY_NUM_CPUS:+--num-cpus "$RAY_NUM_CPUS"})
+          --dashboard-agent-listen-port "$AGENT" --disable-usage-stats ${RAY_NUM_CPUS:+--num-cpus "$RAY_NUM_CPUS"})
 submit_cmd=("$RAY" job submit --address "http://127.0.0.1:$DASH" --runtime-env launch/runtime_env.yaml
             -- "$PY" -m kvrl.run "recipe=$RECIPE" "output_dir=$PWD/outputs/\${run_name}" "$@")
 

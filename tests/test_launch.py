@@ -89,7 +89,10 @@ def test_ray_job_submit_against_a_local_head(tmp_path, random_model):
     """The documented launcher, for real: starts a head, submits 1 step, stops the head."""
     out = tmp_path / "out"
     proc = run(SUBMIT, "tiny_rl_full", f"model.path={random_model}", f"output_dir={out}", *ONE_STEP,
-               env={"RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port()), "RAY_NUM_CPUS": "2"},
+               env={"RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port()), "RAY_NUM_CPUS": "2",
+                    # the job agent's default port may still be held by the previous test's head, whose
+                    # agent then cannot start: the job is accepted and never runs (CI hung here 600 s)
+                    "RAY_DASHBOARD_AGENT_PORT": str(free_port())},
                timeout=600)  # a guard, not a measurement: a loaded machine is slow
     check_one_step_job(proc, out)
 
@@ -110,6 +113,7 @@ def test_sbatch_on_one_node_with_a_stand_in_srun(tmp_path, random_model):
     proc = run("bash", SBATCH, "tiny_rl_full", f"model.path={random_model}", f"output_dir={out}", *ONE_STEP,
                env={"PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost",
                     "SLURM_CPUS_ON_NODE": "2", "RAY_PORT": str(free_port()),
-                    "RAY_DASHBOARD_PORT": str(free_port())}, timeout=600)
+                    "RAY_DASHBOARD_PORT": str(free_port()), "RAY_DASHBOARD_AGENT_PORT": str(free_port())},
+               timeout=600)
     assert "all 1 nodes joined" in proc.stdout
     check_one_step_job(proc, out)
