@@ -159,14 +159,17 @@ def host_memory_problems(cfg) -> list[str]:
     from kvrl.plan import memory, model_config, plan, size
 
     w = cfg.workers
+    on_host = {a: n for a, n, gpus in (("rollout", w.rollout, w.rollout_gpus), ("learner", w.learners, w.learner_gpus))
+               if not gpus}
+    if not on_host:  # every actor on a GPU: the plan (a tokenizer, the environment's tasks) is not needed
+        return []
     p = plan(cfg)
     peaks = {actor: sum(parts.values()) for actor, parts in memory(cfg, model_config(cfg.model.path), p).items()}
-    on_host = {"rollout": (w.rollout, w.rollout_gpus), "learner": (w.learners, w.learner_gpus)}
-    need = sum(peaks[a] * n for a, (n, gpus) in on_host.items() if not gpus)
+    need = sum(peaks[a] * n for a, n in on_host.items())
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need <= have:
         return []
-    parts = ", ".join(f"{n} {a} x ~{size(peaks[a])}" for a, (n, gpus) in on_host.items() if not gpus)
+    parts = ", ".join(f"{n} {a} x ~{size(peaks[a])}" for a, n in on_host.items())
     return [f"the local Ray's CPU actors need ~{size(need)} ({parts}, by the dry-run plan's estimate), this machine "
             f"has {size(have)}: lower sampling.batch_size (sequences a rollout actor holds at once), trainer.batch_size "
             "or set trainer.micro_batch_tokens (the learner's share held for backward), or run on a cluster "
