@@ -47,7 +47,9 @@ def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
     for r in rows:
         assert ROW_FIELDS <= r.keys(), ROW_FIELDS - r.keys()
         assert r["tasks"] == 5 and r["samples"] == 10
-        assert sum(r[f"mode/{m}"] for m in ("correct", "wrong", "no_answer", "repetition")) == pytest.approx(1.0)
+        # outputs of 32 tokens cannot hold the repetition rule's 120 words: n/a, not 0 %
+        assert r["mode/repetition"] is None
+        assert sum(r[f"mode/{m}"] for m in ("correct", "wrong", "no_answer")) == pytest.approx(1.0)
     assert rows[0]["kv_retention"] == 1.0 and rows[1]["kv_retention"] < 1.0
     assert rows[1]["peak_kv_tokens"] <= 40 + 8  # the budget plus one interval
     assert [r["budget_ratio"] for r in rows] == [None, None, None, 0.75]
@@ -59,8 +61,55 @@ def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
     for name in ("accuracy.png", "error_modes.png", "retention.png"):
         assert (tmp_path / name).stat().st_size > 1000
         assert f"]({name})" in (tmp_path / "report.md").read_text()
-    assert "| gkv | 40 |" in (tmp_path / "report.md").read_text()
-    assert "| gkv_ratio | max(40, 0.75·L) |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| gkv | 40 |" in report and "| gkv_ratio | max(40, 0.75·L) |" in report
+    assert "| n/a |" in report and "repetition = not applicable (n/a) here" in report
+    # the evaluated model named by its files' checksums
+    from kvrl.runlog import sha256_of
+
+    model, _ = setup
+    assert f"`model.safetensors` {sha256_of(model / 'model.safetensors')}" in report
+
+
+def test_retention_shows_every_evicting_line_and_accuracy_one_x_quantity(setup, tmp_path, monkeypatch, capsys):
+    """retention.png has a row of panels per line that evicts (not only the first), and the
+    accuracy picture puts every line at its measured peak KV, labelled with its nominal budget."""
+    import kvrl.jobs.eval as job
+
+    shown, points = [], []
+    monkeypatch.setattr(job, "plot_retention", lambda lines, path: shown.extend(t for t, *_ in lines))
+    real = job.plot_accuracy
+
+    def spy(rows, path, title):
+        import matplotlib.axes
+
+        calls = []
+        orig = matplotlib.axes.Axes.errorbar
+        monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, x, y, *a, **k: calls.append(list(x))
+                            or orig(self, x, y, *a, **k))
+        real(rows, path, title)
+        points.extend(calls)
+
+    monkeypatch.setattr(job, "plot_accuracy", spy)
+    assert main(args(setup, tmp_path, "eval.policies=[full,window,streaming,gkv]", "eval.budgets=[24,40]")) == 0
+    assert shown == ["window at 40", "streaming at 40", "gkv at 40"]
+    rows = read(tmp_path / "rows.jsonl")
+    assert points == [[r["peak_kv_tokens"] for r in rows if r["policy"] == name]
+                      for name in ("window", "streaming", "gkv")]
+
+
+def test_throughput_leaves_out_a_warm_up_call_per_line(setup, tmp_path, monkeypatch, capsys):
+    """Each line's first generate call is an untimed warm-up of one prompt; the timed batches
+    are the grid's."""
+    from kvrl.engines.hf import HFEngine
+
+    calls = []
+    real = HFEngine.generate
+    monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts))
+                        or real(self, prompts, *a, **k))
+    assert main(args(setup, tmp_path, "sampling.batch_size=4")) == 0
+    # 3 lines (full, streaming, gkv), each: 1 warm-up prompt, then 10 samples in batches of 4
+    assert calls == [1, 4, 4, 2] * 3
 
 
 def test_an_interrupted_evaluation_resumes_without_regenerating(setup, tmp_path, monkeypatch, capsys):
@@ -82,7 +131,7 @@ def test_an_interrupted_evaluation_resumes_without_regenerating(setup, tmp_path,
     monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: generated.append(len(prompts))
                         or real(self, prompts, *a, **k))
     assert main(args(setup, out, *sampled)) == 0
-    assert sum(generated) == 18
+    assert sum(generated) == 18 + 2  # and one warm-up prompt for each of the 2 lines that generate
     strip = lambda rows: sorted((json.dumps({k: v for k, v in r.items() if k != "seconds"}, sort_keys=True)  # noqa: E731
                                  for r in rows))
     assert strip(read(out / "samples.jsonl")) == strip(whole)

@@ -15,7 +15,8 @@ Contract:
   ``correct`` (reward > 0), ``repetition`` (its last :data:`LOOP_WINDOW` words are one
   short span repeated: at most :data:`LOOP_DISTINCT` distinct n-grams, RLKV's "repetition
   loops"), ``no_answer`` (no final answer after the thinking block, or none at all),
-  ``wrong`` (an answer that is not the gold one).
+  ``wrong`` (an answer that is not the gold one). Repetition is not applicable where
+  outputs cannot reach the rule's window (:func:`loops_apply`): its share is then None, not 0.
 * :func:`summarise` turns a row's samples into its metrics: accuracy (the mean reward over
   every sample = pass@1) with its standard error over tasks, pass@k (the unbiased
   estimator of Chen et al. 2021) for k <= samples per task, mean generated length, the
@@ -149,6 +150,12 @@ def repeats(text: str) -> bool:
         return False
     grams = {tuple(words[i:i + LOOP_N]) for i in range(len(words) - LOOP_N + 1)}
     return len(grams) <= LOOP_DISTINCT
+
+
+def loops_apply(max_new_tokens: int) -> bool:
+    """Whether outputs of up to ``max_new_tokens`` tokens can hold the LOOP_WINDOW words the
+    repetition rule reads (a word is at least one token)."""
+    return max_new_tokens >= LOOP_WINDOW
 
 
 def error_mode(text: str, reward: float) -> str:

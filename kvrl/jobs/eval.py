@@ -19,9 +19,13 @@ index, completion, reward, info, error mode, KV usage — the checkpoint: a reru
 sample already there, an interrupted one continues where it stopped), ``settings.json``
 (what the samples depend on, by digest: see below), ``rows.jsonl`` (one
 line per (policy, point), :func:`kvrl.eval.suite.summarise`), ``accuracy.png`` (accuracy
-vs budget, full cache as a reference line), ``error_modes.png`` (stacked bars),
-``retention.png`` (which key positions each KV head of one layer still holds at each
-decoding step, for one sample) and ``report.md`` gathering them.
+against the measured peak KV tokens per sequence, each point labelled with its nominal budget,
+full cache as a reference line), ``error_modes.png`` (stacked bars; repetition marked not
+applicable where outputs are shorter than its rule's window), ``retention.png`` (for one sample
+of every line: which key positions each KV head of layer 0 still holds at each decoding step)
+and ``report.md`` gathering them, with the evaluated model files, scorers and gates by
+checksum. Decode tokens/s leave out each line's first call, an untimed warm-up sequence (a
+first call pays one-time costs: native builds, first dispatches).
 
 A sample depends on more than (policy, point, task, sample index): every sample line records
 ``setting``, a digest of the run's settings (the model's files by content checksum, dtype,
@@ -48,7 +52,8 @@ from tqdm import tqdm
 from kvrl.engines import make_engine
 from kvrl.engines.base import Sampling
 from kvrl.envs import make
-from kvrl.eval.suite import MODES, PolicySpec, error_mode, kv_usage, summarise, wilson
+from kvrl.eval.suite import LOOP_DISTINCT, LOOP_N, LOOP_WINDOW, MODES, PolicySpec, error_mode, kv_usage, loops_apply, \
+    summarise, wilson
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import OutputLock, atomic, config_changes, pyplot, setup_process, sha256_of
 
@@ -136,11 +141,13 @@ def main(cfg) -> dict:
         "kv.interval": cfg.kv.interval, "kv.window": cfg.kv.window, "kv.sink": cfg.kv.sink,
         "kv.budget_ratio": cfg.kv.budget_ratio,
     }
-    setting, settings = {}, {}
+    setting, settings, artefacts = {}, {}, {}
     for spec in specs:
         artefact = spec.artefact()
         line = {"policy": spec.kind, **{k: v for k, v in spec.kwargs.items() if k != "sparsities"},  # only points
                 "artefact_sha256": sha256_of(artefact) if artefact is not None and artefact.is_file() else None}
+        if artefact is not None:
+            artefacts[spec.name] = (artefact, line["artefact_sha256"])
         settings[spec.name] = {**run_settings, **{f"eval.settings.{spec.name}.{k}": v for k, v in line.items()}}
         setting[spec.name] = digest(settings[spec.name])
     samples_path = out / "samples.jsonl"
@@ -169,7 +176,7 @@ def main(cfg) -> dict:
     engine = None
     kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
           "budget_ratio": cfg.kv.budget_ratio}
-    traces = {}
+    traces, warm = {}, set()
     cells = {(t.id, i) for t in tasks for i in range(ev.samples)}
 
     def run(spec: PolicySpec, point) -> list[dict]:
@@ -185,6 +192,10 @@ def main(cfg) -> dict:
         if batches:
             engine = engine or make_engine(cfg)
             regime = spec.regime(config, point, kv)
+            if spec.name not in warm:  # untimed: a line's first call pays one-time costs (native builds)
+                engine.generate([grid[batches[0]][0].prompt], Sampling(cfg.sampling.max_new_tokens, seed=cfg.seed),
+                                policy=regime)
+                warm.add(spec.name)
             bar = tqdm(total=len(batches), desc=f"{spec.name} {label}", leave=False)
             with samples_path.open("a") as f:
                 for lo in batches:
@@ -232,6 +243,8 @@ def main(cfg) -> dict:
             row = {"policy": spec.name, "kind": spec.kind, "point": point_label(spec, point),
                    "budget": point if spec.budgeted else None, "budget_ratio": spec.budget_ratio(kv),
                    **summarise(run(spec, point), ev.pass_k)}
+            if not loops_apply(cfg.sampling.max_new_tokens):
+                row["mode/repetition"] = None  # no output can hold the rule's window: not 0 %, not applicable
             rows.append(row)
             extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("info/"))
             print(f"{row['policy']:<12}{row['point']:>8}  acc {row['accuracy']:.3f} ± {row['accuracy_se']:.3f}{extra}  "
@@ -253,26 +266,36 @@ def main(cfg) -> dict:
     # ---- pictures and report.md
     plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
     plot_modes(rows, out / "error_modes.png")
-    shown = next(iter(traces.items()), None)
-    if shown is not None:
-        plot_retention(*shown[1], out / "retention.png", f"{shown[0][0]} at {shown[0][1]}")
-    write_report(cfg, rows, mean_len, out, weights, retention=shown is not None, props=props)
+    shown = retention_samples(traces, rows)
+    if shown:
+        plot_retention(shown, out / "retention.png")
+    evaluated = {"model": (weights, {k[len("model.files."):]: v for k, v in run_settings.items()
+                                     if k.startswith("model.files.")}), "artefacts": artefacts}
+    write_report(cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}
 
 
 def plot_accuracy(rows: list[dict], path: Path, title: str) -> None:
+    """Accuracy against one measured quantity for every line, the peak KV tokens a sequence
+    held (token budgets, ratio budgets and RLKV sparsities alike), each point labelled with
+    its nominal budget."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for name in dict.fromkeys(r["policy"] for r in rows):
         line = [r for r in rows if r["policy"] == name]
         if line[0]["kind"] == "full":
-            ax.axhline(line[0]["accuracy"], color="k", ls="--", label="full cache")
-        else:  # budgets on x; RLKV heads at their mean cached tokens
-            x = [r["budget"] if r["budget"] is not None else r["peak_kv_tokens"] for r in line]
-            ax.errorbar(x, [r["accuracy"] for r in line], yerr=[r["accuracy_se"] for r in line], marker="o",
-                        capsize=2, label=name)
-    ax.set(xlabel="KV budget (tokens per head)", ylabel="accuracy (pass@1)", title=title)
+            ax.axhline(line[0]["accuracy"], color="k", ls="--", lw=1,
+                       label=f"full cache (peak {line[0]['peak_kv_tokens']:.0f})")
+            continue
+        x = [r["peak_kv_tokens"] for r in line]
+        bars = ax.errorbar(x, [r["accuracy"] for r in line], yerr=[r["accuracy_se"] for r in line], marker="o",
+                           capsize=2, label=name)
+        for r, xi in zip(line, x):
+            ax.annotate(r["point"], (xi, r["accuracy"]), textcoords="offset points", xytext=(3, 3), fontsize=6,
+                        color=bars[0].get_color())
+    ax.set(xlabel="peak KV tokens per sequence (measured; labels: nominal budget)", ylabel="accuracy (pass@1)",
+           title=title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -286,8 +309,12 @@ def plot_modes(rows: list[dict], path: Path) -> None:
     bottom = [0.0] * len(rows)
     for mode in MODES:
         share = [r[f"mode/{mode}"] for r in rows]
+        if all(v is None for v in share):
+            ax.bar(labels, [0.0] * len(rows), label=f"{mode} (not applicable: outputs < {LOOP_WINDOW} words)")
+            continue
+        share = [v or 0.0 for v in share]
         ax.bar(labels, share, bottom=bottom, label=mode)
-        bottom = [b + s for b, s in zip(bottom, share)]
+        bottom = [b + v for b, v in zip(bottom, share)]
     ax.set(ylabel="share of samples", title="error modes")
     ax.tick_params(axis="x", rotation=90, labelsize=7)
     ax.legend(fontsize=7)
@@ -296,23 +323,47 @@ def plot_modes(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_retention(trace, prompt_len: int, path: Path, title: str, layer: int = 0) -> None:
-    """For one sample and one layer: per KV head, key position (x) held at each step (y)."""
+def retention_samples(traces: dict, rows: list[dict]) -> list[tuple[str, object, int]]:
+    """One recorded sample per line that evicts: (title, trace, prompt length), at the line's
+    middle point among those whose samples were generated in this run."""
+    shown = []
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        points = [label for policy, label in traces if policy == name]
+        if points:
+            label = points[len(points) // 2]
+            shown.append((f"{name} at {label}", *traces[name, label]))
+    return shown
+
+
+def plot_retention(shown: list[tuple[str, object, int]], path: Path, layer: int = 0, heads: int = 4) -> None:
+    """Per line (a row of panels) and KV head of ``layer`` (up to ``heads``): the key positions
+    (x) held at each decoding step (y) of one sample."""
+    from matplotlib.patches import Patch
+
     plt = pyplot()
-    death = trace.full()[layer, 0].long()  # [H, T]
-    T = int(trace.lengths[0])
-    q = torch.arange(prompt_len, T)[:, None]
-    k = torch.arange(T)[None]
-    heads = death.shape[0]
-    fig, axes = plt.subplots(1, heads, figsize=(3 * heads, 3), squeeze=False)
-    for h in range(heads):
-        held = (k <= q) & (q < death[h, :T][None])
-        axes[0, h].imshow(held.numpy(), aspect="auto", cmap="Greys", interpolation="nearest",
-                          extent=(0, T, T, prompt_len))
-        axes[0, h].set(title=f"layer {layer}, KV head {h}", xlabel="key position", ylabel="decoding step (position)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    cols = min(heads, shown[0][1].full().shape[2])
+    fig, axes = plt.subplots(len(shown), cols, figsize=(2.6 * cols, 2.2 * len(shown) + 0.6), squeeze=False)
+    for i, (title, trace, prompt_len) in enumerate(shown):
+        death = trace.full()[layer, 0].long()  # [H, T]
+        T = int(trace.lengths[0])
+        q = torch.arange(prompt_len, T)[:, None]
+        k = torch.arange(T)[None]
+        for h in range(cols):
+            held = (k <= q) & (q < death[h, :T][None])
+            ax = axes[i, h]
+            ax.imshow(held.numpy(), aspect="auto", cmap="Greys", vmin=0, vmax=1, interpolation="nearest",
+                      extent=(0, T, T, prompt_len))
+            ax.set_title(f"{title}: layer {layer}, KV head {h}", fontsize=7)
+            ax.tick_params(labelsize=6)
+            if i == len(shown) - 1:
+                ax.set_xlabel("key position", fontsize=7)
+            if h == 0:
+                ax.set_ylabel("decoding step", fontsize=7)
+    fig.legend(handles=[Patch(color="black", label="key held in the cache"),
+                        Patch(facecolor="white", edgecolor="grey", label="evicted, or not yet generated")],
+               loc="lower center", ncol=2, fontsize=7)
+    fig.tight_layout(rect=(0, 0.5 / (2.2 * len(shown) + 0.6), 1, 1))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -368,7 +419,7 @@ PROPERTY_TEXT = {
 
 
 def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str, retention: bool,
-                 props: dict | None = None) -> None:
+                 props: dict | None = None, evaluated: dict | None = None) -> None:
     ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
     metrics = [k for k in rows[0] if k.startswith("info/")]
     head = ["policy", "budget", "accuracy [95 % CI]", *[f"pass@{k}" for k in ks], *[k[5:] for k in metrics],
@@ -387,7 +438,8 @@ def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str
         cells = [r["policy"], budget, f"{r['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]",
                  *[f"{r[f'pass@{k}']:.3f}" for k in ks], *[f"{r[k]:.3f}" for k in metrics],
                  f"{r['gen_tokens']:.1f}", f"{r['truncated']:.0%}",
-                 *[f"{r[f'mode/{m}']:.0%}" for m in MODES], f"{r['kv_retention']:.0%}", f"{r['peak_kv_tokens']:.0f}",
+                 *["n/a" if r[f"mode/{m}"] is None else f"{r[f'mode/{m}']:.0%}" for m in MODES],
+                 f"{r['kv_retention']:.0%}", f"{r['peak_kv_tokens']:.0f}",
                  f"{r['decode_tokens_per_s']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if props is not None:
@@ -401,7 +453,20 @@ def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str
     lines += ["", "![accuracy vs budget](accuracy.png)", "", "![error modes](error_modes.png)", ""]
     if retention:
         lines += ["![retention](retention.png)", ""]
-    lines += ["Error modes (kvrl/eval/suite.py): correct = reward > 0; repetition = the last 120 words hold at "
-              "most 12 distinct 4-grams; no_answer = no \\boxed{} after the thinking block; wrong = otherwise."]
+    loops = (f"the last {LOOP_WINDOW} words hold at most {LOOP_DISTINCT} distinct {LOOP_N}-grams"
+             if loops_apply(cfg.sampling.max_new_tokens) else
+             f"not applicable (n/a) here: outputs of at most {cfg.sampling.max_new_tokens} tokens cannot hold the "
+             f"rule's {LOOP_WINDOW} words")
+    lines += [f"Error modes (kvrl/eval/suite.py): correct = reward > 0; repetition = {loops}; no_answer = no "
+              "\\boxed{} after the thinking block; wrong = otherwise. Peak KV: the most tokens a sequence held at "
+              "once (mean over layers and KV heads), the accuracy picture's x axis. Tokens/s: decoding only, each "
+              "line's untimed warm-up sequence left out."]
+    if evaluated is not None:
+        folder, files = evaluated["model"]
+        lines += ["", "## What was evaluated (SHA-256)", "", f"- model `{cfg.model.path}` from `{folder}`"
+                  + ("" if files else " (a hub id: files not hashed)")]
+        lines += [f"  - `{name}` {sha}" for name, sha in files.items()]
+        lines += [f"- line `{name}`: `{path}` {sha or '(a folder)'}" for name, (path, sha) in
+                  evaluated["artefacts"].items()]
     with atomic(out / "report.md") as tmp:
         tmp.write_text("\n".join(lines) + "\n")
