@@ -55,6 +55,10 @@ def setup_process(seed: int | None = None, threads: int | None = 1) -> None:
 
     if threads is not None:
         torch.set_num_threads(threads)
+    # numpy measures each float type's limits once, lazily; measured after the flush it finds a
+    # smallest subnormal of 0 and warns about it in every process that asks (pandas, matplotlib)
+    for kind in (np.float16, np.float32, np.float64):
+        np.finfo(kind).smallest_subnormal
     torch.set_flush_denormal(True)
     if seed is not None:
         torch.manual_seed(seed)

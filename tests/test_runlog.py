@@ -204,3 +204,12 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
     assert runs[0].name == f"run-{run_id}.wandb"
     RunLog(tmp_path, fresh=False, wandb=True, name="t").close()  # a resumed run continues the same W&B run
     assert (tmp_path / "wandb" / "run_id").read_text() == run_id
+
+
+def test_a_process_set_up_for_kvrl_prints_no_numpy_subnormal_warning():
+    """#34 item 8: flushing denormals made numpy warn "the smallest subnormal ... is zero" in
+    every process that later asked for a float type's limits (pandas, matplotlib do)."""
+    code = ("import warnings, numpy as np\nwarnings.simplefilter('error')\nfrom kvrl.runlog import setup_process\n"
+            "setup_process(0)\nprint(np.finfo(np.float32), np.finfo(np.float64), np.finfo(np.float16))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]  # a warning is an error here
