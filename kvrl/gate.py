@@ -65,12 +65,21 @@ def model_problems(path: str) -> list[str]:
 def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> list[str]:
     """`env_id` names an environment (registered id or pkg.mod:Class) and `kwargs` fit its constructor."""
     import kvrl.envs  # noqa: F401  (registers the built-in ids)
-    from kvrl.envs.registry import EnvNotFoundError, registered, resolve
+    from kvrl.envs.registry import ENTRY_POINTS, ID_PATTERN, EnvNotFoundError, registered, resolve
 
     try:
         factory, defaults = resolve(env_id)
     except EnvNotFoundError:
-        near = difflib.get_close_matches(env_id, registered(), n=1, cutoff=0.5) or registered()[:1]
+        near = difflib.get_close_matches(env_id, registered(), n=1, cutoff=0.5)
+        namespace = env_id.partition("/")[0]
+        if ID_PATTERN.match(env_id) and not any(i.startswith(namespace + "/") for i in registered()):
+            # a namespace nothing registered: a typo among kvrl's ids is not the likely fix
+            return [f"{id_key}={env_id!r} is not registered: nothing importable named {namespace!r} registers it, "
+                    f"and no installed package declares it under the entry-point group {ENTRY_POINTS!r}; put the "
+                    f"package {namespace!r} on PYTHONPATH (a Ray job: launch/ray_submit.sh --py-module "
+                    f"path/to/{namespace}) with kvrl.envs.register({env_id!r}, 'pkg.module:Class') in its "
+                    f"__init__, or set {id_key}=pkg.module:Class"]
+        near = near or registered()[:1]
         return [f"{id_key}={env_id!r} is neither a registered environment ({', '.join(registered())}) nor a "
                 f"dotted path pkg.module:Class; set {id_key}={near[0]}"]
     except (ImportError, AttributeError, ValueError) as err:

@@ -277,3 +277,25 @@ def dry_run(cfg) -> dict:
         lines.append(f"process    one, on {cfg.device}; {tr.steps} steps of {tr.batch_size}")
     print("\n".join(lines))
     return p
+
+
+def allocation_problems(p: dict, cfg, nodes: int, gpus_per_node: int | None, cpus_per_node: int | None) -> list[str]:
+    """What keeps the plan ``p`` (:func:`plan`) off an allocation of ``nodes`` nodes (a Slurm
+    job's), each with ``gpus_per_node`` GPUs and ``cpus_per_node`` CPUs (None: not known).
+    Ray places an actor on one node, so an actor's own GPUs must fit on one."""
+    w, problems = cfg.workers, []
+    if gpus_per_node is not None:
+        for actor, gpus in (("rollout", w.rollout_gpus), ("learner", w.learner_gpus)):
+            if gpus > gpus_per_node:
+                problems.append(f"a {actor} actor needs {gpus:g} GPUs (workers.{actor}_gpus) and a node has "
+                                f"{gpus_per_node}: lower workers.{actor}_gpus or ask for --gpus-per-node={gpus:g}")
+        if p["gpus"] > nodes * gpus_per_node:
+            problems.append(f"the recipe's actors need {p['gpus']:g} GPUs ({w.rollout} rollout x {w.rollout_gpus:g} + "
+                            f"{w.learners} learners x {w.learner_gpus:g}) and the allocation has {nodes} nodes x "
+                            f"{gpus_per_node} = {nodes * gpus_per_node}: lower workers.rollout / workers.learners or "
+                            f"ask for --nodes={-(-p['gpus'] // gpus_per_node):g}")
+    if cpus_per_node is not None and p["cpus"] > nodes * cpus_per_node:
+        problems.append(f"the recipe's actors need {p['cpus']:g} CPUs and the allocation has {nodes} nodes x "
+                        f"{cpus_per_node} = {nodes * cpus_per_node}: lower workers.rollout_cpus / "
+                        "workers.learner_cpus or ask for more nodes")
+    return problems

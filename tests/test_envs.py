@@ -293,3 +293,38 @@ def test_answers_are_read_after_the_thinking_block(completion, answer):
     task = env.tasks(1)[0]
     _, info = env.score(task, completion)  # the rewards see only the answer part
     assert info["has_boxed"] == float("\\boxed" in answer)
+
+
+def test_an_id_is_found_through_the_package_its_namespace_names(user_package, monkeypatch):
+    """#34: `env.id=kvtasks/partial-counts-v0` works with nothing imported by hand: the
+    namespace `kvtasks` is imported, and its __init__ registers the id (in the driver and in
+    every Ray worker, where the package is a py_module or on PYTHONPATH)."""
+    from kvrl.gate import env_problems
+
+    monkeypatch.syspath_prepend(str(user_package))
+    assert env_problems("env.id", "kvtasks/partial-counts-v0", "env.kwargs", {}) == []
+    env = make("kvtasks/partial-counts-v0")
+    assert type(env).__module__ == "kvtasks.envs" and env.n_digits == 8 and env.id == "kvtasks/partial-counts-v0"
+    assert "kvtasks/partial-counts-v0" in registered()
+
+
+def test_an_id_is_found_through_an_installed_packages_entry_points(tmp_path, monkeypatch):
+    """An installed distribution declares ids under the `kvrl.envs` entry-point group (a
+    .dist-info folder on sys.path is what `pip install` leaves)."""
+    info = tmp_path / "kvlab-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvlab\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[kvrl.envs]\nlab/adder-v3 = {__name__}:AddEnv\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make("lab/adder-v3", high=4)
+    assert isinstance(env, AddEnv) and env.high == 4
+
+
+def test_an_unregistered_user_id_says_how_to_register_it(monkeypatch):
+    from kvrl.gate import env_problems
+
+    [problem] = env_problems("env.id", "nolab/thing-v0", "env.kwargs", {})
+    assert "nothing importable named 'nolab' registers it" in problem
+    assert "--py-module path/to/nolab" in problem and "entry-point group 'kvrl.envs'" in problem
+    with pytest.raises(EnvNotFoundError, match="make the package 'nolab' importable"):
+        make("nolab/thing-v0")

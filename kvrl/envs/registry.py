@@ -6,12 +6,24 @@ are given as strings ``"pkg.module:Class"`` and imported only by :func:`make`, s
 registering an environment costs nothing.
 
 A recipe may also name an unregistered class directly: ``env.id=my_pkg.envs:MyEnv``.
+
+An id registered outside kvrl is found from the command line, in the driver and in every Ray
+worker, without importing anything by hand, in one of two ways (:func:`discover`):
+
+* the id's namespace is the package that registers it: ``env.id=my_pkg/sum-v0`` imports
+  ``my_pkg`` (whose ``__init__`` calls :func:`register`) — a package on ``PYTHONPATH`` or
+  shipped to a Ray job as a ``py_module`` is enough, nothing needs installing;
+* an installed distribution declares it in its metadata, under the entry-point group
+  ``kvrl.envs`` (the name is the id, the value ``pkg.module:Class``), the way vLLM finds its
+  plugins: ``[project.entry-points."kvrl.envs"] "my_lab/sum-v0" = "my_pkg.envs:SumEnv"``.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.metadata
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,6 +32,7 @@ from kvrl.envs.base import Env
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]+/[A-Za-z0-9_.\-]+-v\d+$")
 ID_FORMAT = "namespace/name-vN (e.g. 'kvrl/math-v0', 'my_lab/needle-v2')"
+ENTRY_POINTS = "kvrl.envs"  # the entry-point group of installed packages' environment ids
 
 
 class EnvNotFoundError(KeyError):
@@ -79,9 +92,25 @@ def load_entry_point(path: str) -> Callable[..., Any]:
     return obj
 
 
+def discover(id: str) -> None:
+    """Register ``id`` from outside kvrl if it can be found (module docstring): an installed
+    distribution's ``kvrl.envs`` entry point, else the package its namespace names."""
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        if ep.name == id:
+            register(id, ep.value)
+            return
+    namespace = id.partition("/")[0]
+    if not ID_PATTERN.match(id) or not namespace.isidentifier():
+        return
+    if importlib.util.find_spec(namespace) is not None:
+        importlib.import_module(namespace)  # its register() calls, if any, run now
+
+
 def resolve(id_or_path: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     """What ``make(id_or_path)`` calls and the registered default keyword arguments, without
     building anything (the config gate inspects the constructor's signature)."""
+    if id_or_path not in _REGISTRY and ":" not in id_or_path:
+        discover(id_or_path)
     if id_or_path in _REGISTRY:
         spec = _REGISTRY[id_or_path]
         factory = spec.entry_point
@@ -90,9 +119,13 @@ def resolve(id_or_path: str) -> tuple[Callable[..., Any], dict[str, Any]]:
         return load_entry_point(id_or_path), {}
     near = difflib.get_close_matches(id_or_path, registered(), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+    namespace = id_or_path.partition("/")[0]
     raise EnvNotFoundError(
-        f"no environment registered as {id_or_path!r}.{hint} Registered: {registered()}. "
-        "A dotted path to a class also works, e.g. env.id=my_pkg.envs:MyEnv."
+        f"no environment registered as {id_or_path!r}.{hint} Registered: {registered()}. To register "
+        f"your own: make the package {namespace!r} importable (on PYTHONPATH, or a py_module of the Ray job) and "
+        f"call kvrl.envs.register({id_or_path!r}, 'pkg.module:Class') in its __init__, or declare it in an "
+        f"installed package's metadata under the entry-point group {ENTRY_POINTS!r}; a dotted path to a class "
+        "also works, e.g. env.id=my_pkg.envs:MyEnv."
     )
 
 
