@@ -233,3 +233,47 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
     correct = [r["env/correct"] for r in records]
     assert max(truncated) <= 0.25, truncated
     assert sum(correct[-3:]) / 3 >= sum(correct[:3]) / 3 - 0.1, correct
+
+
+@pytest.mark.slow
+def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accuracy(tmp_path, tmp_path_factory):
+    """#36: the first 10 steps of tiny_gkv_distill as shipped (vLLM rollouts under G-KV, ZeRO-2).
+    Distill is for its objective: the student's KL to the full-cache teacher under the replayed
+    G-KV trace falls (steps 8-10 at most 0.8x step 1's; measured 0.24 vs 0.38 at the recipe's
+    3e-4, 0.14 vs 0.38 at 1e-3); no step truncates more than a quarter of its samples; and
+    the greedy accuracy under the G-KV cache on 64 held-out tasks is not below the untrained
+    model's by more than 0.1, about 1.6 standard errors of a 64-task accuracy (measured on 128:
+    0.516 untrained, 0.633 after 10 steps at 3e-4, 0.625 at 1e-3). The issue's "Distill decays
+    after step 13" was the sampled accuracy at temperature 2 of the training batches
+    (0.59 -> 0.24 at 1e-3); the held-out greedy accuracy of that run rose (0.77 after 40 steps),
+    so this test holds on the old recipe too: there was no loss of accuracy to catch."""
+    import ray
+
+    from kvrl.engines.hf import HFEngine
+    from kvrl.eval.budgets import evaluate
+    from kvrl.jobs.rl import main as train
+    from kvrl.models.tiny import load_model
+    from kvrl.policies import make_policy
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
+             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    try:
+        cfg = load_config(["recipe=tiny_gkv_distill", "trainer.steps=10", f"output_dir={tmp_path}",
+                           "rl.checkpoint_every=0", "workers.timeout_s=300"])
+        train(cfg)
+    finally:
+        ray.shutdown()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["kl"] for r in records]
+    assert max(r["truncated"] for r in records) <= 0.25, [r["truncated"] for r in records]
+    assert sum(kl[-3:]) / 3 <= 0.8 * kl[0], kl
+    env = make(cfg.env.id, **cfg.env.kwargs)
+    env.reset(seed=4321)  # benchmarks/gkv_train.py's held-out stream; training draws from seed 0's
+    tasks = env.tasks(64)
+    acc = {}
+    for name, path in (("untrained", "tiny"), ("distill", str(tmp_path / "model"))):
+        model, tok = load_model(path)
+        policy = make_policy("gkv", model.config, budget=cfg.kv.budget, interval=cfg.kv.interval,
+                             window=cfg.kv.window, sink=cfg.kv.sink, **cfg.kv.kwargs)
+        acc[name] = evaluate(HFEngine(model.eval(), tok), env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
+    assert acc["distill"] >= acc["untrained"] - 0.1, acc
