@@ -37,13 +37,7 @@ class RLSparse(RLFull):
     death times [layers, B, H_kv, T])."""
 
     def __init__(self, cfg):
-        if cfg.kv.policy != "gkv":
-            raise ValueError(f"rl_sparse trains under G-KV eviction, but kv.policy={cfg.kv.policy!r}; set "
-                             "kv.policy=gkv with kv.budget > 0 (rl.algo=rl_full trains with the full cache)")
-        if cfg.kv.budget <= 0:
-            raise ValueError("rl_sparse needs a bounded cache: set kv.budget to the tokens kept per KV head, "
-                             "e.g. kv.budget=2048 (the paper's)")
-        # RLFull's state, without its full-cache check
+        # its rules (kv.policy=gkv, a kv.budget with room to choose) are the config gate's: rl_sparse_config.py
         Algorithm.__init__(self, cfg)
         self.rl, self.temperature, self.ref = cfg.rl, cfg.sampling.temperature, None
         self.kv = cfg.kv
