@@ -121,7 +121,8 @@ def test_distill_steps_reduce_the_kl(engine):
 @pytest.mark.parametrize("recipe, arg, fix", [
     ("tiny_gkv_sparse", "kv.policy=full", "set kv.policy=gkv"),
     ("tiny_gkv_sparse", "kv.budget=0", "set kv.budget=64"),
-    ("tiny_gkv_distill", "kv.policy=h2o", "distill trains under G-KV eviction, but kv.policy='h2o'; set kv.policy=gkv"),
+    ("tiny_gkv_distill", "kv.policy=full", "distill trains under the eviction it is served with (G-KV's: gkv), "
+                                           "but kv.policy='full' keeps every token; set kv.policy=gkv"),
     ("tiny_gkv_distill", "rl.kl_coef=0.1", "set rl.kl_coef=0"),
 ])
 def test_bad_settings_name_the_fix(recipe, arg, fix):

@@ -54,7 +54,7 @@ class EnvConfig:
 
 @dataclass
 class KVConfig:
-    policy: str = "full"  # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...)
+    policy: str = "full"  # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...), or a dotted path pkg.mod:Class
     budget: int = checked(0, ge=0)  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
     interval: int = checked(16, ge=1)  # evict every this many decoded tokens
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
@@ -66,24 +66,29 @@ class KVConfig:
     kwargs: Dict[str, Any] = field(default_factory=dict)  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
 
     def problems(self, cfg: "Shared") -> list[str]:
-        """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: the policy
-        always keeps kv.sink + kv.window tokens and must choose at least one more by score."""
+        """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: a policy given
+        by path imports and takes kv.kwargs; the policy always keeps kv.sink + kv.window tokens and must
+        choose at least one more by score. This is the budget's one check on the config path, where it is
+        known earliest (a policy built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
+        from kvrl.gate import policy_problems  # a pkg.module:Class policy, as env.id's
+
+        problems = policy_problems(self.policy, self.kwargs)
         job = JOBS[cfg.job]
         who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if job.algos else "")
         least = self.window + self.sink + 1
         fix = max(least, 4 * self.interval)
         if self.budget == 0:
-            return [f"kv.budget=0 keeps every token, but {who} evicts with kv.policy={self.policy} and needs a "
-                    f"budget; set kv.budget={fix}"]
-        if self.budget < least:
-            return [f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy always "
-                    f"keeps the kv.sink first and kv.window newest tokens and chooses at least one by score; set "
-                    f"kv.budget={fix} (or lower kv.window / kv.sink)"]
-        if "budget_ratio" in self.kwargs:
-            return [f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which the "
-                    f"memory plan and the engines' block caps read too; set kv.budget_ratio="
-                    f"{self.kwargs['budget_ratio']} instead"]
-        return []
+            problems.append(f"kv.budget=0 keeps every token, but {who} evicts with kv.policy={self.policy} and needs "
+                            f"a budget; set kv.budget={fix}")
+        elif self.budget < least:
+            problems.append(f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy "
+                            f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
+                            f"score; set kv.budget={fix} (or lower kv.window / kv.sink)")
+        elif "budget_ratio" in self.kwargs:
+            problems.append(f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
+                            f"the memory plan and the engines' block caps read too; set kv.budget_ratio="
+                            f"{self.kwargs['budget_ratio']} instead")
+        return problems
 
 
 @dataclass
