@@ -58,7 +58,7 @@ def _section_problems(cfg) -> list[str]:
     return problems
 
 
-def _job_fix(cfg, key: str, value: Any) -> str:
+def job_fix(cfg, key: str, value: Any) -> str:
     """`value` as the fix for `key`, unless the job's cross-field checks refuse it (trainer.steps=0 in an
     RL job): then the value their message proposes."""
     trial, (*path, leaf) = copy.deepcopy(cfg), key.split(".")
@@ -72,7 +72,7 @@ def _job_fix(cfg, key: str, value: Any) -> str:
 
 def validate(cfg) -> None:
     """The checks the types cannot express; raises one ConfigError listing every problem."""
-    problems = [f"{key} {rule} (got {value!r}); set {key}={_job_fix(cfg, key, default)}"
+    problems = [f"{key} {rule} (got {value!r}); set {key}={job_fix(cfg, key, default)}"
                 for key, rule, value, default in _field_problems(cfg)]
     problems += _section_problems(cfg)
     if problems:

@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException, ValidationError
 
-from kvrl.config.checks import _job_fix, validate
+from kvrl.config.checks import job_fix, validate
 from kvrl.config.schema import schema, schema_keys
 from kvrl.config.shared import Shared
 from kvrl.section import ConfigError, cli_value
@@ -33,7 +33,6 @@ RENAMED = {
     "rl.beta": ("rl.kl_coef", "the weight of the KL to the reference model"),
     "rlkv.beta": ("rlkv.l1_coef", "the weight of RLKV's L1 penalty on the gates"),
 }
-
 
 
 def recipes_dir() -> Path:
@@ -104,7 +103,7 @@ def _valid_value(key: str, before: DictConfig, layer: DictConfig) -> str:
         job = OmegaConf.select(layer, "job", default=None, throw_on_missing=False)
         if isinstance(job, str):
             trial.job = job
-        return _job_fix(OmegaConf.to_object(trial), key, value)
+        return job_fix(OmegaConf.to_object(trial), key, value)
     except Exception:  # noqa: BLE001 (only a hint: the layers' own problems are reported when they load)
         return cli_value(value)
 
