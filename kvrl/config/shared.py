@@ -54,7 +54,8 @@ class EnvConfig:
 
 @dataclass
 class KVConfig:
-    policy: str = "full"  # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...), or a dotted path pkg.mod:Class
+    # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...) or a dotted path pkg.mod:Class (as env.id)
+    policy: str = "full"
     budget: int = checked(0, ge=0)  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
     interval: int = checked(16, ge=1)  # evict every this many decoded tokens
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
