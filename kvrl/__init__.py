@@ -4,7 +4,8 @@ The package is in layers, lowest first. A module imports from its own layer or l
 never from a higher one (``tests/test_layers.py`` reads this table and checks every import
 of every module, lazy ones included):
 
-    1. runlog kernels     output directories (metrics, atomic saves, plots); torch ops and attention functions
+    1. runlog kernels section  output directories (metrics, atomic saves, plots); torch ops and attention
+                          functions; what a config section is (checked fields, ConfigError, the registry)
     2. policies           what a per-(layer, KV head) cache keeps: the policy zoo, head allocation
     3. cache              the compacting KV cache for transformers and the eviction trace
     4. envs               tasks and rewards, the eviction MDP; no model is ever loaded here
@@ -14,8 +15,10 @@ of every module, lazy ones included):
     8. algos              what is trained, the loss, what is pushed to the rollout workers
     9. workers            Ray actors (rollout workers, learners) and the controller loop
    10. eval               evaluation under KV budgets
-   11. config gate plan   the typed config and its checks; the checks beyond the config; the dry-run plan
-   12. jobs               what ``python -m kvrl.run`` starts, one module per job
+   11. gate plan jobs     the checks beyond the config; the dry-run plan; what ``python -m kvrl.run`` starts,
+                          one module per job (with its config section)
+   12. config             the typed config: recipes and command line merged over the shared sections and the
+                          sections the algorithms and jobs register, and its checks
    13. run                the entry point
 """
 

@@ -1,13 +1,13 @@
 """The config gate's checks that look outside the config: the model folder or hub id, an
-environment's constructor, and this machine (CUDA, the CPUs and memory a local Ray can give its
+environment's constructor, a KV policy class given by path, and this machine (CUDA, the CPUs and memory a local Ray can give its
 actors, the KV cache layout vLLM would pick on this CPU).
 
-`kvrl.config` calls the first two from its sections' `problems(cfg)`; `kvrl.run` calls
+`kvrl.config` calls the first three from its sections' `problems(cfg)`; `kvrl.run` calls
 `machine_problems` just before a job starts (not for `print_config` or `dry_run`, which plan
 for another machine). Each returns messages in the config's style ("KEY must be ... (got
 VALUE); set KEY=VALUE"). Nothing here imports Ray; torch is imported to ask about CUDA when a
-CUDA device or GPUs are asked for and, for a local Ray, by the memory plan; an environment's
-module only to read its constructor's signature (nothing is built: building may need data files).
+CUDA device or GPUs are asked for and, for a local Ray, by the memory plan; an environment's (or a
+kv.policy class's) module only to read its constructor's signature (nothing is built: building may need data files).
 """
 
 from __future__ import annotations
@@ -85,6 +85,29 @@ def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> lis
     except (ImportError, AttributeError, ValueError) as err:
         return [f"{id_key}={env_id!r} cannot be imported ({' '.join(str(err).split())}); set {id_key} to a "
                 "registered id or an importable pkg.module:Class"]
+    return argument_problems(factory, defaults, kwargs_key, kwargs)
+
+
+def policy_problems(policy: str, kwargs: dict) -> list[str]:
+    """kv.policy as a dotted path `pkg.module:Class` (as env.id takes one): it imports, is a KVPolicy,
+    and kv.kwargs fit its constructor (the kv section's budget, interval, window, sink and budget_ratio
+    come from their own keys). A policy name is the zoo's: `make_policy` names the known ones."""
+    if ":" not in policy:  # a name: importing the zoo to list them would import torch here
+        return []
+    from kvrl.policies import policy_class  # what make_policy resolves; the user's module imports torch anyway
+
+    try:
+        cls = policy_class(policy)
+    except (ImportError, ValueError) as err:
+        return [f"kv.policy={policy!r} cannot be used ({' '.join(str(err).split())}); set kv.policy to a policy "
+                "name (gkv, h2o, snapkv, ...) or an importable pkg.module:Class of your own KVPolicy"]
+    from_kv = {"budget": 0, "interval": 0, "window": 0, "sink": 0, "budget_ratio": None}  # given by kv.*
+    return argument_problems(cls, from_kv, "kv.kwargs", kwargs)
+
+
+def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: str, kwargs: dict) -> list[str]:
+    """`kwargs` (given as `kwargs_key`) fit `factory`'s signature, with `defaults` given besides: no
+    unknown argument, every required one given, and the rules of `ENV_ARG_RULES`."""
     name = f"{factory.__module__}:{getattr(factory, '__qualname__', factory)}"
     try:
         params = inspect.signature(factory).parameters

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from kvrl.config import JOBS, ConfigError
 from kvrl.envs.chat import Chat, encode_prompts
+from kvrl.jobs import JOBS
 from kvrl.policies.base import budget_at, geometry
+from kvrl.section import ConfigError
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
 

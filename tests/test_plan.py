@@ -8,9 +8,10 @@ from kvrl.run import main
 
 
 def test_kv_memory_of_a_known_architecture_without_weights():
-    cfg_args = ["recipe=tiny_rl_full", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "model.dtype=bfloat16",
-                "kv.policy=gkv", "kv.budget=2048", "kv.interval=128", "sampling.max_new_tokens=8192",
-                "sampling.batch_size=16"]
+    # rl.algo=rl_sparse: rl_full's rule (kv.policy=full) is the config gate's since #37
+    cfg_args = ["recipe=tiny_rl_full", "rl.algo=rl_sparse", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+                "model.dtype=bfloat16", "kv.policy=gkv", "kv.budget=2048", "kv.interval=128",
+                "sampling.max_new_tokens=8192", "sampling.batch_size=16"]
     p = plan(load_config(cfg_args))
     assert p["params"] == 8_030_261_248  # Llama-3.1-8B, counted on the meta device
     assert p["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, bf16

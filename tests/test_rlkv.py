@@ -184,6 +184,8 @@ def test_rlkv_config_errors_say_the_fix():
         rlkv_config("job=rl")
     with pytest.raises(ConfigError, match="rlkv.sparsity"):
         rlkv_config("rlkv.sparsity=1.5")
+    with pytest.raises(ConfigError, match="RLKV trains without the KL term"):  # the algorithm's rule, in the gate
+        rlkv_config("rl.kl_coef=0.1")
 
 
 # ---- export and deployment --------------------------------------------------------------------

@@ -21,8 +21,13 @@ rollout worker, ``collate``: a learner's :class:`~kvrl.algos.base.Batch`, and
   (see :mod:`kvrl.workers.rollout`).
 
 Algorithms see engines and environments only through those interfaces. ``ALGOS`` maps
-``rl.algo`` to ``"module:Class"``; modules are imported only when chosen.
+``rl.algo`` to ``"module:Class"``; modules are imported only when chosen. An algorithm's config
+keys and rules sit beside it in ``<algo>_config.py`` (light: the config gate imports it before
+anything starts, see :mod:`kvrl.section`), imported below so that they register; the job that runs
+it lists it in ``kvrl.jobs.JOBS``.
 """
+
+from kvrl.algos import distill_config, rl_full_config, rl_sparse_config, rlkv_config  # noqa: F401
 
 ALGOS = {
     "rl_full": "kvrl.algos.rl_full:RLFull",

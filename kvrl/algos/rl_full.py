@@ -28,10 +28,7 @@ class RLFull(Algorithm):
     trains_weights = True  # and so do RL-Sparse and Distill, its subclasses
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        if cfg.kv.policy != "full":
-            raise ValueError(f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; "
-                             "set kv.policy=full (a compressed-cache algorithm trains under its policy)")
+        super().__init__(cfg)  # its rules (kv.policy=full) are the config gate's: rl_full_config.py
         self.rl, self.temperature = cfg.rl, cfg.sampling.temperature
         self.ref = None  # the reference engine, on learners when rl.kl_coef > 0
 

@@ -13,9 +13,10 @@ the tiny reasoner at temperature 2, where each side alone is that far from the e
 What the loop needs from it, beyond RL-Full (whose GRPO loss, reference model and
 weight push it reuses unchanged):
 
-* rollouts run under ``make_policy("gkv", budget, interval, window, sink, budget_ratio,
-  **kv.kwargs)`` (α and the mix λ come in ``kv.kwargs``; ``kv.budget_ratio`` is G-KV's
-  ratio mode, whose traces the learner replays like any other) and return their
+* rollouts run under ``make_policy(kv.policy, budget, interval, window, sink, budget_ratio,
+  **kv.kwargs)``: the paper's ``kv.policy=gkv`` (α and the mix λ come in ``kv.kwargs``;
+  ``kv.budget_ratio`` is G-KV's ratio mode), or any other token policy, a class of your own
+  included (``kv.policy=pkg.module:Class``): the learner replays whatever trace it left. They return their
   :class:`kvrl.cache.EvictionTrace`, O(layers·B·H_kv·T) int death times;
 * the learner's ``engine.score(..., trace=batch.trace)`` replays the trace through the
   ``"kvrl_replay"`` attention (a flex-attention BlockMask built from the death times on
@@ -37,21 +38,15 @@ class RLSparse(RLFull):
     death times [layers, B, H_kv, T])."""
 
     def __init__(self, cfg):
-        if cfg.kv.policy != "gkv":
-            raise ValueError(f"rl_sparse trains under G-KV eviction, but kv.policy={cfg.kv.policy!r}; set "
-                             "kv.policy=gkv with kv.budget > 0 (rl.algo=rl_full trains with the full cache)")
-        if cfg.kv.budget <= 0:
-            raise ValueError("rl_sparse needs a bounded cache: set kv.budget to the tokens kept per KV head, "
-                             "e.g. kv.budget=2048 (the paper's)")
-        # RLFull's state, without its full-cache check
+        # its rules (kv.policy=gkv, a kv.budget with room to choose) are the config gate's: rl_sparse_config.py
         Algorithm.__init__(self, cfg)
         self.rl, self.temperature, self.ref = cfg.rl, cfg.sampling.temperature, None
         self.kv = cfg.kv
 
     def rollout_policy(self, model) -> Evicting:
-        """G-KV eviction with the ``kv`` section's budget, schedule and ``kv.kwargs``."""
+        """``kv.policy`` (G-KV in the paper) with the ``kv`` section's budget, schedule and ``kv.kwargs``."""
         kv = self.kv
-        return Evicting(make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
+        return Evicting(make_policy(kv.policy, model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
                                     sink=kv.sink, budget_ratio=kv.budget_ratio, **kv.kwargs))
 
     def loss(self, engine, batch):

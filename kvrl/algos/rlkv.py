@@ -58,13 +58,7 @@ class RLKV(Algorithm):
     (no KL) plus :func:`adaptive_penalty`; see the module docstring."""
 
     def __init__(self, cfg):
-        super().__init__(cfg)
-        if cfg.kv.policy != "full":
-            raise ValueError(f"rlkv mixes full and sink+recent attention per head, but kv.policy={cfg.kv.policy!r}; "
-                             "set kv.policy=full (the window is rlkv.sink / rlkv.recent)")
-        if cfg.rl.kl_coef != 0:
-            raise ValueError(f"rl.kl_coef={cfg.rl.kl_coef}: RLKV trains without the KL term (and the LLM is frozen); "
-                             "set rl.kl_coef=0")
+        super().__init__(cfg)  # its rules (vLLM, kv.policy=full, rl.kl_coef=0) are the config gate's: rlkv_config.py
         self.rl, self.rlkv, self.temperature = cfg.rl, cfg.rlkv, cfg.sampling.temperature
         self.gates: torch.nn.Parameter | None = None  # on learners, after setup()
 

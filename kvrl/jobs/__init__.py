@@ -1,6 +1,39 @@
 """Jobs: what ``python -m kvrl.run`` starts, one flat top-to-bottom module per job.
 
 Each module has ``main(cfg)`` and reads like a short script with section comments; the
-library below it (algorithms, engines, workers, environments) never imports a job. The
-table of jobs, with the config sections each checks, is ``kvrl.config.JOBS``.
+library below it (algorithms, engines, workers, environments) never imports a job.
+
+``JOBS`` is the single list of jobs: the function each runs and the config sections whose rules
+apply to it, as ``kvrl.algos.ALGOS`` lists the algorithms. A job with keys or rules of its own
+declares them beside its module, in ``<job>_config.py`` (a light module: the config gate imports
+it, see :mod:`kvrl.section`), imported below so that it registers.
 """
+
+from dataclasses import dataclass
+
+from kvrl.jobs import eval_config, foresight_config, pretrain_tiny_config, self_distill_config  # noqa: F401
+
+
+@dataclass(frozen=True)
+class Job:
+    entry: str  # "module:function" called with the typed Config
+    # the config sections whose cross-field rules (`problems`) apply to the job; "kv" = the job builds
+    # a token policy from kv.budget / kv.window / kv.sink
+    sections: tuple[str, ...] = ()
+    # RL jobs: the rl.algo values the job runs; the chosen one's registered rules (and the shared
+    # sections it uses) apply too
+    algos: tuple[str, ...] = ()
+    ray: bool = False  # runs Ray actors (workers.*): a local Ray must host them (kvrl.gate.machine_problems)
+
+
+# cfg.job -> Job
+JOBS = {
+    "eval": Job("kvrl.jobs.eval:main", sections=("model", "env", "eval")),
+    "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
+    "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env"), ray=True),
+    "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main", sections=("env", "pretrain")),
+    "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), algos=("rl_full", "rl_sparse", "distill"),
+              ray=True),
+    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), algos=("rlkv",), ray=True),
+    "self_distill": Job("kvrl.jobs.self_distill:main", sections=("model", "self_distill")),
+}

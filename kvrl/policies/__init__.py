@@ -14,6 +14,8 @@ What the cache does in an engine call is one of four regimes (:mod:`kvrl.policie
 ``as_regime`` builds one from None, a policy, a pattern or a death tensor.
 """
 
+import importlib
+
 from kvrl.policies.base import (KVPolicy, Observation, Selection, geometry, plackett_luce_logprob,
                                 should_evict)
 from kvrl.policies.gkv import GKV
@@ -29,18 +31,31 @@ POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "rkv": RKV,
             "learned": LearnedScorer}
 
 
+def policy_class(name: str) -> type[KVPolicy]:
+    """The class of the policy registered as ``name``, or of a dotted path ``pkg.module:Class`` to a
+    :class:`KVPolicy` of your own (as ``env.id`` takes one; the config gate checks it first)."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        cls = getattr(importlib.import_module(module), attr, None)
+        if not (isinstance(cls, type) and issubclass(cls, KVPolicy)):
+            raise ValueError(f"KV policy {name!r} is not a KVPolicy subclass")
+        return cls
+    if name not in POLICIES:
+        raise ValueError(f"unknown KV policy {name!r}; known policies: {', '.join(POLICIES)}, or pkg.module:Class")
+    return POLICIES[name]
+
+
 def make_policy(name: str, model_config=None, **kwargs) -> KVPolicy:
-    """Instantiate the policy registered as ``name`` with keyword arguments. Given a
+    """Instantiate the policy ``name`` (:func:`policy_class`) with keyword arguments. Given a
     transformers ``model_config``, the learned scorer's geometry (group, head_dim, layers,
     kv_heads) is read from it unless passed explicitly."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown KV policy {name!r}; known policies: {', '.join(POLICIES)}")
-    if POLICIES[name] is LearnedScorer and model_config is not None:
+    cls = policy_class(name)
+    if cls is LearnedScorer and model_config is not None:
         kwargs = {**geometry(model_config), **kwargs}
-    return POLICIES[name](**kwargs)
+    return cls(**kwargs)
 
 
 __all__ = ["GKV", "H2O", "POLICIES", "REGIMES", "RKV", "Evicting", "Full", "HeadAllocation", "KVPolicy",
            "LearnedScorer", "Mixed", "Observation", "Regime", "ScorerMLP", "Selection", "SnapKV", "Static",
            "StreamingLLM", "Window", "as_regime", "checksum", "geometry", "make_policy", "plackett_luce_logprob",
-           "should_evict"]
+           "policy_class", "should_evict"]

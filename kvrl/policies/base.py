@@ -219,6 +219,8 @@ class KVPolicy:
             raise ValueError(f"sink={self.sink}: must be ≥ 0")
         if self.interval < 1:
             raise ValueError(f"interval={self.interval}: must be ≥ 1 (evict every `interval` tokens)")
+        # a policy built in Python (make_policy, a user's script) is checked here; on the config path the
+        # kv section states the rule for kv.* before torch is imported (kvrl.config.shared.KVConfig)
         if self.budget < self.window + self.sink + 1:
             raise ValueError(
                 f"budget={self.budget}: must be ≥ window + sink + 1 = {self.window + self.sink + 1} "

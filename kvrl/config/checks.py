@@ -1,0 +1,79 @@
+"""Validation of a typed config: the rules the types cannot express.
+
+Contract: `validate(cfg)` raises one ConfigError listing every problem: the range rules declared
+beside the fields (`checked`; every float must be finite), then the cross-field rules of the
+sections the job names and of its rl.algo (`kvrl.jobs.JOBS`), each stated once, by what it
+configures (`kvrl.config.shared`, or the section registered beside an algorithm or a job). A
+proposed fix is itself checked: where the job's rules refuse the default (trainer.steps=0 in an RL
+job), the message proposes the value their message names instead.
+"""
+
+import copy
+import math
+import re
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from kvrl.jobs import JOBS, Job
+from kvrl.section import SECTIONS, ConfigError, cli_value
+
+
+def _field_problems(section: Any, prefix: str = "") -> list[tuple[str, str, Any, Any]]:
+    """(key, rule, value, default) of the range checks declared beside the fields (`checked`) that
+    fail, over the whole config; every float must be finite (inf and nan pass most range checks)."""
+    problems = []
+    for f in fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        default = f.default_factory() if f.default is NO_DEFAULT else f.default
+        if is_dataclass(value):
+            problems += _field_problems(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append((key, "must be a finite number", value, default))
+        elif "check" in f.metadata and not f.metadata["check"][0](value):
+            problems.append((key, f.metadata["check"][1], value, default))
+    return problems
+
+
+def _section_problems(cfg) -> list[str]:
+    """The cross-field rules of the job's sections and of its rl.algo, with the shared sections each uses."""
+    problems = []
+    job = JOBS.get(cfg.job, Job(""))  # an unknown job: kvrl.run names the jobs
+    names = list(job.sections)
+    if job.algos:
+        if cfg.rl.algo in job.algos:
+            names.append(cfg.rl.algo)
+        owner = next((name for name, other in JOBS.items() if cfg.rl.algo in other.algos), None)
+        if owner not in (None, cfg.job):  # an unknown rl.algo is RLConfig's to report
+            problems.append(f"job={cfg.job} runs rl.algo={' | '.join(job.algos)}, not rl.algo={cfg.rl.algo}; "
+                            f"set job={owner} (or rl.algo={next(iter(job.algos))})")
+    checked = []
+    for name in names:  # a registered section, then the shared sections it uses ("kv")
+        checked += [name, *(SECTIONS[name].uses if name in SECTIONS else ())]
+    for name in dict.fromkeys(checked):
+        if name in SECTIONS:
+            problems += SECTIONS[name].problems(cfg) if SECTIONS[name].problems else []
+        elif hasattr(getattr(cfg, name, None), "problems"):
+            problems += getattr(cfg, name).problems(cfg)
+    return problems
+
+
+def job_fix(cfg, key: str, value: Any) -> str:
+    """`value` as the fix for `key`, unless the job's cross-field checks refuse it (trainer.steps=0 in an
+    RL job): then the value their message proposes."""
+    trial, (*path, leaf) = copy.deepcopy(cfg), key.split(".")
+    section = trial
+    for name in path:
+        section = getattr(section, name)
+    setattr(section, leaf, value)
+    found = re.search(rf"set (?:e\.g\. )?{re.escape(key)}=([^\s,;)]+)", "\n".join(_section_problems(trial)))
+    return found.group(1) if found else cli_value(value)
+
+
+def validate(cfg) -> None:
+    """The checks the types cannot express; raises one ConfigError listing every problem."""
+    problems = [f"{key} {rule} (got {value!r}); set {key}={job_fix(cfg, key, default)}"
+                for key, rule, value, default in _field_problems(cfg)]
+    problems += _section_problems(cfg)
+    if problems:
+        raise ConfigError("invalid config: " + "\n".join(problems))

@@ -1,0 +1,48 @@
+"""job=foresight's section and rules (the job: :mod:`kvrl.jobs.foresight`; stage 2's algorithm:
+:class:`kvrl.algos.foresight.ForesightRL`).
+
+ForesightKV: trace data -> Golden Eviction -> stage 1 SFT -> stage 2 RL. The eviction setting is
+kv.budget / kv.interval / kv.window / kv.sink (kv.policy=learned; the job checks the kv section's
+rules too); stage 2 uses trainer.* (steps, lr, batch_size = traces x rl.group_size) and rl.*
+(kl_coef = KL to stage 1). Light on purpose (no torch): the config gate imports it.
+"""
+
+from dataclasses import dataclass
+
+from kvrl.section import checked, register_section
+
+
+@dataclass
+class ForesightConfig:
+    # training traces to keep (correct, at least min_tokens long), generated with the full cache
+    traces: int = checked(256, ge=1)
+    heldout: int = checked(64, ge=1)  # held-out traces (other prompts) for the loss-ratio evaluation
+    min_tokens: int = checked(0, ge=0)  # keep only traces of at least this many tokens (prompt + completion)
+    shard_size: int = checked(64, ge=1)  # traces per parquet shard: the unit the data step resumes from
+    sft_steps: int = checked(1000, ge=0)  # stage 1 optimizer steps (Adam, 10 warm-up steps, cosine decay)
+    sft_batch_size: int = checked(8, ge=1)  # traces per stage 1 step
+    sft_lr: float = checked(1.0e-2, lambda v: v > 0, "must be > 0")  # stage 1 peak learning rate
+    margin: float = checked(0.01, ge=0)  # stage 1 pairwise ranking hinge margin
+    eta: float = checked(1.5, ge=0)  # stage 2 reward: a token counts when its loss rose by more than eta
+    # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
+    low_entropy: float = checked(0.8, lambda v: 0 < v <= 1, "must be a fraction in (0, 1]")
+
+
+def problems(cfg) -> list[str]:
+    """Cross-field checks of the ForesightKV pipeline."""
+    found, kv = [], cfg.kv
+    if kv.policy != "learned":
+        found.append(f"kv.policy is {kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
+    if kv.budget_ratio is not None:
+        found.append(f"kv.budget_ratio={kv.budget_ratio}: ForesightKV's eviction MDP and Golden Eviction keep "
+                     "the fixed kv.budget; set kv.budget_ratio=null (job=eval runs a trained scorer in ratio "
+                     "mode: eval.settings.NAME: {policy: learned, run: DIR, budget_ratio: R})")
+    g, n = cfg.rl.group_size, cfg.trainer.batch_size
+    if n % g or n < g:
+        found.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
+                     f"rl.group_size eviction trajectories per trace; set trainer.batch_size="
+                     f"{max(1, round(n / g)) * g}")
+    return found
+
+
+register_section("foresight", ForesightConfig, problems)
