@@ -42,3 +42,16 @@ def test_a_joined_cluster_gets_the_niceness_through_the_job_runtime_env(monkeypa
     controller.connect(load_config(["recipe=tiny_rl_full", "workers.address=auto", "workers.niceness=5"]))
     assert seen == {"address": "auto", "runtime_env": {"env_vars": {"RAY_worker_niceness": "5"}}}
 
+
+
+def test_niceness_never_stops_a_resume():
+    """A priority changes no result: a checkpoint saved before the knob existed, or with
+    another niceness, resumes."""
+    from kvrl.config import Config
+    from kvrl.runlog import config_changes, flatten
+
+    now = flatten(load_config(["recipe=tiny_rl_full"]))
+    before_the_knob = {k: v for k, v in now.items() if k != "workers.niceness"}
+    assert now["workers.niceness"] == 0
+    assert config_changes(before_the_knob, now, Config.RESUMABLE) == []
+    assert config_changes({**now, "workers.niceness": 15}, now, Config.RESUMABLE) == []
