@@ -7,10 +7,11 @@ does what the driver does before and during a run: ``MathEnv(path)``, ``check_pr
 over the whole data set with the tiny reasoner's tokenizer (as ``Controller.__init__``),
 ``reset(seed=0)`` and ``tasks(1000)``. It reports each path's peak RSS, its RSS after the
 imports (the part the data does not cost), its CPU seconds, and the ratio of the data's
-part before vs after. ``--old`` is a checkout of the code before lazy reading (default:
-/work/main, run with ``PYTHONPATH`` pointing at it). Prints one JSON line.
+part before vs after. ``--old`` is the code before lazy reading: a folder, or a git commit
+of this repository, exported to a temporary folder (default: 787f1dc, the last commit
+that held every row). Prints one JSON line.
 
-    python benchmarks/data_memory.py [--mb 200] [--old /work/main]
+    python benchmarks/data_memory.py [--mb 200] [--old 787f1dc | --old /path/to/checkout]
 """
 
 import argparse
@@ -72,12 +73,18 @@ def measure(code: Path, data: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=200)
-    ap.add_argument("--old", default="/work/main", help="a checkout of the code before lazy reading")
+    ap.add_argument("--old", default="787f1dc", help="the code before lazy reading: a folder or a git commit")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        old = Path(args.old)
+        if not old.is_dir():  # a commit: its tree, weights included, without touching this checkout
+            old = Path(tmp) / "old"
+            old.mkdir()
+            archive = subprocess.run(["git", "-C", str(REPO), "archive", args.old], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
         data = Path(tmp) / "big.jsonl"
         rows = write_data(data, args.mb)
-        before, after = measure(Path(args.old), data), measure(REPO, data)
+        before, after = measure(old, data), measure(REPO, data)
     assert before["first_ids"] == after["first_ids"], "the two code paths drew different tasks"
     part = {k: r["peak_rss_mib"] - r["base_rss_mib"] for k, r in (("before", before), ("after", after))}
     print(json.dumps({"file_mb": args.mb, "rows": rows, "before": before, "after": after,
