@@ -27,6 +27,8 @@ CASES = [
      None, ["sampling.temperature must be a finite number (got inf); set sampling.temperature=1.0"]),
     ("eps_high_inf", ["recipe=tiny_rl_full", "rl.eps_high=inf"],
      None, ["rl.eps_high must be a finite number (got inf); set rl.eps_high=0.2"]),
+    ("niceness_over_19", ["recipe=tiny_rl_full", "workers.niceness=20"],
+     None, ["workers.niceness must be 0..19 (0 = the driver's priority) (got 20); set workers.niceness=0"]),
     ("seed_negative", ["recipe=tiny_rl_full", "seed=-1"], None, ["seed must be in [0, 2**32) (got -1); set seed=0"]),
     ("window_over_budget", ["recipe=tiny_gkv_sparse", "kv.window=80"],
      None, ["kv.budget must be >= kv.window + kv.sink + 1 = 85 (got 76)", "set kv.budget=85"]),

@@ -213,3 +213,65 @@ def test_a_prompt_the_model_cannot_hold_names_its_row(tmp_path):
     check_prompts(env.data[:1], build_tokenizer(), 32)
     with pytest.raises(ValueError, match=r"long\.jsonl:2: the prompt has 41 tokens, the model holds 32 positions"):
         check_prompts(env.data, build_tokenizer(), 32)
+
+
+# ---- large files: read when drawn (issue #35: a 200 MB file cost the driver 4.2 GB) ------------------
+
+
+def _big(path, rows=3000):
+    # ~1 KB a row: 3 MB, enough to tell rows held from offsets held
+    return _jsonl(path, [{"id": f"r{i}", "question": f"{i} + {i}? " + "words " * 150, "answer": str(2 * i)}
+                         for i in range(rows)])
+
+
+def test_a_large_file_is_read_when_drawn_not_held(tmp_path):
+    import tracemalloc
+
+    from kvrl.envs.base import TextEnv
+    from kvrl.envs.math import load_math_tasks
+
+    path = _big(tmp_path / "big.jsonl")
+    tracemalloc.start()
+    try:
+        env = MathEnv(path)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < path.stat().st_size / 20, f"{held} bytes held for a {path.stat().st_size}-byte file"
+    # the same tasks, the same order for a seed, the same resume digest as the whole list gives
+    whole = TextEnv(load_math_tasks(path))
+    for e in (env, whole):
+        e.reset(seed=7)
+    assert env.tasks(20) == whole.tasks(20) and env.num_tasks == 3000
+    assert env.state_dict()["data_sha256"] == whole.state_dict()["data_sha256"]
+
+
+def test_the_prompt_check_tokenises_a_chunk_at_a_time(tmp_path):
+    from kvrl.engines.base import check_prompts
+    from kvrl.models.tiny import build_tokenizer
+
+    tok, batches = build_tokenizer(), []
+
+    def counting(texts, **kw):
+        batches.append(len(texts))
+        return tok(texts, **kw)
+
+    env = MathEnv(_jsonl(tmp_path / "rows.jsonl", [{"question": f"{i} ; 4", "answer": "1"} for i in range(600)]),
+                  template="{question}")
+    assert check_prompts(env.data, counting, 32) == check_prompts(env.data[:5], tok, 32)
+    assert sum(batches) == 600 and max(batches) <= 256  # never every row's tokens at once
+
+
+def test_resume_refuses_a_line_edited_in_a_lazily_read_file(tmp_path):
+    path = _big(tmp_path / "big.jsonl", rows=50)
+    env = MathEnv(path)
+    env.reset(seed=3)
+    env.tasks(4)
+    state = env.state_dict()
+    lines = path.read_text().splitlines(keepends=True)
+    lines[10] = lines[10].replace('"answer": "20"', '"answer": "twenty"')  # another size: mtime may not tick
+    path.write_text("".join(lines))
+    with pytest.raises(ValueError, match="big.jsonl changed while this run reads it"):
+        env.tasks(1)  # its offsets no longer point at its rows
+    with pytest.raises(ValueError, match="data set differs from the one this state was saved with"):
+        MathEnv(path).load_state_dict(state)

@@ -180,6 +180,8 @@ class WorkersConfig:
     # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port
     address: str = ""
     num_cpus: int = checked(0, ge=0)  # CPUs a private local Ray may use; 0 = all of this machine
+    # nice increment of Ray's workers over the process that starts Ray (Ray's default 15 starves them on a busy machine)
+    niceness: int = checked(0, lambda v: 0 <= v <= 19, "must be 0..19 (0 = the driver's priority)")
     # rollout engine: hf (kvrl's reference) | vllm (vLLM with kvrl's plugin: pip install .[cpu] or .[gpu])
     engine: str = checked("hf", lambda v: v in ("hf", "vllm"), "must be hf | vllm")
     # vLLM's KV cache per engine in GiB; 0 = $VLLM_CPU_KVCACHE_SPACE or 1 GiB on CPU, vLLM's own sizing on GPU
@@ -219,7 +221,7 @@ class Shared:
     RESUMABLE: ClassVar[tuple[str, ...]] = ("trainer.steps", "logging.", "resume", "print_config", "dry_run",
                                             "rl.checkpoint_every", "workers.address", "workers.num_cpus",
                                             "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib",
-                                            "trainer.max_nonfinite_steps",
+                                            "trainer.max_nonfinite_steps", "workers.niceness",
                                             "recipe_file")  # where the values came from: the values are compared
     # a value read from the environment (`${oc.env:NAME}`, directly or through another key) -> how it reads with
     # the reference unresolved: what checkpoints, W&B and print_config show instead (set by load_config; the

@@ -131,16 +131,22 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
                       f"{sampling.max_new_tokens} new tokens): the policy will never evict", stacklevel=3)
 
 
-def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = None) -> int:
+def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = None, chunk: int = 256) -> int:
     """Refuse a data set with a prompt the model cannot hold, naming the row (``file:line``
     of a loaded data set) before a run starts rather than when a rollout reaches it.
-    Returns the longest prompt's length in tokens (rendered by ``chat`` as the engines do)."""
-    lengths = [len(ids) for ids in encode_prompts(tokenizer, [t.prompt for t in tasks], chat)] if tasks else [0]
-    for task, n in zip(tasks, lengths):
-        if positions is not None and n >= positions:
-            raise ValueError(f"{task.meta.get('source', task.id)}: the prompt has {n} tokens, the model holds "
-                             f"{positions} positions; drop or shorten that row")
-    return max(lengths)
+    Returns the longest prompt's length in tokens (rendered by ``chat`` as the engines do).
+
+    ``chunk`` rows at a time: the whole data set's tokens at once made the driver of a 200 MB
+    file hold gigabytes (issue #35); a lazily read data set is read ``chunk`` rows at a time."""
+    longest = 0
+    for start in range(0, len(tasks), chunk):
+        part = tasks[start:start + chunk]
+        for task, ids in zip(part, encode_prompts(tokenizer, [t.prompt for t in part], chat)):
+            if positions is not None and len(ids) >= positions:
+                raise ValueError(f"{task.meta.get('source', task.id)}: the prompt has {len(ids)} tokens, the model "
+                                 f"holds {positions} positions; drop or shorten that row")
+            longest = max(longest, len(ids))
+    return longest
 
 
 def default_stop_ids(generation_config, tokenizer) -> list[int]:

@@ -145,10 +145,12 @@ class Env(abc.ABC):
 class TextEnv(Env):
     """Single-step text episodes: ``reset`` yields a :class:`Task`, ``step(completion)`` scores it.
 
-    Tasks come either from a dataset (pass ``data=[Task, ...]``; shuffled per epoch with
-    ``np_random`` unless ``shuffle=False``) or procedurally (leave ``data=None`` and override
-    :meth:`sample_task`). Both go through one cursor, shared by :meth:`reset` and
-    :meth:`tasks`, which is what :meth:`state_dict` saves.
+    Tasks come either from a dataset (pass ``data=[Task, ...]``, or a sequence that reads each
+    task when indexed and carries their digest as ``tasks_sha256``, as
+    :class:`kvrl.envs.math.JsonlTasks` does; shuffled per epoch with ``np_random`` unless
+    ``shuffle=False``) or procedurally (leave ``data=None`` and override :meth:`sample_task`).
+    Both go through one cursor, shared by :meth:`reset` and :meth:`tasks`, which is what
+    :meth:`state_dict` saves.
 
     ``step`` returns ``(None, reward, True, False, info)`` with ``info[name]`` for every
     reward function and ``info["reward"]``. Batch callers (the RL controller scores many
@@ -165,7 +167,9 @@ class TextEnv(Env):
         *,
         shuffle: bool = True,
     ) -> None:
-        self.data = list(data) if data is not None else None
+        # a sequence that reads its rows when drawn and knows their digest (kvrl.envs.math.JsonlTasks) stays
+        # as it is: a list of a large file's tasks is what made the driver hold gigabytes (issue #35)
+        self.data = None if data is None else data if hasattr(data, "tasks_sha256") else list(data)
         self.rewards = list(rewards or [])
         self.shuffle = shuffle
         self._order: list[int] | None = None  # dataset permutation for the current epoch
@@ -206,6 +210,8 @@ class TextEnv(Env):
         """Digest of the data set's tasks (ids, prompts, answers, in order); None if procedural."""
         if self.data is None:
             return None
+        if hasattr(self.data, "tasks_sha256"):  # computed in the one pass that indexed the file
+            return self.data.tasks_sha256
         h = hashlib.sha256()
         for t in self.data:
             h.update(json.dumps([t.id, t.prompt, t.answer]).encode())

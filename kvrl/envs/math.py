@@ -22,7 +22,11 @@ checking timed out); ``has_boxed`` (weight 0, a metric only).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +81,8 @@ class MathEnv(TextEnv):
         self.path = Path(path) if path is not None else FIXTURE
         self.template = template
         self.timeout = timeout
-        tasks = load_math_tasks(self.path, template)
         super().__init__(
-            tasks[:limit] if limit is not None else tasks,
+            math_tasks(self.path, template, limit),
             rewards=[Reward(self.correct, 1.0, "correct"), Reward(has_boxed, 0.0, "has_boxed")],
             shuffle=shuffle,
         )
@@ -102,48 +105,113 @@ def has_boxed(task: Task, completion: str) -> float:
 
 
 def load_math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE) -> list[Task]:
-    """Read ``path`` and turn each row into a Task (see the module docstring for layouts)."""
+    """Read ``path`` and turn each row into a Task (see the module docstring for layouts).
+    Every row is held in memory: :func:`math_tasks` is what the environment uses."""
+    return list(math_tasks(path, template))
+
+
+def math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> Sequence[Task]:
+    """The tasks of ``path`` (its first ``limit``): a JSONL file as a :class:`JsonlTasks`, read
+    row by row when drawn; a parquet file as a list."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"math dataset {str(path)!r} is a directory: give one .jsonl or .parquet file in it")
     if not path.is_file():
         raise FileNotFoundError(f"math dataset {str(path)!r} not found (give one .jsonl or .parquet file)")
-    tasks = []
-    for where, index, row in _rows(path):
-        tasks.append(row_to_task(row, where, f"{path.stem}-{index}", template))
-    if not tasks:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        tasks = [row_to_task(row, f"{path}:{i + 1}", f"{path.stem}-{i}", template)
+                 for i, row in enumerate(pq.read_table(path).to_pylist())]
+        tasks = tasks[:limit] if limit is not None else tasks
+    elif path.suffix in (".jsonl", ".json"):
+        tasks = JsonlTasks(path, template, limit)
+    else:
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    if not len(tasks) and limit != 0:  # limit=0 asked for none (and gets an empty data set, as before)
         raise ValueError(f"{path}: no rows")
     return tasks
 
 
-def _rows(path: Path):
-    """Yield ``(file:line, row index, dict)``; JSON errors name the line."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
+class JsonlTasks(Sequence):
+    """The tasks of a JSONL file, each read from the file when it is indexed.
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}:{i + 1}", i, row
-        return
-    if path.suffix not in (".jsonl", ".json"):
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
-    index = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            try:  # a byte-order mark may open the file
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                 "re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            yield f"{path}:{lineno}", index, row
-            index += 1
+    Holding every row as a Task (and the driver tokenising them all) made a 200 MB file cost
+    the driver 4.2 GB and each rollout actor 1.3 GB (issue #35). One streaming pass at
+    construction checks every row as :func:`row_to_task` would (a malformed row fails now,
+    naming ``file:line``) and keeps only each row's byte offset and line number (12 bytes a
+    row) and ``tasks_sha256``: the digest :meth:`TextEnv.state_dict` saves, the same one a
+    list of these tasks gives, so a file edited between a run and its resume is refused. A
+    file changed while it is being read is refused at the next read: its offsets no longer
+    point at its rows.
+    """
+
+    def __init__(self, path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> None:
+        self.path, self.template = Path(path), template
+        self._offsets, self._lines = array("q"), array("i")
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            self._stamp = _stamp(f)
+            for index, (lineno, offset, row) in enumerate(_jsonl_rows(self.path, f)):
+                task = row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{index}", template)
+                if limit is None or index < limit:  # rows past the limit are still checked, as before
+                    self._offsets.append(offset)
+                    self._lines.append(lineno)
+                    digest.update(json.dumps([task.id, task.prompt, task.answer]).encode())
+        self.tasks_sha256 = digest.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._read(range(*i.indices(len(self))))
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"task {i} of {len(self)}")
+        return self._read([i % len(self)])[0]
+
+    def __iter__(self):  # a chunk per open, not an open per row
+        for start in range(0, len(self), 256):
+            yield from self[start:start + 256]
+
+    def _read(self, indices) -> list[Task]:
+        tasks = []
+        with open(self.path, "rb") as f:
+            if _stamp(f) != self._stamp:
+                raise ValueError(f"{self.path} changed while this run reads it (size or modification time differ "
+                                 "from when it was opened): restore it, or start a new run to train on the new one")
+            for i in indices:
+                f.seek(self._offsets[i])
+                lineno, _, row = next(_jsonl_rows(self.path, f, self._lines[i]))
+                tasks.append(row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{i}", self.template))
+        return tasks
+
+
+def _stamp(f) -> tuple[int, int, int]:
+    st = os.fstat(f.fileno())
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _jsonl_rows(path: Path, f, lineno: int = 1):
+    """Yield ``(line number, byte offset, dict)`` for each non-empty line of ``f`` from its
+    position on (line ``lineno``); errors name ``file:line``."""
+    offset = f.tell()
+    for lineno, raw in enumerate(iter(f.readline, b""), start=lineno):
+        start, offset = offset, offset + len(raw)
+        try:  # a byte-order mark may open the file
+            line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                             "re-encode the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        yield lineno, start, row
 
 
 def row_to_task(row: dict, where: str, default_id: str, template: str = DEFAULT_TEMPLATE) -> Task:

@@ -112,7 +112,7 @@ def main(cfg) -> dict:
     env.reset(seed=cfg.seed)
     # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
     data = getattr(env, "data", None)
-    tasks = list(data)[:cfg.env.num_eval_tasks] if data else env.tasks(cfg.env.num_eval_tasks)
+    tasks = list(data[:cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
     ids = Counter(t.id for t in tasks)
     if any(n > 1 for n in ids.values()):  # samples are keyed by task id, and a row counts tasks by id
         where = {}
