@@ -150,10 +150,16 @@ def test_a_users_registered_environment_locally_and_as_a_ray_job(tmp_path, rando
     local = tmp_path / "local"
     proc = run(REPO / ".venv" / "bin" / "python", "-m", "kvrl.run", "recipe=tiny_rl_full", f"model.path={random_model}",
                f"output_dir={local}", *ONE_STEP, *user, "workers.rollout=1", "workers.num_cpus=2",
+               "workers.engine=vllm", "sampling.temperature=2.0",
                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(user_package), os.environ.get("PYTHONPATH")]))},
                timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "env/user_words" in json.loads((local / "metrics.jsonl").read_text().splitlines()[0])
+    # #34 quiet by default: kvrl's lines and progress bars only; vLLM's, Ray's and DeepSpeed's stay in the logs it names
+    console = proc.stdout + proc.stderr
+    assert "kvrl: the actors' logs (vLLM, DeepSpeed, Ray) are in" in console
+    for noise in ("(RolloutWorker pid=", "(Learner pid=", "INFO ", "WARNING", "Failed to load weights", "Traceback"):
+        assert noise not in console, (noise, console[-3000:])
     out = tmp_path / "out"
     proc = run(SUBMIT, "--py-module", user_package / "kvtasks", "tiny_rl_full", f"model.path={random_model}",
                f"output_dir={out}", *ONE_STEP, *user,

@@ -211,6 +211,9 @@ class LoggingConfig:
     tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard (`pip install tensorboard`)
     # also log to Weights & Biases (`pip install wandb`); WANDB_MODE=offline writes output_dir/wandb without a network
     wandb: bool = False
+    # print Ray's and vLLM's own lines (actors' output, vLLM's INFO) on the console; by default they stay in the
+    # Ray session's log folder, which the run names when it starts Ray
+    verbose: bool = False
 
 
 @dataclass

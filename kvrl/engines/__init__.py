@@ -28,7 +28,12 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
     limits = {"stop_ids": m.stop_ids or None, "max_model_len": m.max_model_len or None, "chat": Chat.of(cfg.env)}
     if (kind or cfg.workers.engine) == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM reads its level once, at import: INFO floods the console with its configuration
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.logging.verbose else "WARNING")
         from kvrl.engines.vllm import VLLMEngine
+
+        if not cfg.logging.verbose:
+            quiet_weight_reloads()
 
         if limits["max_model_len"] is None:
             del limits["max_model_len"]  # vLLM's own default
@@ -37,3 +42,19 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
     from kvrl.engines.hf import HFEngine
 
     return HFEngine(*load_model(m.path, m.dtype, cfg.device), **limits)
+
+
+
+def quiet_weight_reloads() -> None:
+    """Drop vLLM's "ParallelLMHead / RotaryEmbedding: Failed to load weights" warnings, which
+    every weight push prints: its in-place reload finds no tensors for the tied LM head (pushed
+    with the embedding) and for the rotary embedding (none exist); the push's checksum is the check."""
+    import logging
+
+    def benign(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] in ("ParallelLMHead", "RotaryEmbedding"))
+
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if benign not in logger.filters:
+        logger.addFilter(benign)

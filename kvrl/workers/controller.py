@@ -37,6 +37,7 @@ after a resume regenerates its samples with the resumed weights (staleness 0).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -87,15 +88,29 @@ def connect(cfg) -> bool:
         return False
     address = cfg.workers.address or os.environ.get("RAY_ADDRESS", "")
     nice = cfg.workers.niceness
+    quiet = not cfg.logging.verbose  # the actors' output (vLLM, DeepSpeed) stays in the session's log files
+    if quiet:  # "token authentication is enabled" at every start: kvrl's private Ray keeps Ray's default on purpose
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if address:  # under `ray job submit` RAY_ADDRESS names the job's cluster
         # the cluster's system config is its head's; each worker also reads RAY_worker_niceness from its own
         # environment (Ray's job server sets it so for its supervisor), and env_vars merge key by key with the job's
-        ray.init(address=address, runtime_env={"env_vars": {"RAY_worker_niceness": str(nice)}})
+        ray.init(address=address, runtime_env={"env_vars": {"RAY_worker_niceness": str(nice)}}, log_to_driver=not quiet,
+                 logging_level=logging.WARNING if quiet else logging.INFO)
     else:  # "local", never a stale cluster that a file in the temp dir points at (reference/stack.md §1)
         # the system config, not a runtime_env, so that the workers Ray prestarts are the ones the actors get
         ray.init(address="local", num_cpus=cfg.workers.num_cpus or None, include_dashboard=False,
-                 _system_config={"worker_niceness": nice})
+                 _system_config={"worker_niceness": nice}, log_to_driver=not quiet,
+                 logging_level=logging.WARNING if quiet else logging.INFO)
+    if quiet:
+        tqdm.write(f"kvrl: the actors' logs (vLLM, DeepSpeed, Ray) are in {actor_logs()}; logging.verbose=true "
+                   "prints them here")
     return True
+
+
+def actor_logs() -> str:
+    """This driver's Ray session's log folder (not /tmp/ray/session_latest, which may be another Ray's)."""
+    node = ray._private.worker._global_node  # None in a process that did not start or join Ray itself
+    return str(Path(node.get_session_dir_path()) / "logs") if node is not None else "the Ray session's logs folder"
 
 
 def reserve(cfg, rollout: int, learners: int) -> None:
@@ -117,7 +132,7 @@ def get(refs, what: str, timeout_s: float):
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
         raise TimeoutError(f"{what} took longer than workers.timeout_s={timeout_s:g}s; raise it if the work is "
-                           "slow, else see the actors' logs (/tmp/ray/session_latest/logs)") from None
+                           f"slow, else see the actors' logs ({actor_logs()})") from None
 
 
 def raise_if_start_failed(err: RayActorError, name: str) -> None:
