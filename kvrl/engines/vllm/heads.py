@@ -12,18 +12,13 @@ one-token rows and prompt chunks. It reads the context's ``mode``, ``windows``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kvrl.engines.vllm.layout import HeadPool, PagedLayout
-
-if TYPE_CHECKING:
-    from kvrl.engines.vllm.runtime import RowPlan, StepPlan
+from kvrl.engines.vllm.steps import RowPlan, StepPlan, WindowPlan
 
 
 def window_heads(pattern) -> tuple[Tensor, int, int] | None:
@@ -37,42 +32,6 @@ def window_heads(pattern) -> tuple[Tensor, int, int] | None:
     if isinstance(pattern, Window):
         return torch.ones(pattern.layers, pattern.kv_heads, dtype=torch.bool), pattern.sink, pattern.recent
     return None
-
-
-@dataclass
-class WindowPlan:
-    """Static mode with a sink + recent pattern (:func:`window_heads`), planned once per step.
-
-    Every head stays in vLLM's own layout (slot = position, the stock write); a windowed
-    head also keeps its window in its first ``sink + recent`` slots, as a ring (position
-    p ≥ sink + recent at slot ``sink + (p − sink) % recent``), which overwrites only keys no
-    later query sees. A one-token row's query then reads m slots of a full head and
-    ``min(m, sink + recent)`` of a windowed one, all rows and heads in one
-    :meth:`PagedLayout.head_attention`; rows of several tokens (prefill chunks) attend
-    with the pattern's mask over the stock layout (torch, once per prompt)."""
-
-    decode: Tensor  # [Rd] token index of each one-token row's query (cache device)
-    all_decode: bool  # every row is a one-token row (decode index = token index)
-    m: Tensor  # [Rd] true length after the forward
-    blocks: Tensor  # [Rd, nb] their block tables
-    ring: Tensor  # [Rd] ring slot of the row's new token, −1 while it is its own slot
-    multi: list[RowPlan]  # rows of several tokens
-    # pooled heads (HeadPool): region ids of every row's heads, made at the step's first layer
-    pool: HeadPool | None = None
-    decode_rows: Tensor | None = None  # [Rd] row index of each one-token row
-    multi_rows: list[int] = field(default_factory=list)  # row index of each row in `multi`
-    all_blocks: Tensor | None = None  # [R, width] every row's block table
-    nblk: int = 0
-    table: Tensor | None = None  # [R, L, H, nblk] region ids of each head's logical blocks
-    decode_table: Tensor | None = None  # [Rd, L, H, nblk] the one-token rows' rows of it
-    write_at: tuple[Tensor, Tensor] | None = None  # one-token rows' (region, offset) [Rd, L, H] of the new key
-
-    def put(self, output: Tensor, out: Tensor) -> None:
-        """The one-token rows' attention [Rd, Hq, D] into the forward's output [T, Hq, D]."""
-        if self.all_decode:
-            output[:out.shape[0]] = out.to(output.dtype)
-        else:
-            output.index_copy_(0, self.decode, out.to(output.dtype))
 
 
 class HeadModes:

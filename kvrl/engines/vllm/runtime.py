@@ -78,15 +78,15 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from kvrl.engines.vllm.heads import HeadModes, WindowPlan, window_heads
+from kvrl.engines.vllm.heads import HeadModes, window_heads
 from kvrl.engines.vllm.kv_manager import parse_pool
-from kvrl.engines.vllm.layout import HeadPool, PagedLayout, SideStore
+from kvrl.engines.vllm.layout import PagedLayout, SideStore
+from kvrl.engines.vllm.steps import EvictBatch, EvictLayer, ReqState, RowPlan, StepPlan
 from kvrl.kernels.replay import NEVER
 from kvrl.kernels.scores import gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
@@ -129,88 +129,6 @@ def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
     if m < prompt_len:
         return m
     return kept + (g - e) if prompt_len + e > kept else m
-
-
-@dataclass
-class ReqState:
-    """One request's kvrl state on a worker."""
-
-    tag: str
-    index: int
-    prompt_len: int
-    length: int  # prompt + max_tokens + 1: the trace's T
-    # [L, H, T] int32 (NEVER = not evicted): the pattern itself in static mode; in token mode
-    # the request's row of WorkerContext.deaths while it runs, copied out when it finishes.
-    death: Tensor | None
-    lens: Tensor | None  # static mode: [L, H] int64 cache entries per head after the last forward
-    clen: int = 0  # token mode: cache entries per head (the same for all) after the last forward
-    done: int = 0  # true length after the last planned forward
-    qslot: int = -1
-    generator: torch.Generator | None = None
-    pooled: bool = False  # static mode: the request id carries a HeadPool cap (its heads share its blocks)
-    events: dict = field(default_factory=dict)  # generated count -> [L, H] sampled-eviction logprobs
-    evict_seconds: float = 0.0
-
-
-@dataclass
-class RowPlan:
-    req: ReqState
-    start: int  # first token of the row in the batch
-    q: int  # tokens of the row in this forward
-    done: int  # true length before the forward
-    blocks: Tensor  # the row's block table (physical ids), on the cache's device
-    lens: Tensor | None = None  # static mode: [L, H] cache entries before the forward
-
-    @property
-    def m(self) -> int:
-        return self.done + self.q
-
-
-@dataclass
-class EvictBatch:
-    """Token mode: the requests whose forward ends with an eviction, planned once per step
-    and evicted together at every layer, ``per_call`` layers at a time
-    (:meth:`WorkerContext._evict`)."""
-
-    rows: list[RowPlan]
-    n: int  # slots to read: the longest cache among them (the others are padded)
-    blocks: Tensor  # [R, ceil(n / bs)] their block tables
-    pad: Tensor  # [R, 1, n] bool: slots beyond the request's cache (position −1 for the policy)
-    qslot: Tensor  # [R] ring slots
-    qslot_host: Tensor  # [R] the same, for the death table on the host
-    m: Tensor  # [R] int32 true length after the forward = the death time of what is evicted
-    generators: list | None  # sampling: each request's own generator
-    events: Tensor | None  # sampling: [R, L, H] logprobs; row r is a view in rows[r].req.events
-    per_call: int = 1  # layers evicted per call (WorkerContext.attention)
-    layers: list[EvictLayer] = field(default_factory=list)  # attended, eviction not yet run
-    attended: int = 0
-
-
-@dataclass
-class EvictLayer:
-    """One layer's part of an :class:`EvictBatch`: what its eviction needs once deferred."""
-
-    index: int
-    name: str
-    layout: PagedLayout
-    kv_cache: Tensor
-    scale: float
-
-
-@dataclass
-class StepPlan:
-    """What the builder decided for one forward, read by every layer."""
-
-    mode: str
-    rows: list[RowPlan]
-    positions: Tensor  # [T] true positions of the forward's tokens (cache device)
-    q_tok: Tensor  # queries to keep: token indices, and their rows of the flattened ring [slots·W]
-    q_flat: Tensor
-    # token mode: flat indices into a side store's pos [nb·H·bs] of every (new token, head),
-    # and their positions (int32) — the same for every layer of the forward
-    side_addr: tuple | None = None
-    evict: EvictBatch | None = None  # token mode: the requests that evict after this forward
-    window: WindowPlan | None = None  # static mode with a sink + recent pattern
 
 
 class WorkerContext(HeadModes):
