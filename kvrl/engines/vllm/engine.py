@@ -49,8 +49,8 @@ from kvrl.engines.vllm import plugin
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
 from kvrl.engines.vllm.layout import HeadPool
-from kvrl.engines.vllm.heads import window_heads
 from kvrl.engines.vllm.patches import apply_patches
+from kvrl.engines.vllm.static import window_heads
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.base import geometry
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum

@@ -183,3 +183,30 @@ class SideStore:
         self.pos[b] = pos
         if self.state is not None:
             self.state[b] = state
+
+
+class SideStores:
+    """Every attention layer's :class:`SideStore`, by layer name, kept for the process's life
+    (a worker serves many regimes): one is (re)allocated at its layer's next write once the
+    cache's shape or the installed regime's ``state_size`` no longer fits it."""
+
+    def __init__(self):
+        self.by_layer: dict[str, SideStore] = {}
+        self.state_size = 0
+
+    def resize(self, state_size: int) -> None:
+        """A regime with ``state_size`` floats of policy state per slot is installed."""
+        self.state_size = state_size
+        for name, side in list(self.by_layer.items()):
+            if (side.state.shape[-1] if side.state is not None else 0) != state_size:
+                del self.by_layer[name]  # reallocated at the next write with the new state size
+
+    def for_layer(self, name: str, kv_cache: Tensor) -> SideStore:
+        """The layer's store, (re)allocated for ``kv_cache`` if it does not fit it."""
+        side = self.by_layer.get(name)
+        if side is None or side.pos.shape != kv_cache.shape[:3]:
+            side = self.by_layer[name] = SideStore.like(kv_cache, self.state_size)
+        return side
+
+    def __getitem__(self, name: str) -> SideStore:
+        return self.by_layer[name]

@@ -37,7 +37,7 @@ One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
   Non-evicting steps cost one vectorised write per layer (positions, NaN state, ring
   queries).
 * ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it).
-  RLKV's heads and windows (a sink + recent pattern, :func:`.heads.window_heads`) on the CPU
+  RLKV's heads and windows (a sink + recent pattern, :func:`.static.window_heads`) on the CPU
   backend pool a request's blocks (:class:`HeadPool`): a windowed head keeps its window
   as a ring of ⌈(sink + recent) / bs⌉ (block, head) regions, the full heads share the rest,
   so at sparsity s a request holds about (1 − s) of the full cache's blocks (the KV
@@ -45,7 +45,7 @@ One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
   vLLM's own CPU kernel with every (request, KV head) a sequence over its regions, prompt
   chunks with the pattern's mask (torch). Without pooling (the CUDA layout interleaves the
   heads within a block) every head keeps vLLM's slot = position and a windowed head its
-  ring in its first slots (:class:`.heads.WindowPlan`). Any other pattern (death tensors):
+  ring in its first slots (:class:`.steps.WindowPlan`). Any other pattern (death tensors):
   heads have their own lengths; keys are dropped once no later query can see them,
   attention over the packed per-head caches uses the pattern's mask (torch).
 * ``Mixed`` → ``"mixed"``: RLKV's mixed-gate attention over the full cache (vLLM's write,
@@ -83,10 +83,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvrl.engines.vllm.heads import HeadModes, window_heads
+from kvrl.engines.vllm.full import FullWorker
 from kvrl.engines.vllm.kv_manager import parse_pool
-from kvrl.engines.vllm.layout import PagedLayout, SideStore
-from kvrl.engines.vllm.steps import EvictBatch, EvictLayer, ReqState, RowPlan, StepPlan
+from kvrl.engines.vllm.layout import PagedLayout, SideStores
+from kvrl.engines.vllm.mixed import MixedWorker
+from kvrl.engines.vllm.static import static_worker
+from kvrl.engines.vllm.steps import EvictBatch, EvictLayer, RegimeWorker, ReqState, RowPlan, StepInput, StepPlan
 from kvrl.kernels.replay import NEVER
 from kvrl.kernels.scores import gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
@@ -131,7 +133,7 @@ def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
     return kept + (g - e) if prompt_len + e > kept else m
 
 
-class WorkerContext(HeadModes):
+class WorkerContext:
     """The per-process kvrl state of a vLLM worker (one per process: :data:`CONTEXT`)."""
 
     def __init__(self):
@@ -140,16 +142,11 @@ class WorkerContext(HeadModes):
         self.mode: str | None = None
         self.regime = None  # the installed regime (a copy of the engine's)
         self.policy: KVPolicy | None = None  # token mode: the Evicting regime's policy
-        self.static: Static | None = None  # static mode
-        self.windows: tuple[Tensor, int, int] | None = None  # static mode: window_heads(pattern)
-        self.windowed_heads: list[Tensor] = []
-        self.full_heads: list[Tensor] = []
-        self.pool: HeadPool | None = None  # static mode with pooled heads (built for the block size)
-        self.mixed: Mixed | None = None  # mixed mode
+        self.worker: RegimeWorker = FullWorker()  # the other regimes' part
         self.sample = False
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
         self.finished: dict[str, ReqState] = {}  # tag -> state, until popped
-        self.side: dict[str, SideStore] = {}
+        self.sides = SideStores()
         # token mode: the last `observe` post-RoPE queries per layer, [slots, W, Hq, D] (ring
         # index = position % W), and their positions [slots, W] (−1 = none yet), which are
         # the same for every layer and so written once per step
@@ -186,29 +183,19 @@ class WorkerContext(HeadModes):
         if not isinstance(regime, Full):
             check_config(self.vllm_config)
         self.regime = copy.deepcopy(regime)
-        self.policy = self.static = self.mixed = None
+        self.policy, self.mode, self.worker = None, None, FullWorker()
         self.sample = sample
         match self.regime:
-            case Full():
-                self.mode = None
             case Evicting(policy=policy):
                 self.mode, self.policy = "token", policy
                 module = policy.trainable()
                 if module is not None:
                     module.to(self.device)
             case Static():
-                self.mode, self.static = "static", self.regime
-                self.windows = window_heads(self.regime.pattern)
-                self.pool = None
-                if self.windows is not None:  # each layer's windowed and full heads, read at every write
-                    self.windowed_heads = [m.nonzero().squeeze(-1) for m in self.windows[0]]
-                    self.full_heads = [(~m).nonzero().squeeze(-1) for m in self.windows[0]]
+                self.worker = static_worker(self.regime, self.geometry, self.sides)
             case Mixed():
-                self.mode, self.mixed = "mixed", self.regime
-        state_size = self.policy.state_size if self.policy is not None else 0
-        for name, side in list(self.side.items()):
-            if (side.state.shape[-1] if side.state is not None else 0) != state_size:
-                del self.side[name]  # reallocated at the next write with the new state size
+                self.worker = MixedWorker(self.regime)
+        self.sides.resize(self.policy.state_size if self.policy is not None else 0)
 
     def push_cache_state(self, state: dict) -> str:
         """Load new trainable state into the installed regime (``regime.load_state``, which
@@ -244,6 +231,8 @@ class WorkerContext(HeadModes):
         st = self.active.pop(rid)
         if self.mode == "token":
             st.death = self.deaths[st.qslot, :, :, :st.length].clone()
+        else:
+            self.worker.release(st)
         self.free_slots.append(st.qslot)
         return st
 
@@ -253,14 +242,6 @@ class WorkerContext(HeadModes):
         tag = str(extra.get("kvrl_tag", rid))
         index = int(extra.get("kvrl_index", 0))
         length = prompt_len + (params.max_tokens if params is not None and params.max_tokens else 0) + 1
-        layers, heads = self.geometry
-        death = lens = None
-        if self.mode == "static":
-            death = self.static.row(index, length - 1)  # covers prompt + max_tokens, as the engine's T
-            if death.shape[:2] != (layers, heads):
-                raise ValueError(f"death pattern of shape {tuple(death.shape)}, the model has "
-                                 f"(layers, kv_heads) = {(layers, heads)}")
-            lens = torch.zeros(layers, heads, dtype=torch.long)
         gen = None
         if self.sample:
             gen = torch.Generator(device=self.device).manual_seed(int(extra.get("kvrl_seed", 0)))
@@ -268,13 +249,15 @@ class WorkerContext(HeadModes):
             slot = self.free_slots.pop()
         else:
             slot, self.n_slots = self.n_slots, self.n_slots + 1
+        st = ReqState(tag, index, prompt_len, length, qslot=slot, generator=gen, pooled=parse_pool(rid) is not None)
         if self.mode == "token":
             self._death_rows(slot + 1, length)[slot] = NEVER
-        pooled = parse_pool(rid) is not None
-        if pooled and self.windows is None:
+        else:
+            self.worker.admit(st)
+        if st.pooled and not self.worker.pools:
             raise RuntimeError(f"request {rid} asks for pooled heads, but the installed regime is not a sink + "
                                "recent pattern")
-        return ReqState(tag, index, prompt_len, length, death, lens, qslot=slot, generator=gen, pooled=pooled)
+        return st
 
     def _death_rows(self, slots: int, length: int) -> Tensor:
         """The death table with room for ``slots`` requests of ``length`` tokens (grown, kept)."""
@@ -295,7 +278,7 @@ class WorkerContext(HeadModes):
         """Plan one forward from the common attention metadata; in token mode rewrite
         ``cm.slot_mapping`` in place (the forward context holds the same tensor) and return
         the new per-row kernel lengths through ``plan.kernel_seq_lens``."""
-        if self.mode is None or self.runner is None:
+        if self.runner is None or (self.mode != "token" and not self.worker.plans):
             return None
         ib = self.runner.input_batch
         n = ib.num_reqs
@@ -317,15 +300,13 @@ class WorkerContext(HeadModes):
         positions = torch.from_numpy(done[tok_row] + offs)
         dev = cm.slot_mapping.device
         none = torch.zeros(0, dtype=torch.long)
-        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
-        if self.mode == "static" and self.windows is not None:
-            plan.window = self._plan_window(rows, cm.block_table_tensor, block_size, *self.windows[1:])
-        elif self.mode == "mixed":
-            plan.window = self._plan_window(rows, cm.block_table_tensor, block_size, self.mixed.sink,
-                                            self.mixed.recent)
+        plan = StepPlan(rows, positions.to(dev, torch.long), none, none)
         if self.mode == "token":
             bt = ib.block_table[0].block_table.cpu[:n]  # the same rows as cm.block_table_tensor, on the host
             self._plan_token(plan, cm, bt, block_size, positions, counts, tok_row, offs, done, fresh)
+        else:
+            self.worker.plan(plan, StepInput(cm, ib, block_size, positions, counts, tok_row, offs, done, fresh,
+                                             self.n_slots))
         return plan
 
     def _plan_rows(self, ib, n: int, qsl: list[int], counts: np.ndarray, bt_dev: Tensor) -> tuple[list[RowPlan], list[int]]:
@@ -352,8 +333,6 @@ class WorkerContext(HeadModes):
             q = int(counts[i])
             # token mode reads the block table as a whole (a row view costs 2 µs, 64 of them a step)
             row = RowPlan(st, qsl[i], q, done, None if self.mode == "token" else bt_dev[i])
-            if self.mode == "static" and self.windows is None:  # lens: updated by the layers
-                row.lens = st.lens.clone()
             st.done = done + q
             rows.append(row)
         return rows, fresh
@@ -419,13 +398,6 @@ class WorkerContext(HeadModes):
 
     # ---- layer side ----
 
-    def side_for(self, layer_name: str, kv_cache: Tensor) -> SideStore:
-        side = self.side.get(layer_name)
-        state_size = self.policy.state_size if self.policy is not None else 0
-        if side is None or side.pos.shape != kv_cache.shape[:3]:
-            side = self.side[layer_name] = SideStore.like(kv_cache, state_size)
-        return side
-
     def _ring_pos(self, w: int, device) -> Tensor:
         """The ring's positions [slots, W], grown to hold every slot in use (kept)."""
         old = self.ring_pos
@@ -455,91 +427,45 @@ class WorkerContext(HeadModes):
     def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
                   value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
         """Write the forward's new keys/values (and their positions/state) to the cache."""
-        if plan.mode == "mixed":
-            stock_write()
+        if self.mode != "token":
+            self.worker.kv_update(plan, layer_idx, layer_name, layout, key, value, kv_cache, slot_mapping,
+                                  stock_write)
             return
-        if plan.window is not None and plan.window.pool is not None:
-            self._pool_write(plan.window, layer_idx, layout, key, value, kv_cache)
-            return
-        if plan.window is not None:
-            stock_write()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
-            wp = plan.window
-            rows = (wp.ring >= 0).nonzero().squeeze(-1)
-            heads = self.windowed_heads[layer_idx].to(kv_cache.device)
-            if rows.numel() and heads.numel():
-                r, hh = rows.repeat_interleave(heads.numel()), heads.repeat(rows.numel())
-                tok = wp.decode[r]
-                layout.write(kv_cache, wp.blocks, r, hh, wp.ring[r], key[tok, hh], value[tok, hh])
-            return
-        side = self.side_for(layer_name, kv_cache)
+        side = self.sides.for_layer(layer_name, kv_cache)
         bs = kv_cache.shape[2]
         total = plan.positions.shape[0]
-        if plan.mode == "token":
-            stock_write()  # with the remapped slot_mapping
-            if plan.side_addr is None:  # the same for every layer of the forward
-                slots = slot_mapping[:total].long()
-                h = kv_cache.shape[1]
-                heads = torch.arange(h, device=slots.device)
-                flat = ((slots // bs)[:, None] * h + heads) * bs + (slots % bs)[:, None]  # [T, H]
-                plan.side_addr = (flat.view(-1), plan.positions.to(torch.int32).repeat_interleave(h))
-            flat, pos = plan.side_addr
-            side.pos.view(-1).index_copy_(0, flat, pos)
-            if side.state is not None:
-                side.state.view(-1, side.state.shape[-1]).index_fill_(0, flat, float("nan"))
-            return
-        # static: every head appends at its own length
-        h, dev = kv_cache.shape[1], kv_cache.device
-        for row in plan.rows:
-            lens = row.lens[layer_idx].to(dev)  # [H]
-            j = torch.arange(row.q, device=dev)
-            slots = (lens[:, None] + j[None, :]).reshape(-1)
-            heads = torch.arange(h, device=dev).repeat_interleave(row.q)
-            toks = j.repeat(h) + row.start
-            zero = torch.zeros_like(heads)
-            layout.write(kv_cache, row.blocks[None], zero, heads, slots, key[toks, heads], value[toks, heads])
-            side.write(row.blocks[None], zero, heads, slots, plan.positions[toks], None)
+        stock_write()  # with the remapped slot_mapping
+        if plan.side_addr is None:  # the same for every layer of the forward
+            slots = slot_mapping[:total].long()
+            h = kv_cache.shape[1]
+            heads = torch.arange(h, device=slots.device)
+            flat = ((slots // bs)[:, None] * h + heads) * bs + (slots % bs)[:, None]  # [T, H]
+            plan.side_addr = (flat.view(-1), plan.positions.to(torch.int32).repeat_interleave(h))
+        flat, pos = plan.side_addr
+        side.pos.view(-1).index_copy_(0, flat, pos)
+        if side.state is not None:
+            side.state.view(-1, side.state.shape[-1]).index_fill_(0, flat, float("nan"))
 
     def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
                   kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
                   value: Tensor | None = None) -> None:
         """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction;
         ``key``/``value`` [T, H, D] are the forward's new ones (pooled prompt chunks read them)."""
-        if plan.mode == "token":
-            stock_forward()
-            self._observe(plan, layer_idx, query)
-            eb = plan.evict
-            if eb is not None:
-                # Layers hold their own caches, so a layer's eviction may wait for later layers'
-                # attention and run with theirs (EVICT_ROWS); the last layer runs what is left.
-                eb.layers.append(EvictLayer(layer_idx, layer_name, layout, kv_cache, scale))
-                eb.attended += 1
-                if len(eb.layers) == eb.per_call or eb.attended == self.geometry[0]:
-                    self._evict(eb, eb.layers)
-                    eb.layers = []
+        if self.mode != "token":
+            self.worker.attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output,
+                                  stock_forward, key, value)
             return
-        if plan.mode == "mixed":
-            from kvrl.kernels.mixed import mixed_gate_attention
-
-            mg = self.mixed
-            wp = plan.window
-            if wp.decode.numel():
-                q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-                wp.put(output, self._mixed_decode(wp, layer_idx, layout, q, kv_cache, scale))
-            for row in wp.multi:
-                k, v = layout.read(kv_cache, row.blocks[None], row.m)
-                qpos = plan.positions[row.start:row.start + row.q]
-                q = query[row.start:row.start + row.q].transpose(0, 1)[None]
-                out = mixed_gate_attention(q, k, v, qpos[None], torch.arange(row.m, device=q.device)[None],
-                                           mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
-                output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
-            return
-        if plan.window is not None and plan.window.pool is not None:
-            self._pool_attention(plan.window, layer_idx, layout, query, key, value, kv_cache, scale, output)
-            return
-        if plan.window is not None:
-            self._window_attention(plan.window, layer_idx, layout, query, kv_cache, scale, output)
-            return
-        self._static_attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output)
+        stock_forward()
+        self._observe(plan, layer_idx, query)
+        eb = plan.evict
+        if eb is not None:
+            # Layers hold their own caches, so a layer's eviction may wait for later layers'
+            # attention and run with theirs (EVICT_ROWS); the last layer runs what is left.
+            eb.layers.append(EvictLayer(layer_idx, layer_name, layout, kv_cache, scale))
+            eb.attended += 1
+            if len(eb.layers) == eb.per_call or eb.attended == self.geometry[0]:
+                self._evict(eb, eb.layers)
+                eb.layers = []
 
     def _observe(self, plan: StepPlan, layer_idx: int, query: Tensor) -> None:
         if plan.q_tok.numel() == 0:
@@ -557,7 +483,7 @@ class WorkerContext(HeadModes):
         each request keeps ``budget_at(its length)`` of its own slots)."""
         start = time.perf_counter()
         policy, reads, r = self.policy, self.policy.reads, len(eb.rows)
-        sides = [self.side[lay.name] for lay in layers]
+        sides = [self.sides[lay.name] for lay in layers]
 
         def stacked(parts: list) -> Tensor | None:
             return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)

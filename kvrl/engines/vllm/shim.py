@@ -29,7 +29,7 @@ class KVRLBuilderMixin:
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
         plan = context().plan_step(cm, self.kv_cache_spec.block_size)
-        if plan is not None and plan.mode == "token":
+        if plan is not None and plan.kernel_seq_lens is not None:
             n = plan.kernel_seq_lens.shape[0]
             seq_lens = cm.seq_lens.clone()
             seq_lens[:n], seq_lens[n:] = plan.kernel_seq_lens, 0
