@@ -16,7 +16,7 @@ carry the :class:`kvrl.cache.EvictionTrace`), a static pattern / ``Static``
 Behaviour worth knowing:
 
 * Each prompt is an independent vLLM request, so a row's eviction schedule is its own
-  (:func:`kvrl.engines.vllm.runtime.cache_len_after`); the HF engine decodes the batch in
+  (:func:`kvrl.engines.vllm.evicting.cache_len_after`); the HF engine decodes the batch in
   lock-step with the same per-row result (its ``test_batch_rows_are_independent``).
 * Greedy decoding matches the HF engine; sampled tokens use vLLM's sampler (seed
   ``sampling.seed + i`` for prompt i) and sampled evictions one generator per request
@@ -199,7 +199,7 @@ class VLLMEngine:
                     pool = HeadPool(*windows, self.block_size).sizes
             case Evicting(policy=p):
                 # the cache peaks an interval above the budget of the request's longest length
-                # (runtime.cache_len_after; the budget grows with the length in ratio mode)
+                # (evicting.cache_len_after; the budget grows with the length in ratio mode)
                 keep = [p.budget_at(len(x) + sampling.max_new_tokens) + p.interval for x in ids]
         self._install(regime, sampling.sample_evictions)
         # vLLM would add the generation config's EOS ids to ours: ignore_eos leaves exactly ours

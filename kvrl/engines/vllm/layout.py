@@ -5,8 +5,10 @@
 read / write / compact / attention over many requests' block tables at once.
 :class:`SideStore` holds, beside each layer's cache and indexed the same way, every slot's
 true position and the policy's per-token state. :class:`HeadPool` numbers the (layer, head)
-regions of a request's blocks when RLKV's heads share them (static mode). The hooks that
-use them, and the request bookkeeping, are :mod:`kvrl.engines.vllm.runtime`.
+regions of a request's blocks when RLKV's heads share them (the static regime).
+:class:`SideStores` keeps every layer's side store for the worker's life. The request
+bookkeeping is :mod:`kvrl.engines.vllm.runtime`; the regimes that use these are
+:mod:`.evicting`, :mod:`.static` and :mod:`.mixed`.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class PagedLayout:
 
 
 class HeadPool:
-    """RLKV heads sharing a request's blocks (static mode, a sink + recent pattern).
+    """RLKV heads sharing a request's blocks (the static regime, a sink + recent pattern).
 
     vLLM gives a request blocks; each block holds, in every layer, one region of ``bs``
     slots per KV head, so a request with n blocks owns n·L·H regions. Left to vLLM, every

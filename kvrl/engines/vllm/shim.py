@@ -5,7 +5,8 @@ builder, implementation and backend with these mixins first in the bases, and ad
 what depends on its cache layout: ``LAYOUT`` (a :class:`kvrl.engines.vllm.layout.PagedLayout`)
 and, where a layout must be checked against the stock write op, :meth:`KVRLImplMixin._check_layout`.
 Without an installed kvrl regime every method defers to the stock class unchanged; with one,
-they call the shared hooks of :mod:`kvrl.engines.vllm.runtime`.
+they call the hooks of the worker context (:mod:`kvrl.engines.vllm.runtime`), which hands
+them to the installed regime.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from kvrl.engines.vllm.runtime import context, layer_index
 
 
 class KVRLBuilderMixin:
-    """Plans each forward (``runtime.WorkerContext.plan_step``) before the stock build. In
-    token mode the kernel sees each request's packed cache length: ``seq_lens`` (and its
+    """Plans each forward (``runtime.WorkerContext.plan_step``) before the stock build. Under
+    an evicting regime the kernel sees each request's packed cache length: ``seq_lens`` (and its
     host upper bound, where the metadata has one) are rewritten, and cascade attention is
     off (it assumes shared, unpacked prefixes)."""
 
