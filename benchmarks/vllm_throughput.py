@@ -27,7 +27,7 @@ thread. Four settings, one JSON line each:
     would cost. StreamingLLM scores nothing (its eviction is the reads, selection and
     compaction every policy pays), so when it runs too, ``bound_share`` = its share plus a
     policy's floor share: the least that policy's eviction can cost on this data path.
-    Below 16 concurrent requests (``runtime.EVICT_ROWS``) the same run is repeated with one
+    Below 16 concurrent requests (``evicting.EVICT_ROWS``) the same run is repeated with one
     layer per call: ``speedup_over_one_layer_per_call`` is its microseconds per request and
     layer over the default's.
 ``bookkeeping``  what token mode costs besides eviction: the same batch with the full cache
@@ -51,7 +51,6 @@ its rollouts' attention over the full cache).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import tempfile
@@ -64,7 +63,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvrl.engines.base import Sampling  # noqa: E402
-from kvrl.engines.vllm.runtime import cache_len_after  # noqa: E402
+from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
 from kvrl.policies import HeadAllocation, Mixed, make_policy  # noqa: E402
 
 TOKEN_POLICIES = ("streaming", "h2o", "snapkv", "rkv", "gkv")
@@ -269,22 +268,22 @@ def floor_us_per_request(shape, kv_heads: int, interval: int, *, redundancy: boo
 
 
 def calls(args, engine, layers, kv_heads):
-    from kvrl.engines.vllm import runtime
+    from kvrl.engines.vllm import evicting
     from kvrl.engines.vllm.cpu_backend import CPULayout
-    from kvrl.engines.vllm.runtime import CONTEXT
+    from kvrl.engines.vllm.evicting import EvictingWorker
 
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
     result = {"setting": "calls", "new_tokens": args.new, "budget": args.budget, "interval": args.interval,
               "policies": {}}
-    evict, rows_per_call = CONTEXT._evict, runtime.EVICT_ROWS
+    evict, rows_per_call = EvictingWorker._evict, evicting.EVICT_ROWS
     for name in args.policies.split(","):
         rows = {}
         for n in [int(c) for c in args.concurrency.split(",")]:
             spent = {"calls": 0, "rows": 0, "seconds": 0.0, "read": 0.0, "score": 0.0, "select": 0.0, "compact": 0.0}
 
-            def timed(batch, evicted, spent=spent):
+            def timed(worker, batch, evicted, spent=spent):
                 start = time.perf_counter()
-                evict(batch, evicted)
+                evict(worker, batch, evicted)
                 spent["calls"] += 1
                 spent["rows"] += len(batch.rows) * len(evicted)
                 spent["seconds"] += time.perf_counter() - start
@@ -301,11 +300,11 @@ def calls(args, engine, layers, kv_heads):
                 return score(self, obs)
 
             type(policy).score = shaped
-            CONTEXT._evict = timed
+            EvictingWorker._evict = timed
             try:
                 _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
             finally:
-                CONTEXT._evict = evict
+                EvictingWorker._evict = evict
                 type(policy).score = score
                 for restore in restores:
                     restore()
@@ -323,13 +322,15 @@ def calls(args, engine, layers, kv_heads):
                                              redundancy=FLOOR_OPS[name])
                 rows[n]["floor_us_per_request"] = round(floor, 1)
                 rows[n]["floor_share"] = round(rows[n]["evict_share"] * floor / rows[n]["us_per_request"], 4)
-            if n < runtime.EVICT_ROWS:  # calls may take several layers: the same run at one layer per call
+            if n < evicting.EVICT_ROWS:  # calls may take several layers: the same run at one layer per call
                 spent = {"calls": 0, "rows": 0, "seconds": 0.0}
-                CONTEXT._evict, runtime.EVICT_ROWS = functools.partial(timed, spent=spent), 1
+                # a method: partial objects do not bind the worker
+                EvictingWorker._evict = lambda worker, batch, evicted, spent=spent: timed(worker, batch, evicted, spent)
+                evicting.EVICT_ROWS = 1
                 try:
                     _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
                 finally:
-                    CONTEXT._evict, runtime.EVICT_ROWS = evict, rows_per_call
+                    EvictingWorker._evict, evicting.EVICT_ROWS = evict, rows_per_call
                 one = 1e6 * spent["seconds"] / max(1, spent["rows"])
                 rows[n]["one_layer_per_call"] = {"us_per_request": round(one, 1),
                                                  "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}

@@ -61,3 +61,59 @@ def test_the_check_catches_an_upward_import(tmp_path):
     bad.write_text("def f():\n    from kvrl.workers.controller import Controller\n")
     assert imports(bad) == [(2, "kvrl.workers.controller")]
     assert layers()[component("kvrl.workers.controller")] > layers()["policies"]
+
+
+def module_name(path: Path) -> str:
+    """kvrl/engines/vllm/runtime.py -> kvrl.engines.vllm.runtime; kvrl/envs/__init__.py -> kvrl.envs."""
+    return ".".join(("kvrl", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The kvrl modules a file imports outside its functions and classes, ``if TYPE_CHECKING:``
+    blocks included (a circle a type checker walks is still a circle); ``from pkg import mod``
+    counts as importing ``pkg.mod``. Imports inside a function run late, when both modules
+    are loaded, and do not count."""
+    found = set()
+    pending = list(ast.parse(path.read_text(), str(path)).body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.If, ast.Try)):
+            pending += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
+                        *(s for h in getattr(node, "handlers", []) for s in h.body)]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                      for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found & modules
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle of the graph, each once, as the path from its least module back to it."""
+    circles = []
+    for start in sorted(graph):
+        stack = [(start, [start])]
+        while stack:
+            node, path = stack.pop()
+            for target in graph[node]:
+                if target == start:
+                    circles.append(path + [start])
+                elif target > start and target not in path:
+                    stack.append((target, path + [target]))
+    return circles
+
+
+def test_no_import_circle():
+    paths = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph = {name: module_imports(path, set(paths)) for name, path in paths.items()}
+    circles = import_circles(graph)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_check_catches_a_circle_through_type_checking(tmp_path):
+    """heads.py imported runtime's plan types for its annotations while runtime imported heads."""
+    a = tmp_path / "a.py"
+    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvrl.b import Plan\n"
+                 "def f():\n    from kvrl.c import g\n")
+    assert module_imports(a, {"kvrl.b", "kvrl.c"}) == {"kvrl.b"}
+    assert import_circles({"kvrl.a": {"kvrl.b"}, "kvrl.b": {"kvrl.a"}}) == [["kvrl.a", "kvrl.b", "kvrl.a"]]

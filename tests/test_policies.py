@@ -720,7 +720,7 @@ def test_budget_at_is_gkv_ratio_mode():
 def test_ratio_mode_schedule_by_hand():
     """budget 6, ratio 0.5, interval 4, prompt 10: cut after prefill to max(6, 5) = 6,
     then at true lengths 14, 18, 22, 26 to 7, 9, 11, 13 (window and sink inside)."""
-    from kvrl.engines.vllm.runtime import cache_len_after  # imports no vLLM
+    from kvrl.engines.vllm.evicting import cache_len_after  # imports no vLLM
 
     policy = StreamingLLM(budget=6, interval=4, window=2, sink=1, budget_ratio=0.5)
     prompt = 10
@@ -752,7 +752,7 @@ def test_ratio_mode_schedule_by_hand():
 def test_schedule_of_many_rows_at_once(ratio):
     """The vLLM engine plans every row of a step at once: cache_len_after and should_evict on
     tensors of rows give what they give row by row, chunked prefill (m < prompt) included."""
-    from kvrl.engines.vllm.runtime import cache_len_after
+    from kvrl.engines.vllm.evicting import cache_len_after
 
     policy = StreamingLLM(budget=6, interval=4, window=2, sink=1, budget_ratio=ratio)
     prompt, m = torch.meshgrid(torch.arange(1, 15), torch.arange(0, 40), indexing="ij")

@@ -26,8 +26,10 @@ from kvrl.engines.base import Engine, Sampling  # noqa: E402
 from kvrl.engines.hf import HFEngine  # noqa: E402
 from kvrl.engines.vllm import plugin  # noqa: E402
 from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read, flash_write  # noqa: E402
-from kvrl.engines.vllm.runtime import NEVER, EvictionRefused, cache_len_after, check_config  # noqa: E402
+from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
+from kvrl.engines.vllm.runtime import EvictionRefused, check_config  # noqa: E402
 from kvrl.envs.chains import ChainSpec, make_chain_task  # noqa: E402
+from kvrl.kernels.replay import NEVER  # noqa: E402
 from kvrl.models.tiny import build_tokenizer, tiny_config  # noqa: E402
 from kvrl.policies import POLICIES, HeadAllocation, Mixed, make_policy, should_evict  # noqa: E402
 
@@ -203,15 +205,15 @@ def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name
     is scored one request at a time (``grouped``: the grouping that keeps a large batch's
     temporaries in the CPU's caches, forced down to one row) and every call takes all
     layers."""
-    from kvrl.engines.vllm import runtime
+    from kvrl.engines.vllm import evicting, runtime
 
     if grouped:
-        monkeypatch.setattr(runtime, "SCORE_LOGITS", 1)
-        monkeypatch.setattr(runtime, "EVICT_ROWS", 1000)
+        monkeypatch.setattr(evicting, "SCORE_LOGITS", 1)
+        monkeypatch.setattr(evicting, "EVICT_ROWS", 1000)
     layers_per_call = []
-    evict = runtime.CONTEXT._evict
-    monkeypatch.setattr(runtime.CONTEXT, "_evict", lambda eb, layers: (layers_per_call.append(len(layers)),
-                                                                        evict(eb, layers)))
+    evict = evicting.EvictingWorker._evict
+    monkeypatch.setattr(evicting.EvictingWorker, "_evict",
+                        lambda self, eb, layers: (layers_per_call.append(len(layers)), evict(self, eb, layers)))
     batch = prompts(16, seed=5)
     sampling = Sampling(max_new_tokens=NEW)
     policy = token_policy(name)
@@ -738,16 +740,22 @@ if __name__ == "__main__":
 
 
 def test_death_table_follows_the_attached_model():
-    """The worker context is per process: a death table left by an engine on another model
-    (another layer/head count) is replaced, not indexed out of bounds (CI ran the arch matrix
-    before this module)."""
-    from kvrl.engines.vllm.runtime import WorkerContext
+    """The worker context is per process, and a death table left by an engine on another
+    model (another layer/head count) was once indexed out of bounds (CI ran the arch matrix
+    before this module): the table is the installed regime's, sized by the geometry the
+    context had when it was installed, and grows keeping what it holds."""
+    from kvrl.engines.vllm.evicting import EvictingWorker, QueryRing
+    from kvrl.engines.vllm.layout import SideStores
 
-    ctx = WorkerContext()
-    ctx.geometry = (2, 4)
-    assert ctx._death_rows(3, 50).shape == (8, 2, 4, 50)
-    ctx.geometry = (4, 2)
-    table = ctx._death_rows(1, 20)
+    def worker(geometry):
+        return EvictingWorker(make_policy("streaming", budget=32), False, geometry, SideStores(), QueryRing())
+
+    first = worker((2, 4))
+    assert first._death_rows(3, 50).shape == (8, 2, 4, 50)
+    first.deaths[2, 0, 0, 0] = 7
+    grown = first._death_rows(9, 60)
+    assert grown.shape == (16, 2, 4, 60) and grown[2, 0, 0, 0] == 7 and (grown[8:] == NEVER).all()
+    table = worker((4, 2))._death_rows(1, 20)
     assert table.shape == (8, 4, 2, 20) and (table == NEVER).all()
 
 
@@ -755,16 +763,14 @@ def test_query_ring_stays_the_size_of_the_requests_in_flight():
     """A worker lives for many generate() calls with policies of different windows: its query
     ring must hold the requests in flight, not double at every change of window (it did, and
     the suite's process was OOM-killed at 24 GB after ~40 changes)."""
-    from kvrl.engines.vllm.runtime import WorkerContext
+    from kvrl.engines.vllm.evicting import QueryRing
 
-    ctx = WorkerContext()
-    ctx.n_slots = 3
+    ring_of = QueryRing()
     for i in range(60):
-        ring = ctx._ring_pos((4, 32, 8)[i % 3], "cpu")
+        ring = ring_of.positions((4, 32, 8)[i % 3], 3, "cpu")
         assert ring.shape[0] < 8 and ring.shape[1] == (4, 32, 8)[i % 3]
     ring[2, 0] = 7
-    ctx.n_slots = 9  # more requests in flight: grown, what is in it kept
-    grown = ctx._ring_pos(8, "cpu")
+    grown = ring_of.positions(8, 9, "cpu")  # more requests in flight: grown, what is in it kept
     assert grown.shape[0] >= 9 and grown[2, 0] == 7 and (grown[3:] == -1).all()
 
 

@@ -1,7 +1,7 @@
 """One eviction step, for both engines: score, select, and which cached tokens die.
 
 The HF cache (:class:`kvrl.cache.KVCache`) and the vLLM worker
-(:mod:`kvrl.engines.vllm.runtime`) both call :func:`evict` on an :class:`Observation` of the
+(:mod:`kvrl.engines.vllm.evicting`) both call :func:`evict` on an :class:`Observation` of the
 rows they evict (batch rows for HF, layer·request rows for vLLM) and act on the
 :class:`Eviction` it returns: compact to ``keep``, record a death for each of ``dead``. Engine
 parity then rests on one copy of this bookkeeping. What differs between the engines stays

@@ -1,7 +1,8 @@
 """kvrl's CUDA attention backend: FlashAttention plus the layout-specific packing op.
 
 Only what depends on the FlashAttention cache layout lives here; metadata remapping, the
-eviction schedule, policy state and traces are the CPU path's (:mod:`.runtime`).
+eviction schedule, policy state and traces are the CPU path's (:mod:`.runtime` and the
+regime modules, :mod:`.evicting`, :mod:`.static`, :mod:`.mixed`).
 
 FlashAttention cache layout (vllm 0.32 ``v1/attention/backends/flash_attn.py``): each
 layer's cache is the logical tensor ``[num_blocks, H, block_size, 2·D]``, read as

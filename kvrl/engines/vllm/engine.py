@@ -16,7 +16,7 @@ carry the :class:`kvrl.cache.EvictionTrace`), a static pattern / ``Static``
 Behaviour worth knowing:
 
 * Each prompt is an independent vLLM request, so a row's eviction schedule is its own
-  (:func:`kvrl.engines.vllm.runtime.cache_len_after`); the HF engine decodes the batch in
+  (:func:`kvrl.engines.vllm.evicting.cache_len_after`); the HF engine decodes the batch in
   lock-step with the same per-row result (its ``test_batch_rows_are_independent``).
 * Greedy decoding matches the HF engine; sampled tokens use vLLM's sampler (seed
   ``sampling.seed + i`` for prompt i) and sampled evictions one generator per request
@@ -49,8 +49,8 @@ from kvrl.engines.vllm import plugin
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
 from kvrl.engines.vllm.layout import HeadPool
-from kvrl.engines.vllm.heads import window_heads
 from kvrl.engines.vllm.patches import apply_patches
+from kvrl.engines.vllm.static import window_heads
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.base import geometry
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
@@ -179,48 +179,22 @@ class VLLMEngine:
     @torch.no_grad()
     def generate(self, prompts: list[str], sampling: Sampling, policy=None) -> Rollouts:
         """Decode ``prompts``; see the module docstring and ``HFEngine.generate``."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         regime = as_regime(policy)
         ids = self.encode(prompts) if prompts else []
         check_request([len(p) for p in ids], sampling, regime, self.max_model_len)
-        B = len(ids)
         T = max(len(p) for p in ids) + sampling.max_new_tokens
         tag0 = uuid.uuid4().hex[:12]
-        tags = [f"{tag0}-{i}" for i in range(B)]
-        keep = [None] * B  # per-request block caps (the KV manager's): only an evicting cache is bounded
-        pool = None  # (rings, full, regions per block) of pooled heads
-        match regime:
-            case Static():  # checked here; the workers read row i of the pattern for request i
-                death = regime.death(T, B).cpu()
-                windows = window_heads(regime.pattern)
-                if windows is not None and self.pool_heads:
-                    pool = HeadPool(*windows, self.block_size).sizes
-            case Evicting(policy=p):
-                # the cache peaks an interval above the budget of the request's longest length
-                # (runtime.cache_len_after; the budget grows with the length in ratio mode)
-                keep = [p.budget_at(len(x) + sampling.max_new_tokens) + p.interval for x in ids]
+        tags = [f"{tag0}-{i}" for i in range(len(ids))]
+        keep, pool, death = self._caps(regime, ids, sampling, T)
         self._install(regime, sampling.sample_evictions)
         # vLLM would add the generation config's EOS ids to ours: ignore_eos leaves exactly ours
         stops = [] if sampling.ignore_eos else self.stop_ids
-        params = [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                 top_p=sampling.top_p, seed=sampling.seed + i, logprobs=0, ignore_eos=True,
-                                 stop_token_ids=stops,
-                                 extra_args={"kvrl_tag": tags[i], "kvrl_index": i,
-                                             "kvrl_seed": sampling.seed + 1 + i})
-                  for i in range(B)]
-        rids = [kv_request_id(tags[i], len(ids[i]), keep[i], pool) for i in range(B)]
+        params = self._params(sampling, tags, stops)
+        rids = [kv_request_id(tags[i], len(ids[i]), keep[i], pool) for i in range(len(ids))]
         start = time.perf_counter()
-        bs = self.block_size
-        if pool is not None:
-            peaks = [pooled_blocks(len(p) + sampling.max_new_tokens, bs, *pool) for p in ids]
-            if max(peaks) > -(-self.max_model_len // bs):  # vLLM's block table has that many columns
-                raise ValueError(f"the windowed heads' rings need {max(peaks)} blocks per request, vLLM's block "
-                                 f"table holds {-(-self.max_model_len // bs)}: raise max_model_len")
-        else:
-            peaks = [-(-(max(len(p), k) if k is not None else len(p) + sampling.max_new_tokens) // bs)
-                     for p, k in zip(ids, keep)]
+        peaks = self._peaks(ids, keep, pool, sampling.max_new_tokens)
         admit = self.admission == "always" or (self.admission == "policy" and not isinstance(regime, Full))
         try:
             outs = self._run(rids, [TokensPrompt(prompt_token_ids=p) for p in ids], params, peaks if admit else None)
@@ -234,18 +208,64 @@ class VLLMEngine:
             toks = list(c.token_ids)
             out.append(*finish(self.tokenizer, toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)],
                                set(stops), len(toks)))
-        evict = 0.0
         lengths = torch.tensor([len(p) + len(t) for p, t in zip(ids, out.tokens)])
-        match regime:
-            case Evicting():
-                out.traces, evict = self._collect_traces(tags, T, lengths)
-            case Static():
-                out.traces = EvictionTrace.from_death(death[..., :T], lengths)
-                self._rpc("kvrl_pop", tags)  # forget the requests' worker state
-            case Mixed():
-                self._rpc("kvrl_pop", tags)
+        out.traces, evict = self._traces(regime, tags, T, lengths, death)
         out.timing = {"decode": decode, "evict": evict}
         return out
+
+    def _caps(self, regime, ids: list[list[int]], sampling: Sampling,
+              T: int) -> tuple[list, tuple | None, torch.Tensor | None]:
+        """What the requests may hold: per-request block caps for the KV manager (only an
+        evicting cache is bounded), the pooled heads' (rings, full, regions per block), and a
+        static pattern's death [L, B, H, T], checked before anything is installed."""
+        keep, pool, death = [None] * len(ids), None, None
+        match regime:
+            case Static():  # checked here; the workers read row i of the pattern for request i
+                death = regime.death(T, len(ids)).cpu()
+                windows = window_heads(regime.pattern)
+                if windows is not None and self.pool_heads:
+                    pool = HeadPool(*windows, self.block_size).sizes
+            case Evicting(policy=p):
+                # the cache peaks an interval above the budget of the request's longest length
+                # (evicting.cache_len_after; the budget grows with the length in ratio mode)
+                keep = [p.budget_at(len(x) + sampling.max_new_tokens) + p.interval for x in ids]
+        return keep, pool, death
+
+    def _peaks(self, ids: list[list[int]], keep: list, pool: tuple | None, new: int) -> list[int]:
+        """The most blocks each request can hold, for admission."""
+        bs = self.block_size
+        if pool is None:
+            return [-(-(max(len(p), k) if k is not None else len(p) + new) // bs) for p, k in zip(ids, keep)]
+        peaks = [pooled_blocks(len(p) + new, bs, *pool) for p in ids]
+        if max(peaks) > -(-self.max_model_len // bs):  # vLLM's block table has that many columns
+            raise ValueError(f"the windowed heads' rings need {max(peaks)} blocks per request, vLLM's block "
+                             f"table holds {-(-self.max_model_len // bs)}: raise max_model_len")
+        return peaks
+
+    @staticmethod
+    def _params(sampling: Sampling, tags: list[str], stops: list[int]) -> list:
+        """vLLM's sampling parameters of each request, with what its worker state reads."""
+        from vllm import SamplingParams
+
+        return [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                               top_p=sampling.top_p, seed=sampling.seed + i, logprobs=0, ignore_eos=True,
+                               stop_token_ids=stops,
+                               extra_args={"kvrl_tag": tag, "kvrl_index": i, "kvrl_seed": sampling.seed + 1 + i})
+                for i, tag in enumerate(tags)]
+
+    def _traces(self, regime, tags: list[str], T: int, lengths: torch.Tensor,
+                death: torch.Tensor | None) -> tuple[EvictionTrace | None, float]:
+        """The rollouts' traces and eviction seconds; the workers forget the requests."""
+        match regime:
+            case Evicting():
+                return self._collect_traces(tags, T, lengths)
+            case Static():
+                traces = EvictionTrace.from_death(death[..., :T], lengths)
+                self._rpc("kvrl_pop", tags)  # forget the requests' worker state
+                return traces, 0.0
+            case Mixed():
+                self._rpc("kvrl_pop", tags)
+        return None, 0.0
 
     def _run(self, rids: list[str], prompts: list, params: list, peaks: list[int] | None = None) -> list:
         """Add the requests under our ids and step the engine until all have finished.

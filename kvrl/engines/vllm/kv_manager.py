@@ -3,7 +3,7 @@
 Under a token policy a request's packed cache never holds more than
 ``max(P, budget + interval)`` entries per head (P = prompt length: the prefill is written
 whole, then cut to the budget; afterwards the cache oscillates between ``budget`` and
-``budget + interval``; :func:`kvrl.engines.vllm.runtime.cache_len_after`; in ratio mode
+``budget + interval``; :func:`kvrl.engines.vllm.evicting.cache_len_after`; in ratio mode
 the budget is that of the request's longest length, ``budget_at(P + max_tokens)``). vLLM's
 scheduler, which knows nothing of that, would keep allocating a block every ``block_size``
 tokens. :class:`KVRLManager` (a ``FullAttentionManager``):

@@ -5,8 +5,10 @@
 read / write / compact / attention over many requests' block tables at once.
 :class:`SideStore` holds, beside each layer's cache and indexed the same way, every slot's
 true position and the policy's per-token state. :class:`HeadPool` numbers the (layer, head)
-regions of a request's blocks when RLKV's heads share them (static mode). The hooks that
-use them, and the request bookkeeping, are :mod:`kvrl.engines.vllm.runtime`.
+regions of a request's blocks when RLKV's heads share them (the static regime).
+:class:`SideStores` keeps every layer's side store for the worker's life. The request
+bookkeeping is :mod:`kvrl.engines.vllm.runtime`; the regimes that use these are
+:mod:`.evicting`, :mod:`.static` and :mod:`.mixed`.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class PagedLayout:
 
 
 class HeadPool:
-    """RLKV heads sharing a request's blocks (static mode, a sink + recent pattern).
+    """RLKV heads sharing a request's blocks (the static regime, a sink + recent pattern).
 
     vLLM gives a request blocks; each block holds, in every layer, one region of ``bs``
     slots per KV head, so a request with n blocks owns n·L·H regions. Left to vLLM, every
@@ -183,3 +185,30 @@ class SideStore:
         self.pos[b] = pos
         if self.state is not None:
             self.state[b] = state
+
+
+class SideStores:
+    """Every attention layer's :class:`SideStore`, by layer name, kept for the process's life
+    (a worker serves many regimes): one is (re)allocated at its layer's next write once the
+    cache's shape or the installed regime's ``state_size`` no longer fits it."""
+
+    def __init__(self):
+        self.by_layer: dict[str, SideStore] = {}
+        self.state_size = 0
+
+    def resize(self, state_size: int) -> None:
+        """A regime with ``state_size`` floats of policy state per slot is installed."""
+        self.state_size = state_size
+        for name, side in list(self.by_layer.items()):
+            if (side.state.shape[-1] if side.state is not None else 0) != state_size:
+                del self.by_layer[name]  # reallocated at the next write with the new state size
+
+    def for_layer(self, name: str, kv_cache: Tensor) -> SideStore:
+        """The layer's store, (re)allocated for ``kv_cache`` if it does not fit it."""
+        side = self.by_layer.get(name)
+        if side is None or side.pos.shape != kv_cache.shape[:3]:
+            side = self.by_layer[name] = SideStore.like(kv_cache, self.state_size)
+        return side
+
+    def __getitem__(self, name: str) -> SideStore:
+        return self.by_layer[name]

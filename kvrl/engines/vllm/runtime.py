@@ -1,9 +1,9 @@
-"""Worker-side state and steps of kvrl's vLLM plugin, shared by the CPU and CUDA backends.
+"""The per-process state of kvrl's vLLM worker, shared by the CPU and CUDA backends.
 
 Everything here is layout-agnostic: the backends (``cpu_backend``, ``cuda_backend``) only
 say how a layer's paged cache tensor stores K and V (a
-:class:`kvrl.engines.vllm.layout.PagedLayout`) and call the hooks below from their
-metadata builder and attention implementation.
+:class:`kvrl.engines.vllm.layout.PagedLayout`) and call the hooks of :class:`WorkerContext`
+from their metadata builder and attention implementation (:mod:`.shim`).
 
 How a request's cache is laid out
 ---------------------------------
@@ -12,51 +12,28 @@ tables for the *true* sequence; only the attention metadata is remapped. Per (la
 head) the kept tokens are packed, in position order, into the request's first logical
 slots (logical slot j = block ``block_table[j // bs]``, offset ``j % bs``). Next to K/V, two
 side tensors indexed by the same (block, head, offset) hold each slot's true position and
-the policy's per-token state; they are compacted together with K/V. The last ``observe``
-post-RoPE queries of each request and layer sit in a ring buffer.
+the policy's per-token state (:class:`kvrl.engines.vllm.layout.SideStores`); they are
+compacted together with K/V. The last ``observe`` post-RoPE queries of each request and
+layer sit in a ring buffer (:class:`kvrl.engines.vllm.evicting.QueryRing`).
 
-One cache regime (:mod:`kvrl.policies.regime`) per engine call, installed with
-:meth:`WorkerContext.set_policy`, which dispatches on it once into a mode:
+What this module owns
+---------------------
+:class:`WorkerContext` keeps what outlives a regime: the runner, the requests (their
+:class:`kvrl.engines.vllm.steps.ReqState` and ring slots, finished ones until popped), the
+side stores and the query ring. It plans the rows of each forward (``plan_step``) and hands
+the rest to the installed regime's worker, chosen once by type when the regime is installed
+(:meth:`WorkerContext.set_policy`), one module each:
 
-* ``Evicting`` → ``"token"``: a :class:`kvrl.policies.KVPolicy`. All heads hold the same
-  number of slots, a deterministic function of the true length and the prompt length
-  (:func:`cache_len_after`), so the builder rewrites ``seq_lens`` and ``slot_mapping`` and
-  vLLM's own attention kernel runs unchanged. After the attention of the forward that
-  :func:`kvrl.policies.should_evict` names, the policy scores the cache (the same policy
-  object as in the HF engine), selects, and the layer is compacted; deaths are recorded as
-  in :class:`kvrl.cache.KVCache` (the last query position of the forward + 1).
-  The builder plans each step once (:class:`StepPlan`): the slot remap, the ring slots of
-  the observation queries, and which requests evict (:class:`EvictBatch`). Every layer then
-  evicts all of those requests together: one read of their caches (shorter ones padded to
-  the longest with position −1, which policies never keep or count), one ``score`` and
-  ``select`` over the batch (sampled draws use each request's own generator, so a draw
-  does not depend on what it was batched with), one death-table write and one compaction
-  scatter — no Python loop over requests or heads. When fewer than ``EVICT_ROWS``
-  requests are due, one call takes several layers (a layer's eviction waits for the next
-  layers' attention: each layer has its own cache), unless the policy reads the layer.
-  Non-evicting steps cost one vectorised write per layer (positions, NaN state, ring
-  queries).
-* ``Static`` → ``"static"``: a death pattern (request i reads row ``kvrl_index`` = i of it).
-  RLKV's heads and windows (a sink + recent pattern, :func:`.heads.window_heads`) on the CPU
-  backend pool a request's blocks (:class:`HeadPool`): a windowed head keeps its window
-  as a ring of ⌈(sink + recent) / bs⌉ (block, head) regions, the full heads share the rest,
-  so at sparsity s a request holds about (1 − s) of the full cache's blocks (the KV
-  manager allocates no more, so more requests run at once); one-token rows attend through
-  vLLM's own CPU kernel with every (request, KV head) a sequence over its regions, prompt
-  chunks with the pattern's mask (torch). Without pooling (the CUDA layout interleaves the
-  heads within a block) every head keeps vLLM's slot = position and a windowed head its
-  ring in its first slots (:class:`.heads.WindowPlan`). Any other pattern (death tensors):
-  heads have their own lengths; keys are dropped once no later query can see them,
-  attention over the packed per-head caches uses the pattern's mask (torch).
-* ``Mixed`` → ``"mixed"``: RLKV's mixed-gate attention over the full cache (vLLM's write,
-  slot = position). One-token rows: the full branch through the layout's kernel for all
-  rows and heads at once, the sink + recent branch over the gathered window slots
-  (one batched SDPA), mixed per KV head; prompt chunks through
-  :func:`kvrl.kernels.mixed.mixed_gate_attention` (torch).
-* ``Full`` → no mode: vLLM untouched.
+* ``Full`` → :class:`.full.FullWorker`: vLLM untouched;
+* ``Evicting`` → :class:`.evicting.EvictingWorker`: a KV policy evicts tokens as requests decode;
+* ``Static`` → :func:`.static.static_worker`: a fixed death pattern (sink + recent heads, pooled or not);
+* ``Mixed`` → :class:`.mixed.MixedWorker`: RLKV's mixed-gate attention.
 
-:meth:`WorkerContext.push_cache_state` loads new trainable state (gates, a scorer) into the
-installed regime (``regime.load_state``) and returns its checksum.
+The vLLM hooks find the context through the process-global :data:`CONTEXT` (one per worker
+process: the builder and the attention implementation are built by vLLM, which passes them
+no kvrl object). :meth:`WorkerContext.push_cache_state` loads new trainable state (gates, a
+scorer) into the installed regime (``regime.load_state``), which its worker reads in place,
+and returns its checksum.
 
 Refusals: a request seen for the first time with computed tokens (prefix caching, a KV
 connector) and a request whose computed tokens went back (preemption/recompute) raise
@@ -77,173 +54,41 @@ connector) and a request whose computed tokens went back (preemption/recompute) 
 from __future__ import annotations
 
 import copy
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from kvrl.engines.vllm.heads import HeadModes, WindowPlan, window_heads
+from kvrl.engines.vllm.evicting import EvictingWorker, QueryRing
+from kvrl.engines.vllm.full import FullWorker
 from kvrl.engines.vllm.kv_manager import parse_pool
-from kvrl.engines.vllm.layout import HeadPool, PagedLayout, SideStore
-from kvrl.kernels.replay import NEVER
-from kvrl.kernels.scores import gather_slots
-from kvrl.policies.base import KVPolicy, Observation, should_evict
-from kvrl.policies.evict import evict
+from kvrl.engines.vllm.layout import PagedLayout, SideStores
+from kvrl.engines.vllm.mixed import MixedWorker
+from kvrl.engines.vllm.static import static_worker
+from kvrl.engines.vllm.steps import RegimeWorker, ReqState, RowPlan, StepInput, StepPlan
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
-
-
-# Query-key logits per policy.score call at an eviction (2 MiB of float32): requests are
-# scored in groups that fit (see WorkerContext._evict). On this project's CPU (512 KiB
-# of L2 a core, 32 MiB of L3), with this constant edited, the calls benchmark at 64
-# requests scored G-KV fastest in 2-4 MiB groups, and 1.3x slower in 0.5 MiB ones.
-SCORE_LOGITS = 1 << 19
-# (request, layer) rows an eviction call gathers at least, when the policy ignores the layer:
-# with fewer requests due in a step than this, a call takes several layers, which spreads its
-# fixed cost (an R-KV score and select are some 150 small torch ops) over more rows; with more,
-# a call is one layer. `benchmarks/vllm_throughput.py calls` measures both below 16 requests.
-EVICT_ROWS = 16
 
 
 class EvictionRefused(RuntimeError):
     """A vLLM feature or event that would silently corrupt a compacted cache."""
 
 
-def cache_len_after(m: int, prompt_len: int, policy: KVPolicy) -> int:
-    """Cache entries per KV head after the forward that brings the true length to ``m``.
-
-    The HF cache's schedule (:func:`kvrl.policies.should_evict`): after the forward that
-    brings the generated count g = m − P to a multiple of ``interval`` (prefill included),
-    the cache is cut to b(P + g) = ``policy.budget_at(P + g)`` if it holds more. L − b(L)
-    never decreases and b grows by at most ``interval`` per interval (ratio ≤ 1), so once
-    cut the cache is cut (or lands exactly on the budget) at every later multiple; with e
-    the last multiple ≤ g: ``b(P + e) + (g − e)`` if ``P + e > b(P + e)``, else ``m``.
-    Chunked prefill (m < P) never evicts. ``m`` and ``prompt_len`` may be int64 tensors [R].
-    """
-    g = m - prompt_len
-    e = g - g % policy.interval
-    kept = policy.budget_at(prompt_len + e)
-    if isinstance(m, Tensor):  # [R] lengths and prompt lengths → [R]
-        return torch.where((m >= prompt_len) & (prompt_len + e > kept), kept + (g - e), m)
-    if m < prompt_len:
-        return m
-    return kept + (g - e) if prompt_len + e > kept else m
-
-
-@dataclass
-class ReqState:
-    """One request's kvrl state on a worker."""
-
-    tag: str
-    index: int
-    prompt_len: int
-    length: int  # prompt + max_tokens + 1: the trace's T
-    # [L, H, T] int32 (NEVER = not evicted): the pattern itself in static mode; in token mode
-    # the request's row of WorkerContext.deaths while it runs, copied out when it finishes.
-    death: Tensor | None
-    lens: Tensor | None  # static mode: [L, H] int64 cache entries per head after the last forward
-    clen: int = 0  # token mode: cache entries per head (the same for all) after the last forward
-    done: int = 0  # true length after the last planned forward
-    qslot: int = -1
-    generator: torch.Generator | None = None
-    pooled: bool = False  # static mode: the request id carries a HeadPool cap (its heads share its blocks)
-    events: dict = field(default_factory=dict)  # generated count -> [L, H] sampled-eviction logprobs
-    evict_seconds: float = 0.0
-
-
-@dataclass
-class RowPlan:
-    req: ReqState
-    start: int  # first token of the row in the batch
-    q: int  # tokens of the row in this forward
-    done: int  # true length before the forward
-    blocks: Tensor  # the row's block table (physical ids), on the cache's device
-    lens: Tensor | None = None  # static mode: [L, H] cache entries before the forward
-
-    @property
-    def m(self) -> int:
-        return self.done + self.q
-
-
-@dataclass
-class EvictBatch:
-    """Token mode: the requests whose forward ends with an eviction, planned once per step
-    and evicted together at every layer, ``per_call`` layers at a time
-    (:meth:`WorkerContext._evict`)."""
-
-    rows: list[RowPlan]
-    n: int  # slots to read: the longest cache among them (the others are padded)
-    blocks: Tensor  # [R, ceil(n / bs)] their block tables
-    pad: Tensor  # [R, 1, n] bool: slots beyond the request's cache (position −1 for the policy)
-    qslot: Tensor  # [R] ring slots
-    qslot_host: Tensor  # [R] the same, for the death table on the host
-    m: Tensor  # [R] int32 true length after the forward = the death time of what is evicted
-    generators: list | None  # sampling: each request's own generator
-    events: Tensor | None  # sampling: [R, L, H] logprobs; row r is a view in rows[r].req.events
-    per_call: int = 1  # layers evicted per call (WorkerContext.attention)
-    layers: list[EvictLayer] = field(default_factory=list)  # attended, eviction not yet run
-    attended: int = 0
-
-
-@dataclass
-class EvictLayer:
-    """One layer's part of an :class:`EvictBatch`: what its eviction needs once deferred."""
-
-    index: int
-    name: str
-    layout: PagedLayout
-    kv_cache: Tensor
-    scale: float
-
-
-@dataclass
-class StepPlan:
-    """What the builder decided for one forward, read by every layer."""
-
-    mode: str
-    rows: list[RowPlan]
-    positions: Tensor  # [T] true positions of the forward's tokens (cache device)
-    q_tok: Tensor  # queries to keep: token indices, and their rows of the flattened ring [slots·W]
-    q_flat: Tensor
-    # token mode: flat indices into a side store's pos [nb·H·bs] of every (new token, head),
-    # and their positions (int32) — the same for every layer of the forward
-    side_addr: tuple | None = None
-    evict: EvictBatch | None = None  # token mode: the requests that evict after this forward
-    window: WindowPlan | None = None  # static mode with a sink + recent pattern
-
-
-class WorkerContext(HeadModes):
+class WorkerContext:
     """The per-process kvrl state of a vLLM worker (one per process: :data:`CONTEXT`)."""
 
     def __init__(self):
         self.runner = None
         self.vllm_config = None
-        self.mode: str | None = None
         self.regime = None  # the installed regime (a copy of the engine's)
-        self.policy: KVPolicy | None = None  # token mode: the Evicting regime's policy
-        self.static: Static | None = None  # static mode
-        self.windows: tuple[Tensor, int, int] | None = None  # static mode: window_heads(pattern)
-        self.windowed_heads: list[Tensor] = []
-        self.full_heads: list[Tensor] = []
-        self.pool: HeadPool | None = None  # static mode with pooled heads (built for the block size)
-        self.mixed: Mixed | None = None  # mixed mode
+        self.worker: RegimeWorker = FullWorker()  # the installed regime's part
         self.sample = False
         self.active: dict[str, ReqState] = {}  # vLLM request id -> state
         self.finished: dict[str, ReqState] = {}  # tag -> state, until popped
-        self.side: dict[str, SideStore] = {}
-        # token mode: the last `observe` post-RoPE queries per layer, [slots, W, Hq, D] (ring
-        # index = position % W), and their positions [slots, W] (−1 = none yet), which are
-        # the same for every layer and so written once per step
-        self.rings: dict[int, Tensor] = {}
-        self.ring_pos: Tensor | None = None
-        self.free_slots: list[int] = []
+        self.sides = SideStores()
+        self.ring = QueryRing()
+        self.free_slots: list[int] = []  # ring slots of finished requests, handed out again
         self.n_slots = 0
-        # token mode: death times of the running requests, row = ring slot: [slots, L, H, T]
-        # int32 on the host, T ≥ every running request's length (one write per evicting layer)
-        self.deaths: Tensor | None = None
         self.geometry: tuple[int, int] | None = None  # (layers, kv heads)
-        self.deferred: EvictBatch | None = None  # token mode: the last step's evictions
         self.device = torch.device("cpu")
 
     # ---- control (called through the worker extension) ----
@@ -264,33 +109,28 @@ class WorkerContext(HeadModes):
         self.active.clear()
         self.finished.clear()
         self.free_slots, self.n_slots = [], 0
-        self.deferred = None
         if not isinstance(regime, Full):
             check_config(self.vllm_config)
         self.regime = copy.deepcopy(regime)
-        self.policy = self.static = self.mixed = None
         self.sample = sample
-        match self.regime:
+        self.worker = self._worker_for(self.regime)
+        self.sides.resize(self.worker.state_size)
+
+    def _worker_for(self, regime) -> RegimeWorker:
+        """The installed regime's worker; it works on the regime itself, so a pushed state
+        (``regime.load_state``) reaches it."""
+        match regime:
             case Full():
-                self.mode = None
+                return FullWorker()
             case Evicting(policy=policy):
-                self.mode, self.policy = "token", policy
                 module = policy.trainable()
                 if module is not None:
                     module.to(self.device)
+                return EvictingWorker(policy, self.sample, self.geometry, self.sides, self.ring)
             case Static():
-                self.mode, self.static = "static", self.regime
-                self.windows = window_heads(self.regime.pattern)
-                self.pool = None
-                if self.windows is not None:  # each layer's windowed and full heads, read at every write
-                    self.windowed_heads = [m.nonzero().squeeze(-1) for m in self.windows[0]]
-                    self.full_heads = [(~m).nonzero().squeeze(-1) for m in self.windows[0]]
+                return static_worker(regime, self.geometry, self.sides)
             case Mixed():
-                self.mode, self.mixed = "mixed", self.regime
-        state_size = self.policy.state_size if self.policy is not None else 0
-        for name, side in list(self.side.items()):
-            if (side.state.shape[-1] if side.state is not None else 0) != state_size:
-                del self.side[name]  # reallocated at the next write with the new state size
+                return MixedWorker(regime)
 
     def push_cache_state(self, state: dict) -> str:
         """Load new trainable state into the installed regime (``regime.load_state``, which
@@ -324,8 +164,7 @@ class WorkerContext(HeadModes):
 
     def _release(self, rid: str) -> ReqState:
         st = self.active.pop(rid)
-        if self.mode == "token":
-            st.death = self.deaths[st.qslot, :, :, :st.length].clone()
+        self.worker.release(st)
         self.free_slots.append(st.qslot)
         return st
 
@@ -335,14 +174,6 @@ class WorkerContext(HeadModes):
         tag = str(extra.get("kvrl_tag", rid))
         index = int(extra.get("kvrl_index", 0))
         length = prompt_len + (params.max_tokens if params is not None and params.max_tokens else 0) + 1
-        layers, heads = self.geometry
-        death = lens = None
-        if self.mode == "static":
-            death = self.static.row(index, length - 1)  # covers prompt + max_tokens, as the engine's T
-            if death.shape[:2] != (layers, heads):
-                raise ValueError(f"death pattern of shape {tuple(death.shape)}, the model has "
-                                 f"(layers, kv_heads) = {(layers, heads)}")
-            lens = torch.zeros(layers, heads, dtype=torch.long)
         gen = None
         if self.sample:
             gen = torch.Generator(device=self.device).manual_seed(int(extra.get("kvrl_seed", 0)))
@@ -350,45 +181,24 @@ class WorkerContext(HeadModes):
             slot = self.free_slots.pop()
         else:
             slot, self.n_slots = self.n_slots, self.n_slots + 1
-        if self.mode == "token":
-            self._death_rows(slot + 1, length)[slot] = NEVER
-        pooled = parse_pool(rid) is not None
-        if pooled and self.windows is None:
+        st = ReqState(tag, index, prompt_len, length, qslot=slot, generator=gen, pooled=parse_pool(rid) is not None)
+        self.worker.admit(st)
+        if st.pooled and not self.worker.pools:
             raise RuntimeError(f"request {rid} asks for pooled heads, but the installed regime is not a sink + "
                                "recent pattern")
-        return ReqState(tag, index, prompt_len, length, death, lens, qslot=slot, generator=gen, pooled=pooled)
-
-    def _death_rows(self, slots: int, length: int) -> Tensor:
-        """The death table with room for ``slots`` requests of ``length`` tokens (grown, kept)."""
-        layers, heads = self.geometry
-        old = self.deaths
-        if old is not None and old.shape[1:3] != (layers, heads):  # another model attached
-            old = None
-        if old is None or old.shape[0] < slots or old.shape[-1] < length:
-            cap = max(slots, old.shape[0] if old is not None else 0)
-            cap = -(-cap // 8) * 8  # grow in steps of 8 requests: few copies
-            self.deaths = torch.full((cap, layers, heads, max(length, old.shape[-1] if old is not None else 0)),
-                                     NEVER, dtype=torch.int32)
-            if old is not None:
-                self.deaths[:old.shape[0], :, :, :old.shape[-1]] = old
-        return self.deaths
+        return st
 
     def plan_step(self, cm, block_size: int) -> StepPlan | None:
-        """Plan one forward from the common attention metadata; in token mode rewrite
-        ``cm.slot_mapping`` in place (the forward context holds the same tensor) and return
-        the new per-row kernel lengths through ``plan.kernel_seq_lens``."""
-        if self.mode is None or self.runner is None:
+        """Plan one forward from the common attention metadata: its rows here, the rest by the
+        installed regime (the evicting one rewrites ``cm.slot_mapping`` in place, which the
+        forward context holds, and returns the kernel's lengths as ``plan.kernel_seq_lens``)."""
+        if self.runner is None or not self.worker.plans:
             return None
         ib = self.runner.input_batch
         n = ib.num_reqs
         if n == 0:
             return None
         self._release_finished()
-        if self.deferred is not None and self.deferred.layers:
-            raise RuntimeError(
-                f"the last forward's eviction never ran: {self.deferred.attended} of the model's "
-                f"{self.geometry[0]} layers attended through kvrl's backend (models with attention layers "
-                "outside it are not supported)")
         qsl = cm.query_start_loc_cpu[:n + 1].tolist()
         counts = np.diff(qsl)
         rows, fresh = self._plan_rows(ib, n, qsl, counts, cm.block_table_tensor)
@@ -399,15 +209,9 @@ class WorkerContext(HeadModes):
         positions = torch.from_numpy(done[tok_row] + offs)
         dev = cm.slot_mapping.device
         none = torch.zeros(0, dtype=torch.long)
-        plan = StepPlan(self.mode, rows, positions.to(dev, torch.long), none, none)
-        if self.mode == "static" and self.windows is not None:
-            plan.window = self._plan_window(rows, cm.block_table_tensor, block_size, *self.windows[1:])
-        elif self.mode == "mixed":
-            plan.window = self._plan_window(rows, cm.block_table_tensor, block_size, self.mixed.sink,
-                                            self.mixed.recent)
-        if self.mode == "token":
-            bt = ib.block_table[0].block_table.cpu[:n]  # the same rows as cm.block_table_tensor, on the host
-            self._plan_token(plan, cm, bt, block_size, positions, counts, tok_row, offs, done, fresh)
+        plan = StepPlan(rows, positions.to(dev, torch.long), none, none)
+        self.worker.plan(plan, StepInput(cm, ib, block_size, positions, counts, tok_row, offs, done, fresh,
+                                         self.n_slots))
         return plan
 
     def _plan_rows(self, ib, n: int, qsl: list[int], counts: np.ndarray, bt_dev: Tensor) -> tuple[list[RowPlan], list[int]]:
@@ -432,262 +236,25 @@ class WorkerContext(HeadModes):
                     "tokens); a recompute does not replay the evictions. Give vLLM more KV cache "
                     "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
             q = int(counts[i])
-            # token mode reads the block table as a whole (a row view costs 2 µs, 64 of them a step)
-            row = RowPlan(st, qsl[i], q, done, None if self.mode == "token" else bt_dev[i])
-            if self.mode == "static" and self.windows is None:  # lens: updated by the layers
-                row.lens = st.lens.clone()
+            row = RowPlan(st, qsl[i], q, done, bt_dev[i] if self.worker.row_blocks else None)
             st.done = done + q
             rows.append(row)
         return rows, fresh
 
-    def _plan_token(self, plan: StepPlan, cm, bt: Tensor, block_size: int, positions: Tensor, counts: np.ndarray,
-                    tok_row: np.ndarray, offs: np.ndarray, done: np.ndarray, fresh: list[int]) -> None:
-        """Token mode: which queries the ring keeps, the schedule, the remapped slot mapping and
-        kernel lengths, and the rows that evict after this forward's attention."""
-        # queries to keep, at ring index position % W: the last `observe` of each row, and of
-        # those only the ones an eviction will read. Evictions follow the forwards that bring
-        # the generated count g to a multiple of the interval, so a generated token's query
-        # (g = position − prompt + 1) is read iff (−g) mod interval < W; the W tokens before
-        # an eviction then overwrite every ring entry. W < interval (SnapKV, R-KV, G-KV)
-        # spares the other steps their ring write at every layer.
-        policy, rows, dev = self.policy, plan.rows, cm.slot_mapping.device  # positions: on the host
-        total = positions.shape[0]
-        prompt = torch.tensor([r.req.prompt_len for r in rows])
-        c_prev = np.asarray([r.req.clen for r in rows])  # cache entries before the forward
-        m = torch.from_numpy(done + counts)  # true lengths after it
-        # the HF cache's schedule, every row at once
-        due = (m >= prompt) & should_evict(m - prompt, torch.from_numpy(c_prev + counts), policy, m)
-        evicting = due.nonzero().squeeze(-1)
-        for r, c in zip(rows, cache_len_after(m, prompt, policy).tolist()):
-            r.req.clen = c
-        w = policy.observe
-        pos_np, prompt_tok = positions.numpy(), prompt.numpy()[tok_row]
-        keep = (pos_np >= m.numpy()[tok_row] - w) & (
-            (pos_np < prompt_tok) | ((prompt_tok - 1 - pos_np) % policy.interval < w))
-        q_tok = torch.from_numpy(np.nonzero(keep)[0])
-        q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
-        q_pos = positions[q_tok]
-        plan.q_tok, plan.q_flat = q_tok.to(dev), (q_slot * w + q_pos % w).to(dev)
-        ring_pos = self._ring_pos(w, dev)
-        if fresh:  # slots are reused: forget the previous request's queries
-            ring_pos[torch.tensor(fresh, dtype=torch.long, device=dev)] = -1
-        ring_pos.view(-1).index_copy_(0, plan.q_flat, q_pos.to(dev))
-        # remap: token j of a row goes to logical slot c_prev + j
-        logical = torch.from_numpy(c_prev[tok_row] + offs)
-        phys = bt[torch.from_numpy(tok_row), logical // block_size].long() * block_size + logical % block_size
-        cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
-        plan.kernel_seq_lens = torch.from_numpy(c_prev + counts).to(cm.seq_lens.device, cm.seq_lens.dtype)
-        if len(evicting):
-            ev = evicting.numpy()
-            plan.evict = self._evict_batch([rows[i] for i in ev], (c_prev + counts)[ev],
-                                           cm.block_table_tensor[evicting.to(dev)], block_size)
-        self.deferred = plan.evict
-
-    def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
-        dev = blocks.device
-        width = -(-int(n.max()) // block_size) * block_size  # whole blocks: reads are views, not copies
-        pad = torch.arange(width, device=dev)[None, None, :] >= torch.from_numpy(n).to(dev)[:, None, None]
-        qslot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)
-        m = torch.tensor([r.m for r in rows], dtype=torch.int32)
-        generators = events = None
-        if self.sample:
-            generators = [r.req.generator for r in rows]
-            events = torch.zeros(len(rows), *self.geometry)
-            for i, r in enumerate(rows):
-                r.req.events[r.m - r.req.prompt_len] = events[i]
-        per_call = 1 if "layer" in self.policy.reads else -(-EVICT_ROWS // len(rows))
-        return EvictBatch(rows, width, blocks[:, :width // block_size], pad, qslot.to(dev), qslot, m,
-                          generators, events, min(per_call, self.geometry[0]))
-
     # ---- layer side ----
-
-    def side_for(self, layer_name: str, kv_cache: Tensor) -> SideStore:
-        side = self.side.get(layer_name)
-        state_size = self.policy.state_size if self.policy is not None else 0
-        if side is None or side.pos.shape != kv_cache.shape[:3]:
-            side = self.side[layer_name] = SideStore.like(kv_cache, state_size)
-        return side
-
-    def _ring_pos(self, w: int, device) -> Tensor:
-        """The ring's positions [slots, W], grown to hold every slot in use (kept)."""
-        old = self.ring_pos
-        if old is not None and old.shape[1] != w:  # another policy's window: nothing in it is needed
-            old = None
-        if old is None or old.shape[0] < self.n_slots:
-            # doubling only the ring in use: a ring doubled at every change of window grew
-            # without bound in a long-lived worker (one process, many policies)
-            grown = torch.full((max(self.n_slots, 2 * (old.shape[0] if old is not None else 2)), w), -1,
-                               dtype=torch.long, device=device)
-            if old is not None:
-                grown[:old.shape[0]] = old
-            self.ring_pos = grown
-        return self.ring_pos
-
-    def ring_for(self, layer: int, query: Tensor) -> Tensor:
-        """This layer's ring of queries [slots, W, Hq, D], as many slots as the positions'."""
-        ring = self.rings.get(layer)
-        shape = (self.ring_pos.shape[0], self.ring_pos.shape[1], *query.shape[1:])
-        if ring is None or ring.shape != shape or ring.dtype != query.dtype:
-            grown = query.new_zeros(shape)
-            if ring is not None and ring.shape[1:] == shape[1:]:
-                grown[:ring.shape[0]] = ring
-            ring = self.rings[layer] = grown
-        return ring
 
     def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
                   value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
         """Write the forward's new keys/values (and their positions/state) to the cache."""
-        if plan.mode == "mixed":
-            stock_write()
-            return
-        if plan.window is not None and plan.window.pool is not None:
-            self._pool_write(plan.window, layer_idx, layout, key, value, kv_cache)
-            return
-        if plan.window is not None:
-            stock_write()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
-            wp = plan.window
-            rows = (wp.ring >= 0).nonzero().squeeze(-1)
-            heads = self.windowed_heads[layer_idx].to(kv_cache.device)
-            if rows.numel() and heads.numel():
-                r, hh = rows.repeat_interleave(heads.numel()), heads.repeat(rows.numel())
-                tok = wp.decode[r]
-                layout.write(kv_cache, wp.blocks, r, hh, wp.ring[r], key[tok, hh], value[tok, hh])
-            return
-        side = self.side_for(layer_name, kv_cache)
-        bs = kv_cache.shape[2]
-        total = plan.positions.shape[0]
-        if plan.mode == "token":
-            stock_write()  # with the remapped slot_mapping
-            if plan.side_addr is None:  # the same for every layer of the forward
-                slots = slot_mapping[:total].long()
-                h = kv_cache.shape[1]
-                heads = torch.arange(h, device=slots.device)
-                flat = ((slots // bs)[:, None] * h + heads) * bs + (slots % bs)[:, None]  # [T, H]
-                plan.side_addr = (flat.view(-1), plan.positions.to(torch.int32).repeat_interleave(h))
-            flat, pos = plan.side_addr
-            side.pos.view(-1).index_copy_(0, flat, pos)
-            if side.state is not None:
-                side.state.view(-1, side.state.shape[-1]).index_fill_(0, flat, float("nan"))
-            return
-        # static: every head appends at its own length
-        h, dev = kv_cache.shape[1], kv_cache.device
-        for row in plan.rows:
-            lens = row.lens[layer_idx].to(dev)  # [H]
-            j = torch.arange(row.q, device=dev)
-            slots = (lens[:, None] + j[None, :]).reshape(-1)
-            heads = torch.arange(h, device=dev).repeat_interleave(row.q)
-            toks = j.repeat(h) + row.start
-            zero = torch.zeros_like(heads)
-            layout.write(kv_cache, row.blocks[None], zero, heads, slots, key[toks, heads], value[toks, heads])
-            side.write(row.blocks[None], zero, heads, slots, plan.positions[toks], None)
+        self.worker.kv_update(plan, layer_idx, layer_name, layout, key, value, kv_cache, slot_mapping, stock_write)
 
     def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
                   kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
                   value: Tensor | None = None) -> None:
         """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction;
         ``key``/``value`` [T, H, D] are the forward's new ones (pooled prompt chunks read them)."""
-        if plan.mode == "token":
-            stock_forward()
-            self._observe(plan, layer_idx, query)
-            eb = plan.evict
-            if eb is not None:
-                # Layers hold their own caches, so a layer's eviction may wait for later layers'
-                # attention and run with theirs (EVICT_ROWS); the last layer runs what is left.
-                eb.layers.append(EvictLayer(layer_idx, layer_name, layout, kv_cache, scale))
-                eb.attended += 1
-                if len(eb.layers) == eb.per_call or eb.attended == self.geometry[0]:
-                    self._evict(eb, eb.layers)
-                    eb.layers = []
-            return
-        if plan.mode == "mixed":
-            from kvrl.kernels.mixed import mixed_gate_attention
-
-            mg = self.mixed
-            wp = plan.window
-            if wp.decode.numel():
-                q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-                wp.put(output, self._mixed_decode(wp, layer_idx, layout, q, kv_cache, scale))
-            for row in wp.multi:
-                k, v = layout.read(kv_cache, row.blocks[None], row.m)
-                qpos = plan.positions[row.start:row.start + row.q]
-                q = query[row.start:row.start + row.q].transpose(0, 1)[None]
-                out = mixed_gate_attention(q, k, v, qpos[None], torch.arange(row.m, device=q.device)[None],
-                                           mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
-                output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
-            return
-        if plan.window is not None and plan.window.pool is not None:
-            self._pool_attention(plan.window, layer_idx, layout, query, key, value, kv_cache, scale, output)
-            return
-        if plan.window is not None:
-            self._window_attention(plan.window, layer_idx, layout, query, kv_cache, scale, output)
-            return
-        self._static_attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output)
-
-    def _observe(self, plan: StepPlan, layer_idx: int, query: Tensor) -> None:
-        if plan.q_tok.numel() == 0:
-            return
-        ring = self.ring_for(layer_idx, query)
-        total = plan.positions.shape[0]
-        # A decode-only forward keeps every token's query (q_tok = 0..T−1): no gather first.
-        kept = query[:total] if plan.q_tok.numel() == total else query.index_select(0, plan.q_tok)
-        ring.view(-1, *query.shape[1:]).index_copy_(0, plan.q_flat, kept)
-
-    def _evict(self, eb: EvictBatch, layers: list[EvictLayer]) -> None:
-        """Score, select and compact the caches of every request in ``eb`` at each of
-        ``layers`` (already attended) as one batch, row l·R + i = layer l, request i. Shorter
-        caches are padded to the longest (position −1: no policy keeps or counts them, and
-        each request keeps ``budget_at(its length)`` of its own slots)."""
-        start = time.perf_counter()
-        policy, reads, r = self.policy, self.policy.reads, len(eb.rows)
-        sides = [self.side[lay.name] for lay in layers]
-
-        def stacked(parts: list) -> Tensor | None:
-            return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
-
-        keys = values = queries = None  # what the policy scores from; the compaction reads nothing
-        if reads & {"keys", "values"}:
-            kv = [lay.layout.read(lay.kv_cache, eb.blocks, eb.n, values="values" in reads) for lay in layers]
-            # keys are transposed views of [.., D, N] (CPULayout.read): stacked in that layout
-            keys = stacked([k.transpose(-1, -2) for k, _ in kv]).transpose(-1, -2)  # [L·R, H, N, D]
-            values = stacked([v for _, v in kv])
-        read = [side.read(eb.blocks, eb.n) for side in sides]
-        pos = stacked([p for p, _ in read]).masked_fill(eb.pad.repeat(len(layers), 1, 1), -1)
-        state = stacked([s for _, s in read])
-        qp = self.ring_pos[eb.qslot]  # [R, W] ring order; −1 = no query yet
-        order = qp.argsort(-1)  # by position: empty ring entries first, then the queries in order
-        w, (hq, d) = qp.shape[1], self.rings[layers[0].index].shape[2:]
-        if "queries" in reads:
-            ring_rows = (eb.qslot[:, None] * w + order).view(-1)
-            queries = stacked([self.rings[lay.index].view(-1, hq, d).index_select(0, ring_rows) for lay in layers])
-            queries = queries.view(len(layers) * r, w, hq, d).transpose(1, 2).contiguous()  # [L·R, Hq, W, D]
-        fields = (keys, values, queries, pos, qp.gather(-1, order).repeat(len(layers), 1), state)
-        layer, scale = layers[0].index if len(layers) == 1 else -1, layers[0].scale
-        # Scored a group of rows at a time, the group's [rows, Hq, W, N] logits within
-        # SCORE_LOGITS: the temporaries of window attention and redundancy then stay in the
-        # CPU's caches (rows are independent, so the result is the same).
-        rows = max(1, SCORE_LOGITS // max(1, hq * w * pos.shape[2]))
-        # each request's generator draws layer by layer, as at one layer per call
-        generators = None if eb.generators is None else eb.generators * len(layers)
-        ev = evict(policy, Observation(*fields, layer, scale), sample=self.sample, generator=generators,
-                   score_rows=rows)
-        keep, counts = ev.keep, ev.count  # [L·R, H, K]; row j keeps keep[j, :, :counts[j]]
-        j, h, n = ev.dead
-        j, h, dead = j.cpu(), h.cpu(), pos[j, h, n].cpu()
-        layer_of = torch.tensor([lay.index for lay in layers])
-        # the last query of the forward saw them
-        self.deaths[eb.qslot_host[j % r], layer_of[j // r], h, dead] = eb.m[j % r]
-        kept_pos = pos.gather(-1, keep)
-        kept_state = None if ev.state is None else gather_slots(ev.state, keep)
-        for li, (lay, side) in enumerate(zip(layers, sides)):
-            own = slice(li * r, (li + 1) * r)
-            c = None if counts is None else counts[own]
-            lay.layout.compact(lay.kv_cache, eb.blocks, keep[own], c)
-            side.write_prefix(eb.blocks, kept_pos[own], None if kept_state is None else kept_state[own], c)
-            if ev.logprob is not None:
-                eb.events[:, lay.index] = ev.logprob[own].float().cpu()
-        share = (time.perf_counter() - start) / r
-        for row in eb.rows:
-            row.req.evict_seconds += share
+        self.worker.attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output, stock_forward,
+                              key, value)
 
 
 def check_config(vllm_config) -> None:
@@ -738,5 +305,4 @@ def layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 
 
-__all__ = ["CONTEXT", "NEVER", "EvictBatch", "EvictionRefused", "PagedLayout", "ReqState", "RowPlan", "SideStore", "StepPlan",
-           "WorkerContext", "cache_len_after", "check_config", "context", "layer_index"]
+__all__ = ["CONTEXT", "EvictionRefused", "WorkerContext", "check_config", "context", "layer_index"]

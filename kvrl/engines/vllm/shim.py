@@ -5,7 +5,8 @@ builder, implementation and backend with these mixins first in the bases, and ad
 what depends on its cache layout: ``LAYOUT`` (a :class:`kvrl.engines.vllm.layout.PagedLayout`)
 and, where a layout must be checked against the stock write op, :meth:`KVRLImplMixin._check_layout`.
 Without an installed kvrl regime every method defers to the stock class unchanged; with one,
-they call the shared hooks of :mod:`kvrl.engines.vllm.runtime`.
+they call the hooks of the worker context (:mod:`kvrl.engines.vllm.runtime`), which hands
+them to the installed regime.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from kvrl.engines.vllm.runtime import context, layer_index
 
 
 class KVRLBuilderMixin:
-    """Plans each forward (``runtime.WorkerContext.plan_step``) before the stock build. In
-    token mode the kernel sees each request's packed cache length: ``seq_lens`` (and its
+    """Plans each forward (``runtime.WorkerContext.plan_step``) before the stock build. Under
+    an evicting regime the kernel sees each request's packed cache length: ``seq_lens`` (and its
     host upper bound, where the metadata has one) are rewritten, and cascade attention is
     off (it assumes shared, unpacked prefixes)."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
         plan = context().plan_step(cm, self.kv_cache_spec.block_size)
-        if plan is not None and plan.mode == "token":
+        if plan is not None and plan.kernel_seq_lens is not None:
             n = plan.kernel_seq_lens.shape[0]
             seq_lens = cm.seq_lens.clone()
             seq_lens[:n], seq_lens[n:] = plan.kernel_seq_lens, 0
