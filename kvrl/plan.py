@@ -142,8 +142,10 @@ def mixed_mask_bytes(rows: int, seq: int, layers: int, width: int, checkpointing
     ``2·rows·seq²·width`` bytes: every layer but the first without checkpointing (the first
     layer's attention inputs do not depend on the gates, so autograd keeps nothing of it),
     one layer at a time with ``trainer.gradient_checkpointing``. On top, the layer being
-    built holds its two bool masks (2 bytes per element). Measured on CPU (float32, S = 1,024
-    and 2,048, batch 2, 1-2 layers, ``tests/test_plan.py``)."""
+    built holds its two bool masks (2 bytes per element). Measured on CPU (float32, batch 2,
+    S = 1,024 and 2,048, one and two layers of the attention alone: 2 float masks per kept
+    layer plus ~2 bytes per element); ``tests/test_plan.py`` checks the whole learner's plan
+    against its measured peak at S = 1,024."""
     elements = rows * seq * seq
     kept = 1 if checkpointing else max(layers - 1, 1)
     return elements * (2 * width * kept + 2)
