@@ -84,12 +84,14 @@ def test_eval_math_recipes_plan_the_papers_budgets(recipe, capsys):
 # The learner of RLKV, forward and backward, as kvrl.workers.learner runs it: weights frozen,
 # the gates the only parameter, HFEngine.score under the mixed-gate attention. Resident-set
 # growth above the process's state after a short warm-up (benchmarks/mixed_memory.py's method),
-# with glibc returning every block of ≥ 64 KiB to the system on free, so that the peak
+# read as the child's own high-water mark (VmHWM: getrusage's ru_maxrss keeps the parent's
+# peak across fork and exec, 76.7 MiB "measured" here after the cluster-recipe tests), with
+# glibc returning every block of ≥ 64 KiB to the system on free, so that the peak
 # resident set follows the peak of the live tensors rather than the allocator's caching
-# (measured: two runs within 0.2 %; without the setting the same step read 77 MiB against
+# (measured: two runs within 0.2 %; without the setting the same step read 77.7 MiB against
 # 60.4, the allocator's cached blocks counted as live).
 LEARNER_PEAK = """
-import json, resource, sys, torch
+import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvrl.engines.hf import HFEngine
 from kvrl.policies import Mixed
@@ -107,10 +109,13 @@ def step(n):
     seqs = torch.randint(0, cfg.vocab_size, (rows, n), generator=g).tolist()
     engine.score(seqs, [prompt] * rows, policy=Mixed(gates, sink=4, recent=64)).logprobs.sum().backward()
 
+def status(field):  # kB -> bytes
+    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith(field + ":")) * 1024
+
 step(64)  # the libraries' own buffers and thread pools
-base = int(open("/proc/self/statm").read().split()[1]) * 4096
+base = status("VmRSS")
 step(seq)
-print(json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base}))
+print(json.dumps({"peak": status("VmHWM") - base}))
 """
 
 
