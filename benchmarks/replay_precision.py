@@ -8,8 +8,8 @@ budget 76 / interval 16 / window 8 / sink 4): for each policy and each rollout e
 * ``vs_exact``: |engine's float32 logprob − the float64 replay of its own trace| — mean,
   99.9th percentile, max — i.e. how far a float32 computation is from the exact value;
 * ``mismatch``: |engine's float32 logprob − the float32 replay| (what the loop logs);
-* ``float64_decode_vs_replay_max`` (HF engine in float64): the replay's logic error, 0 up
-  to float32 rounding when the trace is exact; ``float64_one_step_late_max``: the same with
+* ``float64_decode_vs_replay_max`` (HF engine in float64): the replay's logic error, ~1e-15
+  (float64 rounding) when the trace is exact; ``float64_one_step_late_max``: the same with
   every eviction replayed one query late, the size of error a float32 bound must resolve.
 
 The two float32 sides are different computations of the same exact value (token-by-token

@@ -131,9 +131,31 @@ LOGIT_CHUNK = 1024  # rows of logits HFEngine.score holds at once (kvrl.kernels.
 VLLM_GPU_SHARE = 0.9  # vLLM's default gpu_memory_utilization: without workers.kv_cache_gib its KV cache fills it
 
 
+def mixed_mask_bytes(rows: int, seq: int, layers: int, width: int, checkpointing: bool) -> int:
+    """Peak bytes of the masks RLKV's learner builds in its mixed-gate attention
+    (:func:`kvrl.kernels.mixed.mixed_gate_attention`), for ``rows`` sequences of ``seq``
+    tokens in one micro-batch.
+
+    Per layer it builds one Q × N bool mask per sequence for each of its two branches
+    (causal, sink+recent), broadcast over the heads, and ``scaled_dot_product_attention``
+    turns each into an additive mask of the model's dtype (``width`` bytes), which it keeps
+    for backward. So each layer whose attention is kept for backward holds
+    ``2·rows·seq²·width`` bytes: every layer but the first without checkpointing (the first
+    layer's attention inputs do not depend on the gates, so autograd keeps nothing of it),
+    one layer at a time with ``trainer.gradient_checkpointing``. On top, the layer being
+    built holds its two bool masks (2 bytes per element). Measured on CPU (float32, batch 2,
+    S = 1,024 and 2,048, one and two layers of the attention alone: 2 float masks per kept
+    layer plus ~2 bytes per element); ``tests/test_plan.py`` checks the whole learner's plan
+    against its measured peak at S = 1,024."""
+    elements = rows * seq * seq
+    kept = 1 if checkpointing else max(layers - 1, 1)
+    return elements * (2 * width * kept + 2)
+
+
 def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
     """Peak bytes per GPU of a learner and of a rollout actor, by part (estimates; GPU, so
-    attention is flex/flash and keeps no T×T map).
+    attention is flex/flash and keeps no T×T map, except RLKV's mixed attention, whose
+    masks are counted as "attention masks": :func:`mixed_mask_bytes`).
 
     learner: weights (+ a frozen copy for rl.kl_coef > 0 or distill's teacher), gradients
     and AdamW state of what it trains (ZeRO shards both the fp32 master + moments, 12
@@ -164,9 +186,13 @@ def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
         activations = tokens * (L * H * width + per_layer)
     else:
         activations = tokens * L * per_layer
+    learner = {"weights": copies * p["weights_bytes"], "gradients": grads, "optimizer": optimizer,
+               "activations": activations, "logits": logits}
+    if algo == "rlkv":  # the micro-batch's sequences, each at the longest length
+        T = p["tokens_per_sequence"]
+        learner["attention masks"] = mixed_mask_bytes(max(1, tokens // T), T, L, width, tr.gradient_checkpointing)
     return {
-        "learner": {"weights": copies * p["weights_bytes"], "gradients": grads, "optimizer": optimizer,
-                    "activations": activations, "logits": logits},
+        "learner": learner,
         "rollout": {"weights": p["weights_bytes"], "kv cache": p["kv_kept_bytes_per_batch"]},
     }
 

@@ -87,8 +87,9 @@ def test_replay_is_exact_in_float64(name):
     """The recorded trace replays decoding exactly, on the contexts where float32 does not
     show it: the shipped reasoner sampled at temperature 2 under tiny_gkv_sparse's budget.
     There float32 decoding and replay differ by up to ~1e-4 on rare tokens, each being
-    that far from the exact value (benchmarks/replay_precision.py); in float64 they agree
-    to float32 rounding (both compute the log-softmax in float64 and round its result to float32)."""
+    that far from the exact value (benchmarks/replay_precision.py); in float64 they agree to
+    float64 rounding, compared in float64 (the engine keeps a float64 model's logprobs and
+    norms in float64: test_float64_norms_stay_float64)."""
     model, tok = load_model("tiny")
     engine = HFEngine(model.double().eval(), tok)
     env = make("kvrl/counts-v0")
@@ -103,11 +104,44 @@ def test_replay_is_exact_in_float64(name):
     for trace in (out.traces, late):
         with torch.no_grad():
             scores = engine.score(out, trace=trace, temperature=2.0)
-        diffs.append(max(float((scores.logprobs[b, :len(lp)] - torch.tensor(lp)).abs().max())
+        assert scores.logprobs.dtype == torch.float64
+        diffs.append(max(float((scores.logprobs[b, :len(lp)] - torch.tensor(lp, dtype=torch.float64)).abs().max())
                          for b, lp in enumerate(out.logprobs)))
     print(f"float64 replay: {diffs[0]:.1e}")
-    assert diffs[0] <= 1e-6, diffs
+    # float64 rounding of two computation orders; float32 noise (≥ 1e-8 at these logprobs) fails it
+    assert diffs[0] <= 1e-12, diffs
     assert diffs[1] > 1e-5, diffs  # a replay that evicts one step late is caught
+
+
+def test_float64_norms_stay_float64():
+    """transformers' RMSNorm rounds its input to float32 inside a float64 model. A relative
+    input change d = 1e-10, far below float32's resolution (6e-8), then moves most values not
+    at all and a few by a whole float32 step, which the layers amplify: the logprobs move by
+    2.4e-6 (measured on the tiny reasoner), not by ~d. These steps are the float64 replay
+    gaps #38 saw (up to 7.6e-8: decoding and replay differ by ~1e-16 before the norms). With
+    the norms kept in float64, as HFEngine does for a float64 model, the change propagates in
+    proportion (measured 1.0e-9 = 10 d). Same weights, first without the patch."""
+    from kvrl.engines.vllm.patches import keep_norms_in_float64
+
+    model, _ = load_model("tiny")
+    model = model.double().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    d = 1e-10
+
+    def response(m):
+        with torch.no_grad():
+            e = m.get_input_embeddings()(ids)
+            a, b = (torch.log_softmax(m(inputs_embeds=x).logits, -1) for x in (e, e * (1 + d)))
+        return float((a - b).abs().max())
+
+    rounded = response(model)
+    assert keep_norms_in_float64(model) == 2 * model.config.num_hidden_layers + 1  # 2 per layer + the final
+    kept = response(model)
+    print(f"logprob change from a {d:g} input change: {rounded:.1e} (float32 norms), {kept:.1e} (float64 norms)")
+    # margins of ~20x (rounded) and 10x (kept) on the measured values; the two differ by 2,400x
+    assert rounded > 1000 * d  # whole float32 steps: the old norms
+    assert kept < 100 * d  # proportional: float64 throughout
+    assert keep_norms_in_float64(model.float()) == 0  # float32 and bf16 models are left alone
 
 
 def test_sampled_evictions_record_their_logprobs(engine):

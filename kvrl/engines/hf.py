@@ -31,6 +31,7 @@ import torch
 from kvrl.cache import EvictionTrace, KVCache
 from kvrl.engines.base import (Rollouts, Sampling, Scores, check_request, default_stop_ids, finish,
                                nucleus)
+from kvrl.engines.vllm.patches import keep_norms_in_float64
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.kernels.replay import NEVER
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
@@ -44,6 +45,10 @@ class HFEngine:
     a sequence may hold (default the config's ``max_position_embeddings``): a sequence that
     reaches it is cut (``"length"``), as vLLM does. chat: prompts are rendered through the
     tokenizer's chat template (:class:`kvrl.envs.chat.Chat`); None: raw prompts.
+
+    A float64 model is the oracle: its logprobs stay float64 (generate and score), and its
+    RMSNorms are made to compute in float64 (:func:`kvrl.engines.vllm.patches.keep_norms_in_float64`;
+    transformers' round to float32, which turns differences of ~1e-16 into jumps of ~1e-8).
     """
 
     def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, max_model_len: int | None = None,
@@ -55,6 +60,7 @@ class HFEngine:
         # fills left padding and the rows that stopped; a tokenizer without a pad token gets a stop id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         model.set_attn_implementation("kvrl_replay")
+        keep_norms_in_float64(model)  # a no-op unless the model is float64
 
     @property
     def device(self):
@@ -111,7 +117,7 @@ class HFEngine:
                     nxt = logits.argmax(-1)
                 nxt = torch.where(done, torch.full_like(nxt, self.pad_id), nxt)
                 tokens.append(nxt)
-                logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1).float())
+                logps.append(logp.gather(-1, nxt[:, None]).squeeze(-1))  # float64 kept: see score()
                 done |= torch.isin(nxt, stops) | (limits <= step + 1)
                 if bool(done.all()):
                     break
@@ -216,6 +222,8 @@ class HFEngine:
         rows = hidden.gather(1, (col - 1)[..., None].expand(-1, -1, hidden.shape[-1]))[mask]  # [N, D]
         lp, ent = token_logprobs(rows, head.weight, ids.gather(1, col)[mask], temperature=temperature,
                                  bias=head.bias)
-        token_lp = torch.zeros(B, G, device=self.device).masked_scatter(mask, lp.float())
-        entropy = torch.zeros(B, G, device=self.device).masked_scatter(mask, ent.float())
+        # float32, or float64 for a float64 model: rounding a float64 oracle's logprobs to float32
+        # would hide every replay error under ~6e-8 (test_replay_is_exact_in_float64)
+        token_lp = torch.zeros(B, G, dtype=lp.dtype, device=self.device).masked_scatter(mask, lp)
+        entropy = torch.zeros(B, G, dtype=ent.dtype, device=self.device).masked_scatter(mask, ent)
         return Scores(token_lp, -token_lp, entropy, mask)

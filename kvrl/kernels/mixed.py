@@ -72,10 +72,11 @@ def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: T
             mask = mask.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
 
-    alpha = gates.to(query.device, torch.float32)
+    dt = torch.promote_types(query.dtype, torch.float32)  # the mix in float32, float64 for a float64 model
+    alpha = gates.to(query.device, dt)
     alpha = (alpha[None] if alpha.dim() == 1 else alpha).expand(b, h).repeat_interleave(group, dim=1)
     alpha = alpha[:, :, None, None]
-    out = alpha * attend(causal).float() + (1 - alpha) * attend(window).float()
+    out = alpha * attend(causal).to(dt) + (1 - alpha) * attend(window).to(dt)
     return out.to(query.dtype)
 
 

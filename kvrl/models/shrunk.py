@@ -235,11 +235,15 @@ def resolve(arch: str) -> Family:
 
 
 def build(arch: str, out_dir, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-          intermediate: int = 256, max_positions: int = 4096, seed: int = 0, dtype: str = "float32") -> Path:
+          intermediate: int = 256, max_positions: int = 4096, seed: int = 0, dtype: str = "float32",
+          head_dim: int | None = None, tied: bool | None = None) -> Path:
     """Write a shrunk ``arch`` (a family name or a hub id, see ``FAMILIES``/``HUB_IDS``) to
-    ``out_dir``; returns its path. head_dim = hidden / heads (32 by default: vLLM's CPU
-    attention takes 32/64/128). max_positions is max_position_embeddings, at least 16384 for
-    the Llama families. Same arguments, same weights."""
+    ``out_dir``; returns its path. head_dim: default hidden / heads (32 by default: vLLM's
+    CPU attention takes 32/64/128); another value is written to config.json even for a
+    family whose hub config has none (Qwen2: transformers honours it, vLLM does not).
+    tied: tie_word_embeddings, default the hub model's. max_positions is
+    max_position_embeddings, at least 16384 for the Llama families. Same arguments, same
+    weights."""
     family = resolve(arch)
     hub = json.loads(ARCHITECTURES.read_text())[family.hub_id]
     out = Path(out_dir)
@@ -252,8 +256,9 @@ def build(arch: str, out_dir, *, layers: int = 2, hidden: int = 128, heads: int 
     config = AutoConfig.for_model(
         hub["model_type"], vocab_size=-(-len(tokenizer) // 64) * 64,  # padded embedding, as on the hub
         hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-        max_position_embeddings=max_positions, tie_word_embeddings=hub["tie_word_embeddings"],
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim or hidden // heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=hub["tie_word_embeddings"] if tied is None else tied,
         rope_parameters={"rope_type": "default", **family.rope.get("rope_scaling", {}),
                          "rope_theta": family.rope["rope_theta"]},
         initializer_range=0.05,  # peakier attention than 0.02: scores further from ties
@@ -279,12 +284,12 @@ def build(arch: str, out_dir, *, layers: int = 2, hidden: int = 128, heads: int 
 def _hub_style_config(path: Path, family: Family, hub: dict) -> None:
     """Rewrite transformers 5's config.json in the form the hub configs have (which is what
     loaders meet in practice): rope_theta/rope_scaling instead of rope_parameters, no
-    head_dim where the hub has none (Qwen2: it is derived from hidden/heads), and Qwen2's
+    head_dim where the hub has none and it is hidden/heads (Qwen2 derives it), and Qwen2's
     inactive sliding window."""
     cfg = json.loads(path.read_text())
     cfg.pop("rope_parameters", None)
     cfg.update(family.rope)
-    if "head_dim" not in hub:
+    if "head_dim" not in hub and cfg.get("head_dim") == cfg["hidden_size"] // cfg["num_attention_heads"]:
         cfg.pop("head_dim", None)
     if hub["model_type"] == "qwen2":
         cfg.update(use_sliding_window=False, sliding_window=4096, max_window_layers=cfg["num_hidden_layers"])

@@ -1,4 +1,5 @@
-"""Every monkeypatch kvrl applies around vLLM, each a named function (there are two).
+"""Every monkeypatch kvrl applies, each a named function (there are three): two around vLLM,
+one of transformers.
 
 kvrl's backends, KV-cache spec and worker extension go through vLLM's registries and
 extension points and need no patch. The exceptions fix vLLM 0.32 on the CPU:
@@ -12,11 +13,22 @@ extension points and need no patch. The exceptions fix vLLM 0.32 on the CPU:
   with ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA generators support, so
   seeded sampling crashes on CPU as soon as a prompt is prefilled in chunks. Applied by
   the plugin (:func:`kvrl.engines.vllm.plugin.register`) in every vLLM process on CPU.
+
+and one makes a float64 transformers model compute in float64 throughout:
+
+* :func:`keep_norms_in_float64` — transformers 5.19's RMSNorm (Llama, Qwen2, Qwen3 and
+  the families copied from them) rounds its input to float32 and back, also inside a
+  float64 model. A float64 model is kvrl's oracle (``test_replay_is_exact_in_float64``):
+  that rounding turns the ~1e-16 differences between decoding and the replay's one
+  forward into float32-sized jumps (replay-vs-generate gaps up to 7.6e-8 were measured).
+  The :class:`~kvrl.engines.hf.HFEngine` applies it to a float64 model, per module
+  instance (no class is touched, so float32 and bf16 models are unaffected).
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 
 import numpy as np
 import torch
@@ -78,11 +90,38 @@ def rewind_cpu_generators() -> None:
     GPUModelRunner._kvrl_rewinds_cpu_generators = True
 
 
+def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # transformers' formula, in the input's dtype instead of float32
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def keep_norms_in_float64(model) -> int:
+    """Make every RMSNorm of a float64 ``model`` compute in float64 (idempotent); returns
+    how many modules it patched, 0 for a model that is not float64.
+
+    A module counts when its class name ends in ``RMSNorm`` and it has the ``weight`` and
+    ``variance_epsilon`` of transformers' RMSNorm: its ``forward`` is replaced on that
+    instance by the same formula without the float32 round trip. Any other norm is left
+    alone; a model with such a norm that still rounds to float32 is caught by the float64
+    replay test, not here.
+    """
+    if getattr(model, "dtype", None) != torch.float64:
+        return 0
+    patched = 0
+    for module in model.modules():
+        if (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+                and isinstance(getattr(module, "weight", None), torch.Tensor)):
+            module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+            patched += 1
+    return patched
+
+
 @contextlib.contextmanager
 def apply_patches():
-    """All of kvrl's patches, for the duration of building an engine."""
+    """The patches around vLLM, for the duration of building an engine."""
     with restore_torch_set_num_threads():
         yield
 
 
-__all__ = ["apply_patches", "restore_torch_set_num_threads", "rewind_cpu_generators"]
+__all__ = ["apply_patches", "keep_norms_in_float64", "restore_torch_set_num_threads", "rewind_cpu_generators"]
