@@ -26,14 +26,16 @@ class ConfigError(ValueError):
     """A configuration problem; the message says what is wrong and how to fix it."""
 
 
-def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "", *, ge: float | None = None) -> Any:
+def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "", *, ge: float | None = None,
+            names: tuple[str, ...] = ()) -> Any:
     """A schema field whose value must pass `ok`, else `validate` reports "KEY RULE (got VALUE); set
-    KEY=DEFAULT". `ge=LOW` is short for `v >= LOW` with the rule "must be >= LOW"."""
+    KEY=DEFAULT", or the nearest of `names` to the value when one is near (a mistyped name).
+    `ge=LOW` is short for `v >= LOW` with the rule "must be >= LOW"."""
     if ge is not None:
         ok, rule = (lambda v: v >= ge), f"must be >= {ge}"
     if isinstance(default, (list, dict)):  # a mutable default: a fresh copy per instance
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"check": (ok, rule)})
-    return field(default=default, metadata={"check": (ok, rule)})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"check": (ok, rule), "names": names})
+    return field(default=default, metadata={"check": (ok, rule), "names": names})
 
 
 def cli_value(value: Any) -> str:

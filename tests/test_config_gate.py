@@ -66,6 +66,8 @@ CASES = [
     ("source_kwarg_typo", ["recipe=tiny_self_distill", "self_distill.source_kwargs.n_digts=3"],
      None, ["self_distill.source_kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean "
             "self_distill.source_kwargs.n_digits?)"]),
+    ("policy_unknown", ["recipe=tiny_gkv_sparse", "kv.policy=snapkb"],
+     None, ["kv.policy must be one of full, streaming", "(got 'snapkb'); set kv.policy=snapkv"]),
     ("env_unknown", ["recipe=tiny_rl_full", "env.id=kvrl/mth-v0"],
      None, ["env.id='kvrl/mth-v0' is neither a registered environment", "set env.id=kvrl/math-v0"]),
     ("math_timeout_zero", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.timeout=0"],
@@ -282,3 +284,11 @@ def test_a_seed_no_generator_takes_is_refused_by_the_config(monkeypatch):
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
     with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*32\) \(got 99999999999999999999\); set seed=0"):
         load_config(["recipe=tiny_rl_full", "seed=99999999999999999999"])
+
+
+def test_the_gates_policy_names_are_the_zoos():
+    """The gate names kv.policy's values without importing torch; they must stay the zoo's."""
+    from kvrl.config.shared import POLICY_NAMES
+    from kvrl.policies import POLICIES
+
+    assert set(POLICY_NAMES) == {"full", *POLICIES}

@@ -9,6 +9,7 @@ job), the message proposes the value their message names instead.
 """
 
 import copy
+import difflib
 import math
 import re
 from dataclasses import MISSING as NO_DEFAULT
@@ -31,7 +32,8 @@ def _field_problems(section: Any, prefix: str = "") -> list[tuple[str, str, Any,
         elif isinstance(value, float) and not math.isfinite(value):
             problems.append((key, "must be a finite number", value, default))
         elif "check" in f.metadata and not f.metadata["check"][0](value):
-            problems.append((key, f.metadata["check"][1], value, default))
+            near = difflib.get_close_matches(str(value), f.metadata.get("names", ()), n=1, cutoff=0.6)
+            problems.append((key, f.metadata["check"][1], value, near[0] if near else default))
     return problems
 
 

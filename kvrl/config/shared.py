@@ -52,10 +52,17 @@ class EnvConfig:
         return env_problems("env.id", self.id, "env.kwargs", self.kwargs)
 
 
+# kv.policy's names: "full" and kvrl.policies.POLICIES (which imports torch, so the gate cannot read
+# it; tests/test_config_gate.py holds the two equal)
+POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "gkv", "learned")
+
+
 @dataclass
 class KVConfig:
     # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...) or a dotted path pkg.mod:Class (as env.id)
-    policy: str = "full"
+    policy: str = checked("full", lambda v: v in POLICY_NAMES or ":" in v,
+                          f"must be one of {', '.join(POLICY_NAMES)} or a pkg.module:Class of your own",
+                          names=POLICY_NAMES)
     budget: int = checked(0, ge=0)  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
     interval: int = checked(16, ge=1)  # evict every this many decoded tokens
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
