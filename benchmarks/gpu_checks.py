@@ -43,7 +43,7 @@ import torch
 from kvrl.cache import EvictionTrace
 from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read
 from kvrl.kernels.replay import NEVER
-from kvrl.policies import POLICIES, Full, Observation, make_policy
+from kvrl.policies import POLICIES, RULE_BASED, Full, Observation, make_policy
 
 NOMINAL_TBS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35}  # HBM bandwidth, first match of the device name
 
@@ -132,9 +132,7 @@ def ops(args, device) -> dict:
     out["read"] = {"ms": round(read_s * 1e3, 3), "gbs": round(read_bytes / read_s / 1e9, 1)}
     keys, values = keys.contiguous(), values.contiguous()
     compact = flash_compact if device.type == "cuda" else flash_compact_ref
-    for name in POLICIES:
-        if name == "learned":
-            continue  # a learned scorer's cost is its MLP, not an eviction op
+    for name in RULE_BASED:  # a learned scorer's cost is its MLP, not an eviction op
         policy = make_policy(name, budget=n - interval, interval=interval, window=16, sink=4)
         obs = observation(keys, values, policy, gen, device)
         row = {}

@@ -64,9 +64,9 @@ import torch  # noqa: E402
 
 from kvrl.engines.base import Sampling  # noqa: E402
 from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
-from kvrl.policies import HeadAllocation, Mixed, make_policy  # noqa: E402
+from kvrl.policies import RULE_BASED, HeadAllocation, Mixed, make_policy  # noqa: E402
 
-TOKEN_POLICIES = ("streaming", "h2o", "snapkv", "rkv", "gkv")
+TOKEN_POLICIES = RULE_BASED  # the zoo's, less the learned scorer (which needs a trained artefact)
 BLOCK = 32
 
 

@@ -26,6 +26,11 @@ class ConfigError(ValueError):
     """A configuration problem; the message says what is wrong and how to fix it."""
 
 
+# kv.policy's names: "full" and kvrl.policies.POLICIES, which imports torch, so the config cannot read it
+# (tests/test_config_gate.py holds the two equal)
+POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "gkv", "learned")
+
+
 def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "", *, ge: float | None = None,
             names: tuple[str, ...] = ()) -> Any:
     """A schema field whose value must pass `ok`, else `validate` reports "KEY RULE (got VALUE); set

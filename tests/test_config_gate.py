@@ -288,7 +288,7 @@ def test_a_seed_no_generator_takes_is_refused_by_the_config(monkeypatch):
 
 def test_the_gates_policy_names_are_the_zoos():
     """The gate names kv.policy's values without importing torch; they must stay the zoo's."""
-    from kvrl.config.shared import POLICY_NAMES
+    from kvrl.section import POLICY_NAMES
     from kvrl.policies import POLICIES
 
     assert set(POLICY_NAMES) == {"full", *POLICIES}

@@ -50,11 +50,10 @@ from kvrl.data.traces import Trace, load_traces
 from kvrl.engines.base import Scores
 from kvrl.envs import Task, TextEnv
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
-from kvrl.policies import LearnedScorer, make_policy
+from kvrl.policies import RULE_BASED, LearnedScorer, make_policy
 from kvrl.policies.golden import GoldenEviction, record_attention
 from kvrl.policies.learned import topk_pool, topk_set_logprob
 
-RULE_BASED = ("streaming", "h2o", "snapkv", "rkv", "gkv")
 
 
 def make_scorer(model, kv) -> LearnedScorer:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 from omegaconf import MISSING
 
 from kvrl.jobs import JOBS
-from kvrl.section import checked
+from kvrl.section import POLICY_NAMES, checked
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -50,11 +50,6 @@ class EnvConfig:
         from kvrl.gate import env_problems  # the id resolves and the kwargs fit its constructor
 
         return env_problems("env.id", self.id, "env.kwargs", self.kwargs)
-
-
-# kv.policy's names: "full" and kvrl.policies.POLICIES (which imports torch, so the gate cannot read
-# it; tests/test_config_gate.py holds the two equal)
-POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "gkv", "learned")
 
 
 @dataclass

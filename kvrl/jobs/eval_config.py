@@ -8,13 +8,13 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
-from kvrl.section import checked, cli_value, register_section
+from kvrl.section import POLICY_NAMES, checked, cli_value, register_section
 
 
 @dataclass
 class EvalConfig:
     # job=eval's lines: zoo names (full streaming h2o snapkv rkv gkv learned), window, or eval.settings entries
-    policies: List[str] = checked(["full", "streaming", "h2o", "snapkv", "rkv", "gkv"], lambda v: len(v) > 0,
+    policies: List[str] = checked([n for n in POLICY_NAMES if n != "learned"], lambda v: len(v) > 0,
                                   "must name at least one policy")
     # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}};
     # a token policy's own interval / window / sink replace kv's for its line

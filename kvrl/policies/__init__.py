@@ -29,6 +29,8 @@ from kvrl.policies.streaming import StreamingLLM
 
 POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "rkv": RKV, "gkv": GKV,
             "learned": LearnedScorer}
+# the zoo's policies that need no trained artefact (every list of "the rule-based policies" derives from it)
+RULE_BASED = tuple(name for name, cls in POLICIES.items() if cls is not LearnedScorer)
 
 
 def policy_class(name: str) -> type[KVPolicy]:
@@ -55,7 +57,7 @@ def make_policy(name: str, model_config=None, **kwargs) -> KVPolicy:
     return cls(**kwargs)
 
 
-__all__ = ["GKV", "H2O", "POLICIES", "REGIMES", "RKV", "Evicting", "Full", "HeadAllocation", "KVPolicy",
+__all__ = ["GKV", "H2O", "POLICIES", "REGIMES", "RKV", "RULE_BASED", "Evicting", "Full", "HeadAllocation", "KVPolicy",
            "LearnedScorer", "Mixed", "Observation", "Regime", "ScorerMLP", "Selection", "SnapKV", "Static",
            "StreamingLLM", "Window", "as_regime", "checksum", "geometry", "make_policy", "plackett_luce_logprob",
            "policy_class", "should_evict"]
