@@ -37,7 +37,8 @@ modules, env_vars = sys.argv[4:4 + n], sys.argv[4 + n:]
 env = yaml.safe_load(open("launch/runtime_env.yaml"))
 for key, value in ((yaml.safe_load(open(user)) or {}) if user else {}).items():
     env[key] = {**env.get(key, {}), **value} if key == "env_vars" else value
-env["py_modules"] = [*env.get("py_modules", []), *modules]
+if modules:  # an empty py_modules list makes Ray's runtime-env agent fail the job
+    env["py_modules"] = [*env.get("py_modules", []), *modules]
 env["env_vars"] = {**env.get("env_vars", {}), **dict(kv.split("=", 1) for kv in env_vars)}
 yaml.safe_dump(env, open(out, "w"), sort_keys=False)
 PYEOF

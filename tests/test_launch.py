@@ -55,6 +55,7 @@ def test_sbatch_dry_run_prints_head_workers_and_submit():
     assert len(submit) == 1 and "job submit" in submit[0] and "--runtime-env" in submit[0]
     assert "-m kvrl.run recipe=tiny_rl_full" in submit[0] and submit[0].endswith("trainer.steps=5")
     assert "env:    working_dir: ." in lines  # launch/runtime_env.yaml's, merged
+    assert not any("py_modules" in line for line in lines)  # an empty list fails Ray's runtime-env agent
 
 
 def test_sbatch_log_folder_ships_with_the_clone():
