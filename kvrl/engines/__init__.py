@@ -44,7 +44,6 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
     return HFEngine(*load_model(m.path, m.dtype, cfg.device), **limits)
 
 
-
 def quiet_weight_reloads() -> None:
     """Drop vLLM's "ParallelLMHead / RotaryEmbedding: Failed to load weights" warnings, which
     every weight push prints: its in-place reload finds no tensors for the tied LM head (pushed

@@ -127,10 +127,10 @@ def main(cfg) -> dict:
     settings_path = out / "settings.json"
     recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
     local = Path(weights).is_dir()
+    files = model_files(Path(weights), recorded["files"]) if local else {}  # {file: SHA-256}
     run_settings = {
         "model.path": None if local else cfg.model.path,  # a local folder counts by its content
-        **({f"model.files.{name}": sha for name, sha in model_files(Path(weights), recorded["files"]).items()}
-           if local else {}),
+        **{f"model.files.{name}": sha for name, sha in files.items()},
         "model.dtype": cfg.model.dtype, "model.stop_ids": cfg.model.stop_ids,
         "model.max_model_len": cfg.model.max_model_len, "device": cfg.device, "workers.engine": cfg.workers.engine,
         "seed": cfg.seed, "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
@@ -269,8 +269,7 @@ def main(cfg) -> dict:
     shown = retention_samples(traces, rows)
     if shown:
         plot_retention(shown, out / "retention.png")
-    evaluated = {"model": (weights, {k[len("model.files."):]: v for k, v in run_settings.items()
-                                     if k.startswith("model.files.")}), "artefacts": artefacts}
+    evaluated = {"model": (weights, files), "artefacts": artefacts}
     write_report(cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}

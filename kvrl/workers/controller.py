@@ -91,16 +91,15 @@ def connect(cfg) -> bool:
     quiet = not cfg.logging.verbose  # the actors' output (vLLM, DeepSpeed) stays in the session's log files
     if quiet:  # "token authentication is enabled" at every start: kvrl's private Ray keeps Ray's default on purpose
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    output = {"log_to_driver": not quiet, "logging_level": logging.WARNING if quiet else logging.INFO}
     if address:  # under `ray job submit` RAY_ADDRESS names the job's cluster
         # the cluster's system config is its head's; each worker also reads RAY_worker_niceness from its own
         # environment (Ray's job server sets it so for its supervisor), and env_vars merge key by key with the job's
-        ray.init(address=address, runtime_env={"env_vars": {"RAY_worker_niceness": str(nice)}}, log_to_driver=not quiet,
-                 logging_level=logging.WARNING if quiet else logging.INFO)
+        ray.init(address=address, runtime_env={"env_vars": {"RAY_worker_niceness": str(nice)}}, **output)
     else:  # "local", never a stale cluster that a file in the temp dir points at (reference/stack.md §1)
         # the system config, not a runtime_env, so that the workers Ray prestarts are the ones the actors get
         ray.init(address="local", num_cpus=cfg.workers.num_cpus or None, include_dashboard=False,
-                 _system_config={"worker_niceness": nice}, log_to_driver=not quiet,
-                 logging_level=logging.WARNING if quiet else logging.INFO)
+                 _system_config={"worker_niceness": nice}, **output)
     if quiet:
         tqdm.write(f"kvrl: the actors' logs (vLLM, DeepSpeed, Ray) are in {actor_logs()}; logging.verbose=true "
                    "prints them here")
