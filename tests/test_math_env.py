@@ -218,23 +218,30 @@ def test_a_prompt_the_model_cannot_hold_names_its_row(tmp_path):
 # ---- large files: read when drawn (issue #35: a 200 MB file cost the driver 4.2 GB) ------------------
 
 
-def _big(path, rows=3000):
-    # ~1 KB a row: 3 MB, enough to tell rows held from offsets held
-    return _jsonl(path, [{"id": f"r{i}", "question": f"{i} + {i}? " + "words " * 150, "answer": str(2 * i)}
-                         for i in range(rows)])
+def _big(path, rows=3000, group=None):
+    # ~1 KB a row: 3 MB, enough to tell rows held from offsets held; parquet in row groups of `group` rows
+    rows = [{"id": f"r{i}", "question": f"{i} + {i}? " + "words " * 150, "answer": str(2 * i)} for i in range(rows)]
+    if path.suffix == ".parquet":
+        pd.DataFrame(rows).to_parquet(path, row_group_size=group, compression=None)
+        return path
+    return _jsonl(path, rows)
 
 
-def test_a_large_file_is_read_when_drawn_not_held(tmp_path):
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_large_file_is_read_when_drawn_not_held(tmp_path, fmt):
     import tracemalloc
+
+    import pyarrow
 
     from kvrl.envs.base import TextEnv
     from kvrl.envs.math import load_math_tasks
 
-    path = _big(tmp_path / "big.jsonl")
+    path = _big(tmp_path / f"big.{fmt}", group=700)  # parquet: 5 row groups, the last one short
+    arrow = pyarrow.total_allocated_bytes()  # Arrow's buffers are not Python's: tracemalloc misses them
     tracemalloc.start()
     try:
         env = MathEnv(path)
-        held = tracemalloc.get_traced_memory()[0]
+        held = tracemalloc.get_traced_memory()[0] + pyarrow.total_allocated_bytes() - arrow
     finally:
         tracemalloc.stop()
     assert held < path.stat().st_size / 20, f"{held} bytes held for a {path.stat().st_size}-byte file"
@@ -262,16 +269,22 @@ def test_the_prompt_check_tokenises_a_chunk_at_a_time(tmp_path):
     assert sum(batches) == 600 and max(batches) <= 256  # never every row's tokens at once
 
 
-def test_resume_refuses_a_line_edited_in_a_lazily_read_file(tmp_path):
-    path = _big(tmp_path / "big.jsonl", rows=50)
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_resume_refuses_a_line_edited_in_a_lazily_read_file(tmp_path, fmt):
+    path = _big(tmp_path / f"big.{fmt}", rows=50)
     env = MathEnv(path)
     env.reset(seed=3)
     env.tasks(4)
     state = env.state_dict()
-    lines = path.read_text().splitlines(keepends=True)
-    lines[10] = lines[10].replace('"answer": "20"', '"answer": "twenty"')  # another size: mtime may not tick
-    path.write_text("".join(lines))
-    with pytest.raises(ValueError, match="big.jsonl changed while this run reads it"):
+    if fmt == "jsonl":
+        lines = path.read_text().splitlines(keepends=True)
+        lines[10] = lines[10].replace('"answer": "20"', '"answer": "twenty"')  # another size: mtime may not tick
+        path.write_text("".join(lines))
+    else:
+        rows = pd.read_parquet(path)
+        rows.loc[10, "answer"] = "twenty"
+        rows.to_parquet(path, compression=None)
+    with pytest.raises(ValueError, match=f"big.{fmt} changed while this run reads it"):
         env.tasks(1)  # its offsets no longer point at its rows
     with pytest.raises(ValueError, match="data set differs from the one this state was saved with"):
         MathEnv(path).load_state_dict(state)

@@ -147,7 +147,7 @@ class TextEnv(Env):
 
     Tasks come either from a dataset (pass ``data=[Task, ...]``, or a sequence that reads each
     task when indexed and carries their digest as ``tasks_sha256``, as
-    :class:`kvrl.envs.math.JsonlTasks` does; shuffled per epoch with ``np_random`` unless
+    :class:`kvrl.envs.math.FileTasks` does; shuffled per epoch with ``np_random`` unless
     ``shuffle=False``) or procedurally (leave ``data=None`` and override :meth:`sample_task`).
     Both go through one cursor, shared by :meth:`reset` and :meth:`tasks`, which is what
     :meth:`state_dict` saves.
@@ -167,7 +167,7 @@ class TextEnv(Env):
         *,
         shuffle: bool = True,
     ) -> None:
-        # a sequence that reads its rows when drawn and knows their digest (kvrl.envs.math.JsonlTasks) stays
+        # a sequence that reads its rows when drawn and knows their digest (kvrl.envs.math.FileTasks) stays
         # as it is: a list of a large file's tasks is what made the driver hold gigabytes (issue #35)
         self.data = None if data is None else data if hasattr(data, "tasks_sha256") else list(data)
         self.rewards = list(rewards or [])

@@ -22,6 +22,7 @@ checking timed out); ``has_boxed`` (weight 0, a metric only).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -111,79 +112,133 @@ def load_math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE) -> list[
 
 
 def math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> Sequence[Task]:
-    """The tasks of ``path`` (its first ``limit``): a JSONL file as a :class:`JsonlTasks`, read
-    row by row when drawn; a parquet file as a list."""
+    """The tasks of ``path`` (its first ``limit``), read when drawn: a JSONL file as a
+    :class:`JsonlTasks`, a parquet file as a :class:`ParquetTasks`."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"math dataset {str(path)!r} is a directory: give one .jsonl or .parquet file in it")
     if not path.is_file():
         raise FileNotFoundError(f"math dataset {str(path)!r} not found (give one .jsonl or .parquet file)")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        tasks = [row_to_task(row, f"{path}:{i + 1}", f"{path.stem}-{i}", template)
-                 for i, row in enumerate(pq.read_table(path).to_pylist())]
-        tasks = tasks[:limit] if limit is not None else tasks
-    elif path.suffix in (".jsonl", ".json"):
-        tasks = JsonlTasks(path, template, limit)
-    else:
+    kinds = {".parquet": ParquetTasks, ".jsonl": JsonlTasks, ".json": JsonlTasks}
+    if path.suffix not in kinds:
         raise ValueError(f"{path}: unsupported file type {path.suffix!r}; use .jsonl or .parquet")
+    tasks = kinds[path.suffix](path, template, limit)
     if not len(tasks) and limit != 0:  # limit=0 asked for none (and gets an empty data set, as before)
         raise ValueError(f"{path}: no rows")
     return tasks
 
 
-class JsonlTasks(Sequence):
-    """The tasks of a JSONL file, each read from the file when it is indexed.
+class FileTasks(Sequence):
+    """The tasks of a data file, each read from the file when it is indexed.
 
     Holding every row as a Task (and the driver tokenising them all) made a 200 MB file cost
-    the driver 4.2 GB and each rollout actor 1.3 GB (issue #35). One streaming pass at
-    construction checks every row as :func:`row_to_task` would (a malformed row fails now,
-    naming ``file:line``) and keeps only each row's byte offset and line number (12 bytes a
-    row) and ``tasks_sha256``: the digest :meth:`TextEnv.state_dict` saves, the same one a
-    list of these tasks gives, so a file edited between a run and its resume is refused. A
-    file changed while it is being read is refused at the next read: its offsets no longer
-    point at its rows.
+    the driver 4.2 GB and each rollout actor 1.3 GB (issue #35). A subclass makes one
+    streaming pass at construction that checks every row as :func:`row_to_task` would (a
+    malformed row fails now, naming ``file:line``) and keeps where each row is, and calls
+    :meth:`_add` for each row it keeps: that builds ``tasks_sha256``, the digest
+    :meth:`TextEnv.state_dict` saves, the same one a list of these tasks gives, so a file
+    edited between a run and its resume is refused. A file changed while it is being read is
+    refused at the next read.
     """
 
-    def __init__(self, path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> None:
+    def __init__(self, path: str | Path, template: str) -> None:
         self.path, self.template = Path(path), template
-        self._offsets, self._lines = array("q"), array("i")
-        digest = hashlib.sha256()
+        self._digest = hashlib.sha256()
         with open(self.path, "rb") as f:
             self._stamp = _stamp(f)
+
+    def _add(self, task: Task) -> None:
+        self._digest.update(json.dumps([task.id, task.prompt, task.answer]).encode())
+        self.tasks_sha256 = self._digest.hexdigest()
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._checked_read(range(*i.indices(len(self))))
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"task {i} of {len(self)}")
+        return self._checked_read([i % len(self)])[0]
+
+    def __iter__(self):  # a chunk per read, not a read per row
+        for start in range(0, len(self), 256):
+            yield from self[start:start + 256]
+
+    def _checked_read(self, indices) -> list[Task]:
+        with open(self.path, "rb") as f:
+            if _stamp(f) != self._stamp:
+                raise ValueError(f"{self.path} changed while this run reads it (size or modification time differ "
+                                 "from when it was opened): restore it, or start a new run to train on the new one")
+            return self._read(f, indices)
+
+    def _read(self, f, indices) -> list[Task]:
+        """The tasks at ``indices``, from the open file ``f``."""
+        raise NotImplementedError
+
+
+class JsonlTasks(FileTasks):
+    """A JSONL file's tasks; keeps each row's byte offset and line number (12 bytes a row)."""
+
+    def __init__(self, path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> None:
+        super().__init__(path, template)
+        self._offsets, self._lines = array("q"), array("i")
+        self.tasks_sha256 = self._digest.hexdigest()
+        with open(self.path, "rb") as f:
             for index, (lineno, offset, row) in enumerate(_jsonl_rows(self.path, f)):
                 task = row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{index}", template)
                 if limit is None or index < limit:  # rows past the limit are still checked, as before
                     self._offsets.append(offset)
                     self._lines.append(lineno)
-                    digest.update(json.dumps([task.id, task.prompt, task.answer]).encode())
-        self.tasks_sha256 = digest.hexdigest()
+                    self._add(task)
 
     def __len__(self) -> int:
         return len(self._offsets)
 
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self._read(range(*i.indices(len(self))))
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"task {i} of {len(self)}")
-        return self._read([i % len(self)])[0]
-
-    def __iter__(self):  # a chunk per open, not an open per row
-        for start in range(0, len(self), 256):
-            yield from self[start:start + 256]
-
-    def _read(self, indices) -> list[Task]:
+    def _read(self, f, indices) -> list[Task]:
         tasks = []
-        with open(self.path, "rb") as f:
-            if _stamp(f) != self._stamp:
-                raise ValueError(f"{self.path} changed while this run reads it (size or modification time differ "
-                                 "from when it was opened): restore it, or start a new run to train on the new one")
-            for i in indices:
-                f.seek(self._offsets[i])
-                lineno, _, row = next(_jsonl_rows(self.path, f, self._lines[i]))
-                tasks.append(row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{i}", self.template))
+        for i in indices:
+            f.seek(self._offsets[i])
+            lineno, _, row = next(_jsonl_rows(self.path, f, self._lines[i]))
+            tasks.append(row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{i}", self.template))
+        return tasks
+
+
+class ParquetTasks(FileTasks):
+    """A parquet file's tasks, read a row group at a time; the last group read is kept (as
+    Arrow columns, not Tasks), so rows drawn from one group cost one read."""
+
+    def __init__(self, path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> None:
+        import pyarrow.parquet as pq
+
+        super().__init__(path, template)
+        self.tasks_sha256 = self._digest.hexdigest()
+        file = pq.ParquetFile(self.path)
+        self._starts = [0]  # the first row of each row group, then the row count
+        for g in range(file.metadata.num_row_groups):
+            self._starts.append(self._starts[-1] + file.metadata.row_group(g).num_rows)
+        self._len = self._starts[-1] if limit is None else min(limit, self._starts[-1])
+        self._group: tuple[int, Any] | None = None
+        i = 0
+        for batch in file.iter_batches(batch_size=1024):  # a batch of rows as dicts at a time
+            for row in batch.to_pylist():
+                task = self._task(row, i)  # rows past the limit are still checked, as JSONL's are
+                if i < self._len:
+                    self._add(task)
+                i += 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _task(self, row: dict, i: int) -> Task:
+        return row_to_task(row, f"{self.path}:{i + 1}", f"{self.path.stem}-{i}", self.template)
+
+    def _read(self, f, indices) -> list[Task]:
+        import pyarrow.parquet as pq
+
+        tasks = []
+        for i in indices:
+            g = bisect.bisect_right(self._starts, i) - 1
+            if self._group is None or self._group[0] != g:
+                self._group = (g, pq.ParquetFile(f).read_row_group(g))
+            tasks.append(self._task(self._group[1].slice(i - self._starts[g], 1).to_pylist()[0], i))
         return tasks
 
 
