@@ -1,4 +1,5 @@
-"""Every cluster recipe runs end to end on CPU, shrunk from the command line alone (slow).
+"""Every cluster recipe runs end to end on CPU, shrunk from the command line alone (slow); a
+recipe whose shrunk run would repeat another's but for a hyperparameter is checked to be its twin.
 
 Each test calls the real entry point, ``kvrl.run.main([...])``, with the recipe's own name
 and only ``key=value`` overrides: a shrunk random model of the recipe's architecture
@@ -134,8 +135,11 @@ FORESIGHT = [*ANY_ANSWER,  # traces are kept when the environment scores them co
 RECIPES = {
     "rlkv_qwen3_4b_thinking": ANY_ANSWER + RLKV, "rlkv_r1_qwen_7b": MATH + RLKV, "rlkv_r1_llama_8b": ANY_ANSWER + RLKV,
     "gkv_r1_qwen_7b": GKV, "gkv_r1_llama_8b": GKV,
-    "foresight_qwen3_4b": FORESIGHT, "foresight_qwen3_1_7b": FORESIGHT, "foresight_r1_qwen_7b": FORESIGHT,
+    "foresight_qwen3_1_7b": FORESIGHT, "foresight_r1_qwen_7b": FORESIGHT,
 }
+# recipes whose shrunk run would be another's, but for hyperparameters: the same architecture shrunk to the same
+# random model, the same job and algorithm (~40 s of suite each); test_a_recipe_left_out_shrinks_to_its_twin holds it
+TWINS = {"foresight_qwen3_4b": "foresight_qwen3_1_7b"}
 
 
 def shrunk_args(recipe: str, model: str, data: str, out: Path) -> list[str]:
@@ -154,6 +158,27 @@ def check_rl_metrics(path: Path) -> list[dict]:
         assert math.isfinite(r["loss"]) and math.isfinite(r["mismatch_max"]), r
         assert r["mismatch_max"] < 1e-2, r  # fp32: rollout and learner logprobs agree (README: <= ~1e-3)
     return records
+
+
+@pytest.mark.parametrize("recipe, twin", list(TWINS.items()))
+def test_a_recipe_left_out_shrinks_to_its_twin(recipe, twin, shrunk_model, tmp_path):
+    """A recipe left out of the shrunk runs differs from its twin's, shrunk, only in numbers that
+    change no code path (its architecture, job and algorithm are the twin's); and every cluster
+    recipe is run or twinned."""
+    from kvrl.runlog import flatten
+
+    configs = {}
+    for name in (recipe, twin):  # each shrunk with the twin's arguments, as its run would be
+        args = shrunk_args(twin, shrunk_model(load_config([f"recipe={name}"]).model.path), "data.jsonl", tmp_path)
+        configs[name] = flatten(load_config([f"recipe={name}", *args[1:]]))
+    a, b = configs[recipe], configs[twin]
+    # the same random model, built from each recipe's hub id
+    assert (Path(a["model.path"]) / "config.json").read_text() == (Path(b["model.path"]) / "config.json").read_text()
+    differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} - {"recipe", "run_name", "model.path"}
+    assert all(isinstance(a.get(k), (int, float)) and not isinstance(a.get(k), bool) for k in differ), differ
+    cluster = {p.stem for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml")
+               if not p.stem.startswith(("tiny_", "eval_"))}
+    assert cluster == set(RECIPES) | set(TWINS)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
