@@ -184,7 +184,7 @@ def test_multihop_eval_report_has_the_properties_and_the_papers_orderings(tmp_pa
 @pytest.mark.vllm
 @pytest.mark.skipif(not (MULTIHOP / "config.json").exists(), reason="the multihop weights are not shipped")
 def test_both_engines_give_the_multihop_zoo_the_same_answers(tmp_path):
-    """#33: recipe=tiny_multihop_eval on the HF and the vLLM engine, shrunk to 8 tasks and the
+    """#33: recipe=tiny_multihop_eval on the HF and the vLLM engine, shrunk to 4 tasks and the
     scoring policies at half the sequence: the same reward for every sample and the same
     completion for all but near-ties of greedy decoding (fp32; the engines' logprobs agree within
     1e-4, tests/test_vllm_engine.py). The full recipe (256 tasks, 19 rows) gave identical
@@ -196,7 +196,7 @@ def test_both_engines_give_the_multihop_zoo_the_same_answers(tmp_path):
     rows = {}
     for engine in ("hf", "vllm"):
         out = tmp_path / engine
-        assert main(["recipe=tiny_multihop_eval", "env.num_eval_tasks=8", "eval.policies=[h2o,snapkv,rkv,gkv]",
+        assert main(["recipe=tiny_multihop_eval", "env.num_eval_tasks=4", "eval.policies=[h2o,snapkv,rkv,gkv]",
                      "eval.budgets=[0.5]", "eval.properties=false", f"workers.engine={engine}",
                      f"output_dir={out}"]) == 0
         rows[engine] = {(s["policy"], s["task"]): (s["reward"], s["completion"])
