@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvrl.algos import algo_class
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.jobs import JOBS
 from kvrl.policies.base import budget_at, geometry
@@ -169,7 +170,9 @@ def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
     w, tr = cfg.workers, cfg.trainer
     width = torch.finfo(getattr(torch, cfg.model.dtype)).bits // 8
     algo = "rlkv" if cfg.job == "rlkv" else "foresight" if cfg.job == "foresight" else cfg.rl.algo
-    trained = p["params"] if algo in FULL_MODEL else 0  # gates and scorers are a few thousand values
+    # gates and scorers are a few thousand values; an algorithm given by path says (`trains_weights`)
+    full_model = algo in FULL_MODEL or (":" in algo and algo_class(algo).trains_weights)
+    trained = p["params"] if full_model else 0
     copies = 2 if (algo == "rl_full" and cfg.rl.kl_coef > 0) or algo == "distill" else 1
     if w.backend == "deepspeed":
         grads, optimizer = trained * width / w.learners, 12 * trained / w.learners

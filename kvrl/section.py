@@ -5,8 +5,10 @@ Contract:
 * An algorithm or a job that has keys or rules of its own declares them beside its code, in a
   light module (`kvrl/algos/<algo>_config.py`, `kvrl/jobs/<job>_config.py`: no torch, no Ray, so
   a config is checked in well under a second), and registers them with `register_section(name,
-  schema, problems, uses=...)`; the package's `__init__` imports that module, as `ALGOS` names the
-  algorithm. `kvrl.config` builds the schema from the shared sections plus every registered one:
+  schema, problems, uses=...)`; the package's `__init__` imports that module (`kvrl.algos.ALGOS` names it
+  beside the algorithm's class). An algorithm outside kvrl (`rl.algo=pkg.module:Class`) registers its
+  section in its own module, which the config loader imports first, and names it (`Algorithm.section`).
+  `kvrl.config` builds the schema from the shared sections plus every registered one:
   the section's keys are then `name.key` on the command line, in recipes and in `--help`.
 * `schema` is a dataclass whose fields may be `checked` (a range rule beside the field); `None`
   for an algorithm without keys of its own (`rl_sparse`: rules only).
@@ -32,15 +34,18 @@ POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "gkv", "learned")
 
 
 def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "", *, ge: float | None = None,
-            names: tuple[str, ...] = ()) -> Any:
-    """A schema field whose value must pass `ok`, else `validate` reports "KEY RULE (got VALUE); set
-    KEY=DEFAULT", or the nearest of `names` to the value when one is near (a mistyped name).
-    `ge=LOW` is short for `v >= LOW` with the rule "must be >= LOW"."""
+            names: tuple[str, ...] = (), kwargs: str = "") -> Any:
+    """A schema field whose value must pass `ok` (None: any value), else `validate` reports "KEY RULE (got
+    VALUE); set KEY=DEFAULT", or the nearest of `names` to the value when one is near (a mistyped name).
+    `ge=LOW` is short for `v >= LOW` with the rule "must be >= LOW". `kwargs=FIELD`: the value names what
+    the section's dict field FIELD holds the constructor arguments of (env.id and env.kwargs): when the
+    command line changes the value, the recipe's arguments are dropped (`kvrl.config.load`)."""
     if ge is not None:
         ok, rule = (lambda v: v >= ge), f"must be >= {ge}"
+    metadata = {"names": names, **({"check": (ok, rule)} if ok else {}), **({"kwargs": kwargs} if kwargs else {})}
     if isinstance(default, (list, dict)):  # a mutable default: a fresh copy per instance
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"check": (ok, rule), "names": names})
-    return field(default=default, metadata={"check": (ok, rule), "names": names})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def cli_value(value: Any) -> str:

@@ -14,7 +14,7 @@ What the shrunk runs need from a user, besides sizes:
 
 * RLKV recipes train on the self-distilled set (``SelfDistilledEnv``), which a random model
   cannot produce (it solves nothing): ``env.id=kvrl/math-v0 env.kwargs={path: FILE}``.
-  Changing ``env.id`` drops the recipe's ``env.kwargs`` (``kvrl.config.KWARGS_OF``), and a
+  Changing ``env.id`` drops the recipe's ``env.kwargs`` (``kvrl.config.kwargs_of()``), and a
   mapping given whole replaces the recipe's (G-KV keeps ``env.id`` and replaces the path).
 * ForesightKV keeps only traces the environment scores correct (and that end with a stop
   id, ``kvrl/data/traces.py``): a random model needs an environment whose reward accepts

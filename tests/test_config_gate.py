@@ -82,6 +82,9 @@ CASES = [
     ("top_p_range", ["recipe=tiny_eval", "sampling.top_p=0"],
      None, ["sampling.top_p must be in (0, 1] (1 = no nucleus cut) (got 0.0); set sampling.top_p=1.0"]),
     ("unknown_recipe", ["recipe=tiny_rl_ful"], None, ["did you mean recipe=tiny_rl_full?", "available recipes: "]),
+    ("algo_path_unimportable", ["recipe=tiny_rl_full", "rl.algo=my_lab.algos:RLFul"],
+     None, ["rl.algo='my_lab.algos:RLFul' cannot be imported (No module named 'my_lab'); set rl.algo=rl_full",
+            "launch/ray_submit.sh --py-module path/to/pkg"]),
 ]
 
 SCRIPT = r"""

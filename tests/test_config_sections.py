@@ -1,9 +1,11 @@
 """Config sections owned by what they configure (#37): an algorithm of your own brings its keys and
-rules without a change to kvrl/config, and kv.policy takes a KVPolicy class of your own by path.
+rules without a change to kvrl/config (one line in kvrl.algos.ALGOS, or none: rl.algo=pkg.module:Class),
+and kv.policy takes a KVPolicy class of your own by path.
 
-Everything here is defined in this file: the toy algorithm, its section and rule, and the policy."""
+Everything here is defined in this file: the toy algorithms, their sections and rules, and the policy."""
 
-import dataclasses
+import re
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import ClassVar
@@ -11,10 +13,9 @@ from typing import ClassVar
 import pytest
 import yaml
 
-from kvrl.algos import ALGOS
+from kvrl.algos import ALGOS, Algo, make_algo
 from kvrl.algos.rl_sparse import RLSparse
 from kvrl.config import ConfigError, load_config, schema_keys
-from kvrl.jobs import JOBS
 from kvrl.policies import KVPolicy, make_policy
 from kvrl.run import main
 from kvrl.section import SECTIONS, checked, register_section
@@ -42,9 +43,9 @@ class Toy:  # what ALGOS names; these tests never build it
 
 @pytest.fixture
 def toy(monkeypatch):
-    """The three lines an algorithm of your own adds: ALGOS, the job that runs it, its section."""
-    monkeypatch.setitem(ALGOS, "toy", f"{__name__}:Toy")
-    monkeypatch.setitem(JOBS, "rl", dataclasses.replace(JOBS["rl"], algos=(*JOBS["rl"].algos, "toy")))
+    """An algorithm added to kvrl: its one line in ALGOS (class, config module, job: rl by default), and the
+    section its config module registers when imported (here, in the fixture, so that it can be undone)."""
+    monkeypatch.setitem(ALGOS, "toy", Algo(f"{__name__}:Toy"))
     saved = dict(SECTIONS)
     register_section("toy", ToyConfig, toy_problems)
     yield
@@ -89,6 +90,96 @@ def test_without_the_registration_the_key_is_unknown():
     assert "toy" not in SECTIONS and "toy.rounds" not in schema_keys()
     with pytest.raises(ConfigError, match="unknown key toy;"):
         load_config(["recipe=tiny_rl_full", "toy.rounds=3"])
+
+
+# --- rl.algo=pkg.module:Class: an algorithm outside kvrl, no line in kvrl at all ------------------
+
+# a user's module: importing it registers its section (the config loader imports it before the schema)
+BOOST = """
+from dataclasses import dataclass
+
+from kvrl.algos.rl_full import RLFull
+from kvrl.section import checked, register_section
+
+
+@dataclass
+class BoostConfig:
+    factor: float = checked(2.0, lambda v: v > 0, "must be > 0")
+
+
+def problems(cfg):
+    if cfg.boost.factor > cfg.trainer.steps:
+        return [f"boost.factor ({cfg.boost.factor}) must be <= trainer.steps; set boost.factor=2.0"]
+    return []
+
+
+register_section("boost", BoostConfig, problems)
+
+
+class Boost(RLFull):
+    section = "boost"
+
+
+class Unregistered(RLFull):
+    section = "nowhere"
+
+
+class NotAnAlgorithm:
+    pass
+"""
+
+
+@pytest.fixture
+def boost(tmp_path, monkeypatch):
+    """`my_algos` on the path, not imported yet; afterwards kvrl's sections are as they were."""
+    (tmp_path / "my_algos.py").write_text(BOOST)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_algos", raising=False)
+    saved = dict(SECTIONS)
+    yield
+    SECTIONS.clear()
+    SECTIONS.update(saved)
+    sys.modules.pop("my_algos", None)
+
+
+def test_an_algorithm_by_path_brings_its_section(boost, capsys):
+    assert "boost" not in SECTIONS
+    assert main(["recipe=tiny_rl_full", "rl.algo=my_algos:Boost", "boost.factor=3", "print_config=true"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["boost"] == {"factor": 3.0} and printed["rl"]["algo"] == "my_algos:Boost"
+    cfg = load_config(["recipe=tiny_rl_full", "rl.algo=my_algos:Boost"])
+    algo = make_algo(cfg)
+    assert type(algo).__name__ == "Boost" and algo.cfg.boost.factor == 2.0
+    # its rules run with the job's; the range rule beside the field too
+    assert main(["recipe=tiny_rl_full", "rl.algo=my_algos:Boost", "boost.factor=1000"]) == 2
+    assert "boost.factor (1000.0) must be <= trainer.steps; set boost.factor=2.0" in capsys.readouterr().err
+    assert main(["recipe=tiny_rl_full", "rl.algo=my_algos:Boost", "boost.factor=0"]) == 2
+    assert "boost.factor must be > 0 (got 0.0); set boost.factor=2.0" in capsys.readouterr().err
+    # the job the config names runs it: rl_full's own rule (kv.policy=full) does not apply, the shared ones do
+    assert main(["recipe=tiny_rl_full", "rl.algo=my_algos:Boost", "trainer.batch_size=12"]) == 2
+    assert "trainer.batch_size (12) must be a multiple of rl.group_size (8)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algo, message", [
+    ("my_algos:Bost", "rl.algo='my_algos:Bost' cannot be imported (module 'my_algos' has no attribute 'Bost'"),
+    ("no_such_pkg.algos:RLFul", "rl.algo='no_such_pkg.algos:RLFul' cannot be imported (No module named "
+                                "'no_such_pkg'); set rl.algo=rl_full (registered: rl_full,"),
+    ("my_algos:NotAnAlgorithm", "rl.algo='my_algos:NotAnAlgorithm' is not a subclass of kvrl.algos.base.Algorithm"),
+    ("my_algos:Unregistered", "rl.algo=my_algos:Unregistered names section 'nowhere', which nothing registered"),
+    ("rl_ful", "unknown rl.algo 'rl_ful'; set rl.algo=rl_full"),
+])
+def test_a_bad_algorithm_names_the_fix(boost, capsys, algo, message):
+    assert main(["recipe=tiny_rl_full", f"rl.algo={algo}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvrl: error: ") and message in err, err
+
+
+def test_a_registered_algorithm_runs_under_its_job_only():
+    with pytest.raises(ConfigError, match=re.escape("job=rl runs rl.algo=rl_full | rl_sparse | distill, not "
+                                                    "rl.algo=rlkv; set job=rlkv")):
+        load_config(["recipe=tiny_rl_full", "rl.algo=rlkv"])
+    with pytest.raises(ConfigError, match="not rl.algo=foresight; set job=foresight"):
+        load_config(["recipe=tiny_rl_full", "rl.algo=foresight"])
 
 
 # --- kv.policy=pkg.module:Class, as env.id=pkg.module:Class ---------------------------------------

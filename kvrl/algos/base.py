@@ -110,6 +110,10 @@ class Algorithm:
     # it trains the model's own weights: each checkpoint then also holds them as a transformers folder
     # (model/), which model.path=<output_dir> loads (kvrl.runlog.trained_model)
     trains_weights: bool = False
+    # given by path (rl.algo=pkg.module:Class): the config section its module registers
+    # (kvrl.section.register_section), whose keys and rules then apply; None = none. A registered
+    # algorithm's section is its rl.algo name (kvrl.algos.ALGOS)
+    section: str | None = None
 
     def __init__(self, cfg):
         self.cfg = cfg

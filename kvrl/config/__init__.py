@@ -8,14 +8,17 @@ Contract:
   `kvrl/algos/rlkv_config.py`); `kvrl.config.schema` assembles them. Keys, types, defaults and
   rules are declared once, by what they configure: a field's range check sits beside it
   (`checked`), a section's cross-field rules are its `problems(cfg)`.
-* `kvrl.jobs.JOBS` is the single list of jobs: the function each runs, the sections it checks and,
-  for RL jobs, the rl.algo values it runs (whose registered rules it checks too).
+* `kvrl.jobs.JOBS` is the single list of jobs: the function each runs and the sections it checks;
+  `kvrl.algos.ALGOS` lists the algorithms, each with the job that runs it, whose registered rules an
+  RL job checks too. An algorithm of your own, `rl.algo=pkg.module:Class`, is imported before the
+  schema is built (its module may register a section); the job the config names runs it.
 * `load_config(argv)` merges, in this order, the schema (`OmegaConf.structured`), the recipe's
   base (`base: NAME` in the recipe -> `recipes/base/NAME.yaml`), `recipes/NAME.yaml` (NAME from
   `recipe=NAME` on the command line, else `Config.recipe`) and the command-line `key=value`
   dotlist, makes the result read-only, resolves interpolations and converts it to the
   dataclasses with `OmegaConf.to_object`.
-* Constructor arguments belong to what they construct: when the command line changes `env.id`,
+* Constructor arguments belong to what they construct (a section pairs the two keys:
+  `checked(..., kwargs=FIELD)`, read by `kwargs_of()`): when the command line changes `env.id`,
   `self_distill.source` or `kv.policy`, the recipe's `env.kwargs`, `self_distill.source_kwargs`
   or `kv.kwargs` are dropped (`env.id=kvrl/math-v0 env.kwargs.path=data.jsonl` on an RL recipe
   over counts gives MathEnv only `path`), and a mapping given whole on the command line
@@ -42,8 +45,8 @@ This package re-exports the names that code and tests import from `kvrl.config`.
 from kvrl.algos.distill_config import DistillConfig
 from kvrl.algos.rlkv_config import RLKVConfig
 from kvrl.config.checks import validate
-from kvrl.config.load import KWARGS_OF, RENAMED, available_recipes, load_config, recipes_dir
-from kvrl.config.schema import schema, schema_keys
+from kvrl.config.load import RENAMED, available_recipes, load_config, recipes_dir
+from kvrl.config.schema import kwargs_of, schema, schema_keys
 from kvrl.config.shared import (DTYPES, EnvConfig, KVConfig, LoggingConfig, ModelConfig, RLConfig, SamplingConfig,
                                 Shared, TrainerConfig, WorkersConfig)
 from kvrl.jobs import JOBS, Job
@@ -55,9 +58,9 @@ from kvrl.section import ConfigError, checked, cli_value, register_section
 
 Config = schema()  # the shipped sections' (a section registered later gets its own class: `schema()`)
 
-__all__ = ["DTYPES", "JOBS", "KWARGS_OF", "RENAMED", "Config", "ConfigError", "DistillConfig", "EnvConfig",
+__all__ = ["DTYPES", "JOBS", "RENAMED", "Config", "ConfigError", "DistillConfig", "EnvConfig",
            "EvalConfig", "ForesightConfig", "Job", "KVConfig", "LoggingConfig", "ModelConfig", "PretrainConfig",
            "RLConfig", "RLKVConfig", "SamplingConfig", "SelfDistillConfig", "Shared", "TrainerConfig",
-           "WorkersConfig", "available_recipes", "checked", "cli_value", "load_config", "recipes_dir",
+           "WorkersConfig", "available_recipes", "checked", "cli_value", "kwargs_of", "load_config", "recipes_dir",
            "register_section", "schema", "schema_keys", "validate"]
 

@@ -2,7 +2,7 @@
 
 Contract: `validate(cfg)` raises one ConfigError listing every problem: the range rules declared
 beside the fields (`checked`; every float must be finite), then the cross-field rules of the
-sections the job names and of its rl.algo (`kvrl.jobs.JOBS`), each stated once, by what it
+sections the job names and of its rl.algo (`kvrl.jobs.JOBS`, `kvrl.algos.ALGOS`), each stated once, by what it
 configures (`kvrl.config.shared`, or the section registered beside an algorithm or a job). A
 proposed fix is itself checked: where the job's rules refuse the default (trainer.steps=0 in an RL
 job), the message proposes the value their message names instead.
@@ -16,6 +16,7 @@ from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+from kvrl.algos import ALGOS, algo_class
 from kvrl.jobs import JOBS, Job
 from kvrl.section import SECTIONS, ConfigError, cli_value
 
@@ -42,13 +43,23 @@ def _section_problems(cfg) -> list[str]:
     problems = []
     job = JOBS.get(cfg.job, Job(""))  # an unknown job: kvrl.run names the jobs
     names = list(job.sections)
-    if job.algos:
-        if cfg.rl.algo in job.algos:
-            names.append(cfg.rl.algo)
-        owner = next((name for name, other in JOBS.items() if cfg.rl.algo in other.algos), None)
-        if owner not in (None, cfg.job):  # an unknown rl.algo is RLConfig's to report
-            problems.append(f"job={cfg.job} runs rl.algo={' | '.join(job.algos)}, not rl.algo={cfg.rl.algo}; "
-                            f"set job={owner} (or rl.algo={next(iter(job.algos))})")
+    algo = cfg.rl.algo  # an RL job ("rl" among its sections) runs it: its section's rules apply too
+    if "rl" in job.sections and ":" in algo:  # by path: the job the config names runs it
+        try:
+            section = algo_class(algo).section
+        except ConfigError:  # RLConfig's to report
+            section = None
+        if section and section not in SECTIONS and not hasattr(cfg, section):
+            problems.append(f"rl.algo={algo} names section {section!r}, which nothing registered; call "
+                            f"kvrl.section.register_section({section!r}, ...) in its module, or set its section=None")
+        names += [section] if section else []
+    elif "rl" in job.sections and algo in ALGOS:  # an unknown name is RLConfig's to report
+        if ALGOS[algo].job == cfg.job:
+            names.append(algo)
+        else:
+            runs = [name for name, a in ALGOS.items() if a.job == cfg.job]
+            problems.append(f"job={cfg.job} runs rl.algo={' | '.join(runs)}, not rl.algo={algo}; "
+                            f"set job={ALGOS[algo].job} (or rl.algo={runs[0]})")
     checked = []
     for name in names:  # a registered section, then the shared sections it uses ("kv")
         checked += [name, *(SECTIONS[name].uses if name in SECTIONS else ())]

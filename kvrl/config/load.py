@@ -20,13 +20,11 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, GrammarParseError, OmegaConfBaseException, ValidationError
 
+from kvrl.algos import algo_class
 from kvrl.config.checks import job_fix, validate
-from kvrl.config.schema import schema, schema_keys
+from kvrl.config.schema import kwargs_of, schema, schema_keys
 from kvrl.config.shared import Shared
 from kvrl.section import ConfigError, cli_value
-
-# a key naming what its kwargs construct: when the command line changes it, the recipe's kwargs are dropped
-KWARGS_OF = {"env.id": "env.kwargs", "self_distill.source": "self_distill.source_kwargs", "kv.policy": "kv.kwargs"}
 
 # keys renamed because the old name misled: old key -> (new key, what it is)
 RENAMED = {
@@ -201,11 +199,18 @@ def load_config(argv: Sequence[str]) -> Any:
     cli.recipe, cli.recipe_file = name, own
     layers = _load_recipe(path)
     recipe_path = layers[-1][1]
+    # an algorithm of your own (rl.algo=pkg.module:Class) registers its section when its module is imported:
+    # before the schema is built, so that its keys are known
+    algo = next((v for layer, _ in reversed(layers + [(cli, "")])
+                 if isinstance(v := OmegaConf.select(layer, "rl.algo", default=None, throw_on_missing=False,
+                                                   throw_on_resolution_failure=False), str)), "")
+    if ":" in algo:
+        algo_class(algo)
     merged = OmegaConf.structured(schema())
     for layer, source in layers + [(cli, "command line")]:
         if layer is cli:  # what the command line replaces rather than merges into (the module docstring)
             given = [arg.partition("=")[0] for arg in argv]
-            dropped = [kw for owner, kw in KWARGS_OF.items()
+            dropped = [kw for owner, kw in kwargs_of().items()
                        if owner in given and str(OmegaConf.select(cli, owner)) != str(OmegaConf.select(merged, owner))]
             whole = [key for key in given if get_origin(schema_keys().get(key, (None,))[0]) is dict]
             for key in dropped + whole:

@@ -6,7 +6,9 @@ as registered, in registration order. Importing this module imports `kvrl.algos`
 whose packages import their light `*_config` modules, so every shipped section is registered first.
 A section registered later (a plug-in, a test's toy algorithm) gives a new class, built on demand;
 `kvrl.config.Config` is the shipped one. `schema_keys()` lists every leaf key: `--help`, the "did
-you mean" hints and the merge's type errors read it.
+you mean" hints and the merge's type errors read it. `kwargs_of()` pairs each key that names what it
+constructs with the key of the constructor's arguments, as the sections declare them (`checked(...,
+kwargs=FIELD)`: env.id -> env.kwargs).
 """
 
 from dataclasses import MISSING as NO_DEFAULT
@@ -47,3 +49,14 @@ def schema_keys(cls: type | None = None, prefix: str = "") -> dict[str, tuple[An
             default = f.default_factory() if f.default is NO_DEFAULT else f.default
             keys[prefix + f.name] = (f.type, default)
     return keys
+
+
+def kwargs_of(cls: type | None = None, prefix: str = "") -> dict[str, str]:
+    """Each key that names what it constructs -> the key of the constructor's arguments (env.id -> env.kwargs)."""
+    pairs: dict[str, str] = {}
+    for f in fields(cls or schema()):
+        if is_dataclass(f.type):
+            pairs.update(kwargs_of(f.type, f"{prefix}{f.name}."))
+        elif "kwargs" in f.metadata:
+            pairs[prefix + f.name] = prefix + f.metadata["kwargs"]
+    return pairs

@@ -15,8 +15,10 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING
 
+from kvrl.algos import ALGOS, algo_class
+from kvrl.gate import env_problems, model_problems, policy_problems
 from kvrl.jobs import JOBS
-from kvrl.section import POLICY_NAMES, checked
+from kvrl.section import POLICY_NAMES, ConfigError, checked
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -32,14 +34,12 @@ class ModelConfig:
     max_model_len: int = checked(0, ge=0)
 
     def problems(self, cfg: "Shared") -> list[str]:
-        from kvrl.gate import model_problems  # a folder with a config.json, or a well-formed hub id
-
         return model_problems(self.path)
 
 
 @dataclass
 class EnvConfig:
-    id: str = "kvrl/counts-v0"  # registered environment id, or a dotted path pkg.mod:Class
+    id: str = checked("kvrl/counts-v0", kwargs="kwargs")  # registered environment id, or a dotted path pkg.mod:Class
     kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
     chat_template: bool = True  # render prompts with the tokenizer's chat template when it has one; false = raw
     system_prompt: str = ""  # the chat's system message; "" = none
@@ -47,8 +47,6 @@ class EnvConfig:
     num_eval_tasks: int = checked(256, ge=1)  # tasks drawn for evaluation
 
     def problems(self, cfg: "Shared") -> list[str]:
-        from kvrl.gate import env_problems  # the id resolves and the kwargs fit its constructor
-
         return env_problems("env.id", self.id, "env.kwargs", self.kwargs)
 
 
@@ -57,7 +55,7 @@ class KVConfig:
     # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...) or a dotted path pkg.mod:Class (as env.id)
     policy: str = checked("full", lambda v: v in POLICY_NAMES or ":" in v,
                           f"must be one of {', '.join(POLICY_NAMES)} or a pkg.module:Class of your own",
-                          names=POLICY_NAMES)
+                          names=POLICY_NAMES, kwargs="kwargs")
     budget: int = checked(0, ge=0)  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
     interval: int = checked(16, ge=1)  # evict every this many decoded tokens
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
@@ -73,11 +71,9 @@ class KVConfig:
         by path imports and takes kv.kwargs; the policy always keeps kv.sink + kv.window tokens and must
         choose at least one more by score. This is the budget's one check on the config path, where it is
         known earliest (a policy built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
-        from kvrl.gate import policy_problems  # a pkg.module:Class policy, as env.id's
-
         problems = policy_problems(self.policy, self.kwargs)
         job = JOBS[cfg.job]
-        who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if job.algos else "")
+        who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if "rl" in job.sections else "")
         least = self.window + self.sink + 1
         fix = max(least, 4 * self.interval)
         if self.budget == 0:
@@ -126,7 +122,9 @@ class TrainerConfig:
 @dataclass
 class RLConfig:
     # RL jobs (job=rl): trainer.batch_size samples per step = batch_size / group_size tasks x group_size
-    algo: str = "rl_full"  # algorithm in kvrl.algos: what is trained, the loss, what is pushed to rollouts
+    # what is trained, the loss, what is pushed to rollouts: a name in kvrl.algos.ALGOS, or a dotted path
+    # pkg.module:Class to an Algorithm of your own (as env.id)
+    algo: str = "rl_full"
     group_size: int = checked(8, ge=2)  # samples per task (G); advantages are normalised within each task's group
     # advantage scaling: group (divide by the group's std, GRPO) | none (Dr. GRPO)
     scale: str = checked("group", lambda v: v in ("group", "none"), "must be group | none")
@@ -166,12 +164,15 @@ class RLConfig:
         if n < parts:
             problems.append(f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "
                             f"({parts}), each takes a share of the samples; set trainer.batch_size={parts * g}")
-        from kvrl.algos import ALGOS  # a table of names; importing it loads no algorithm
-
-        if self.algo not in ALGOS:
+        if ":" in self.algo:  # pkg.module:Class (the loader imported it already, registering its section)
+            try:
+                algo_class(self.algo)
+            except ConfigError as err:
+                problems.append(str(err))
+        elif self.algo not in ALGOS:
             near = difflib.get_close_matches(self.algo, ALGOS, n=1)
             problems.append(f"unknown rl.algo {self.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
-                            f"(available: {', '.join(ALGOS)})")
+                            f"(available: {', '.join(ALGOS)}, or pkg.module:Class of your own)")
         if cfg.trainer.steps < 1:
             problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")
         return problems

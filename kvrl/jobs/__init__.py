@@ -4,7 +4,8 @@ Each module has ``main(cfg)`` and reads like a short script with section comment
 library below it (algorithms, engines, workers, environments) never imports a job.
 
 ``JOBS`` is the single list of jobs: the function each runs and the config sections whose rules
-apply to it, as ``kvrl.algos.ALGOS`` lists the algorithms. A job with keys or rules of its own
+apply to it, as ``kvrl.algos.ALGOS`` lists the algorithms (each with the job that runs it: a job
+whose sections include "rl" runs an ``rl.algo``). A job with keys or rules of its own
 declares them beside its module, in ``<job>_config.py`` (a light module: the config gate imports
 it, see :mod:`kvrl.section`), imported below so that it registers.
 """
@@ -19,10 +20,9 @@ class Job:
     entry: str  # "module:function" called with the typed Config
     # the config sections whose cross-field rules (`problems`) apply to the job; "kv" = the job builds
     # a token policy from kv.budget / kv.window / kv.sink
+    # "rl": an RL job, which runs rl.algo (the algorithms kvrl.algos.ALGOS gives it, or one by path),
+    # whose registered rules (and the shared sections it uses) apply too
     sections: tuple[str, ...] = ()
-    # RL jobs: the rl.algo values the job runs; the chosen one's registered rules (and the shared
-    # sections it uses) apply too
-    algos: tuple[str, ...] = ()
     ray: bool = False  # runs Ray actors (workers.*): a local Ray must host them (kvrl.gate.machine_problems)
 
 
@@ -32,8 +32,7 @@ JOBS = {
     "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
     "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env"), ray=True),
     "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main", sections=("env", "pretrain")),
-    "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), algos=("rl_full", "rl_sparse", "distill"),
-              ray=True),
-    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), algos=("rlkv",), ray=True),
+    "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True),
+    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), ray=True),
     "self_distill": Job("kvrl.jobs.self_distill:main", sections=("model", "self_distill")),
 }

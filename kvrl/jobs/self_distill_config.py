@@ -14,7 +14,7 @@ from kvrl.section import checked, register_section
 class SelfDistillConfig:
     # the candidates' environment: in an RL recipe env.id is the selected set (SelfDistilledEnv), so the
     # data step has its own source (e.g. kvrl/math-v0 with {path: deepscaler.jsonl})
-    source: str = "kvrl/counts-v0"
+    source: str = checked("kvrl/counts-v0", kwargs="source_kwargs")
     source_kwargs: Dict[str, Any] = field(default_factory=dict)
     # tasks drawn from the source and decoded (a finite dataset: at most all of it)
     candidates: int = checked(4096, ge=1)
