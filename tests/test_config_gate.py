@@ -82,6 +82,18 @@ CASES = [
     ("top_p_range", ["recipe=tiny_eval", "sampling.top_p=0"],
      None, ["sampling.top_p must be in (0, 1] (1 = no nucleus cut) (got 0.0); set sampling.top_p=1.0"]),
     ("unknown_recipe", ["recipe=tiny_rl_ful"], None, ["did you mean recipe=tiny_rl_full?", "available recipes: "]),
+    ("eval_setting_typo", ["recipe=tiny_eval", "eval.settings.rlkv.recnt=16"],
+     None, ["eval.settings.rlkv.recnt is not a setting of a line of kind heads (got 16); set "
+            "eval.settings.rlkv.recent=16; its settings: policy, run, sparsities, sink, recent"]),
+    ("eval_setting_policy_argument_typo", ["recipe=tiny_eval", "eval.settings.gkv.alpah=0.8"],
+     None, ["eval.settings.gkv.alpah is not a setting of a line of kind gkv (got 0.8); set eval.settings.gkv.alpha=0.8"]),
+    ("eval_setting_a_window_ignores", ["recipe=tiny_eval", "eval.settings.window.sink=2"],
+     None, ["eval.settings.window.sink is not a setting of a line of kind window (got 2); drop it"]),
+    ("eval_setting_budget", ["recipe=tiny_eval", "eval.settings.rkv.budget=64"],
+     None, ["eval.settings.rkv.budget is not a setting of a line of kind rkv (got 64); drop it (every line runs at "
+            "eval.budgets=[0.25,0.5,0.75])"]),
+    ("eval_learned_without_run", ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
+     None, ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"]),
 ]
 
 SCRIPT = r"""
