@@ -62,6 +62,29 @@ def model_problems(path: str) -> list[str]:
     return [f"model.path={path!r} is neither a folder here nor a hub id (org/name: letters, digits, - _ .); {fix}"]
 
 
+def model_positions(path: str) -> int | None:
+    """The positions model.path holds (its max_position_embeddings), read from JSON without transformers: a
+    known architecture's, a shipped model's, a local folder's config.json, a run directory's trained model's;
+    None when the config is not here (a hub id fetched when the job loads it)."""
+    known = json.loads(ARCHITECTURES.read_text())
+    if path in known:
+        config = known[path]
+    else:
+        folder = SHIPPED[path][0] if path in SHIPPED else Path(path).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            try:
+                found = trained_model(folder, verify=False)
+            except ValueError:  # model_problems says what the run is
+                return None
+            folder = found[0] if found else folder
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
 def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> list[str]:
     """`env_id` names an environment (registered id or pkg.mod:Class) and `kwargs` fit its constructor."""
     import kvrl.envs  # noqa: F401  (registers the built-in ids)

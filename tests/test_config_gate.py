@@ -92,6 +92,15 @@ CASES = [
     ("eval_setting_budget", ["recipe=tiny_eval", "eval.settings.rkv.budget=64"],
      None, ["eval.settings.rkv.budget is not a setting of a line of kind rkv (got 64); drop it (every line runs at "
             "eval.budgets=[0.25,0.5,0.75])"]),
+    ("budget_over_positions", ["recipe=tiny_gkv_sparse", "kv.budget=2000"],
+     None, ["kv.budget=2000 never evicts: a sequence holds at most 1024 tokens (the max_position_embeddings of "
+            "model.path=tiny)", "set kv.budget=512 (below 1024)"]),
+    ("budget_over_max_model_len", ["recipe=tiny_foresight", "kv.budget=300", "model.max_model_len=256"],
+     None, ["kv.budget=300 never evicts: a sequence holds at most 256 tokens (model.max_model_len)",
+            "set kv.budget=128"]),
+    ("eval_budget_over_positions", ["recipe=tiny_eval", "eval.budgets=[0.5,64,1024]"],
+     None, ["eval.budgets 1024 never evict: a sequence holds at most 1024 tokens (the max_position_embeddings of "
+            "model.path=tiny)", "set eval.budgets=[0.5,64]"]),
     ("eval_learned_without_run", ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
      None, ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"]),
 ]

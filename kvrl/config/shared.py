@@ -71,7 +71,7 @@ class KVConfig:
     def problems(self, cfg: "Shared") -> list[str]:
         """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: a policy given
         by path imports and takes kv.kwargs; the policy always keeps kv.sink + kv.window tokens and must
-        choose at least one more by score. This is the budget's one check on the config path, where it is
+        choose at least one more by score; a budget a sequence never reaches (`cache_limit`) never evicts. This is the budget's one check on the config path, where it is
         known earliest (a policy built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
         from kvrl.gate import policy_problems  # a pkg.module:Class policy, as env.id's
 
@@ -87,11 +87,26 @@ class KVConfig:
             problems.append(f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy "
                             f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
                             f"score; set kv.budget={fix} (or lower kv.window / kv.sink)")
+        elif self.budget >= (limit := cache_limit(cfg))[0]:
+            problems.append(f"kv.budget={self.budget} never evicts: a sequence holds at most {limit[0]} tokens "
+                            f"({limit[1]}), so the cache never outgrows the budget and {who} would run the full "
+                            f"cache; set kv.budget={max(least, limit[0] // 2)} (below {limit[0]})")
         elif "budget_ratio" in self.kwargs:
             problems.append(f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
                             f"the memory plan and the engines' block caps read too; set kv.budget_ratio="
                             f"{self.kwargs['budget_ratio']} instead")
         return problems
+
+
+def cache_limit(cfg: "Shared") -> tuple[float, str]:
+    """The most tokens a sequence of this config can hold, and why: model.max_model_len when set, else the
+    model's positions (`kvrl.gate.model_positions`); inf when neither is known here (a hub id)."""
+    from kvrl.gate import model_positions
+
+    positions = model_positions(cfg.model.path) or float("inf")
+    if cfg.model.max_model_len and cfg.model.max_model_len <= positions:
+        return cfg.model.max_model_len, "model.max_model_len"
+    return positions, f"the max_position_embeddings of model.path={cfg.model.path}"
 
 
 @dataclass

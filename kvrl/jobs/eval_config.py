@@ -45,6 +45,15 @@ def problems(cfg) -> list[str]:
         found.append(f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
                      f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
                      "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)")
+    from kvrl.config.shared import cache_limit
+
+    limit, why = cache_limit(cfg)
+    full = [b for b in ev.budgets if b > 1 and b >= limit]  # > 1: tokens (<= 1: a fraction of the sequence)
+    if full:
+        kept = [b for b in ev.budgets if b not in full] or [limit // 2]
+        found.append(f"eval.budgets {', '.join(f'{b:g}' for b in full)} never evict: a sequence holds at most "
+                     f"{limit} tokens ({why}), so those lines would repeat the full cache; set eval.budgets="
+                     f"[{','.join(f'{b:g}' for b in kept)}]")
     no_ratio = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation",
                 "full": "the full cache"}
     for name in ev.policies:
