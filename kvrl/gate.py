@@ -1,13 +1,16 @@
-"""The config gate's checks that look outside the config: the model folder or hub id, an
-environment's constructor, a KV policy class given by path, and this machine (CUDA, the CPUs and memory a local Ray can give its
-actors, the KV cache layout vLLM would pick on this CPU).
+"""The config gate's checks that look outside the config: the model folder or hub id (and its positions),
+an environment's constructor, a KV policy class given by path; what a run here needs (its input files,
+its output_dir free, the checkpoint it resumes written with its settings, a hub model cached or the hub
+reachable); and this machine (CUDA, the CPUs and memory a local Ray can give its actors, the KV cache
+layout vLLM would pick on this CPU).
 
-`kvrl.config` calls the first three from its sections' `problems(cfg)`; `kvrl.run` calls
-`machine_problems` just before a job starts (not for `print_config` or `dry_run`, which plan
-for another machine). Each returns messages in the config's style ("KEY must be ... (got
-VALUE); set KEY=VALUE"). Nothing here imports Ray; torch is imported to ask about CUDA when a
-CUDA device or GPUs are asked for and, for a local Ray, by the memory plan; an environment's (or a
-kv.policy class's) module only to read its constructor's signature (nothing is built: building may need data files).
+`kvrl.config` calls the first ones from its sections' `problems(cfg)`; `kvrl.run` calls `run_problems`,
+then `machine_problems`, just before a job starts (not for `print_config` or `dry_run`, which plan for
+another machine, where the data and the weights are). Each returns messages in the config's style ("KEY
+must be ... (got VALUE); set KEY=VALUE"). Nothing here imports Ray; torch is imported to ask about CUDA
+when a CUDA device or GPUs are asked for and, for a local Ray, by the memory plan; an environment's (or a
+kv.policy class's) module only to read its constructor's signature (nothing is built: building may need
+data files); the network is asked once, for a hub model.path that is not cached, unless HF_HUB_OFFLINE.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from kvrl.jobs import JOBS
 from kvrl.models import SHIPPED
-from kvrl.runlog import trained_model
+from kvrl.runlog import SUMS, config_changes, flatten, lock_holder, trained_model
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
@@ -33,6 +37,14 @@ ENV_ARG_RULES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "timeout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
                     "must be > 0 seconds (at 0 every answer's check times out and scores 0)"),
     },
+}
+
+# arguments of an environment's constructor that name a file it reads: class path -> argument -> what it reads
+INPUT_FILES: dict[str, dict[str, str]] = {
+    "kvrl.envs.math:MathEnv": {"path": "its problems from it (a .jsonl or .parquet file)"},
+    "kvrl.data.self_distill:SelfDistilledEnv": {
+        "path": "the task set job=self_distill writes to its output_dir/tasks.jsonl (run that step first: python "
+                "-m kvrl.run recipe=RECIPE job=self_distill output_dir=DIR writes DIR/tasks.jsonl)"},
 }
 
 
@@ -60,6 +72,38 @@ def model_problems(path: str) -> list[str]:
     if HUB_ID.match(path):
         return []  # fetched from the hub when the job loads it
     return [f"model.path={path!r} is neither a folder here nor a hub id (org/name: letters, digits, - _ .); {fix}"]
+
+
+def model_positions(path: str) -> int | None:
+    """The positions model.path holds (its max_position_embeddings), read from JSON without transformers: a
+    known architecture's, a shipped model's, a local folder's config.json, a run directory's trained model's;
+    None when the config is not here (a hub id fetched when the job loads it)."""
+    known = json.loads(ARCHITECTURES.read_text())
+    if path in known:
+        config = known[path]
+    else:
+        folder = SHIPPED[path][0] if path in SHIPPED else Path(path).expanduser()
+        if folder.is_dir() and not (folder / "config.json").is_file():
+            try:
+                found = trained_model(folder, verify=False)
+            except ValueError:  # model_problems says what the run is
+                return None
+            folder = found[0] if found else folder
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
+def cache_limit(cfg) -> tuple[float, str]:
+    """The most tokens a sequence of this config can hold, and why: model.max_model_len when set, else the
+    model's positions (:func:`model_positions`); inf when neither is known here (a hub id)."""
+    positions = model_positions(cfg.model.path) or float("inf")
+    if cfg.model.max_model_len and cfg.model.max_model_len <= positions:
+        return cfg.model.max_model_len, "model.max_model_len"
+    return positions, f"the max_position_embeddings of model.path={cfg.model.path}"
 
 
 def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> list[str]:
@@ -133,6 +177,116 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
             fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
             problems.append(f"{kwargs_key}.{key} {rule} (got {given[key]!r}){fix}")
     return problems
+
+
+def run_problems(cfg) -> list[str]:
+    """What a run of `cfg` here needs besides a valid config: the files it reads exist, no live run holds its
+    output_dir, a checkpoint it would resume was written with its settings, and a hub model.path is cached
+    here or the hub answers. `kvrl.run` asks just before the job starts, as `machine_problems` (not for
+    print_config or dry_run: they plan for another machine, where the data and the weights are)."""
+    job, problems = JOBS[cfg.job], []
+    if "env" in job.sections:
+        problems += input_problems("env.id", cfg.env.id, "env.kwargs", cfg.env.kwargs)
+    if "self_distill" in job.sections:
+        sd = cfg.self_distill
+        problems += input_problems("self_distill.source", sd.source, "self_distill.source_kwargs", sd.source_kwargs)
+    if "eval" in job.sections:
+        for name in cfg.eval.policies:
+            run = cfg.eval.settings.get(name, {}).get("run")
+            if run is not None and not Path(str(run)).expanduser().exists():
+                problems.append(f"eval.settings.{name}.run={run!r}: no such file or folder; set "
+                                f"eval.settings.{name}.run to the output_dir of the run that trained the line (or "
+                                "the file it wrote: a scorer.safetensors, RLKV's gates)")
+    holder = lock_holder(Path(cfg.output_dir).expanduser())
+    if holder is not None:  # kvrl.runlog.OutputLock would refuse it once the job (and Ray) started
+        problems.append(f"output_dir={cfg.output_dir} is in use by another run ({holder}): wait for it to end, or "
+                        "set output_dir=<another folder>")
+    if job.resumes:
+        problems += resume_problems(cfg)
+    if "model" in job.sections:
+        problems += hub_problems(cfg.model.path)
+    return problems
+
+
+def input_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> list[str]:
+    """The files an environment's arguments name (`INPUT_FILES`) exist: env_id resolves (`env_problems`
+    passed)."""
+    import kvrl.envs  # noqa: F401  (registers the built-in ids)
+    from kvrl.envs.registry import resolve
+
+    factory, defaults = resolve(env_id)
+    name = f"{factory.__module__}:{getattr(factory, '__qualname__', factory)}"
+    given, problems = {**defaults, **kwargs}, []
+    for key, what in INPUT_FILES.get(name, {}).items():
+        path = given.get(key)
+        if path is not None and not Path(str(path)).expanduser().is_file():
+            found = "a folder, not a file" if Path(str(path)).expanduser().is_dir() else "no such file"
+            problems.append(f"{kwargs_key}.{key}={str(path)!r}: {found}; {name} reads {what}; set "
+                            f"{kwargs_key}.{key}=<the file>")
+    return problems
+
+
+def resume_problems(cfg) -> list[str]:
+    """The checkpoint `resume` would continue (resume=auto: the newest sealed one under
+    output_dir/checkpoints) holds this run's settings but for `Config.RESUMABLE`: what the job checks
+    once it has started (`kvrl.workers.controller`, `kvrl.jobs.pretrain_tiny`), without reading the weights."""
+    if cfg.resume == "never":
+        return []
+    if cfg.resume == "auto":
+        root = Path(cfg.output_dir).expanduser() / "checkpoints"
+        sealed = sorted(p for p in root.glob("step_*") if (p / SUMS).is_file())  # step_NNNNNN: by step
+        path = sealed[-1] if sealed else None
+    else:
+        path = Path(cfg.resume)
+    if path is None or not (path / "config.json").is_file():
+        return []
+    saved = json.loads((path / "config.json").read_text())
+    # model.max_model_len=0: an RL job over a data set derives it before it saves, and compares it then
+    resumable = (*cfg.RESUMABLE, *(() if cfg.model.max_model_len else ("model.max_model_len",)))
+    changed = config_changes(saved, json.loads(json.dumps(flatten(cfg))), resumable)
+    if not changed:
+        return []
+    return [f"output_dir={cfg.output_dir} holds a run whose settings differ from this one's (checkpoint {path}):\n  "
+            + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to continue it, or start afresh: set "
+            "output_dir=<another folder> (or resume=never to overwrite this one)"]
+
+
+def hub_problems(path: str) -> list[str]:
+    """A hub model.path is in the local Hugging Face cache, or the hub answers: without a network a
+    download would otherwise retry for minutes before the job fails. HF_HUB_OFFLINE decides without asking;
+    else one request (any answer will do), given up after 5 s."""
+    if not HUB_ID.match(path) or Path(path).expanduser().exists():
+        return []
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(path, "config.json"), str):
+        return []
+    where = f"model.path={path} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
+    fix = (f"download it where there is a network (huggingface-cli download {path} --local-dir DIR) and set "
+           "model.path=DIR")
+    if constants.HF_HUB_OFFLINE:
+        return [f"{where} and HF_HUB_OFFLINE is set; {fix} (or unset HF_HUB_OFFLINE)"]
+    answer = ["no answer in 5 s"]
+
+    def ask() -> None:  # in a thread: name resolution is not bound by urlopen's timeout
+        try:
+            urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=5).close()
+            answer[0] = ""
+        except urllib.error.HTTPError:  # an answer: the network is there
+            answer[0] = ""
+        except (OSError, ValueError) as err:
+            answer[0] = " ".join(str(getattr(err, "reason", err)).split())
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(6)
+    if answer[0]:
+        return [f"{where} and the hub ({constants.ENDPOINT}) cannot be reached ({answer[0]}); {fix}"]
+    return []
 
 
 def machine_problems(cfg, ray: bool) -> list[str]:

@@ -1,8 +1,9 @@
 """The only entry point: `python -m kvrl.run recipe=NAME key=value ...`.
 
 The config is loaded and validated first (`kvrl.config`), then, for a job that runs here,
-what this machine must give it (`kvrl.gate.machine_problems`: CUDA, the CPUs of a local Ray's
-actors); only then is the job's module imported, so a mistake costs well under a second (exit
+what the run needs (`kvrl.gate.run_problems`: its input files, its output_dir free, the checkpoint
+it resumes written with its settings, a hub model reachable) and what this machine must give it
+(`kvrl.gate.machine_problems`: CUDA, the CPUs of a local Ray's actors); only then is the job's module imported, so a mistake costs well under a second (exit
 status 2, a message on stderr, no traceback), not a torch/Ray start-up.
 """
 
@@ -65,8 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kvrl: error: {err}", file=sys.stderr)
             return 2
         return 0
-    from kvrl.gate import machine_problems
+    from kvrl.gate import machine_problems, run_problems
 
+    problems = run_problems(cfg)
+    if problems:
+        print("kvrl: error: the run cannot start: " + "\n".join(problems), file=sys.stderr)
+        return 2
     problems = machine_problems(cfg, ray=JOBS[cfg.job].ray)
     if problems:
         print("kvrl: error: this machine cannot run the config: " + "\n".join(problems), file=sys.stderr)

@@ -15,7 +15,7 @@ Every job writes under ``output_dir`` through this module, so the rules live in 
   target, so a crash leaves the previous file (or none), never half of one.
 * :class:`OutputLock` — one run per output directory: an exclusive ``flock`` on
   ``output_dir/.lock``, which the kernel drops when the process ends however it ends, so
-  the lock of a dead run is never stale.
+  the lock of a dead run is never stale; :func:`lock_holder` says who holds it.
 * Checkpoints verify themselves: :func:`seal` writes ``SHA256SUMS`` (every file of a
   checkpoint folder) after the files and before :func:`mark_latest` points at it;
   :func:`intact_checkpoint` returns the newest checkpoint whose files match, warning about
@@ -301,6 +301,21 @@ class OutputLock:
         if not self.file.closed:
             fcntl.flock(self.file, fcntl.LOCK_UN)
             self.file.close()
+
+
+def lock_holder(out: str | Path) -> str | None:
+    """Who holds ``out``'s :class:`OutputLock` now ("pid N on HOST"), None when no live process does
+    (the config gate asks before a run starts: ``out`` is not created, the lock is held only to ask)."""
+    path = Path(out) / ".lock"
+    if not path.is_file():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
 
 
 class RunLog:

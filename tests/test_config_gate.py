@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvrl.config import ConfigError, available_recipes, load_config
-from kvrl.gate import env_problems, model_problems
+from kvrl.gate import env_problems, hub_problems, model_problems, run_problems
 from kvrl.run import main
+from kvrl.runlog import OutputLock, flatten
 
 REPO = Path(__file__).resolve().parent.parent
 CORES = os.cpu_count() or 1
@@ -85,6 +86,52 @@ CASES = [
     ("algo_path_unimportable", ["recipe=tiny_rl_full", "rl.algo=my_lab.algos:RLFul"],
      None, ["rl.algo='my_lab.algos:RLFul' cannot be imported (No module named 'my_lab'); set rl.algo=rl_full",
             "launch/ray_submit.sh --py-module path/to/pkg"]),
+    ("eval_setting_typo", ["recipe=tiny_eval", "eval.settings.rlkv.recnt=16"],
+     None, ["eval.settings.rlkv.recnt is not a setting of a line of kind heads (got 16); set "
+            "eval.settings.rlkv.recent=16; its settings: policy, run, sparsities, sink, recent"]),
+    ("eval_setting_policy_argument_typo", ["recipe=tiny_eval", "eval.settings.gkv.alpah=0.8"],
+     None, ["eval.settings.gkv.alpah is not a setting of a line of kind gkv (got 0.8); set eval.settings.gkv.alpha=0.8"]),
+    ("eval_setting_a_window_ignores", ["recipe=tiny_eval", "eval.settings.window.sink=2"],
+     None, ["eval.settings.window.sink is not a setting of a line of kind window (got 2); drop it"]),
+    ("eval_setting_budget", ["recipe=tiny_eval", "eval.settings.rkv.budget=64"],
+     None, ["eval.settings.rkv.budget is not a setting of a line of kind rkv (got 64); drop it (every line runs at "
+            "eval.budgets=[0.25,0.5,0.75])"]),
+    ("budget_over_positions", ["recipe=tiny_gkv_sparse", "kv.budget=2000"],
+     None, ["kv.budget=2000 never evicts: a sequence holds at most 1024 tokens (the max_position_embeddings of "
+            "model.path=tiny)", "set kv.budget=512 (below 1024)"]),
+    ("budget_over_max_model_len", ["recipe=tiny_foresight", "kv.budget=300", "model.max_model_len=256"],
+     None, ["kv.budget=300 never evicts: a sequence holds at most 256 tokens (model.max_model_len)",
+            "set kv.budget=128"]),
+    ("eval_budget_over_positions", ["recipe=tiny_eval", "eval.budgets=[0.5,64,1024]"],
+     None, ["eval.budgets 1024 never evict: a sequence holds at most 1024 tokens (the max_position_embeddings of "
+            "model.path=tiny)", "set eval.budgets=[0.5,64]"]),
+    # what a run here needs (kvrl.gate.run_problems: never for dry_run / print_config, which plan for another machine)
+    ("env_data_file_missing", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path=/no/such/aime.jsonl"],
+     None, ["env.kwargs.path='/no/such/aime.jsonl': no such file; kvrl.envs.math:MathEnv reads its problems",
+            "set env.kwargs.path=<the file>"]),
+    ("env_data_file_a_folder", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path={tmp}"],
+     None, ["env.kwargs.path=", "a folder, not a file", "set env.kwargs.path=<the file>"]),
+    ("self_distilled_tasks_missing", ["recipe=tiny_rl_full", "env.id=kvrl.data.self_distill:SelfDistilledEnv",
+                                      "env.kwargs.path=/no/such/tasks.jsonl"],
+     None, ["env.kwargs.path='/no/such/tasks.jsonl': no such file", "the task set job=self_distill writes",
+            "run that step first"]),
+    ("self_distill_source_missing", ["recipe=tiny_self_distill", "self_distill.source=kvrl/math-v0",
+                                     "self_distill.source_kwargs.path=/no/such/deepscaler.jsonl"],
+     None, ["self_distill.source_kwargs.path='/no/such/deepscaler.jsonl': no such file",
+            "set self_distill.source_kwargs.path=<the file>"]),
+    ("eval_run_missing", ["recipe=tiny_eval", "eval.settings.foresight.run=/no/such/run"],
+     None, ["eval.settings.foresight.run='/no/such/run': no such file or folder; set eval.settings.foresight.run to "
+            "the output_dir of the run that trained the line"]),
+    ("output_dir_in_use", ["recipe=tiny_rl_full", "output_dir={locked}"],
+     None, ["is in use by another run (pid ", "set output_dir=<another folder>"]),
+    ("resume_with_changed_settings", ["recipe=tiny_rl_full", "output_dir={run}", "trainer.lr=0.001"],
+     None, ["holds a run whose settings differ from this one's (checkpoint ", "step_000002",
+            "trainer.lr: 0.0003 -> 0.001", "set output_dir=<another folder> (or resume=never to overwrite this one)"]),
+    ("hub_model_offline", ["recipe=tiny_rl_full", "model.path=kvrl-test/no-such-model"],
+     None, ["model.path=kvrl-test/no-such-model is not in the local Hugging Face cache", "HF_HUB_OFFLINE is set",
+            "set model.path=DIR"]),
+    ("eval_learned_without_run", ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
+     None, ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"]),
 ]
 
 SCRIPT = r"""
@@ -111,14 +158,35 @@ def tmp_recipes(tmp_path_factory) -> Path:
     return folder
 
 
+def earlier_run(out: Path, *args: str) -> None:
+    """What an RL run in `out` leaves for resume=auto: a sealed checkpoint with its config (no weights: the gate
+    reads none)."""
+    checkpoint = out / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    cfg = load_config(["recipe=tiny_rl_full", f"output_dir={out}", *args])
+    (checkpoint / "config.json").write_text(json.dumps(flatten(cfg)))
+    (checkpoint / "SHA256SUMS").write_text("")
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_recipes, tmp_path_factory) -> dict:
-    empty = tmp_path_factory.mktemp("not_a_model")
-    cases = [{"id": id_, "argv": [a.replace("{tmp}", str(empty)) for a in argv],
-              "recipes": str(tmp_recipes) if recipes == "tmp" else None} for id_, argv, recipes, _ in CASES]
-    env = {k: v for k, v in os.environ.items() if k not in ("KVRL_RECIPES_DIR", "RAY_ADDRESS")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps(cases), cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    folders = {"{tmp}": tmp_path_factory.mktemp("not_a_model"), "{locked}": tmp_path_factory.mktemp("locked"),
+               "{run}": tmp_path_factory.mktemp("run")}
+    earlier_run(folders["{run}"])
+    cases = []
+    for id_, argv, recipes, _ in CASES:
+        for mark, folder in folders.items():
+            argv = [a.replace(mark, str(folder)) for a in argv]
+        cases.append({"id": id_, "argv": argv, "recipes": str(tmp_recipes) if recipes == "tmp" else None})
+    # offline: a hub id is refused without asking the network (test_an_unreachable_hub_is_refused asks one)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("KVRL_RECIPES_DIR", "RAY_ADDRESS")},
+           "HF_HUB_OFFLINE": "1"}
+    lock = OutputLock(folders["{locked}"])  # a live run's, held by this process while the cases run
+    try:
+        proc = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps(cases), cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        lock.release()
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -156,6 +224,44 @@ def test_a_saved_model_folder_passes(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert model_problems(str(tmp_path)) == []
     assert model_problems(str(tmp_path / "config.json"))  # a file is not a model folder
+
+
+def test_a_resume_may_change_what_config_resumable_names(tmp_path, monkeypatch):
+    """The gate compares a checkpoint's settings as the job does: trainer.steps (Config.RESUMABLE) may change,
+    resume=never starts afresh, a run over a data set derives model.max_model_len when it is 0; trainer.lr may not."""
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    earlier_run(tmp_path, "model.max_model_len=300")
+    assert run_problems(load_config(["recipe=tiny_rl_full", f"output_dir={tmp_path}", "trainer.steps=80"])) == []
+    assert run_problems(load_config(["recipe=tiny_rl_full", f"output_dir={tmp_path}", "model.max_model_len=300"])) == []
+    changed = ["recipe=tiny_rl_full", f"output_dir={tmp_path}", "model.max_model_len=256"]
+    [err] = run_problems(load_config(changed))
+    assert "model.max_model_len: 300 -> 256" in err
+    assert run_problems(load_config([*changed, "resume=never"])) == []
+    checkpoint = tmp_path / "checkpoints" / "step_000002"
+    [err] = run_problems(load_config([*changed, "resume=never", f"resume={checkpoint}"]))
+    assert f"(checkpoint {checkpoint})" in err
+
+
+def test_inputs_are_checked_for_a_run_here_only(tmp_path, monkeypatch):
+    """dry_run plans for another machine, where the data is: a missing data file is no error there."""
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    args = ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path=/no/such/aime.jsonl", f"output_dir={tmp_path}"]
+    assert main([*args, "dry_run=true"]) == 0
+    assert main([*args, "print_config=true"]) == 0
+
+
+def test_an_unreachable_hub_is_refused(monkeypatch):
+    """A hub id that is not cached, with the network allowed but no answer: refused with the fix, not left to
+    the download's retries. (An endpoint that refuses connections: no network is needed.)"""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    [err] = hub_problems("kvrl-test/no-such-model")
+    assert "model.path=kvrl-test/no-such-model is not in the local Hugging Face cache" in err
+    assert "the hub (http://127.0.0.1:9) cannot be reached (" in err and "set model.path=DIR" in err
+    assert hub_problems("tiny") == hub_problems("/no/such/folder/") == []  # not hub ids
 
 
 def test_top_p_is_for_eval():

@@ -36,8 +36,9 @@ Contract:
   non-finite value, KV geometry the job's policy refuses, a model path or an environment
   argument that cannot work (`kvrl.gate`) — raises `ConfigError` whose message names the key,
   where it came from, and the fix (`kvrl.config.load`, `kvrl.config.checks`). Nothing here imports
-  torch or Ray; `kvrl.run` adds the machine's checks (`kvrl.gate.machine_problems`) just before a
-  job starts.
+  torch or Ray; `kvrl.run` adds what a run here needs (`kvrl.gate.run_problems`: input files, a free
+  output_dir, a resumable checkpoint, a reachable hub model) and the machine's checks
+  (`kvrl.gate.machine_problems`) just before a job starts.
 
 This package re-exports the names that code and tests import from `kvrl.config`.
 """

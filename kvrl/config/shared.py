@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 from omegaconf import MISSING
 
 from kvrl.algos import ALGOS, algo_class
-from kvrl.gate import env_problems, model_problems, policy_problems
+from kvrl.gate import cache_limit, env_problems, model_problems, policy_problems
 from kvrl.jobs import JOBS
 from kvrl.section import POLICY_NAMES, ConfigError, checked
 
@@ -69,8 +69,9 @@ class KVConfig:
     def problems(self, cfg: "Shared") -> list[str]:
         """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: a policy given
         by path imports and takes kv.kwargs; the policy always keeps kv.sink + kv.window tokens and must
-        choose at least one more by score. This is the budget's one check on the config path, where it is
-        known earliest (a policy built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
+        choose at least one more by score; a budget a sequence never reaches (`kvrl.gate.cache_limit`) never
+        evicts. This is the budget's one check on the config path, where it is known earliest (a policy
+        built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
         problems = policy_problems(self.policy, self.kwargs)
         job = JOBS[cfg.job]
         who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if "rl" in job.sections else "")
@@ -83,6 +84,10 @@ class KVConfig:
             problems.append(f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy "
                             f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
                             f"score; set kv.budget={fix} (or lower kv.window / kv.sink)")
+        elif self.budget >= (limit := cache_limit(cfg))[0]:
+            problems.append(f"kv.budget={self.budget} never evicts: a sequence holds at most {limit[0]} tokens "
+                            f"({limit[1]}), so the cache never outgrows the budget and {who} would run the full "
+                            f"cache; set kv.budget={max(least, limit[0] // 2)} (below {limit[0]})")
         elif "budget_ratio" in self.kwargs:
             problems.append(f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
                             f"the memory plan and the engines' block caps read too; set kv.budget_ratio="

@@ -24,6 +24,9 @@ class Job:
     # whose registered rules (and the shared sections it uses) apply too
     sections: tuple[str, ...] = ()
     ray: bool = False  # runs Ray actors (workers.*): a local Ray must host them (kvrl.gate.machine_problems)
+    # resumes from output_dir/checkpoints/step_*, whose config.json the run's settings must match but for
+    # Config.RESUMABLE (kvrl.gate.resume_problems compares them before the job starts)
+    resumes: bool = False
 
 
 # cfg.job -> Job
@@ -31,8 +34,8 @@ JOBS = {
     "eval": Job("kvrl.jobs.eval:main", sections=("model", "env", "eval")),
     "foresight": Job("kvrl.jobs.foresight:main", sections=("model", "env", "kv", "foresight"), ray=True),
     "foresight_traces": Job("kvrl.jobs.foresight_traces:main", sections=("model", "env"), ray=True),
-    "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main", sections=("env", "pretrain")),
-    "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True),
-    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), ray=True),
+    "pretrain_tiny": Job("kvrl.jobs.pretrain_tiny:main", sections=("env", "pretrain"), resumes=True),
+    "rl": Job("kvrl.jobs.rl:main", sections=("model", "env", "rl"), ray=True, resumes=True),
+    "rlkv": Job("kvrl.jobs.rlkv:main", sections=("model", "env", "rl"), ray=True, resumes=True),
     "self_distill": Job("kvrl.jobs.self_distill:main", sections=("model", "self_distill")),
 }

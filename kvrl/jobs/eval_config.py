@@ -1,7 +1,8 @@
 """job=eval's section and rules (the job: :mod:`kvrl.jobs.eval`).
 
 Light on purpose (no torch at import): the config gate imports it to check a config before anything
-starts; the rules import the policy kinds (:data:`kvrl.eval.suite.KINDS`) only when job=eval is checked.
+starts; the rules import the policy kinds (:data:`kvrl.eval.suite.KINDS`) and the policies' constructors (the
+keys an eval.settings entry may hold) only when job=eval is checked.
 """
 
 import difflib
@@ -30,14 +31,29 @@ class EvalConfig:
 
 
 def problems(cfg) -> list[str]:
-    """The eval job's budgets are eval.budgets, not kv.budget; every line names a known kind."""
+    """The eval job's budgets are eval.budgets, not kv.budget; every line names a known kind, and its
+    eval.settings entry holds only the keys that kind reads (a typo would be ignored: the papers' line
+    would run at kv's settings)."""
+    import inspect
+
     from kvrl.eval.suite import KINDS
+    from kvrl.policies import POLICIES
+    from kvrl.policies.heads import head_allocation
 
     ev, found = cfg.eval, []
     if cfg.kv.budget > 0:
         found.append(f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
                      f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
                      "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)")
+    from kvrl.gate import cache_limit
+
+    limit, why = cache_limit(cfg)
+    full = [b for b in ev.budgets if b > 1 and b >= limit]  # > 1: tokens (<= 1: a fraction of the sequence)
+    if full:
+        kept = [b for b in ev.budgets if b not in full] or [limit // 2]
+        found.append(f"eval.budgets {', '.join(f'{b:g}' for b in full)} never evict: a sequence holds at most "
+                     f"{limit} tokens ({why}), so those lines would repeat the full cache; set eval.budgets="
+                     f"[{','.join(f'{b:g}' for b in kept)}]")
     no_ratio = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation",
                 "full": "the full cache"}
     for name in ev.policies:
@@ -54,6 +70,31 @@ def problems(cfg) -> list[str]:
             found.append(f"eval.policies entry {name!r} is {kind!r}, not one of {', '.join(KINDS)} and no "
                          f"eval.settings.{name}.policy says which; "
                          + (f"set it to {near[0]}" if near else f"add eval.settings.{name}.policy=KIND"))
+        elif kind in ("learned", "heads") and "run" not in ev.settings.get(name, {}):
+            found.append(f"eval.policies entry {name!r} is a {kind} line, which loads what a run trained, but "
+                         f"eval.settings.{name}.run is not set; set eval.settings.{name}.run=<output_dir of that run>")
+    for name, own in ev.settings.items():
+        kind = own.get("policy", name)
+        if kind not in KINDS:
+            continue  # named above when the line is evaluated
+        # what kvrl.eval.suite.PolicySpec reads: a token policy's constructor arguments but its budget (the
+        # sweep's point), which replace kv's for its line; a heads line's run, sparsities and window
+        if kind == "heads":
+            keys = ("policy", "run", "sparsities", *(p.name for p in inspect.signature(head_allocation).parameters
+                                                     .values() if p.kind is p.KEYWORD_ONLY))
+        elif kind in POLICIES:
+            keys = ("policy", *(p for p in inspect.signature(POLICIES[kind]).parameters if p != "budget"),
+                    *(("run",) if kind == "learned" else ()))
+        else:
+            keys = ("policy",)  # full, window: kv's settings only
+        for key, value in own.items():
+            if key in keys or (key == "budget_ratio" and kind in no_ratio):  # a ratio where none is: said above
+                continue
+            near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+            fix = (f"drop it (every line runs at eval.budgets={cli_value(ev.budgets)})" if key == "budget" else
+                   f"set eval.settings.{name}.{near[0]}={cli_value(value)}" if near else "drop it")
+            found.append(f"eval.settings.{name}.{key} is not a setting of a line of kind {kind} (got "
+                         f"{cli_value(value)}); {fix}; its settings: {', '.join(keys)}")
     return found
 
 
