@@ -1,4 +1,4 @@
-"""benchmarks/gpu_checks.py, the one command a session that draws a GPU runs for the open
+"""benchmarks/gpu/gpu_checks.py, the one command a session that draws a GPU runs for the open
 issues' GPU checks, runs here on shrunk shapes and checks what it measures against its
 references: the Triton compaction against its torch reference (inside the script, which
 raises), the replay of each policy's recorded trace against the rollout's logprobs, and the
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def results():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py"), "--device", "cpu", "--small",
-                          "--repeats", "1"], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_checks.py"), "--device", "cpu",
+                          "--small", "--repeats", "1"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return {line["setting"]: line for line in lines}

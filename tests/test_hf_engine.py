@@ -87,7 +87,7 @@ def test_replay_is_exact_in_float64(name):
     """The recorded trace replays decoding exactly, on the contexts where float32 does not
     show it: the shipped reasoner sampled at temperature 2 under tiny_gkv_sparse's budget.
     There float32 decoding and replay differ by up to ~1e-4 on rare tokens, each being
-    that far from the exact value (benchmarks/replay_precision.py); in float64 they agree to
+    that far from the exact value (benchmarks/micro/replay_precision.py); in float64 they agree to
     float64 rounding, compared in float64 (the engine keeps a float64 model's logprobs and
     norms in float64: test_float64_norms_stay_float64)."""
     model, tok = load_model("tiny")

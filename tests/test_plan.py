@@ -84,7 +84,7 @@ def test_eval_math_recipes_plan_the_papers_budgets(recipe, capsys):
 
 # The learner of RLKV, forward and backward, as kvrl.workers.learner runs it: weights frozen,
 # the gates the only parameter, HFEngine.score under the mixed-gate attention. Resident-set
-# growth above the process's state after a short warm-up (benchmarks/mixed_memory.py's method),
+# growth above the process's state after a short warm-up (benchmarks/system/mixed_memory.py's method),
 # read as the child's own high-water mark (VmHWM: getrusage's ru_maxrss keeps the parent's
 # peak across fork and exec, 76.7 MiB "measured" here after the cluster-recipe tests), with
 # glibc returning every block of ≥ 64 KiB to the system on free, so that the peak

@@ -275,7 +275,7 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     assert max(r["truncated"] for r in records) <= 0.25, [r["truncated"] for r in records]
     assert sum(kl[-3:]) / 3 <= 0.8 * kl[0], kl
     env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=4321)  # benchmarks/gkv_train.py's held-out stream; training draws from seed 0's
+    env.reset(seed=4321)  # benchmarks/learning/gkv_train.py's held-out stream; training draws from seed 0's
     tasks = env.tasks(64)
     acc = {}
     for name, path in (("untrained", "tiny"), ("distill", str(tmp_path / "model"))):

@@ -311,7 +311,7 @@ def test_tiny_rlkv_loop_pushes_gates_and_exports(tmp_path, tmp_path_factory):
 def test_eval_job_reallocates_heads_in_both_engines(tmp_path, capsys):
     """recipe=tiny_eval with exported gates: the head-reallocated row, run by the HF engine and
     by vLLM's own head reallocation, gives the same accuracy; gates that keep the tiny
-    reasoner's layer-0 heads full (its fixed-offset read, see benchmarks/rlkv_heads.py) beat
+    reasoner's layer-0 heads full (its fixed-offset read, see benchmarks/learning/rlkv_heads.py) beat
     the inverted ones."""
     pytest.importorskip("vllm")
     from kvrl.policies.heads import export_gates

@@ -8,7 +8,7 @@ is exact (float64: ``test_replay_is_exact_in_float64``); in float32 the logged
 train/inference mismatch is ~1e-8 per token on average (``mismatch_mean``) but its max over
 a step's tokens (``mismatch_max``) reaches ~1e-4 to 1e-3 on rare ill-conditioned tokens of
 the tiny reasoner at temperature 2, where each side alone is that far from the exact value
-(``benchmarks/replay_precision.py``).
+(``benchmarks/micro/replay_precision.py``).
 
 What the loop needs from it, beyond RL-Full (whose GRPO loss, reference model and
 weight push it reuses unchanged):

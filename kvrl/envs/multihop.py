@@ -14,7 +14,7 @@ the values; the answer lists the queries' values::
     completion:  a H ; H X ; X 0 ; X = 0 ; H = 1 ; a = 2 ;
                  b H ; H X ; X 0 ; X = 0 ; H = 1 ; b = 2 ;  \\boxed{ 2 2 }
 
-What the methods see in such a trace (measured by ``benchmarks/testbed_properties.py``):
+What the methods see in such a trace (measured by ``benchmarks/learning/testbed_properties.py``):
 
 * a long chain of thought (Q segments of 7 tokens per chain link: ~70 % of the sequence,
   ~300+ tokens at the default size) that re-reads its own conclusions at long range: the

@@ -29,7 +29,7 @@ query head):
     number of tokens chosen by accumulated attention so far (H2O's score), by recency, and at
     random (its expectation). Informative: above random; sufficient: 1.
 
-All shares are means over tasks, layers and heads. ``benchmarks/testbed_properties.py``
+All shares are means over tasks, layers and heads. ``benchmarks/learning/testbed_properties.py``
 prints them for the counts and multihop reasoners side by side.
 """
 

@@ -189,8 +189,8 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     valid slot (``"first_vllm"``: the port clamps its sentinel to N − 1) is zeroed instead.
     Dropping it changes token 0's redundancy by up to 8.8 % at threshold 0.5 and 30 % at
     0.7, and R-KV's kept set in 15 and 119 of 200 random caches whose keys share an offset
-    (``benchmarks/rkv_fallback.py``; R-KV's table in :class:`kvrl.policies.RKV`). ``"first"`` is that fallback for every
-    token, with or without ``fallback``. The first valid slot is the oldest token of kvrl's
+    (``benchmarks/micro/rkv_fallback.py``; R-KV's table in :class:`kvrl.policies.RKV`). ``"first"`` is
+    that fallback for every token, with or without ``fallback``. The first valid slot is the oldest token of kvrl's
     position-ordered caches and slot 0 of the reference's, which after its first eviction
     holds its best-scored kept token (R-KV keeps score order): the two coincide per call on
     the same cache, not across a generation.

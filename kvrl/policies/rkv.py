@@ -39,7 +39,7 @@ class RKV(KVPolicy):
 
     The reference's knobs (``R1KV`` and ``cal_similarity`` in ``rkv/``, ``run_math.py``; R-KV
     @d15c976, with ``rkv/utils.py`` read at cc5a9b9) and what is left different. Sizes are
-    measured by ``benchmarks/rkv_fallback.py`` (random keys with a shared offset, 200 caches of
+    measured by ``benchmarks/micro/rkv_fallback.py`` (random keys with a shared offset, 200 caches of
     64 slots) unless a test is named:
 
     ====================== ======================= =============================================

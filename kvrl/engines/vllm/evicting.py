@@ -48,7 +48,7 @@ SCORE_LOGITS = 1 << 19
 # (request, layer) rows an eviction call gathers at least, when the policy ignores the layer:
 # with fewer requests due in a step than this, a call takes several layers, which spreads its
 # fixed cost (an R-KV score and select are some 150 small torch ops) over more rows; with more,
-# a call is one layer. `benchmarks/vllm_throughput.py calls` measures both below 16 requests.
+# a call is one layer. `benchmarks/system/vllm_throughput.py calls` measures both below 16 requests.
 EVICT_ROWS = 16
 
 

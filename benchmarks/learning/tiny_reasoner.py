@@ -13,16 +13,14 @@ Prints one JSON line, all measured in this run on the same held-out tasks (greed
                   tokens of transformers' own generate() with sdpa attention
 Eviction is replayed as attention masks (masking a key == evicting it).
 
-    python benchmarks/tiny_reasoner.py [--tasks 256] [--model tiny]
+    python benchmarks/learning/tiny_reasoner.py [--tasks 256] [--model tiny]
 """
 
 import argparse
-import json
 
 import torch
 
-from kvrl.engines.hf import HFEngine
-from kvrl.envs import make
+from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.eval.budgets import evaluate
 from kvrl.kernels.replay import NEVER
 from kvrl.models.tiny import load_model
@@ -60,11 +58,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, tok = load_model(args.model)
-    engine = HFEngine(model, tok)
-    env = make("kvrl/counts-v0")
-    env.reset(seed=args.seed)
-    tasks = env.tasks(args.tasks)
+    model, tok, engine = reasoner(args.model)
+    env, tasks = draw_tasks("kvrl/counts-v0", args.tasks, args.seed)
     max_new = 160
     full = evaluate(engine, env, tasks, max_new, desc="full")
     res = {"n_tasks": len(tasks), "mean_seq_len": full["mean_seq_len"], "full_acc": full["acc"],
@@ -88,7 +83,7 @@ def main():
     ref = [g[:g.index(tok.eos_token_id)] if tok.eos_token_id in g else g for g in gen]
     res["window_full_equal"] = ref == unl["tokens"]
     res["window25_over_full"] = res["window25_acc"] / max(res["full_acc"], 1e-9)
-    print(json.dumps(res))
+    emit(res)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,16 @@ the rest of the trace reads, and (multihop) the share of the sequence an oracle 
 its peak (:func:`kvrl.envs.multihop.oracle_need`). Prints one JSON line: the counts and multihop reasoners side
 by side.
 
-    python benchmarks/testbed_properties.py [--tasks 64]
+    python benchmarks/learning/testbed_properties.py [--tasks 64]
 """
 
 import argparse
-import json
 
 import torch
 
-from kvrl.envs import make
+from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.envs.multihop import oracle_need
 from kvrl.eval.properties import measure
-from kvrl.models.tiny import load_model
 
 REASONERS = {"counts": ("tiny", "kvrl/counts-v0"), "multihop": ("tiny-multihop", "kvrl/multihop-v0")}
 
@@ -30,14 +28,12 @@ def main():
     torch.set_num_threads(1)
     out = {"benchmark": "testbed_properties", "tasks": args.tasks}
     for name, (path, env_id) in REASONERS.items():
-        model, tok = load_model(path)
-        env = make(env_id)
-        env.reset(seed=args.seed)
-        tasks = env.tasks(args.tasks)
+        model, tok, _ = reasoner(path)
+        _, tasks = draw_tasks(env_id, args.tasks, args.seed)
         out[name] = measure(model, tok, tasks)
     peaks = [oracle_need(t.meta) for t in tasks]  # multihop's: what an oracle must keep at its peak
     out["multihop"]["oracle_peak_share"] = round(sum(p / n for p, n in peaks) / len(peaks), 4)
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

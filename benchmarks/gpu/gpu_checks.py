@@ -1,7 +1,7 @@
 """The checks the open issues ask of a GPU, in one command: one JSON line per setting.
 
-    PYTHONPATH=. python benchmarks/gpu_checks.py                  # a CUDA machine: all three
-    PYTHONPATH=. python benchmarks/gpu_checks.py --device cpu --small   # smoke run (shrunk shapes)
+    PYTHONPATH=. python benchmarks/gpu/gpu_checks.py                  # a CUDA machine: all three
+    PYTHONPATH=. python benchmarks/gpu/gpu_checks.py --device cpu --small   # smoke run (shrunk shapes)
 
 It imports no vLLM (GPU machines lent to the project cannot install its CUDA build): the
 eviction ops are the vLLM engine's CUDA path called directly on a cache of vLLM's
@@ -25,7 +25,7 @@ reports a time, and raises if they disagree.
     (float64 replay is, ``tests/test_arch_matrix.py``); the full cache's gap is the bf16
     noise floor that a policy's gap is compared with.
 ``flex``    (#17) forward + backward (forward only on a CPU) of a shrunk Qwen3 on one 8K and one 32K sequence under a
-    synthetic G-KV-like trace (``benchmarks/replay_memory.py``): the flex-attention replay vs
+    synthetic G-KV-like trace (:func:`kvrl.bench.synthetic_death`): the flex-attention replay vs
     dense per-layer masks (the reference repos' training), seconds, peak memory, and the
     max |Δ| of their logits; "oom" where one does not fit.
 """
@@ -33,13 +33,12 @@ reports a time, and raises if they disagree.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
-import time
 
 import torch
 
+from kvrl.bench import emit, interleaved, register_dense_masks, synthetic_death
 from kvrl.cache import EvictionTrace
 from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read
 from kvrl.kernels.replay import NEVER
@@ -49,18 +48,13 @@ NOMINAL_TBS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35}  # HBM bandwidth, fi
 
 
 def timed(fn, repeats: int, device: torch.device) -> tuple[float, object]:
-    """Median seconds of ``fn()`` (after one warm-up call) and its last result."""
+    """Median wall seconds of ``fn()`` after one warm-up call, whose result it returns (the
+    timed runs keep none: a result may be gigabytes of the GPU's memory)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     out = fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+    sync()  # each timed run ends synchronised, so the next one starts on an idle device
+    runs = interleaved({"fn": lambda: (fn(), sync())[1]}, repeats)["fn"]
+    return statistics.median(runs.wall_s), out
 
 
 def peaks(device: torch.device) -> dict:
@@ -211,7 +205,6 @@ def replay(args, device) -> dict:
 # ---------------------------------------------------------------- flex (#17)
 
 def flex(args, device) -> dict:
-    from replay_memory import synthetic_death  # also registers the dense-mask attention
     from transformers import AutoModelForCausalLM
 
     from kvrl.kernels.replay import visibility
@@ -224,6 +217,7 @@ def flex(args, device) -> dict:
     cfg = model.config
     out = {"setting": "flex", "model": "shrunk qwen3", "dtype": str(dtype), "layers": cfg.num_hidden_layers,
            "lengths": {}}
+    dense_attention = register_dense_masks()
 
     backward = device.type == "cuda"  # flex_attention has no backward on a CPU
     out["backward"] = backward
@@ -257,7 +251,7 @@ def flex(args, device) -> dict:
                                          torch.tensor([t], device=device))
         model.set_attn_implementation("kvrl_replay")
         flex_row, flex_logits = measure(kvrl_replay=trace.replay(pos, flex=True))
-        model.set_attn_implementation("bench_dense_mask")
+        model.set_attn_implementation(dense_attention)
         try:
             full = trace.full()
             dense = torch.stack([visibility(full[layer], pos, pos) for layer in range(cfg.num_hidden_layers)])
@@ -287,7 +281,7 @@ def main():
                          "pass --small for a smoke run on a CPU")
     for setting in args.settings or ["ops", "replay", "flex"]:
         result = {"ops": ops, "replay": replay, "flex": flex}[setting](args, device)
-        print(json.dumps({"device": str(device), "torch": torch.__version__, **result}), flush=True)
+        emit({"device": str(device), "torch": torch.__version__, **result})
 
 
 if __name__ == "__main__":

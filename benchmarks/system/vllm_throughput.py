@@ -7,7 +7,8 @@ step exceeds the weight read, as for the seed models at reasoning lengths. One t
 thread. Four settings, one JSON line each:
 
 ``equal``  the same batch (``--batch``, default 16) with the full cache and with each
-    policy (interleaved, best of ``--repeats``): ``ratio`` = compressed/full tokens/s;
+    policy (interleaved, best of ``--repeats``): ``ratio`` = compressed/full tokens/s
+    (``ratio_cpu``: the same in tokens per CPU-second of the process);
     ``predicted`` = the full cache's own step time at the compressed mean context (the full
     run's per-step times fitted linearly against context length, evaluated at the policy's
     cache lengths); ``achieved_over_predicted`` = ratio / predicted; ``evict_share`` =
@@ -33,14 +34,15 @@ thread. Four settings, one JSON line each:
 ``bookkeeping``  what token mode costs besides eviction: the same batch with the full cache
     and with StreamingLLM at a budget above every sequence (it never evicts, but plans each
     step, remaps the slots, writes positions and keeps the query ring), interleaved, best of
-    ``--repeats``; ``overhead`` = 1 − full/no-eviction wall time. Achieved/predicted in
+    ``--repeats``; ``overhead`` = 1 − full/no-eviction wall time (``cpu_s``: each one's least
+    CPU seconds). Achieved/predicted in
     ``equal`` cannot exceed 1 − overhead − the eviction share.
 
-    python benchmarks/vllm_throughput.py equal --batch 16
-    python benchmarks/vllm_throughput.py equal --batch 64
-    python benchmarks/vllm_throughput.py fixed
-    python benchmarks/vllm_throughput.py calls --concurrency 1,16,64
-    python benchmarks/vllm_throughput.py bookkeeping --batch 64 --new 256 --repeats 3 --policies streaming
+    python benchmarks/system/vllm_throughput.py equal --batch 16
+    python benchmarks/system/vllm_throughput.py equal --batch 64
+    python benchmarks/system/vllm_throughput.py fixed
+    python benchmarks/system/vllm_throughput.py calls --concurrency 1,16,64
+    python benchmarks/system/vllm_throughput.py bookkeeping --batch 64 --new 256 --repeats 3 --policies streaming
 
 Policies: ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``gkv`` at ``--budget``/``--interval``
 (sink 4, window 16), ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent
@@ -51,7 +53,6 @@ its rollouts' attention over the full cache).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -62,6 +63,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvrl.bench import emit, interleaved, timed  # noqa: E402
 from kvrl.engines.base import Sampling  # noqa: E402
 from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
 from kvrl.policies import RULE_BASED, HeadAllocation, Mixed, make_policy  # noqa: E402
@@ -134,12 +136,10 @@ class StepTimer:
 
 
 def run(engine, batch, sampling, policy):
-    """(wall seconds, tokens, per-step times, output, peak running, preemptions)."""
+    """(tokens, per-step times, output, peak running, preemptions); the callers time it."""
     with StepTimer(engine) as timer:
-        start = time.perf_counter()
         out = engine.generate(batch, sampling, policy=policy)
-        wall = time.perf_counter() - start
-    return wall, sum(len(t) for t in out.tokens), np.asarray(timer.times), out, timer.peak, timer.preemptions
+    return sum(len(t) for t in out.tokens), np.asarray(timer.times), out, timer.peak, timer.preemptions
 
 
 def context_lengths(prompt_lens, new: int, policy) -> np.ndarray:
@@ -155,13 +155,13 @@ def equal(args, engine, layers, kv_heads):
     batch = prompts(args.batch)
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
     names = args.policies.split(",")
-    best: dict[str, tuple] = {}
-    for _ in range(args.repeats):  # interleaved: machine load drifts equally over all of them
-        for name in ["full", *names]:
-            r = run(engine, batch, sampling, make(name, args, layers, kv_heads))
-            if name not in best or r[0] < best[name][0]:
-                best[name] = r
-    wall_full, tokens, times, out, _, _ = best["full"]
+    runs = interleaved({name: lambda name=name: run(engine, batch, sampling, make(name, args, layers, kv_heads))
+                        for name in ["full", *names]}, args.repeats)
+    best = {}  # name: (wall, CPU, run) of its fastest run
+    for name, r in runs.items():
+        i = int(np.argmin(r.wall_s))
+        best[name] = r.wall_s[i], r.cpu_s[i], r.outs[i]
+    wall_full, cpu_full, (tokens, times, out, _, _) = best["full"]
     plens = [len(p) for p in out.prompt_ids]
     # decode steps only (the first steps also prefill): step time = a + b · mean context
     ctx_full = context_lengths(plens, args.new, None)
@@ -171,9 +171,10 @@ def equal(args, engine, layers, kv_heads):
               "interval": args.interval, "full_tokens_per_s": round(tokens / wall_full, 1),
               "step_fit_ms": {"a": round(1e3 * a, 3), "b_per_1k_tokens": round(1e6 * b, 3)}, "policies": {}}
     for name in names:
-        wall, tok, _, o, _, _ = best[name]
+        wall, cpu, (tok, _, o, _, _) = best[name]
         policy = make(name, args, layers, kv_heads)
         row = {"ratio": round((tok / wall) / (tokens / wall_full), 3),
+               "ratio_cpu": round((tok / cpu) / (tokens / cpu_full), 3),
                "evict_share": round(o.timing["evict"] / o.timing["decode"], 4)}
         if name in TOKEN_POLICIES:
             saved = b * (ctx_full - context_lengths(plens, args.new, policy)).sum()
@@ -192,9 +193,10 @@ def fixed(args, engine, layers, kv_heads):
     engine.admission = "always"  # the full cache too: admitted only while its peak blocks fit
     try:
         for name in ["full", *args.policies.split(",")]:
-            wall, tok, _, _, peak, pre = run(engine, batch, sampling, make(name, args, layers, kv_heads))
+            cpu, wall, (tok, _, _, peak, pre) = timed(
+                lambda: run(engine, batch, sampling, make(name, args, layers, kv_heads)))
             result["policies"][name] = {"tokens_per_s": round(tok / wall, 1), "peak_running": peak,
-                                        "preemptions": pre}
+                                        "preemptions": pre, "cpu_s": round(cpu, 1)}
     finally:
         engine.admission = admission
     full = result["policies"]["full"]
@@ -208,14 +210,14 @@ def bookkeeping(args, engine, layers, kv_heads):
     batch = prompts(args.batch)
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
     never = make_policy("streaming", budget=2 * (100 + args.new), interval=args.interval, window=16, sink=4)
-    best: dict[str, float] = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="kv budget")  # "will never evict": the point here
-        for _ in range(args.repeats):
-            for name, policy in (("full", None), ("no_evictions", never)):
-                best[name] = min(best.get(name, float("inf")), run(engine, batch, sampling, policy)[0])
+        runs = interleaved({name: lambda policy=policy: run(engine, batch, sampling, policy)[0]
+                            for name, policy in (("full", None), ("no_evictions", never))}, args.repeats)
+    best = {name: min(r.wall_s) for name, r in runs.items()}
     return {"setting": "bookkeeping", "batch": args.batch, "new_tokens": args.new, "repeats": args.repeats,
             "wall_s": {k: round(v, 2) for k, v in best.items()},
+            "cpu_s": {k: round(min(r.cpu_s), 2) for k, r in runs.items()},
             "overhead": round(1 - best["full"] / best["no_evictions"], 4)}
 
 
@@ -257,14 +259,12 @@ def floor_us_per_request(shape, kv_heads: int, interval: int, *, redundancy: boo
         if redundancy:
             new @ k_t
 
-    ops()
-    best = float("inf")
-    for _ in range(15):
-        start = time.perf_counter()
+    def ten():
         for _ in range(10):
             ops()
-        best = min(best, (time.perf_counter() - start) / 10)
-    return 1e6 * best / rows
+
+    ops()
+    return 1e6 * min(interleaved({"ten": ten}, 15)["ten"].wall_s) / 10 / rows
 
 
 def calls(args, engine, layers, kv_heads):
@@ -302,7 +302,7 @@ def calls(args, engine, layers, kv_heads):
             type(policy).score = shaped
             EvictingWorker._evict = timed
             try:
-                _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
+                out = run(engine, prompts(n, seed=2), sampling, policy)[2]
             finally:
                 EvictingWorker._evict = evict
                 type(policy).score = score
@@ -328,7 +328,7 @@ def calls(args, engine, layers, kv_heads):
                 EvictingWorker._evict = lambda worker, batch, evicted, spent=spent: timed(worker, batch, evicted, spent)
                 evicting.EVICT_ROWS = 1
                 try:
-                    _, _, _, out, _, _ = run(engine, prompts(n, seed=2), sampling, policy)
+                    out = run(engine, prompts(n, seed=2), sampling, policy)[2]
                 finally:
                     EvictingWorker._evict, evicting.EVICT_ROWS = evict, rows_per_call
                 one = 1e6 * spent["seconds"] / max(1, spent["rows"])
@@ -377,8 +377,8 @@ def main():
     for name in ["full", *args.policies.split(",")]:  # warm-up: first calls compile and allocate
         engine.generate(prompts(2), warm, policy=make(name, args, layers, kv_heads))
     setting = {"equal": equal, "fixed": fixed, "calls": calls, "bookkeeping": bookkeeping}[args.setting]
-    print(json.dumps({"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": 1,
-                      **setting(args, engine, layers, kv_heads)}))
+    emit({"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": 1,
+          **setting(args, engine, layers, kv_heads)})
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@ heads) against one mask per query head (what every call built before #38; forced
 per-head key positions, which give the same outputs). Each side runs in its own process and
 reports its peak RSS above the process's baseline. Prints one JSON line.
 
-    python benchmarks/mixed_memory.py [--seq 1024] [--batch 2] [--heads 16] [--kv-heads 2]
+    python benchmarks/system/mixed_memory.py [--seq 1024] [--batch 2] [--heads 16] [--kv-heads 2]
 """
 
 import argparse
-import json
-import resource
 import subprocess
 import sys
+
+from kvrl.bench import emit
 
 CHILD = """
 import resource, sys, torch
@@ -47,10 +47,10 @@ def main():
     args = ap.parse_args()
     shared, out_shared = run(False, args)
     per_head, out_per_head = run(True, args)
-    print(json.dumps({"benchmark": "mixed_memory", "seq": args.seq, "batch": args.batch, "heads": args.heads,
-                      "kv_heads": args.kv_heads, "peak_bytes_shared_mask": shared,
-                      "peak_bytes_per_head_masks": per_head, "shared_over_per_head": round(shared / per_head, 3),
-                      "outputs_equal": abs(out_shared - out_per_head) <= 1e-6 * abs(out_per_head)}))
+    emit({"benchmark": "mixed_memory", "seq": args.seq, "batch": args.batch, "heads": args.heads,
+          "kv_heads": args.kv_heads, "peak_bytes_shared_mask": shared,
+          "peak_bytes_per_head_masks": per_head, "shared_over_per_head": round(shared / per_head, 3),
+          "outputs_equal": abs(out_shared - out_per_head) <= 1e-6 * abs(out_per_head)})
 
 
 if __name__ == "__main__":

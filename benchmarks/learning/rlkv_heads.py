@@ -14,20 +14,20 @@ reasoner's sequences are ~100 tokens, so the paper's 16 + 64 would keep nearly a
 them. Decoding runs on the head-reallocated vLLM engine (``--engine hf`` for the
 reference engine). Prints one JSON line.
 
-    python benchmarks/rlkv_heads.py [--gates outputs/tiny_rlkv] [--tasks 128] [--draws 8]
+    python benchmarks/learning/rlkv_heads.py [--gates outputs/tiny_rlkv] [--tasks 128] [--draws 8]
 """
 
 import argparse
-import json
 import os
 
 import numpy as np
 import torch
 
+from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.policies.heads import head_allocation, load_gates
-from kvrl.envs import make
 from kvrl.eval.budgets import evaluate
-from kvrl.models.tiny import load_model, resolve_path
+from kvrl.models.tiny import resolve_path
+from kvrl.runlog import setup_process
 
 
 def main():
@@ -46,23 +46,16 @@ def main():
     args = ap.parse_args()
     if args.draws < 5:
         ap.error("--draws must be >= 5: the random baseline is a mean over draws")
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    setup_process()
 
     gates = load_gates(args.gates)
-    model, tokenizer = load_model(args.model)
+    model, _, engine = reasoner(args.model)
     if args.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from kvrl.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(resolve_path(args.model), dtype="float32", seed=0)
-    else:
-        from kvrl.engines.hf import HFEngine
-
-        engine = HFEngine(model, tokenizer)
-    env = make("kvrl/counts-v0")
-    env.reset(seed=args.seed)
-    tasks = env.tasks(args.tasks)
+    env, tasks = draw_tasks("kvrl/counts-v0", args.tasks, args.seed)
 
     def heads(g):
         return head_allocation(g, args.sparsity, model.config, sink=args.sink, recent=args.recent)
@@ -94,7 +87,7 @@ def main():
     }
     result["margin_vs_random"] = result["acc_rlkv"] - result["acc_random_mean"]
     result["margin_ok"] = result["margin_vs_random"] >= 0.10
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,25 @@
 """#36, why Distill's sampled accuracy fell while its greedy accuracy rose. Prints one JSON line:
 
-    python benchmarks/distill_tails.py untrained outputs/distill_lr/lr0.001_s0/checkpoints/step_000040/model \
+    python benchmarks/learning/distill_tails.py untrained outputs/distill_lr/lr0.001_s0/checkpoints/step_000040/model \
         outputs/distill_lr/lr0.0003_s0/checkpoints/step_000040/model
 
 Distill's sampled-accuracy decay at temperature 2: held-out accuracy under G-KV, greedy and
 sampled at T=2 (4 seeds), untrained vs Distill checkpoints; and the share of probability the
 model puts outside its top token at T=1 and T=2 under the full cache (its tails)."""
-import json, sys
+import sys
 import numpy as np, torch
+from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy
 from kvrl.config import load_config
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
-from kvrl.envs import make
-from kvrl.models.tiny import load_model
-from kvrl.policies import make_policy
 torch.set_num_threads(1)
 cfg = load_config(["recipe=tiny_gkv_distill"])
 kv = cfg.kv
-env = make(cfg.env.id, **cfg.env.kwargs); env.reset(seed=4321); tasks = env.tasks(64)
+env, tasks = draw_tasks(cfg.env.id, 64, 4321, **cfg.env.kwargs)
 res = {}
 for name in sys.argv[1:]:
     path = "tiny" if name == "untrained" else name
-    model, tok = load_model(path)
-    eng = HFEngine(model.eval(), tok)
-    pol = make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink, **kv.kwargs)
+    model, _, eng = reasoner(path)
+    pol = recipe_policy("gkv", model.config, kv)
     r = {}
     for T in (0.0, 2.0):
         accs = []
@@ -43,4 +39,4 @@ for name in sys.argv[1:]:
             tails[T] = [float(((1 - top) * mask).sum() / mask.sum())]
     r.update({f"tail_T{T:g}": float(np.mean(v)) for T, v in tails.items()})
     res[name] = r
-print(json.dumps(res))
+emit(res)

@@ -7,11 +7,12 @@ does what the driver does before and during a run: ``MathEnv(path)``, ``check_pr
 over the whole data set with the tiny reasoner's tokenizer (as ``Controller.__init__``),
 ``reset(seed=0)`` and ``tasks(1000)``. It reports each path's peak RSS, its RSS after the
 imports (the part the data does not cost), its CPU seconds, and the ratio of the data's
-part before vs after. ``--old`` is the code before lazy reading: a folder, or a git commit
+part before vs after (the CPU seconds are timed inside the child, by the child's own
+clock: the old code has no :mod:`kvrl.bench`). ``--old`` is the code before lazy reading: a folder, or a git commit
 of this repository, exported to a temporary folder (default: 787f1dc, the last commit
 that held every row). Prints one JSON line.
 
-    python benchmarks/data_memory.py [--mb 200] [--old 787f1dc | --old /path/to/checkout]
+    python benchmarks/system/data_memory.py [--mb 200] [--old 787f1dc | --old /path/to/checkout]
 """
 
 import argparse
@@ -22,7 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from kvrl.bench import emit
+
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, resource, sys, time
@@ -87,10 +90,10 @@ def main() -> None:
         before, after = measure(old, data), measure(REPO, data)
     assert before["first_ids"] == after["first_ids"], "the two code paths drew different tasks"
     part = {k: r["peak_rss_mib"] - r["base_rss_mib"] for k, r in (("before", before), ("after", after))}
-    print(json.dumps({"file_mb": args.mb, "rows": rows, "before": before, "after": after,
-                      "data_rss_mib_before": round(part["before"], 1), "data_rss_mib_after": round(part["after"], 1),
-                      "peak_rss_ratio": round(before["peak_rss_mib"] / after["peak_rss_mib"], 2),
-                      "data_rss_ratio": round(part["before"] / max(part["after"], 1.0), 1)}))
+    emit({"file_mb": args.mb, "rows": rows, "before": before, "after": after,
+          "data_rss_mib_before": round(part["before"], 1), "data_rss_mib_after": round(part["after"], 1),
+          "peak_rss_ratio": round(before["peak_rss_mib"] / after["peak_rss_mib"], 2),
+          "data_rss_ratio": round(part["before"] / max(part["after"], 1.0), 1)})
 
 
 if __name__ == "__main__":

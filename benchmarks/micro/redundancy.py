@@ -4,10 +4,11 @@ Prints one JSON line, both implementations measured side by side in this run on 
 inputs (B=16, H=8, D=128, float32, CPU, 1 thread; N in 512, 2048, 4096):
 
   n{N}_speedup        old time / new time: the least of ``--repeats`` interleaved runs each,
-                      in CPU time of the calling thread (``time.thread_time``: with one torch
+                      in CPU time of the process (:func:`kvrl.bench.timed`: with one torch
                       thread this is the op time, and it does not count the time other
                       processes on a shared machine take the core away; wall-clock ratios are
-                      also given, as ``n{N}_speedup_wall``)
+                      also given, as ``n{N}_speedup_wall``, and every run's times as
+                      ``n{N}_seconds``: mean, min and max)
   n{N}_memory_ratio   new peak / old peak: the rise of the resident set (VmHWM after a reset
                       through /proc/self/clear_refs, minus VmRSS before the call) over one
                       call, each in a fresh subprocess with glibc's mmap threshold at 64 KiB
@@ -21,19 +22,18 @@ inputs (B=16, H=8, D=128, float32, CPU, 1 thread; N in 512, 2048, 4096):
 The keys are clustered (64 centres, noise, a shared offset), so that many pairs are near
 duplicates as in real caches, with 5 % invalid slots.
 
-    python benchmarks/redundancy.py [--ns 512,2048,4096] [--repeats 2] [--heads-per-call 0]
+    python benchmarks/micro/redundancy.py [--ns 512,2048,4096] [--repeats 2] [--heads-per-call 0]
 """
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
-import time
 
 import torch
 
+from kvrl.bench import emit, interleaved
 from kvrl.kernels.scores import key_redundancy
 
 B, H, D = 16, 8, 128
@@ -120,25 +120,20 @@ def main():
     for n in (int(x) for x in args.ns.split(",")):
         per_call = heads_per_call(n, args.heads_per_call)
         keys, valid = inputs(n)
-        cpu = {"old": [], "new": []}
-        wall = {"old": [], "new": []}
-        out = {}
-        for _ in range(args.repeats):
-            for impl in ("old", "new"):
-                t0, w0 = time.thread_time(), time.perf_counter()
-                out[impl] = run(impl, keys, valid, per_call)
-                cpu[impl].append(time.thread_time() - t0)
-                wall[impl].append(time.perf_counter() - w0)
-        result[f"n{n}_speedup"] = round(min(cpu["old"]) / min(cpu["new"]), 2)
-        result[f"n{n}_speedup_wall"] = round(min(wall["old"]) / min(wall["new"]), 2)
-        result[f"n{n}_new_seconds"] = round(min(cpu["new"]), 3)
-        result[f"n{n}_max_abs_diff"] = float(f"{(out['old'] - out['new']).abs().max().item():.3g}")
-        del out
+        runs = interleaved({impl: lambda impl=impl: run(impl, keys, valid, per_call) for impl in ("old", "new")},
+                           args.repeats)
+        old, new = runs["old"], runs["new"]
+        result[f"n{n}_speedup"] = round(min(old.cpu_s) / min(new.cpu_s), 2)
+        result[f"n{n}_speedup_wall"] = round(min(old.wall_s) / min(new.wall_s), 2)
+        result[f"n{n}_new_seconds"] = round(min(new.cpu_s), 3)
+        result[f"n{n}_seconds"] = {impl: r.summary(3) for impl, r in runs.items()}
+        result[f"n{n}_max_abs_diff"] = float(f"{(old.outs[-1] - new.outs[-1]).abs().max().item():.3g}")
+        del runs, old, new
         old_peak, new_peak = peak("old", n, per_call), peak("new", n, per_call)
         result[f"n{n}_memory_ratio"] = round(new_peak / old_peak, 4)
         result[f"n{n}_peak_mib"] = {"old": round(old_peak / 2**20), "new": round(new_peak / 2**20)}
         result[f"n{n}_heads_per_call"] = per_call
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

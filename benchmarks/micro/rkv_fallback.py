@@ -15,13 +15,12 @@ offset's scale sets how many pairs are near duplicates), N = 64 slots, D = 32, 8
 queries of 2 query heads, budget 32, 50 seeds per offset scale in 0.5, 0.8, 1.0, 1.2. Prints
 one JSON line.
 
-    python benchmarks/rkv_fallback.py
+    python benchmarks/micro/rkv_fallback.py
 """
-
-import json
 
 import torch
 
+from kvrl.bench import emit
 from kvrl.kernels.scores import key_redundancy
 from kvrl.policies import RKV, Observation
 
@@ -61,7 +60,7 @@ def main():
         b = key_redundancy(obs.keys, valid, eps=1e-8)
         change = max(change, float(((a - b).abs() / b).max()))
     out["eps_redundancy_change_max"] = float(f"{change:.3g}")
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

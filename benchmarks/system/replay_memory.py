@@ -14,39 +14,28 @@ Two measurements side by side, one JSON line:
    with the replay attention (``"kvrl_replay"``: each layer's mask derived from the death
    times during the forward, then dropped) versus an attention that reads precomputed
    dense per-layer masks, as the reference trains. Same SDPA kernel, same visibility
-   (checked equal): the difference is only where the mask comes from.
+   (checked equal): the difference is only where the mask comes from. The two take turns
+   (``--repeats`` each); the median wall time of each, and every run's CPU and wall
+   seconds (mean, min, max: ``seconds``).
 
-The death times are a synthetic G-KV-like pattern (sink 4, recent window, each older key
-dying at a random later query); cost does not depend on which keys die.
+The death times are a synthetic G-KV-like pattern (:func:`kvrl.bench.synthetic_death`).
 
-    python benchmarks/replay_memory.py [--seq 2048] [--repeats 3]
+    python benchmarks/system/replay_memory.py [--seq 2048] [--repeats 3]
 """
 
 import argparse
-import json
-import time
+import statistics
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
 
+from kvrl.bench import emit, interleaved, reasoner, register_dense_masks, synthetic_death
 from kvrl.cache import EvictionTrace
-from kvrl.kernels.replay import NEVER, visibility
-from kvrl.models.tiny import load_model
+from kvrl.kernels.replay import visibility
+from kvrl.runlog import setup_process
 
 QWEN_7B = {"layers": 28, "kv_heads": 4}
 LENGTHS = {"4K": 4096, "8K": 8192, "16K": 16384}
 DENSE_MEASURED = ("4K", "8K")  # one layer of dense masks: 64 MiB and 256 MiB
-
-
-def synthetic_death(layers: int, heads: int, T: int, sink: int = 4, recent: int = 16, seed: int = 0) -> torch.Tensor:
-    """[layers, 1, heads, T] int32: sink never dies, each other key dies at a random query
-    in (k + recent, T], or never (about a quarter of them)."""
-    g = torch.Generator().manual_seed(seed)
-    k = torch.arange(T)
-    death = k + recent + (torch.rand(layers, 1, heads, T, generator=g) * (T - k)).long()
-    death = torch.where(torch.rand(layers, 1, heads, T, generator=g) < 0.25, NEVER, death)
-    return death.masked_fill(k < sink, NEVER).clamp(max=NEVER).int()
 
 
 def memory_figures() -> dict:
@@ -66,28 +55,13 @@ def memory_figures() -> dict:
     return out
 
 
-def dense_mask_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0,
-                         dense_masks=None, **kwargs):
-    """The reference's training attention: a stored [layers, B, H_kv, T, T] bool mask."""
-    groups = query.shape[1] // key.shape[1]
-    mask = dense_masks[module.layer_idx].repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register("bench_dense_mask", dense_mask_attention)
-
-
-def step_time(model, ids, pos, repeats: int, **attn) -> tuple[float, torch.Tensor]:
-    """Median seconds of forward + backward, and the logits of the last run."""
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        logits = model(input_ids=ids, position_ids=pos, **attn).logits
-        logits.float().logsumexp(-1).mean().backward()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2], logits.detach()
+def step(model, ids, pos, attention: str, **attn) -> torch.Tensor:
+    """One forward + backward under ``attention``; its logits."""
+    model.set_attn_implementation(attention)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, position_ids=pos, **attn).logits
+    logits.float().logsumexp(-1).mean().backward()
+    return logits.detach()
 
 
 def main():
@@ -95,11 +69,10 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    setup_process()
     memory = memory_figures()
 
-    model, _ = load_model("tiny")
+    model, _, _ = reasoner("tiny")
     model.train()
     cfg, T = model.config, args.seq
     g = torch.Generator().manual_seed(0)
@@ -107,15 +80,16 @@ def main():
     pos = torch.arange(T)[None]
     trace = EvictionTrace.from_death(synthetic_death(cfg.num_hidden_layers, cfg.num_key_value_heads, T), torch.tensor([T]))
 
-    model.set_attn_implementation("kvrl_replay")
-    replay_s, replay_logits = step_time(model, ids, pos, args.repeats, kvrl_replay=trace.replay(pos, flex=False))
-
+    replay = trace.replay(pos, flex=False)
     full = trace.full()
     dense = torch.stack([visibility(full[layer], pos, pos) for layer in range(cfg.num_hidden_layers)])
-    model.set_attn_implementation("bench_dense_mask")
-    dense_s, dense_logits = step_time(model, ids, pos, args.repeats, dense_masks=dense)
+    dense_attention = register_dense_masks()
+    runs = interleaved({"replay": lambda: step(model, ids, pos, "kvrl_replay", kvrl_replay=replay),
+                        "dense_mask": lambda: step(model, ids, pos, dense_attention, dense_masks=dense)}, args.repeats)
+    replay_s, dense_s = (statistics.median_high(runs[k].wall_s) for k in ("replay", "dense_mask"))
+    replay_logits, dense_logits = runs["replay"].outs[-1], runs["dense_mask"].outs[-1]
 
-    print(json.dumps({
+    emit({
         "benchmark": "replay_memory",
         "memory_qwen7b_per_sequence": {"shape": QWEN_7B, **memory},
         "learner_step_tiny": {
@@ -125,8 +99,9 @@ def main():
             "replay_record_bytes": trace.death.numel() * trace.death.element_size(),
             "dense_record_bytes": dense.numel() * dense.element_size(),
             "logits_max_abs_diff": (replay_logits - dense_logits).abs().max().item(),
+            "seconds": {k: r.summary(3) for k, r in runs.items()},
         },
-    }))
+    })
 
 
 if __name__ == "__main__":

@@ -15,25 +15,23 @@ inside it) under Foresight-RL, R-KV, G-KV and StreamingLLM at one budget, and Fo
 in the HF reference engine for comparison. Prints one JSON line.
 
     python -m kvrl.run recipe=tiny_foresight          # trains the scorers (~6 min)
-    python benchmarks/foresight_loss_ratio.py [--run outputs/tiny_foresight]
+    python benchmarks/learning/foresight_loss_ratio.py [--run outputs/tiny_foresight]
 """
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import numpy as np
-import torch
 from safetensors.torch import load_file
 
 from kvrl.algos.foresight import RULE_BASED, loss_ratios
+from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.data.traces import load_traces
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
-from kvrl.envs import make
-from kvrl.models.tiny import load_model, resolve_path
+from kvrl.models.tiny import resolve_path
 from kvrl.policies import make_policy
+from kvrl.runlog import setup_process
 
 WINDOW, SINK = 8, 4
 
@@ -53,10 +51,9 @@ def main():
     ap.add_argument("--tasks", type=int, default=128)
     ap.add_argument("--seed", type=int, default=4321)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    setup_process()
     run = Path(args.run)
-    model, tok = load_model("tiny")
+    model, tok, hf = reasoner("tiny")
     model.requires_grad_(False)
     heldout = load_traces(run / "traces" / "heldout")[:args.traces]
     weights = {"foresight_sft": run / "sft" / "scorer.safetensors", "foresight_rl": run / "rl" / "scorer.safetensors"}
@@ -81,9 +78,7 @@ def main():
 
     budget, interval = map(int, args.accuracy_budget.split(","))
     engine = VLLMEngine(resolve_path("tiny"), tok, max_model_len=512)
-    env = make("kvrl/counts-v0")
-    env.reset(seed=args.seed)
-    tasks = env.tasks(args.tasks)
+    env, tasks = draw_tasks("kvrl/counts-v0", args.tasks, args.seed)
     accuracy = {}
     kv = dict(budget=budget, interval=interval, window=WINDOW, sink=SINK)
     policies = {"full": None, "foresight_rl": scorer(model, weights["foresight_rl"], budget, interval),
@@ -92,17 +87,16 @@ def main():
         out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens=64), policy=policy)
         accuracy[name] = float(np.mean([env.score(t, text)[0] for t, text in zip(tasks, out.texts)]))
     # the same scorer in the HF reference engine: the two engines should agree
-    hf = HFEngine(model, tok)
     policy = scorer(model, weights["foresight_rl"], budget, interval)
     texts = [text for i in range(0, len(tasks), 64) for text in
              hf.generate([t.prompt for t in tasks[i:i + 64]], Sampling(max_new_tokens=64), policy=policy).texts]
     accuracy["foresight_rl_hf_engine"] = float(np.mean([env.score(t, text)[0] for t, text in zip(tasks, texts)]))
-    print(json.dumps({"run": str(run), "heldout_traces": len(heldout),
-                      "mean_trace_tokens": float(np.mean([len(t.ids) for t in heldout])),
-                      "full_cache_loss_per_token": full_per_token,
-                      "window": WINDOW, "sink": SINK, "loss_ratio": ratios, "excess_nats_per_token": excess,
-                      "accuracy": {"engine": "vllm", "budget": budget, "interval": interval, "tasks": len(tasks),
-                                   **accuracy}}))
+    emit({"run": str(run), "heldout_traces": len(heldout),
+          "mean_trace_tokens": float(np.mean([len(t.ids) for t in heldout])),
+          "full_cache_loss_per_token": full_per_token,
+          "window": WINDOW, "sink": SINK, "loss_ratio": ratios, "excess_nats_per_token": excess,
+          "accuracy": {"engine": "vllm", "budget": budget, "interval": interval, "tasks": len(tasks),
+                       **accuracy}})
 
 
 if __name__ == "__main__":

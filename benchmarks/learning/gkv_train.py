@@ -9,26 +9,23 @@ then all four are evaluated greedily on the same held-out tasks under the same G
 (the sparse recipe's budget, interval, window, sink, α and λ), and with the full cache.
 RL-Full keeps its recipe's sampling temperature (2.5, HF engine: at 2.0 its full-cache
 groups are almost all right, so it would have nothing to learn; vLLM samples at <= 2).
-Prints one JSON line.
+Prints one JSON line (``train_s``: each training's wall seconds; its CPU is mostly Ray's
+workers', which :func:`kvrl.bench.timed` does not see, so none is reported).
 
-    python benchmarks/gkv_train.py [--steps 40] [--tasks 128]
+    python benchmarks/learning/gkv_train.py [--steps 40] [--tasks 128]
 """
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy, timed
 from kvrl.config import load_config
-from kvrl.engines.hf import HFEngine
-from kvrl.envs import make
 from kvrl.eval.budgets import evaluate
-from kvrl.models.tiny import load_model
-from kvrl.policies import make_policy
 from kvrl.jobs.rl import main as train
+from kvrl.runlog import setup_process
 
 RECIPES = {"rl_full": "tiny_rl_full", "rl_sparse": "tiny_gkv_sparse", "distill": "tiny_gkv_distill"}
 
@@ -40,8 +37,7 @@ def main():
     ap.add_argument("--eval-seed", type=int, default=4321)  # the training runs draw from seed 0's stream
     ap.add_argument("--out", default="outputs/gkv_train")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    setup_process()
 
     # ---- train the three models from the same weights, same steps / samples / seed
     models, train_stats = {"untrained": "tiny"}, {}
@@ -49,11 +45,10 @@ def main():
         out = Path(args.out) / algo
         cfg = load_config([f"recipe={recipe}", f"trainer.steps={args.steps}", f"output_dir={out}", "resume=never",
                            "rl.checkpoint_every=0"])
-        start = time.perf_counter()
-        train(cfg)
+        _, wall, _ = timed(lambda: train(cfg))
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         train_stats[algo] = {
-            "train_s": round(time.perf_counter() - start, 1),
+            "train_s": round(wall, 1),
             "mismatch_max": max(r["mismatch_max"] for r in records),
             "reward_first5": float(np.mean([r["reward_mean"] for r in records[:5]])),
             "reward_last5": float(np.mean([r["reward_mean"] for r in records[-5:]])),
@@ -65,25 +60,21 @@ def main():
     # ---- evaluate all four greedily under the same G-KV cache, on the same held-out tasks
     sparse = load_config([f"recipe={RECIPES['rl_sparse']}"])
     kv = sparse.kv
-    env = make(sparse.env.id, **sparse.env.kwargs)
-    env.reset(seed=args.eval_seed)
-    tasks = env.tasks(args.tasks)
+    env, tasks = draw_tasks(sparse.env.id, args.tasks, args.eval_seed, **sparse.env.kwargs)
     acc_gkv, acc_full = {}, {}
     for name, path in models.items():
-        model, tok = load_model(path)
-        policy = make_policy("gkv", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
-                             sink=kv.sink, **kv.kwargs)
-        engine = HFEngine(model.eval(), tok)
+        model, _, engine = reasoner(path)
+        policy = recipe_policy("gkv", model.config, kv)
         acc_gkv[name] = evaluate(engine, env, tasks, sparse.sampling.max_new_tokens, policy=policy)["acc"]
         acc_full[name] = evaluate(engine, env, tasks, sparse.sampling.max_new_tokens)["acc"]
-    print(json.dumps({
+    emit({
         "benchmark": "gkv_train", "model": "tiny", "tasks": args.tasks, "steps": args.steps,
         "kv": {"policy": "gkv", "budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink,
                **kv.kwargs},
         "acc_gkv": acc_gkv, "acc_full_cache": acc_full,
         "rl_sparse_gain_points": round(100 * (acc_gkv["rl_sparse"] - acc_gkv["untrained"]), 2),
         "training": train_stats,
-    }))
+    })
 
 
 if __name__ == "__main__":

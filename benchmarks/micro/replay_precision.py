@@ -20,24 +20,24 @@ rounding so that either side alone is up to ~1e-4 from the exact value — with 
 cache too in vLLM, and more often under data-dependent eviction in the HF engine. The
 float64 column is the replay's logic check. Prints one JSON line.
 
-    python benchmarks/replay_precision.py [--tasks 256]
+    python benchmarks/micro/replay_precision.py [--tasks 256]
 """
 
 import argparse
 import copy
-import json
 import os
 
 import torch
 
+from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.cache import EvictionTrace
 from kvrl.config import load_config
 from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Rollouts, Sampling
-from kvrl.envs import make
 from kvrl.kernels.replay import NEVER
-from kvrl.models.tiny import load_model, resolve_path
+from kvrl.models.tiny import resolve_path
 from kvrl.policies import make_policy
+from kvrl.runlog import setup_process
 
 CHUNK = 64  # sequences per scoring forward
 
@@ -68,19 +68,17 @@ def main():
     ap.add_argument("--tasks", type=int, default=256)
     ap.add_argument("--seed", type=int, default=11)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    setup_process()
     cfg = load_config(["recipe=tiny_gkv_sparse"])
     kv, T, new = cfg.kv, cfg.sampling.temperature, cfg.sampling.max_new_tokens
-    model, tok = load_model("tiny")
-    hf32, hf64 = HFEngine(model.eval(), tok), HFEngine(copy.deepcopy(model).double().eval(), tok)
+    model, tok, hf32 = reasoner("tiny")
+    hf64 = HFEngine(copy.deepcopy(model).double().eval(), tok)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from kvrl.engines.vllm import VLLMEngine
 
     engines = {"hf": hf32, "vllm": VLLMEngine(resolve_path("tiny"), tok, max_model_len=512)}
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=args.seed)
-    prompts = [t.prompt for t in env.tasks(args.tasks)]
+    _, tasks = draw_tasks(cfg.env.id, args.tasks, args.seed, **cfg.env.kwargs)
+    prompts = [t.prompt for t in tasks]
     sampling = Sampling(max_new_tokens=new, temperature=T, seed=1)
     result = {}
     for name in ("full", "streaming", "gkv", "rkv"):
@@ -103,12 +101,12 @@ def main():
             behaviour, late = per_token(out, hf64, T)
             row["float64_one_step_late_max"] = float((behaviour - late).abs().max())
         result[name] = row
-    print(json.dumps({"benchmark": "replay_precision", "tasks": args.tasks, "temperature": T,
-                      "kv": {"budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink},
-                      "policies": result,
-                      "gkv_over_full_p99.9_error": {e: result["gkv"][e]["vs_exact"]["p99.9"] /
-                                                    result["full"][e]["vs_exact"]["p99.9"] for e in engines},
-                      "float64_replay_exact": all(r["float64_decode_vs_replay_max"] <= 1e-6 for r in result.values())}))
+    emit({"benchmark": "replay_precision", "tasks": args.tasks, "temperature": T,
+          "kv": {"budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink},
+          "policies": result,
+          "gkv_over_full_p99.9_error": {e: result["gkv"][e]["vs_exact"]["p99.9"] /
+                                        result["full"][e]["vs_exact"]["p99.9"] for e in engines},
+          "float64_replay_exact": all(r["float64_decode_vs_replay_max"] <= 1e-6 for r in result.values())})
 
 
 if __name__ == "__main__":

@@ -9,26 +9,23 @@ Prints one JSON line, all measured side by side in this run (greedy, CPU by defa
                    tasks, batch 4, 64 new tokens, EOS ignored): full cache vs each policy
                    at budget 256; ``ratio`` = compressed / full (< 1: eviction pays off).
                    A step's time is (t(1 + n steps) − t(1 step)) / n, so the prefill and
-                   the eviction right after it are excluded and later evictions amortised.
+                   the eviction right after it are excluded and later evictions amortised;
+                   wall time (``step_ms``, ``ratio``) and CPU time (``step_cpu_ms``).
 
 The tiny model is latency-bound (per-layer Python overhead dominates a 0.8 M-parameter
 forward), so ratios here say little about large models; they are the reference numbers
 the vLLM plugin and Triton kernels are compared with.
 
-    python benchmarks/policy_overhead.py [--tasks 32] [--context 2048] [--model tiny]
+    python benchmarks/micro/policy_overhead.py [--tasks 32] [--context 2048] [--model tiny]
 """
 
 import argparse
-import json
-import time
 
 import numpy as np
 import torch
 
-from kvrl.engines.hf import HFEngine
+from kvrl.bench import draw_tasks, emit, interleaved, reasoner
 from kvrl.engines.base import Sampling
-from kvrl.envs import make
-from kvrl.models.tiny import load_model
 from kvrl.policies import POLICIES, make_policy
 
 INTERVAL, WINDOW, SINK = 16, 8, 4
@@ -38,17 +35,17 @@ def policy(name, model, budget):
     return make_policy(name, model.config, budget=budget, interval=INTERVAL, window=WINDOW, sink=SINK)
 
 
-def step_time(engine, prompts, kv_policy, steps, repeats):
-    """Seconds per decode step after the prefill: (best long run - best 1-step run) / steps.
-    Minimising each run separately, not their difference: the 1-step run holds the prefill
-    and its eviction (R-KV's N x N similarity over 2k tokens), whose noise made
+def step_time(engine, prompts, kv_policy, steps, repeats) -> tuple[float, float]:
+    """(wall, CPU) seconds per decode step after the prefill: (best long run - best 1-step
+    run) / steps. Minimising each run separately, not their difference: the 1-step run holds
+    the prefill and its eviction (R-KV's N x N similarity over 2k tokens), whose noise made
     per-repeat differences negative on a shared machine."""
     def run(n):
-        start = time.perf_counter()
         engine.generate(prompts, Sampling(max_new_tokens=n, ignore_eos=True), policy=kv_policy)
-        return time.perf_counter() - start
-    long, short = zip(*[(run(steps + 1), run(1)) for _ in range(repeats)])
-    return (min(long) - min(short)) / steps
+
+    runs = interleaved({"long": lambda: run(steps + 1), "short": lambda: run(1)}, repeats)
+    long, short = runs["long"], runs["short"]
+    return (min(long.wall_s) - min(short.wall_s)) / steps, (min(long.cpu_s) - min(short.cpu_s)) / steps
 
 
 def main():
@@ -63,11 +60,8 @@ def main():
     ap.add_argument("--seed", type=int, default=777)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
-    engine = HFEngine(model, tok)
-    env = make("kvrl/counts-v0")
-    env.reset(seed=args.seed)
-    tasks = env.tasks(args.tasks)
+    model, tok, engine = reasoner(args.model)
+    _, tasks = draw_tasks("kvrl/counts-v0", args.tasks, args.seed)
     prompts = [t.prompt for t in tasks]
 
     full = engine.generate(prompts, Sampling(max_new_tokens=160))
@@ -89,16 +83,16 @@ def main():
             n += len(p.split())
         long_prompts.append(" ".join(parts))
     context = max(len(ids) for ids in tok(long_prompts)["input_ids"])
-    full_step = step_time(engine, long_prompts, None, args.steps, args.repeats)
-    long = {"full_step_ms": 1e3 * full_step}
+    full_step, full_cpu = step_time(engine, long_prompts, None, args.steps, args.repeats)
+    long = {"full_step_ms": 1e3 * full_step, "full_step_cpu_ms": 1e3 * full_cpu}
     for name in POLICIES:
-        t = step_time(engine, long_prompts, policy(name, model, args.budget), args.steps, args.repeats)
-        long[name] = {"step_ms": 1e3 * t, "ratio": t / full_step}
-    print(json.dumps({"model": args.model, "device": str(engine.device), "threads": args.threads,
-                      "tasks": len(tasks), "mean_seq_len": mean_len, "budget": budget,
-                      "interval": INTERVAL, "window": WINDOW, "sink": SINK, "evict_fraction": fraction,
-                      "long_context": {"context": context, "budget": args.budget, "batch": len(long_prompts),
-                                       "steps": args.steps, **long}}))
+        t, cpu = step_time(engine, long_prompts, policy(name, model, args.budget), args.steps, args.repeats)
+        long[name] = {"step_ms": 1e3 * t, "ratio": t / full_step, "step_cpu_ms": 1e3 * cpu}
+    emit({"model": args.model, "device": str(engine.device), "threads": args.threads,
+          "tasks": len(tasks), "mean_seq_len": mean_len, "budget": budget,
+          "interval": INTERVAL, "window": WINDOW, "sink": SINK, "evict_fraction": fraction,
+          "long_context": {"context": context, "budget": args.budget, "batch": len(long_prompts),
+                           "steps": args.steps, **long}})
 
 
 if __name__ == "__main__":

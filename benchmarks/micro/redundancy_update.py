@@ -8,7 +8,8 @@ Prints one JSON line:
   speedup             stateless ``key_redundancy`` time / ``key_redundancy_update`` time on
                       the cache after one R-KV-like eviction (the 32 most redundant keys
                       evicted, 32 new keys appended), with that eviction's picks as state;
-                      CPU time of the calling thread, least of ``--repeats`` interleaved runs
+                      CPU time of the process, least of ``--repeats`` interleaved runs
+                      (every run's times, mean, min and max: ``seconds``)
   stale_fraction      the old slots whose pick was evicted, in that setting
   stale{P}_speedup    the same with P % of the old slots' picks evicted as well (the columns
                       compared with the whole cache are then U + P % of the old ones; once
@@ -17,15 +18,14 @@ Prints one JSON line:
 
 The keys are clustered (64 centres, noise, a shared offset) as in ``redundancy.py``.
 
-    python benchmarks/redundancy_update.py [--repeats 5]
+    python benchmarks/micro/redundancy_update.py [--repeats 5]
 """
 
 import argparse
-import json
-import time
 
 import torch
 
+from kvrl.bench import emit, interleaved
 from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update
 
 B, H, D, BUDGET, U = 64, 2, 64, 256, 32
@@ -50,12 +50,6 @@ def after_one_eviction(gen: torch.Generator):
     return keys, pos, state
 
 
-def timed(fn):
-    t0 = time.thread_time()
-    out = fn()
-    return time.thread_time() - t0, out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -75,18 +69,17 @@ def main():
         settings[f"stale{p}_"] = torch.where(drop, evicted, state)
     diff = 0.0
     for name, prev in settings.items():
-        t_full = t_inc = float("inf")
-        for _ in range(args.repeats):  # interleaved
-            t, want = timed(lambda: key_redundancy(keys, valid))
-            t_full = min(t_full, t)
-            t, (got, _) = timed(lambda: key_redundancy_update(keys, pos, prev))
-            t_inc = min(t_inc, t)
+        runs = interleaved({"stateless": lambda: key_redundancy(keys, valid),
+                            "update": lambda prev=prev: key_redundancy_update(keys, pos, prev)[0]}, args.repeats)
+        t_full, t_inc = min(runs["stateless"].cpu_s), min(runs["update"].cpu_s)
+        for want, got in zip(runs["stateless"].outs, runs["update"].outs):
             diff = max(diff, float((got - want).abs().max()))
         result[f"{name}speedup"] = round(t_full / t_inc, 2)
         if not name:
             result["stateless_ms"], result["update_ms"] = round(1e3 * t_full, 2), round(1e3 * t_inc, 2)
+            result["seconds"] = {k: r.summary(5) for k, r in runs.items()}
     result["max_abs_diff"] = float(f"{diff:.3g}")
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

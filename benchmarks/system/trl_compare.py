@@ -19,15 +19,15 @@ Every 0.2 s the parent sums user+system CPU over the child and all its descendan
 last value seen for each pid, so an exited worker still counts). A run's steps are seen
 when its progress file grows. Per-sample CPU is taken between the end of step 1 and the end
 of the last step; start-up CPU is the tree's CPU at the end of step 1 less one step's CPU.
-Prints one JSON line (mean and spread over ``--repeats``).
+Prints one JSON line (mean and spread over ``--repeats``; wall seconds from
+:func:`kvrl.bench.interleaved`).
 
-    python benchmarks/trl_compare.py [--steps 6] [--repeats 2]
+    python benchmarks/system/trl_compare.py [--steps 6] [--repeats 2]
 """
 
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,7 +36,9 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+from kvrl.bench import draw_tasks, emit, interleaved, spread
+
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP, NEW_TOKENS = 16, 8, 64
 
 
@@ -49,12 +51,10 @@ def run_trl(steps: int, out: Path, threads: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from kvrl.envs import make
     from kvrl.models.tiny import resolve_path
 
-    env = make("kvrl/counts-v0", n_digits=24)
-    env.reset(seed=0)
-    tasks = {t.id: t for t in env.tasks(PROMPTS * steps)}
+    env, tasks = draw_tasks("kvrl/counts-v0", PROMPTS * steps, 0, n_digits=24)  # the kvrl run's stream: seed 0
+    tasks = {t.id: t for t in tasks}
     data = Dataset.from_list([{"prompt": t.prompt, "task_id": t.id} for t in tasks.values()])
 
     def reward(prompts, completions, task_id, **_):
@@ -131,7 +131,6 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
     kinds: dict[int, str] = {}
     at: dict[int, float] = {}  # step -> tree CPU when its line appeared
     pids_at: dict[int, dict[int, float]] = {}  # step -> each pid's CPU then
-    start = time.monotonic()
     with open(out / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         root = psutil.Process(proc.pid)
@@ -154,7 +153,6 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
         startup[k] = startup.get(k, 0.0) + pids_at[1].get(pid, 0.0) - step_part
     return {"samples_per_cpu_s": round(PROMPTS * GROUP / per_step, 1), "cpu_s_per_step": round(per_step, 2),
             "startup_cpu_s": round(at[1] - per_step, 1), "total_cpu_s": round(sum(seen.values()), 1),
-            "wall_s": round(time.monotonic() - start, 1),
             "cpu_s_per_step_by_process": {k: round(v, 2) for k, v in sorted(by_kind.items())},
             "startup_cpu_s_by_process": {k: round(v, 1) for k, v in sorted(startup.items())}}
 
@@ -170,26 +168,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return run_trl(args.steps, Path(args.child), args.trl_threads)
-    runs: dict[str, list[dict]] = {"kvrl": [], "trl": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.repeats):  # interleaved: a change in the machine's load hits both
-            for side in runs:
-                runs[side].append(measure(side, args.steps, Path(tmp), args.trl_threads))
-
-    def summary(rs: list[dict]) -> dict:
-        keys = ("samples_per_cpu_s", "cpu_s_per_step", "startup_cpu_s", "wall_s")
-        return {k: {"mean": round(statistics.mean(r[k] for r in rs), 2), "min": min(r[k] for r in rs),
-                    "max": max(r[k] for r in rs)} for k in keys}
-
-    s = {side: summary(rs) for side, rs in runs.items()}
-    print(json.dumps({"steps": args.steps, "repeats": args.repeats, "samples_per_step": PROMPTS * GROUP,
-                      "trl_threads": args.trl_threads,
-                      "kvrl": s["kvrl"], "trl": s["trl"],
-                      "samples_per_cpu_s_ratio_kvrl_over_trl": round(s["kvrl"]["samples_per_cpu_s"]["mean"]
-                                                                     / s["trl"]["samples_per_cpu_s"]["mean"], 3),
-                      "startup_cpu_ratio_kvrl_over_trl": round(s["kvrl"]["startup_cpu_s"]["mean"]
-                                                               / s["trl"]["startup_cpu_s"]["mean"], 2),
-                      "runs": runs}))
+    with tempfile.TemporaryDirectory() as tmp:  # interleaved: a change in the machine's load hits both
+        timed = interleaved({side: lambda side=side: measure(side, args.steps, Path(tmp), args.trl_threads)
+                             for side in ("kvrl", "trl")}, args.repeats)
+    runs = {side: [{**out, "wall_s": round(wall, 1)} for out, wall in zip(r.outs, r.wall_s)]
+            for side, r in timed.items()}
+    keys = ("samples_per_cpu_s", "cpu_s_per_step", "startup_cpu_s", "wall_s")
+    s = {side: {k: spread([r[k] for r in rs], 2) for k in keys} for side, rs in runs.items()}
+    emit({"steps": args.steps, "repeats": args.repeats, "samples_per_step": PROMPTS * GROUP,
+          "trl_threads": args.trl_threads,
+          "kvrl": s["kvrl"], "trl": s["trl"],
+          "samples_per_cpu_s_ratio_kvrl_over_trl": round(s["kvrl"]["samples_per_cpu_s"]["mean"]
+                                                         / s["trl"]["samples_per_cpu_s"]["mean"], 3),
+          "startup_cpu_ratio_kvrl_over_trl": round(s["kvrl"]["startup_cpu_s"]["mean"]
+                                                   / s["trl"]["startup_cpu_s"]["mean"], 2),
+          "runs": runs})
 
 
 if __name__ == "__main__":

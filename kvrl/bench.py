@@ -1,0 +1,145 @@
+"""What the scripts under ``benchmarks/`` share: their models, tasks, clocks and output.
+
+The project's rule for a benchmark: it prints one JSON line of figures measured side by side
+in one run. This module is the part of that every script would otherwise write again:
+
+* :func:`timed` — one call's CPU seconds and wall seconds. CPU is this process's, every
+  thread, plus that of its children that ended and were waited for during the call (a
+  subprocess a benchmark runs, a worker pool it joins); CPU time is what a shared machine's
+  other load hardly moves, wall time is what a user waits.
+* :func:`interleaved` — repeats of several callables taken in turns (a, b, a, b, ...), so
+  that a drift in the machine's load hits each alike; each one's :class:`Runs` keeps every
+  run's two times and result, :meth:`Runs.summary` their mean and spread.
+* :func:`emit` — the one JSON line.
+* :func:`reasoner`, :func:`draw_tasks` and :func:`recipe_policy` — a shipped tiny reasoner in
+  the reference engine, an environment's task stream at a seed, and a recipe's ``kv``
+  section as a policy.
+* :func:`synthetic_death` and :func:`register_dense_masks` — a G-KV-like eviction trace of
+  any length and the reference repos' training attention (dense per-layer masks), which
+  the replay benchmarks set against kvrl's replay.
+
+It lives in the package, not in ``benchmarks/``, so that ``python benchmarks/<group>/<x>.py``
+finds it wherever kvrl is importable (installed, or ``PYTHONPATH=.``) without touching
+``sys.path``.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvrl.kernels.replay import NEVER
+
+
+def _clock() -> tuple[float, float]:
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime, time.perf_counter()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """(CPU seconds, wall seconds, result) of ``fn()``."""
+    cpu, wall = _clock()
+    out = fn()
+    cpu_end, wall_end = _clock()
+    return cpu_end - cpu, wall_end - wall, out
+
+
+@dataclass
+class Runs:
+    """One callable's repeats: CPU and wall seconds and the result of each run, in order."""
+
+    cpu_s: list[float] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
+    outs: list = field(default_factory=list)
+
+    def summary(self, digits: int = 4) -> dict:
+        """{"cpu_s": spread, "wall_s": spread} (:func:`spread`)."""
+        return {"cpu_s": spread(self.cpu_s, digits), "wall_s": spread(self.wall_s, digits)}
+
+
+def spread(values: list[float], digits: int = 4) -> dict:
+    """{"mean", "min", "max"} of repeated measurements, rounded to ``digits``."""
+    return {"mean": round(statistics.mean(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Runs]:
+    """Every callable ``repeats`` times, in turns; {name: its :class:`Runs`}. A result is kept
+    for each run: a callable whose result is large returns None and keeps what it needs."""
+    runs = {name: Runs() for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            cpu, wall, out = timed(fn)
+            runs[name].cpu_s.append(cpu)
+            runs[name].wall_s.append(wall)
+            runs[name].outs.append(out)
+    return runs
+
+
+def emit(record: dict) -> None:
+    """The benchmark's one JSON line, flushed (a caller may be reading the pipe)."""
+    print(json.dumps(record), flush=True)
+
+
+def reasoner(path: str = "tiny", **kwargs):
+    """(model, tokenizer, HF reference engine) of a shipped reasoner or a trained folder."""
+    from kvrl.engines.hf import HFEngine
+    from kvrl.models.tiny import load_model
+
+    model, tok = load_model(path, **kwargs)
+    return model, tok, HFEngine(model, tok)
+
+
+def draw_tasks(env_id: str, n: int, seed: int, **kwargs):
+    """(environment, its first ``n`` tasks after ``reset(seed)``): the same tasks for every
+    line a benchmark compares; training runs draw from seed 0's stream, so held-out sets
+    use another seed."""
+    from kvrl.envs import make
+
+    env = make(env_id, **kwargs)
+    env.reset(seed=seed)
+    return env, env.tasks(n)
+
+
+def recipe_policy(name: str, config, kv):
+    """Policy ``name`` at a recipe's ``kv`` section (budget, interval, window, sink, kwargs)."""
+    from kvrl.policies import make_policy
+
+    return make_policy(name, config, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink,
+                       **kv.kwargs)
+
+
+def synthetic_death(layers: int, heads: int, T: int, sink: int = 4, recent: int = 16, seed: int = 0) -> torch.Tensor:
+    """[layers, 1, heads, T] int32 death times of a G-KV-like trace: the sink never dies, each
+    other key dies at a random query in (k + recent, T], or never (about a quarter of them).
+    What replaying costs does not depend on which keys die."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.arange(T)
+    death = k + recent + (torch.rand(layers, 1, heads, T, generator=g) * (T - k)).long()
+    death = torch.where(torch.rand(layers, 1, heads, T, generator=g) < 0.25, NEVER, death)
+    return death.masked_fill(k < sink, NEVER).clamp(max=NEVER).int()
+
+
+def _dense_mask_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, dense_masks=None,
+                          **kwargs):
+    groups = query.shape[1] // key.shape[1]
+    mask = dense_masks[module.layer_idx].repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_dense_masks() -> str:
+    """Registers the reference repos' training attention, a stored [layers, B, H_kv, T, T]
+    bool mask per forward (``model(..., dense_masks=masks)``), and returns its name for
+    ``model.set_attn_implementation``."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("bench_dense_mask", _dense_mask_attention)
+    return "bench_dense_mask"
