@@ -14,7 +14,8 @@ of every module, lazy ones included):
     7. data               data sets built from a model's outputs (traces, self-distillation)
     8. algos              what is trained, the loss, what is pushed to the rollout workers
     9. workers            Ray actors (rollout workers, learners) and the controller loop
-   10. eval               evaluation under KV budgets
+   10. eval bench         evaluation under KV budgets; what the scripts under benchmarks/ share (models,
+                          tasks, clocks, the JSON line)
    11. gate plan jobs     the checks beyond the config; the dry-run plan; what ``python -m kvrl.run`` starts,
                           one module per job (with its config section)
    12. config             the typed config: recipes and command line merged over the shared sections and the
