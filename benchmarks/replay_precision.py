@@ -35,7 +35,7 @@ from kvrl.config import load_config
 from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Rollouts, Sampling
 from kvrl.envs import make
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.models.tiny import load_model, resolve_path
 from kvrl.policies import make_policy
 

@@ -24,7 +24,7 @@ import torch
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
 from kvrl.eval.budgets import evaluate
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.models.tiny import load_model
 from kvrl.policies import Static, Window
 
