@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels import NEVER
 
 
 def _clock() -> tuple[float, float]:

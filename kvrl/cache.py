@@ -22,7 +22,7 @@ The cache runs one regime (:mod:`kvrl.policies.regime`): ``Full`` only appends;
 ``Evicting`` evicts on the policy's schedule; ``Static`` (head allocation, sink+recent)
 masks keys by the pattern's death times instead of evicting them, which is equivalent;
 ``Mixed`` (RLKV) keeps every key and attends with
-:func:`kvrl.kernels.mixed.mixed_gate_attention` over the cache's per-head key positions.
+:func:`kvrl.kernels.reference.mixed.mixed_gate_attention` over the cache's per-head key positions.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from torch import Tensor
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvrl.kernels.mixed import mixed_gate_attention
-from kvrl.kernels.replay import NEVER, Replay, visibility
-from kvrl.kernels.scores import gather_slots
+from kvrl.kernels import gather_slots
+from kvrl.kernels.reference.mixed import mixed_gate_attention
+from kvrl.kernels.reference.replay import NEVER, Replay, visibility
 from kvrl.policies.base import Observation, should_evict
 from kvrl.policies.evict import Eviction, evict
 from kvrl.policies.regime import Evicting, Mixed, Static, as_regime
@@ -282,7 +282,7 @@ def evict_attention(module, query, key, value, attention_mask, *, scaling, dropo
     ``update`` -> (out [B, Q, Hq, D], None). The mask comes from the cache's per-head true
     positions (causal, padding excluded, and the static pattern if any); transformers'
     2-D padding mask no longer describes a compacted cache and is ignored. Under ``Mixed``
-    the attention is :func:`~kvrl.kernels.mixed.mixed_gate_attention` over the same key
+    the attention is :func:`~kvrl.kernels.reference.mixed.mixed_gate_attention` over the same key
     positions (padding queries clamped to position 0, as in ``HFEngine.score``).
     """
     if kvrl_cache is None:

@@ -128,13 +128,13 @@ def plan(cfg) -> dict:
 
 # algorithms whose learner trains every weight of the model (the others train gates or a scorer)
 FULL_MODEL = ("rl_full", "rl_sparse", "distill")
-LOGIT_CHUNK = 1024  # rows of logits HFEngine.score holds at once (kvrl.kernels.logprobs)
+LOGIT_CHUNK = 1024  # rows of logits HFEngine.score holds at once (kvrl.kernels.reference.logprobs)
 VLLM_GPU_SHARE = 0.9  # vLLM's default gpu_memory_utilization: without workers.kv_cache_gib its KV cache fills it
 
 
 def mixed_mask_bytes(rows: int, seq: int, layers: int, width: int, checkpointing: bool) -> int:
     """Peak bytes of the masks RLKV's learner builds in its mixed-gate attention
-    (:func:`kvrl.kernels.mixed.mixed_gate_attention`), for ``rows`` sequences of ``seq``
+    (:func:`kvrl.kernels.reference.mixed.mixed_gate_attention`), for ``rows`` sequences of ``seq``
     tokens in one micro-batch.
 
     Per layer it builds one Q × N bool mask per sequence for each of its two branches

@@ -89,7 +89,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
 from kvrl.envs.chat import Chat
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.models import shrunk
 from kvrl.policies import GKV, POLICIES, RKV, Full, HeadAllocation, Mixed, Observation, make_policy
 
@@ -366,7 +366,7 @@ def test_hf_batch_rows_are_independent(family, hf32):
 # ---------------------------------------------------------------- vLLM vs HF (greedy, float32)
 
 def cosines(keys: torch.Tensor) -> torch.Tensor:
-    """Pairwise key cosines [H, n, n] as :func:`kvrl.kernels.scores.key_redundancy` computes them."""
+    """Pairwise key cosines [H, n, n] as :func:`kvrl.kernels.reference.scores.key_redundancy` computes them."""
     k = keys / (keys.norm(dim=-1, keepdim=True) + 1e-6)
     return k @ k.transpose(-1, -2)
 

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import kvrl.engines.hf as hf
+from kvrl import kernels
 from kvrl.cache import EvictionTrace, KVCache
 from kvrl.engines.base import Sampling
 from kvrl.envs.chains import ChainSpec, make_chain_task
-from kvrl.kernels import scores
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference import scores
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.policies import Observation, make_policy
 
 BUDGET, INTERVAL, WINDOW, SINK, NEW = 20, 4, 4, 2, 30
@@ -213,7 +214,7 @@ def test_ratio_mode_keeps_the_budget_of_each_length_and_rows_match_alone(engine,
 def test_redundancy_picks_in_the_state_equal_the_full_computation(name, kw, monkeypatch):
     """R-KV and G-KV carry each slot's exempt row ("pick") in their state, so that an
     eviction compares only the new keys and those whose pick was evicted with the cache
-    (:func:`~kvrl.kernels.scores.key_redundancy_update`). Through the cache's own state
+    (:func:`~kvrl.kernels.reference.scores.key_redundancy_update`). Through the cache's own state
     threading (compaction, NaN for new tokens, a padded row kept within its budget at the
     first evictions), with near-duplicates planted so that picks exist and get evicted, every
     eviction's redundancy equals the stateless ``key_redundancy`` of that cache within 1e-6,
@@ -233,9 +234,9 @@ def test_redundancy_picks_in_the_state_equal_the_full_computation(name, kw, monk
         counts["incremental"] += len(calls) > before  # the policy's call took the incremental path
         valid = obs.key_pos >= 0
         previous = obs.state[..., column]
-        red, pick = scores.key_redundancy_update(obs.keys, obs.key_pos, previous, policy.threshold,
-                                                 retain_direction=direction)
-        want = scores.key_redundancy(obs.keys, valid, policy.threshold, retain_direction=direction)
+        red, pick = kernels.key_redundancy_update(obs.keys, obs.key_pos, previous, policy.threshold,
+                                                  retain_direction=direction)
+        want = kernels.key_redundancy(obs.keys, valid, policy.threshold, retain_direction=direction)
         assert (red - want).abs().max() <= 1e-6
         blank = obs.state.clone()
         blank[..., column] = float("nan")  # no picks: the full computation

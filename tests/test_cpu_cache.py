@@ -1,11 +1,14 @@
-"""The native CPU cache ops against their torch references (kvrl/kernels/cpu_cache.py).
+"""The native CPU cache ops (kvrl/kernels/cpu/paged.py) against their torch specification
+(kvrl/kernels/reference/paged.py).
 
 Both move data only, so the native results must equal the references exactly."""
 
 import pytest
 import torch
 
-from kvrl.kernels import cpu_cache, native
+from kvrl import kernels
+from kvrl.kernels.cpu import native
+from kvrl.kernels.reference import paged as reference
 
 if native.ops() is None:
     pytest.skip("the native CPU cache ops did not build here (see the warning)", allow_module_level=True)
@@ -25,11 +28,11 @@ def tables(rows, width, nb, seed=0):
 @pytest.mark.parametrize("n", [1, 4, 13, 24])
 def test_read_matches_reference(dtype, n):
     kv, blocks = cache(dtype), tables(5, 6, 40)
-    k, v = cpu_cache.paged_read(kv, blocks, n)
-    k_ref, v_ref = cpu_cache.paged_read_ref(kv, blocks, n)
+    k, v = kernels.paged_read(kv, blocks, n)
+    k_ref, v_ref = reference.paged_read(kv, blocks, n)
     assert k.shape == k_ref.shape == (5, 3, n, 8) and v.shape == v_ref.shape
     assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
-    for read in (cpu_cache.paged_read, cpu_cache.paged_read_ref):  # keys alone: the same keys, no V
+    for read in (kernels.paged_read, reference.paged_read):  # keys alone: the same keys, no V
         k_only, none = read(kv, blocks, n, values=False)
         assert none is None and torch.equal(k_only, k_ref)
 
@@ -52,12 +55,12 @@ def test_compact_matches_reference(dtype, ratio):
         keep = torch.where(torch.arange(k) < counts[:, None, None], keep, n - 1)
     before = kv.clone()
     got, want = kv.clone(), kv.clone()
-    cpu_cache.paged_compact_(got, blocks, keep, counts)
-    cpu_cache.paged_compact_ref(want, blocks, keep, counts)
+    kernels.paged_compact_(got, blocks, keep, counts)
+    reference.paged_compact_(want, blocks, keep, counts)
     lens = counts if ratio else torch.full((rows,), k)
-    k_got, v_got = cpu_cache.paged_read_ref(got, blocks, k)
-    k_want, v_want = cpu_cache.paged_read_ref(want, blocks, k)
-    k_src, v_src = cpu_cache.paged_read_ref(before, blocks, n)
+    k_got, v_got = reference.paged_read(got, blocks, k)
+    k_want, v_want = reference.paged_read(want, blocks, k)
+    k_src, v_src = reference.paged_read(before, blocks, n)
     for r in range(rows):
         c = int(lens[r])
         assert torch.equal(k_got[r, :, :c], k_want[r, :, :c]) and torch.equal(v_got[r, :, :c], v_want[r, :, :c])
@@ -89,8 +92,8 @@ def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch):
         assert native.ops() is None
     kv, blocks = cache(torch.float32), tables(2, 6, 40)
     with pytest.warns(UserWarning):
-        k, v = cpu_cache.paged_read(kv, blocks, 9)
-    assert torch.equal(k, cpu_cache.paged_read_ref(kv, blocks, 9)[0])
+        k, v = kernels.paged_read(kv, blocks, 9)
+    assert torch.equal(k, reference.paged_read(kv, blocks, 9)[0])
 
 
 def test_compact_refuses_what_would_write_outside_the_request():
@@ -98,13 +101,13 @@ def test_compact_refuses_what_would_write_outside_the_request():
     before = kv.clone()
     descending = torch.arange(8).flip(0).view(1, 1, 8).expand(1, 3, 8).contiguous()
     with pytest.raises(RuntimeError, match="keep must hold ascending slots of the block table"):
-        cpu_cache.paged_compact_(kv, blocks, descending, None)
+        kernels.paged_compact_(kv, blocks, descending, None)
     beyond = (torch.arange(8) + 17).view(1, 1, 8).expand(1, 3, 8).contiguous()  # slot 24: past the 6-block table
     with pytest.raises(RuntimeError, match="keep must hold ascending slots of the block table"):
-        cpu_cache.paged_compact_(kv, blocks, beyond, None)
+        kernels.paged_compact_(kv, blocks, beyond, None)
     with pytest.raises(RuntimeError, match="is outside the cache's 40 blocks"):
-        cpu_cache.paged_read(kv, blocks + 100, 8)
+        kernels.paged_read(kv, blocks + 100, 8)
     identity = torch.arange(8).view(1, 1, 8).expand(1, 3, 8).contiguous()
     with pytest.raises(RuntimeError, match="is outside the cache's 40 blocks"):
-        cpu_cache.paged_compact_(kv, blocks + 100, identity, None)
+        kernels.paged_compact_(kv, blocks + 100, identity, None)
     assert torch.equal(kv[blocks[0, 1:].long()], before[blocks[0, 1:].long()])

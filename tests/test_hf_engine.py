@@ -9,7 +9,7 @@ from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling, nucleus
 from kvrl.envs import make
 from kvrl.envs.chains import ChainSpec, make_chain_task
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.models.tiny import load_model
 from kvrl.policies import POLICIES, HeadAllocation, Mixed, Static, Window, make_policy
 

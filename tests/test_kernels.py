@@ -6,9 +6,10 @@ import zlib
 import pytest
 import torch
 
-from kvrl.kernels import native
-from kvrl.kernels.scores import (attention_received, gather_slots, key_redundancy, key_redundancy_update, pool_slots,
-                                 window_attention)
+from kvrl.kernels import (attention_received, gather_slots, key_redundancy, key_redundancy_update, pool_slots,
+                          window_attention)
+from kvrl.kernels.cpu import native
+from kvrl.kernels.reference import scores as reference
 
 
 def naive_window_attention(queries, keys, key_pos, query_pos, scaling, gqa, order, candidates_only):
@@ -93,7 +94,7 @@ def test_window_attention_at_an_eviction(gqa, order):
 @pytest.mark.parametrize("use_native", [True, False])
 def test_attention_received_matches_loop(gqa, order, candidates_only, use_native, monkeypatch):
     """The sum over the queries that H2O, SnapKV, R-KV and G-KV score with, on the native CPU
-    op (kvrl/kernels/cpu_scores.cpp) and on torch: the loop's sum within float32 rounding.
+    op (kvrl/kernels/cpu/scores.cpp) and on torch: the loop's sum within float32 rounding.
     21 slots (two 8-lane blocks and a tail), keys in the engine's transposed layout, logits up
     to about ±60 so that the exponentials span the float32 range."""
     if use_native and native.ops() is None:
@@ -338,12 +339,10 @@ def test_key_redundancy_update_equals_key_redundancy(case, direction, fallback):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("direction,fallback", RULES)
 def test_native_redundancy_equals_torch(case, direction, fallback, monkeypatch):
-    """The native CPU ops (kvrl/kernels/cpu_scores.cpp) against the torch code they replace,
+    """The native CPU ops (kvrl/kernels/cpu/scores.cpp) against the torch code they replace,
     on the update's incremental path and the full pass, with keys laid out as the vLLM
     engine reads them (a transposed view of [B, H, D, N]): the same picks, and redundancy
     within float32 rounding of a sum over N slots and D channels taken in another order."""
-    from kvrl.kernels import native
-
     if native.ops() is None:
         pytest.skip("the native CPU ops did not build here")
     keys, valid = redundancy_case(case)
@@ -405,15 +404,36 @@ def test_native_previous_picks_equals_torch():
         pytest.skip("the native CPU ops did not build here")
     pos = torch.tensor([[[0, 3, 4, -1, 9, 12, 13, -1], [2, -1, -1, 5, 6, 7, 8, 20]]])
     prev = torch.tensor([[[-1, 9, 3, 4, 5.0, float("nan"), 12.5, 13], [20, 2, 3, 7, -1, float("nan"), 99, 8]]])
-    n = pos.shape[-1]
-    valid = pos >= 0
-    at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
-    present = (prev >= 0) & (pos.gather(-1, at) == prev)
     kept, need, new = native.ops().previous_picks(pos, prev)
-    assert torch.equal(kept, torch.where(present, at, -1))
+    kept_ref, need_ref, new_ref = reference.TORCH.previous_picks(pos, prev)
+    assert torch.equal(kept, kept_ref) and torch.equal(need, need_ref) and torch.equal(new, new_ref)
     assert kept.tolist() == [[[-1, 4, 1, 2, -1, -1, -1, 6], [7, 0, -1, 5, -1, -1, -1, 6]]]
-    assert torch.equal(need, valid & ~(present | (prev == -1)))
-    assert torch.equal(new, valid & prev.isnan())
+
+
+def test_dispatch_picks_by_device_autograd_library_and_the_ops_own_condition(monkeypatch):
+    """One table per op: the C++ op for CPU tensors outside autograd once the library built and
+    the op's own condition holds, the Triton kernel for CUDA tensors, the reference otherwise."""
+    from types import SimpleNamespace
+
+    from kvrl.kernels import dispatch
+
+    table = {"cpu": "cpu", "cuda": "cuda", "reference": "reference"}
+    cpu, graded = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    gpu = SimpleNamespace(device=torch.device("cuda"), is_cuda=True, requires_grad=False)
+    built = native.ops() is not None
+    assert dispatch.pick(table, cpu) == ("cpu" if built else "reference")
+    assert dispatch.pick(table, cpu, graded) == "reference"
+    assert dispatch.pick(table, cpu, applies=False) == "reference"
+    assert dispatch.pick(table, gpu) == "cuda" and dispatch.pick(table, gpu, applies=False) == "reference"
+    assert dispatch.pick({"cpu": "cpu", "reference": "reference"}, gpu) == "reference"
+    assert dispatch.pick({"cuda": "cuda", "reference": "reference"}, cpu) == "reference"
+    monkeypatch.setattr(native, "ops", lambda: None)  # the library did not build
+    assert dispatch.pick(table, cpu) == "reference"
+    # pool_slots' C++ op takes float32 only: a float64 input runs the reference
+    x, valid = torch.rand(1, 1, 5, dtype=torch.float64), torch.ones(1, 1, 5, dtype=torch.bool)
+    monkeypatch.setattr(native, "usable", lambda *t: True)
+    monkeypatch.setitem(dispatch.POOL_SLOTS, "reference", lambda *a: "reference ran")
+    assert dispatch.pool_slots(x, valid, 3, "max") == "reference ran"
 
 
 def test_gather_slots():
@@ -444,7 +464,7 @@ def test_a_stale_build_lock_is_removed_not_waited_on(tmp_path):
     root = tmp_path / "ext"
     shutil.copytree(built, root / name)  # already built: the child only re-checks, it does not compile
     (root / name / "lock").touch()
-    code = "from kvrl.kernels import native; assert native.ops() is not None"
+    code = "from kvrl.kernels.cpu import native; assert native.ops() is not None"
     res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)},
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]

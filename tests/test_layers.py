@@ -117,3 +117,29 @@ def test_the_check_catches_a_circle_through_type_checking(tmp_path):
                  "def f():\n    from kvrl.c import g\n")
     assert module_imports(a, {"kvrl.b", "kvrl.c"}) == {"kvrl.b"}
     assert import_circles({"kvrl.a": {"kvrl.b"}, "kvrl.b": {"kvrl.a"}}) == [["kvrl.a", "kvrl.b", "kvrl.a"]]
+
+
+KERNEL_PARTS = {"reference": ("reference",), "cpu": ("reference", "cpu"), "cuda": ("reference", "cuda")}
+
+
+def kernel_imports_outside(path: Path, part: str) -> list[tuple[int, str]]:
+    """The kvrl imports of a module of kvrl/kernels/<part>/ that leave what the part may use."""
+    may = [f"kvrl.kernels.{p}" for p in KERNEL_PARTS[part]]
+    return [(line, t) for line, t in imports(path) if not any(t == m or t.startswith(m + ".") for m in may)]
+
+
+def test_the_kernels_specification_stands_alone():
+    """kvrl/kernels/reference is the specification: it imports nothing of the accelerators or of
+    the dispatch; the CPU accelerator and the GPU kernels import the reference and themselves."""
+    wrong = [f"{path.relative_to(ROOT.parent)}:{line} imports {target}"
+             for part in KERNEL_PARTS for path in sorted((ROOT / "kernels" / part).rglob("*.py"))
+             for line, target in kernel_imports_outside(path, part)]
+    assert not wrong, "kernel imports across parts:\n" + "\n".join(wrong)
+
+
+def test_the_kernels_check_catches_a_reference_importing_the_accelerator(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from kvrl.kernels.reference.scores import TORCH\nfrom kvrl.kernels import dispatch\n"
+                   "def f():\n    from kvrl.kernels.cpu import native\n")
+    assert kernel_imports_outside(bad, "reference") == [(2, "kvrl.kernels"), (4, "kvrl.kernels.cpu")]
+    assert kernel_imports_outside(bad, "cpu") == [(2, "kvrl.kernels")]

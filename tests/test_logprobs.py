@@ -1,4 +1,4 @@
-"""Chunked LM-head logprobs (kvrl.kernels.logprobs.token_logprobs) equal the dense
+"""Chunked LM-head logprobs (kvrl.kernels.reference.logprobs.token_logprobs) equal the dense
 ``log_softmax(hidden @ weight.T / temperature)``, values and gradients, and HFEngine.score
 uses them without changing its Scores."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvrl.engines.base import Sampling
-from kvrl.kernels.logprobs import token_logprobs
+from kvrl.kernels.reference.logprobs import token_logprobs
 from kvrl.policies import make_policy
 
 

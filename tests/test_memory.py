@@ -1,6 +1,6 @@
 """Peak memory grows linearly with sequence length (and stays far below the dense versions)
 for the two places that blew up at the papers' sizes: the LM head's logprobs
-(:func:`kvrl.kernels.logprobs.token_logprobs`, forward + backward, vs dense
+(:func:`kvrl.kernels.reference.logprobs.token_logprobs`, forward + backward, vs dense
 ``log_softmax(hidden @ weight.T)``) and Golden Eviction's score preparation
 (:func:`kvrl.policies.golden.record_attention` + one eviction step's scores, vs the dense
 ``output_attentions`` implementation it replaced, copied in ``tests/test_golden.py``).
@@ -61,7 +61,7 @@ def peak(fn) -> float:
 def logprob_peaks(full: bool) -> dict:
     import torch
 
-    from kvrl.kernels.logprobs import token_logprobs
+    from kvrl.kernels.reference.logprobs import token_logprobs
 
     V, D = 32768, 32
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update, window_attention
+from kvrl.kernels import gather_slots, key_redundancy, key_redundancy_update, window_attention
 from kvrl.policies import (GKV, H2O, POLICIES, RKV, Evicting, Full, HeadAllocation, KVPolicy, LearnedScorer,
                            Mixed, Observation, Static, StreamingLLM, Window, as_regime, checksum, make_policy,
                            plackett_luce_logprob, should_evict)

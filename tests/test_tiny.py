@@ -9,7 +9,7 @@ from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.policies import Static, Window
-from kvrl.kernels.replay import Replay
+from kvrl.kernels.reference.replay import Replay
 from kvrl.models.tiny import TINY_PATH, build_tokenizer, load_model, tiny_config
 
 

@@ -25,11 +25,12 @@ from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM  # noqa: 
 from kvrl.engines.base import Engine, Sampling  # noqa: E402
 from kvrl.engines.hf import HFEngine  # noqa: E402
 from kvrl.engines.vllm import plugin  # noqa: E402
-from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read, flash_write  # noqa: E402
 from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
 from kvrl.engines.vllm.runtime import EvictionRefused, check_config  # noqa: E402
 from kvrl.envs.chains import ChainSpec, make_chain_task  # noqa: E402
-from kvrl.kernels.replay import NEVER  # noqa: E402
+from kvrl.kernels.cuda.paged import flash_compact  # noqa: E402
+from kvrl.kernels.reference.paged import flash_compact as flash_compact_ref, flash_read, flash_write  # noqa: E402
+from kvrl.kernels.reference.replay import NEVER  # noqa: E402
 from kvrl.models.tiny import build_tokenizer, tiny_config  # noqa: E402
 from kvrl.policies import POLICIES, HeadAllocation, Mixed, make_policy, should_evict  # noqa: E402
 

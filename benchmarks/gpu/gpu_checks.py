@@ -11,7 +11,7 @@ reports a time, and raises if they disagree.
 ``ops``     (#16) one eviction of 64 requests with 4,096-token caches, 8 KV heads (32 query
     heads), head_dim 128, bf16, per policy: ``flash_read`` of the paged cache, the policy's
     ``score`` (float32) and ``select`` over the whole batch, and the Triton ``flash_compact``
-    (checked equal to ``flash_compact_ref``). Milliseconds per phase (median of
+    (checked equal to its torch reference). Milliseconds per phase (median of
     ``--repeats``), the bytes each phase has to move (read: K and V of every slot, read and
     written; score: the keys; compaction: K and V of the kept slots, read and written), the
     achieved GB/s, and their ratio to the peak measured by a 1 GiB device copy and to the
@@ -40,8 +40,9 @@ import torch
 
 from kvrl.bench import emit, interleaved, register_dense_masks, synthetic_death
 from kvrl.cache import EvictionTrace
-from kvrl.engines.vllm.cuda_backend import flash_compact, flash_compact_ref, flash_read
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels import flash_compact, flash_read
+from kvrl.kernels.reference import paged as reference
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.policies import POLICIES, RULE_BASED, Full, Observation, make_policy
 
 NOMINAL_TBS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35}  # HBM bandwidth, first match of the device name
@@ -125,7 +126,6 @@ def ops(args, device) -> dict:
     read_bytes = 2 * 2 * r * h * n * d * e
     out["read"] = {"ms": round(read_s * 1e3, 3), "gbs": round(read_bytes / read_s / 1e9, 1)}
     keys, values = keys.contiguous(), values.contiguous()
-    compact = flash_compact if device.type == "cuda" else flash_compact_ref
     for name in RULE_BASED:  # a learned scorer's cost is its MLP, not an eviction op
         policy = make_policy(name, budget=n - interval, interval=interval, window=16, sink=4)
         obs = observation(keys, values, policy, gen, device)
@@ -137,11 +137,11 @@ def ops(args, device) -> dict:
         select_s, sel = timed(lambda: policy.select(obs, scores), args.repeats, device)
         counts = torch.full((r,), sel.keep.shape[-1], device=device)
         want, got = kv.clone(), kv.clone()
-        flash_compact_ref(want, table, sel.keep, counts)
-        compact(got, table, sel.keep, counts)
+        reference.flash_compact(want, table, sel.keep, counts)
+        flash_compact(got, table, sel.keep, counts)  # Triton on CUDA
         if not torch.equal(want, got):
-            raise AssertionError(f"{name}: flash_compact differs from flash_compact_ref")
-        compact_s, _ = timed(lambda: compact(got, table, sel.keep, counts), args.repeats, device)
+            raise AssertionError(f"{name}: flash_compact differs from its torch reference")
+        compact_s, _ = timed(lambda: flash_compact(got, table, sel.keep, counts), args.repeats, device)
         want = got = None  # 2 GiB of copies on a GPU
         compact_bytes = 2 * 2 * r * h * sel.keep.shape[-1] * d * e
         row.update({"score_ms": round(score_s * 1e3, 3), "select_ms": round(select_s * 1e3, 3),
@@ -207,7 +207,7 @@ def replay(args, device) -> dict:
 def flex(args, device) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from kvrl.kernels.replay import visibility
+    from kvrl.kernels.reference.replay import visibility
     from kvrl.models import shrunk
 
     lengths = (512, 1024) if args.small else (8192, 32768)

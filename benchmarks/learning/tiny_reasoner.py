@@ -22,7 +22,7 @@ import torch
 
 from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.eval.budgets import evaluate
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.models.tiny import load_model
 from kvrl.policies import Static, Window
 

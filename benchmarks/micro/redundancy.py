@@ -34,7 +34,7 @@ import sys
 import torch
 
 from kvrl.bench import emit, interleaved
-from kvrl.kernels.scores import key_redundancy
+from kvrl.kernels import key_redundancy
 
 B, H, D = 16, 8, 128
 OLD_BYTES_PER_PAIR = 16  # dense_redundancy's peak per head and N²: 15.0 at N = 512, 14.5 at 1024

@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from kvrl.bench import emit, interleaved
-from kvrl.kernels.scores import gather_slots, key_redundancy, key_redundancy_update
+from kvrl.kernels import gather_slots, key_redundancy, key_redundancy_update
 
 B, H, D, BUDGET, U = 64, 2, 64, 256, 32
 N = BUDGET + U

@@ -34,7 +34,7 @@ from kvrl.cache import EvictionTrace
 from kvrl.config import load_config
 from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Rollouts, Sampling
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.models.tiny import resolve_path
 from kvrl.policies import make_policy
 from kvrl.runlog import setup_process

@@ -21,7 +21,7 @@ one JSON line.
 import torch
 
 from kvrl.bench import emit
-from kvrl.kernels.scores import key_redundancy
+from kvrl.kernels import key_redundancy
 from kvrl.policies import RKV, Observation
 
 N, D, W, BUDGET, SEEDS, OFFSETS = 64, 32, 8, 32, 50, (0.5, 0.8, 1.0, 1.2)

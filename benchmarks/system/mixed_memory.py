@@ -15,7 +15,7 @@ from kvrl.bench import emit
 
 CHILD = """
 import resource, sys, torch
-from kvrl.kernels.mixed import mixed_gate_attention
+from kvrl.kernels.reference.mixed import mixed_gate_attention
 b, hq, h, s, d, per_head = {b}, {hq}, {h}, {s}, 64, {per_head}
 g = torch.Generator().manual_seed(0)
 q = torch.randn(b, hq, s, d, generator=g, requires_grad=True)

@@ -8,7 +8,7 @@ Two measurements side by side, one JSON line:
    integers, int16 below 32K) versus the reference's dense per-head T×T bool masks
    (``build_sparse_mask_from_pos_cache``: O(L·H·T²)). Both are built as real tensors where
    they fit: the trace always; the dense masks of one layer (built from the trace with
-   :func:`kvrl.kernels.replay.visibility`) at 4K and 8K, times the layers; at 16K one
+   :func:`kvrl.kernels.reference.replay.visibility`) at 4K and 8K, times the layers; at 16K one
    layer alone would be 1 GiB, so that column is computed from the shape.
 2. **Learner step time** (forward + backward of the tiny reasoner on one long sequence)
    with the replay attention (``"kvrl_replay"``: each layer's mask derived from the death
@@ -30,7 +30,7 @@ import torch
 
 from kvrl.bench import emit, interleaved, reasoner, register_dense_masks, synthetic_death
 from kvrl.cache import EvictionTrace
-from kvrl.kernels.replay import visibility
+from kvrl.kernels.reference.replay import visibility
 from kvrl.runlog import setup_process
 
 QWEN_7B = {"layers": 28, "kv_heads": 4}

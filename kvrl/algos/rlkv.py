@@ -12,7 +12,7 @@ Contract:
   ``clamp_adapter_weight``) and in what is pushed, so learner and rollouts hold the same
   values. The LLM is frozen; the optimizer holds only the gates.
 * **Attention** of every head, in rollouts and in the learner, is
-  ``α·full + (1−α)·(sink+recent)`` (:mod:`kvrl.kernels.mixed`, one definition for both):
+  ``α·full + (1−α)·(sink+recent)`` (:mod:`kvrl.kernels.reference.mixed`, one definition for both):
   rollouts run on the vLLM engine under the regime :class:`kvrl.policies.Mixed` with the
   gates pushed after every update (``Push(cache={"gates": ...})``), the learner recomputes
   logprobs with ``HFEngine.score(policy=Mixed)``; the loop logs the train/inference mismatch.

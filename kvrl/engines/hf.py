@@ -13,7 +13,7 @@ It implements :class:`kvrl.engines.base.Engine` and adds the learner's ``score``
 * ``score(sequences, prompt_lens, trace=None) -> Scores`` gives teacher-forced per-token
   logprobs, losses and entropies of the generated tokens in one forward, under the
   replayed trace (``"kvrl_replay"``), under full attention, or under RLKV's mixed-gate
-  attention (``policy=Mixed``, :mod:`kvrl.kernels.mixed`: the learner of ``rl.algo=rlkv``).
+  attention (``policy=Mixed``, :mod:`kvrl.kernels.reference.mixed`: the learner of ``rl.algo=rlkv``).
 
 Every other engine is checked against this one. It runs its own decode loop rather than
 ``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
@@ -33,7 +33,7 @@ from kvrl.engines.base import (Rollouts, Sampling, Scores, check_request, defaul
                                nucleus)
 from kvrl.engines.vllm.patches import keep_norms_in_float64
 from kvrl.envs.chat import Chat, encode_prompts
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 
@@ -151,12 +151,12 @@ class HFEngine:
         :class:`Rollouts` (its prompts and generated tokens). ``policy`` is a cache regime
         or anything :func:`kvrl.policies.as_regime` takes. Attention replays ``trace`` (the
         batch's trace, in the same order), or a ``Static`` pattern, or is full when both are
-        None; under ``Mixed`` it is RLKV's mixed-gate attention (:mod:`kvrl.kernels.mixed`). An
+        None; under ``Mixed`` it is RLKV's mixed-gate attention (:mod:`kvrl.kernels.reference.mixed`). An
         ``Evicting`` policy is replayed from its recorded trace. Logprobs are of
         ``softmax(logits / temperature)``. Runs under the caller's grad mode (wrap in
         ``torch.no_grad()`` unless training). Memory: no [B, S, V] logits exist unless
         ``distributions`` — the LM head runs on the generated positions' hidden states chunk
-        by chunk (:func:`kvrl.kernels.logprobs.token_logprobs`), forward and backward; it
+        by chunk (:func:`kvrl.kernels.reference.logprobs.token_logprobs`), forward and backward; it
         must be a plain ``nn.Linear`` (ValueError otherwise).
         """
         regime = as_regime(policy)
@@ -204,8 +204,8 @@ class HFEngine:
             return Scores(token_lp, -token_lp, entropy, mask, distributions=lp * mask[..., None])
         # Otherwise no [B, S, V] logits: the transformer body's final hidden states at the
         # positions that predict generated tokens, then the LM head chunk by chunk
-        # (kvrl.kernels.logprobs; memory O(chunk·V + N·D), also in backward).
-        from kvrl.kernels.logprobs import token_logprobs
+        # (kvrl.kernels.reference.logprobs; memory O(chunk·V + N·D), also in backward).
+        from kvrl.kernels.reference.logprobs import token_logprobs
         head = self.model.get_output_embeddings()
         if type(head) is not torch.nn.Linear:
             raise ValueError(f"score() computes logprobs from the LM head's weight and needs a plain torch.nn.Linear "

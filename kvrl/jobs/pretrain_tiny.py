@@ -38,7 +38,7 @@ from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
 from kvrl.envs import make
 from kvrl.envs.base import correct
-from kvrl.kernels.replay import NEVER, Replay
+from kvrl.kernels.reference.replay import NEVER, Replay
 from kvrl.models.tiny import build_tokenizer, tiny_config
 from kvrl.runlog import (RunLog, config_changes, flatten, intact_checkpoint, mark_latest, save_torch, seal,
                          setup_process, write_json)

@@ -4,7 +4,7 @@ A policy scores the tokens of a per-(layer, KV head) cache (:meth:`KVPolicy.scor
 only method a policy writes) and :meth:`KVPolicy.select` turns the scores into the slots to
 keep, deterministically or by sampling with the log-probability of the action. Engines
 call both every ``interval`` generated tokens (:func:`should_evict`), then compact keys,
-values, positions and state with :func:`kvrl.kernels.scores.gather_slots`.
+values, positions and state with :func:`kvrl.kernels.reference.scores.gather_slots`.
 
 Shapes: B batch, H KV heads, Hq query heads, N cache slots, W observation queries,
 D head dim, S per-token state size, K = min(max_b budget_at(L_b), N) kept slots, where L_b

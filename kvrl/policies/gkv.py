@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from kvrl.kernels.scores import attention_received, key_redundancy_update, pool_slots
+from kvrl.kernels import attention_received, key_redundancy_update, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 from kvrl.policies.rkv import check_threshold
 
@@ -31,8 +31,8 @@ class GKV(KVPolicy):
        ``α·F_old + S``. Tokens without a stored F (NaN) use ``F_old = S`` in max/mean and
        ``0`` in sum, as the reference;
     3. optional ``max_pool1d(F, kernel_size)`` over the candidates (off by default;
-       :func:`kvrl.kernels.scores.pool_slots`);
-    4. redundancy R (:func:`kvrl.kernels.scores.key_redundancy` with ``threshold``, the
+       :func:`kvrl.kernels.reference.scores.pool_slots`);
+    4. redundancy R (:func:`kvrl.kernels.reference.scores.key_redundancy` with ``threshold``, the
        "last" direction) ÷ its max over candidates (with ``score_cache`` and ``normalise``);
     5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
 
@@ -41,7 +41,7 @@ class GKV(KVPolicy):
     reference, which stores F only for the kept candidates: the window tokens start from a
     fresh S when they become candidates. The pick is every valid slot's exempt row of step
     4 as a true position (−1: none), only a cache:
-    :func:`kvrl.kernels.scores.key_redundancy_update` reuses it at the next eviction
+    :func:`kvrl.kernels.reference.scores.key_redundancy_update` reuses it at the next eviction
     instead of comparing all N×N key pairs, with the same R. Unlike the reference, finished rows and
     ``q_len != window`` need no special case (methods.md §8 quirks 5, 6).
 
@@ -120,7 +120,7 @@ class GKV(KVPolicy):
         kvrl runs "last", the rule methods.md §8 and issue #38's audit give for G-KV's
         Triton kernel (@6db3b2e, equal within 3.7e-9); the kernel at @345e290 differs for a
         token with two or more near-duplicates (see the G-KV paragraph of
-        :func:`kvrl.kernels.scores.key_redundancy`).
+        :func:`kvrl.kernels.reference.scores.key_redundancy`).
     score_cache : bool, default True
         The reference's ``enable_score_cache`` (``ScoreBasedKV.update_kv``): True is G-KV
         (``S ÷ max S``, smoothing with the stored F, ``R ÷ max R``); False drops all three,

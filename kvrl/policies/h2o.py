@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import attention_received
+from kvrl.kernels import attention_received
 from kvrl.policies.base import KVPolicy, Observation
 
 

@@ -72,7 +72,7 @@ class HeadAllocation:
         return mask.view(self.layers, self.kv_heads)
 
     def death(self, length: int) -> Tensor:
-        """Int32 [layers, kv_heads, length] eviction trace (``kvrl.kernels.replay``).
+        """Int32 [layers, kv_heads, length] eviction trace (``kvrl.kernels.reference.replay``).
 
         Full heads: ``NEVER``. Compressed heads: key k < sink is never evicted; key
         k ≥ sink dies at ``k + recent``, so it is seen by the queries k … k+recent−1.

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvrl.kernels.scores import window_attention
+from kvrl.kernels import window_attention
 from kvrl.policies.base import KVPolicy, Observation, gumbel_noise
 
 HIDDEN = 16  # ForesightKV's SelectionModel hidden width

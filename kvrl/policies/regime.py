@@ -133,7 +133,7 @@ class Mixed:
     lets query q see key k iff ``k < sink`` or ``q < k + recent`` (the window of
     :class:`kvrl.policies.Window`). ``gates`` α [layers, kv_heads] (1 = full attention,
     0 = sink+recent only) is the trainable state ``{"gates"}``; the attention itself is
-    :func:`kvrl.kernels.mixed.mixed_gate_attention`. Rollouts carry no trace."""
+    :func:`kvrl.kernels.reference.mixed.mixed_gate_attention`. Rollouts carry no trace."""
 
     gates: Tensor
     sink: int = 16

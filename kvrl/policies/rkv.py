@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import RETAIN_DIRECTIONS, attention_received, key_redundancy_update, pool_slots
+from kvrl.kernels import RETAIN_DIRECTIONS, attention_received, key_redundancy_update, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -26,14 +26,14 @@ class RKV(KVPolicy):
     * importance: the query logits are max-pooled over the GQA group *before* one softmax
       over the candidate keys only (the window's own keys are out of the denominator),
       meaned over the observation queries, then ``max_pool1d(kernel_size, padding=k//2)``
-      along the candidate slots (:func:`kvrl.kernels.scores.pool_slots`; the reference
+      along the candidate slots (:func:`kvrl.kernels.reference.scores.pool_slots`; the reference
       pools ``[:-window]``);
-    * redundancy: :func:`kvrl.kernels.scores.key_redundancy` with ``threshold`` and
+    * redundancy: :func:`kvrl.kernels.reference.scores.key_redundancy` with ``threshold`` and
       ``retain_direction``, not normalised.
 
     State (S = 1): each valid slot's exempt row ("pick", the near-duplicate whose entry is
     zeroed) as a true position, −1 for none (NaN at invalid slots). It is only a cache:
-    :func:`kvrl.kernels.scores.key_redundancy_update` reuses it at the next eviction to
+    :func:`kvrl.kernels.reference.scores.key_redundancy_update` reuses it at the next eviction to
     compare the new tokens and the tokens whose pick was evicted with the cache, instead of
     all N×N key pairs, and gives the same redundancy as without state.
 
@@ -106,7 +106,7 @@ class RKV(KVPolicy):
         token 0's redundancy counts nothing (it alone looks unique), every other token's counts
         all its cosines. ``"first_vllm"`` is R-KV's later
         vLLM port (``vLLM/rkv/algo.py``), which fixed that: the earliest near-duplicate, so
-        the oldest copy survives. See :func:`kvrl.kernels.scores.key_redundancy`.
+        the oldest copy survives. See :func:`kvrl.kernels.reference.scores.key_redundancy`.
     fallback : bool, default False
         Reproduce the reference's rule for a token with no near-duplicate: zero its cosine
         with token 0 (the first valid slot; ``"last"``) or with the newest slot

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from kvrl.kernels.scores import attention_received, pool_slots
+from kvrl.kernels import attention_received, pool_slots
 from kvrl.policies.base import KVPolicy, Observation
 
 
@@ -23,7 +23,7 @@ class SnapKV(KVPolicy):
     never pools over GQA groups; kvrl caches per KV head and takes the group mean, as
     kvpress's ``SnapKVPress`` does (SnapKV issue #22). Sum, mean and the average pool are
     linear, so their order does not matter. The pool runs over the candidate slots only
-    (:func:`kvrl.kernels.scores.pool_slots`), like the reference's pool over
+    (:func:`kvrl.kernels.reference.scores.pool_slots`), like the reference's pool over
     ``[:-window]``. Stateless.
 
     Parameters

@@ -24,8 +24,8 @@ from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
+from kvrl import kernels
 from kvrl.engines.vllm.layout import PagedLayout
-from kvrl.kernels import cpu_cache
 from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
 
@@ -36,13 +36,13 @@ class CPULayout(PagedLayout):
     def __init__(self, isa: str = "vec"):
         self.isa = isa
 
-    views = staticmethod(cpu_cache.views)
+    views = staticmethod(kernels.views)
 
     def read(self, kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
         """Keys come back as a transposed view of a [R, H, D, N] tensor (runs of bs
         contiguous elements copied, where a [.., N, D] copy would transpose every block
         element by element); matmuls take the transposed operand as it is."""
-        return cpu_cache.paged_read(kv_cache, blocks, n, values)
+        return kernels.paged_read(kv_cache, blocks, n, values)
 
     def gather(self, kv_cache: Tensor, blocks: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         kt, v = self.views(kv_cache)
@@ -59,8 +59,8 @@ class CPULayout(PagedLayout):
         v[blk, heads, off] = values.to(v.dtype)
 
     def compact(self, kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None) -> None:
-        """In place, slot by slot in ascending order (:func:`kvrl.kernels.cpu_cache.paged_compact_`)."""
-        cpu_cache.paged_compact_(kv_cache, blocks, keep, counts)
+        """In place, slot by slot in ascending order (:func:`kvrl.kernels.reference.paged.paged_compact_`)."""
+        kernels.paged_compact_(kv_cache, blocks, keep, counts)
 
     def head_attention(self, query: Tensor, kv_cache: Tensor, blocks: Tensor, lens: Tensor, scale: float) -> Tensor:
         """:meth:`region_attention` over this layer's (block, head) regions ``blocks[r, j]·H + h``."""

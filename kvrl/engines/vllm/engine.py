@@ -51,7 +51,7 @@ from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request
 from kvrl.engines.vllm.layout import HeadPool
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.engines.vllm.static import window_heads
-from kvrl.kernels.replay import NEVER
+from kvrl.kernels.reference.replay import NEVER
 from kvrl.policies.base import geometry
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 

@@ -34,8 +34,7 @@ from torch import Tensor
 
 from kvrl.engines.vllm.layout import PagedLayout, SideStores
 from kvrl.engines.vllm.steps import EvictBatch, EvictLayer, RegimeWorker, ReqState, RowPlan, StepInput, StepPlan
-from kvrl.kernels.replay import NEVER
-from kvrl.kernels.scores import gather_slots
+from kvrl.kernels import NEVER, gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
 from kvrl.policies.evict import evict
 

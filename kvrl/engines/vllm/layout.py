@@ -1,7 +1,7 @@
 """How kvrl reads and writes vLLM's paged KV caches, independent of any policy.
 
 :class:`PagedLayout` is the one thing a backend supplies (``cpu_backend.CPULayout``,
-``cuda_backend.CUDALayout``): how one layer's cache tensor stores K and V, with batched
+``cuda_backend.FlashLayout``): how one layer's cache tensor stores K and V, with batched
 read / write / compact / attention over many requests' block tables at once.
 :class:`SideStore` holds, beside each layer's cache and indexed the same way, every slot's
 true position and the policy's per-token state. :class:`HeadPool` numbers the (layer, head)

@@ -3,7 +3,7 @@
 Every head keeps the full cache (vLLM's write, slot = position). One-token rows: the full
 branch through the layout's kernel for all rows and heads at once, the sink + recent branch
 over the gathered window slots (one batched SDPA), mixed per KV head; prompt chunks through
-:func:`kvrl.kernels.mixed.mixed_gate_attention` (torch). The gates are read from the
+:func:`kvrl.kernels.reference.mixed.mixed_gate_attention` (torch). The gates are read from the
 installed regime at every layer, so a pushed state (``Mixed.load_state``) applies at once.
 """
 
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from kvrl.engines.vllm.layout import PagedLayout
 from kvrl.engines.vllm.steps import RegimeWorker, StepInput, StepPlan, WindowPlan
-from kvrl.kernels.mixed import mixed_gate_attention
+from kvrl.kernels.reference.mixed import mixed_gate_attention
 from kvrl.policies.regime import Mixed
 
 
@@ -49,7 +49,7 @@ class MixedWorker(RegimeWorker):
                 scale: float) -> Tensor:
         """Mixed gates for one-token rows q [R, Hq, D]: α·(every slot, the layout's kernel) +
         (1 − α)·(the sink slots and the last ``recent``, gathered) per KV head, as
-        :func:`kvrl.kernels.mixed.mixed_gate_attention` computes it."""
+        :func:`kvrl.kernels.reference.mixed.mixed_gate_attention` computes it."""
         mg, h = self.mixed, kv_cache.shape[1]
         full = layout.head_attention(q, kv_cache, wp.blocks, wp.m[:, None].expand(-1, h), scale)
         w = torch.arange(mg.sink + mg.recent, device=q.device)

@@ -1,12 +1,12 @@
-"""Scoring ops shared by the KV policies (torch reference implementations).
+"""Scoring ops shared by the KV policies, in torch: the specification.
 
-Each function here is the specification for a later Triton kernel with the same signature,
-which is tested against it. On a CPU outside autograd, the passes after the observation
-window's logits (masks, softmax, pool, sum over the queries), the key redundancy's per-head
-passes (finding the previous picks, normalising the keys, the row sums, the thresholded cosine
-blocks) and the pooling along the valid slots run as native ops
-(:mod:`kvrl.kernels.native`), tested against the torch code here. Everything is computed
-in float32, like the references' fp32 softmax, whatever the dtype of the inputs.
+Every other implementation of these ops has the signature of the one here and is tested
+against it. The C++ CPU accelerator (:mod:`kvrl.kernels.cpu.scores`) replaces
+:func:`attention_received` and :func:`pool_slots` whole, and the key redundancy's per-head
+passes (:class:`Passes`: finding the previous picks, normalising the keys, the row sums, the
+thresholded cosine blocks) inside the algorithms here; :mod:`kvrl.kernels.dispatch` chooses
+once per call. Everything is computed in float32, like the references' fp32 softmax,
+whatever the dtype of the inputs.
 
 Shapes: B batch, H KV heads, Hq = H·G query heads, W observation queries, N cache slots,
 D head dim. Query heads ``h·G … h·G+G−1`` belong to KV head ``h`` (consecutive grouping,
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvrl.kernels import native
+from typing import Callable, NamedTuple
 
 _GQA = ("max", "mean")
 _ORDERS = ("softmax_then_pool", "pool_then_softmax")
@@ -60,7 +60,7 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     """
     b, hq, w, _ = queries.shape
     h, n = keys.shape[1], keys.shape[2]
-    logits = _logits(queries, keys, scaling, gqa, order).view(b, h, hq // h, w, n)
+    logits = group_logits(queries, keys, scaling, gqa, order).view(b, h, hq // h, w, n)
     # A finite fill instead of -inf: a row with nothing visible becomes uniform instead of
     # NaN and is zeroed below, so no NaN can reach a gradient through torch.where. The fill
     # comes after pooling the logits (a mean of fills would overflow to -inf). Masks apply
@@ -108,21 +108,14 @@ def attention_received(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch
     """The attention each slot received from the observation queries, summed over them:
     ``window_attention(...).sum(2)``, [B, H, N] float32 (same parameters).
 
-    H2O, SnapKV, R-KV and G-KV all need only this sum. On a CPU outside autograd it is one
-    native pass over the logits per (sample, KV head), which stay in the core's cache
-    (``cpu_scores.cpp``); torch's masked fill, softmax, pool and sum are a pass each over the
-    [B, H, G, W, N] logits, most of an H2O or SnapKV eviction after the matmul.
+    H2O, SnapKV, R-KV and G-KV all need only this sum (the CPU accelerator computes it
+    without the [B, H, W, N] probabilities: :func:`kvrl.kernels.cpu.scores.attention_received`).
     """
-    if native.usable(queries, keys):
-        logits = _logits(queries, keys, scaling, gqa, order)
-        groups = queries.shape[1] // keys.shape[1]
-        return native.ops().attention_received(logits, key_pos.contiguous(), query_pos.contiguous(), groups,
-                                               gqa == "mean", order == "pool_then_softmax", candidates_only)
     return window_attention(queries, keys, key_pos, query_pos, scaling, gqa=gqa, order=order,
                             candidates_only=candidates_only).sum(2)
 
 
-def _logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, gqa: str, order: str) -> torch.Tensor:
+def group_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, gqa: str, order: str) -> torch.Tensor:
     """Scaled float32 logits [B, H, G·W, N] of each KV head's query group over its keys."""
     if gqa not in _GQA:
         raise ValueError(f"gqa={gqa!r} is not one of {_GQA}")
@@ -152,9 +145,26 @@ _BLOCK_ELEMENTS = {"cpu": 1 << 22, "other": 1 << 26}
 _MAX_TILE = 4094  # keeps the blocks' index codes (< (tile + 1)² ≤ 2²⁴) exact in float32
 
 
+class Passes(NamedTuple):
+    """The per-head passes of :func:`key_redundancy` and :func:`key_redundancy_update`.
+
+    :data:`TORCH` holds the torch passes below, the specification;
+    :data:`kvrl.kernels.cpu.scores.PASSES` runs them in C++, one head at a time in the core's
+    cache. A call runs one set throughout (``passes=``, chosen by :mod:`kvrl.kernels.dispatch`).
+    ``stale_picks`` has no torch pass: without it an evicted pick's column is compared with
+    every row (see :func:`key_redundancy_update`).
+    """
+
+    unit_keys: Callable  # (kt [B, H, D, N], valid, eps) -> (k, norm): :func:`_unit_keys`
+    redundancy: Callable  # (k, norm, valid, pick, eps) -> [B, H, N]: :func:`_row_sums_softmax`
+    previous_picks: Callable  # (pos, prev) -> (kept, need, new): :func:`_previous_picks`
+    block_extremes: Callable  # (blk, cols, new_code, code, valid, threshold, last, newest) -> extreme
+    stale_picks: Callable | None  # (k, pos, prev, stale, new, threshold, last) -> kept slots of the stale columns
+
+
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5, *,
                    retain_direction: str = "last", fallback: bool = False, eps: float = 1e-6,
-                   tile: int | None = None) -> torch.Tensor:
+                   tile: int | None = None, passes: Passes | None = None) -> torch.Tensor:
     """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` / R-KV's ``cal_similarity``
     (methods.md §8 step 7 and R-KV step 5).
 
@@ -222,7 +232,7 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     at an eviction, :func:`key_redundancy_update` reuses those of the previous eviction and
     compares only the new tokens and the tokens whose exempt row was evicted with the cache
     (U·N pairs for U new tokens instead of N²/2); R-KV and G-KV call it with their state.
-    Every direction and ``fallback`` runs on these paths and on the native CPU ops.
+    Every direction and ``fallback`` runs on these paths and on the C++ CPU passes.
 
     Parameters
     ----------
@@ -241,6 +251,8 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     tile : int, optional
         Side of the square cosine blocks (at most 4094); default: about 2²² elements per
         [B, H, tile, tile] block on a CPU, 2²⁶ elsewhere.
+    passes : Passes, optional
+        The per-head passes (default :data:`TORCH`).
 
     Returns
     -------
@@ -249,18 +261,20 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     """
     if retain_direction not in RETAIN_DIRECTIONS:
         raise ValueError(f"retain_direction={retain_direction!r} is not one of {RETAIN_DIRECTIONS}")
-    k, norm = _unit_keys(keys, valid, eps)
+    passes = TORCH if passes is None else passes
+    k, norm = passes.unit_keys(keys.transpose(-1, -2).float(), valid, eps)
     if retain_direction == "first":
         pick = torch.full(valid.shape, -1, dtype=torch.long, device=k.device)
     else:
         pick = _exempt_rows(k, valid, threshold, retain_direction == "last", tile)
     side = _FALLBACK[retain_direction] if fallback or retain_direction == "first" else None
-    return _redundancy(k, norm, valid, pick, eps, side)
+    return _redundancy(passes, k, norm, valid, pick, eps, side)
 
 
 def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pick: torch.Tensor,
                           threshold: float = 0.5, *, retain_direction: str = "last", fallback: bool = False,
-                          eps: float = 1e-6, tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          eps: float = 1e-6, tile: int | None = None,
+                          passes: Passes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`key_redundancy` at an eviction, reusing each slot's exempt row ("pick") from
     the previous eviction instead of comparing all N×N key pairs again.
 
@@ -277,7 +291,7 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
 
     Both needs come from one block, cos(new and stale columns, all rows) — [U, N] for U
     new tokens (by symmetry its new-column rows are also the new rows of the old columns)
-    — instead of N²/2 pairs. On a CPU a stale column is resolved by a native scan instead:
+    — instead of N²/2 pairs. The C++ passes resolve a stale column by a scan instead:
     at the previous eviction no row beyond its evicted pick was a near-duplicate ("last":
     none later; "first_vllm": none earlier), so its old rows are compared outwards from the
     evicted pick up to the first near-duplicate, and the block holds the new columns only.
@@ -302,7 +316,7 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         Per slot, the true position of its exempt row as returned by the previous call, −1
         for none, NaN for a token without one (arrived since; all NaN: no state at all).
         Positions, not slots, because compaction moves the slots.
-    threshold, retain_direction, fallback, eps, tile
+    threshold, retain_direction, fallback, eps, tile, passes
         As in :func:`key_redundancy` (``tile`` only sizes the full pass).
 
     Returns
@@ -316,34 +330,26 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
     """
     if retain_direction not in RETAIN_DIRECTIONS:
         raise ValueError(f"retain_direction={retain_direction!r} is not one of {RETAIN_DIRECTIONS}")
+    passes = TORCH if passes is None else passes
     last = retain_direction == "last"
     side = _FALLBACK[retain_direction] if fallback or retain_direction == "first" else None
     b, h, n, _ = keys.shape
     pos = key_pos.long()
     valid = pos >= 0
     prev = previous_pick.float()
-    k, norm = _unit_keys(keys, valid, eps)
+    k, norm = passes.unit_keys(keys.transpose(-1, -2).float(), valid, eps)
     if retain_direction == "first":
         none = torch.full((b, h, n), -1, dtype=torch.long, device=k.device)
-        return _redundancy(k, norm, valid, none, eps, side), none.float().masked_fill_(~valid, float("nan"))
-    # Find each previous pick among the slots: carrying the last valid position over the
-    # invalid slots (−1) leaves a sorted row to search. A value that is no cache position
-    # (an evicted token, or anything else) is "not present". need: new tokens and evicted picks.
-    if native.usable(k):  # a position -> slot table per head (cpu_scores.cpp)
-        kept, need, new = native.ops().previous_picks(pos.contiguous(), prev.contiguous())
-    else:
-        at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
-        present = (prev >= 0) & (pos.gather(-1, at) == prev)
-        kept, need, new = torch.where(present, at, -1), valid & ~(present | (prev == -1)), valid & prev.isnan()
+        return _redundancy(passes, k, norm, valid, none, eps, side), none.float().masked_fill_(~valid, float("nan"))
+    kept, need, new = passes.previous_picks(pos, prev)
     counts = need.sum(-1).amax(-1)  # [B]: the most columns one head of a sample must compare
     full = 2 * counts >= n
-    if native.usable(k) and not bool(full.all()):
+    if passes.stale_picks is not None and not bool(full.all()):
         # An evicted pick's column needs a scan of the old rows on its near side, which stops
         # at the first near-duplicate (a few rows of 8 in the vLLM benchmark's caches), not a
         # column of the block: the block then holds the new tokens only, as many per head.
         stale = need & ~new
-        kept = torch.where(stale, native.ops().stale_picks(k, pos.contiguous(), prev.contiguous(), stale, new,
-                                                            threshold, last), kept)
+        kept = torch.where(stale, passes.stale_picks(k, pos, prev, stale, new, threshold, last), kept)
         need = new
     # A batch mixes samples at their first eviction (every column new) with later ones:
     # each part takes its own path, so one newcomer does not make all of them compare N².
@@ -355,22 +361,20 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         pick[rows] = _exempt_rows(k[rows], valid[rows], threshold, last, tile)
     if n_full < b:
         rows = ~full if n_full else slice(None)
-        pick[rows] = _updated_picks(k[rows], valid[rows], threshold, last, kept[rows], need[rows], new[rows],
-                                    int(need[rows].sum(-1).amax()))
+        pick[rows] = _updated_picks(passes, k[rows], valid[rows], threshold, last, kept[rows], need[rows],
+                                    new[rows], int(need[rows].sum(-1).amax()))
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
-    return _redundancy(k, norm, valid, pick, eps, side), pick_pos.masked_fill_(~valid, float("nan"))
+    return _redundancy(passes, k, norm, valid, pick, eps, side), pick_pos.masked_fill_(~valid, float("nan"))
 
 
-def _unit_keys(keys: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _unit_keys(kt: torch.Tensor, valid: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised float32 keys laid out [B, H, D, N] (invalid slots 0: cos 0 with
-    everything) and the norms + eps [B, H, N]. Slots along the last dim, because the vLLM
-    engine's keys are a transposed view of exactly that ([D, bs] per cache block): the
-    normalisation is then one pass and no transposing copy (it took 1 of R-KV's 8 ms per
-    14-request score call), and the matmuls take the transposed operand as it is.
-    Masked only when a slot is invalid (a full vLLM eviction has none)."""
-    kt = keys.transpose(-1, -2).float()
-    if native.usable(kt):  # one head at a time, in the core's cache (kvrl/kernels/cpu_scores.cpp)
-        return native.ops().unit_keys(kt.contiguous(), valid.contiguous(), eps)
+    everything) and the norms + eps [B, H, N], from the float32 keys ``kt`` [B, H, D, N].
+    Slots along the last dim, because the vLLM engine's keys are a transposed view of
+    exactly that ([D, bs] per cache block): the normalisation is then one pass and no
+    transposing copy (it took 1 of R-KV's 8 ms per 14-request score call), and the matmuls
+    take the transposed operand as it is. Masked only when a slot is invalid (a full vLLM
+    eviction has none)."""
     norm = (kt * kt).sum(-2).sqrt_() + eps  # linalg.vector_norm over dim −2 is 15x slower on a CPU
     k = kt / norm[..., None, :]
     if not bool(valid.all()):
@@ -383,12 +387,27 @@ def _columns(k: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return k.gather(-1, idx[:, :, None, :].expand(-1, -1, k.shape[2], -1))
 
 
-def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
+def _previous_picks(pos: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each previous pick is now: ``kept`` [B, H, N] its slot if it is still in the
+    cache, else −1; ``need`` the valid slots that must be compared with every row (new
+    tokens and evicted picks); ``new`` the valid slots without a previous pick (NaN).
+
+    Carrying the last valid position over the invalid slots (−1) leaves a sorted row to
+    search. A value that is no cache position (an evicted token, or anything else) is
+    "not present"."""
+    n = pos.shape[-1]
+    valid = pos >= 0
+    at = torch.searchsorted(pos.cummax(-1).values.float(), prev.nan_to_num(-1.0)).clamp_(max=n - 1)
+    present = (prev >= 0) & (pos.gather(-1, at) == prev)
+    return torch.where(present, at, -1), valid & ~(present | (prev == -1)), valid & prev.isnan()
+
+
+def _redundancy(passes: Passes, k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
                 eps: float, fallback: str | None) -> torch.Tensor:
     """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count,
-    softmax; k [B, H, D, N] from :func:`_unit_keys`. ``fallback`` ("first" or "last"): a
-    valid column without a pick takes the first or last valid slot of its head instead
-    (itself excepted: the diagonal is already 0)."""
+    softmax (``passes.redundancy``); k [B, H, D, N] from ``passes.unit_keys``.
+    ``fallback`` ("first" or "last"): a valid column without a pick takes the first or last
+    valid slot of its head instead (itself excepted: the diagonal is already 0)."""
     if fallback is not None:
         n = valid.shape[-1]
         slots = torch.arange(n, device=valid.device)
@@ -396,8 +415,13 @@ def _redundancy(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: 
         ends = torch.where(valid, slots, n if first else -1)
         end = (ends.amin(-1) if first else ends.amax(-1))[..., None]
         pick = torch.where((pick < 0) & valid & (slots != end), end, pick)
-    if native.usable(k):
-        return native.ops().redundancy(k, norm, valid.contiguous(), pick.contiguous(), eps)
+    return passes.redundancy(k, norm, valid, pick, eps)
+
+
+def _row_sums_softmax(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    """The torch pass of :func:`_redundancy`: row sums without the entries (pick[n], n)
+    (−1: none), ÷ valid count, softmax over the valid slots."""
     b, h, d, n = k.shape
     # Σ_{n≠m} cos(m, n) = k̂_m·Σ_n k̂_n − k̂_m·k̂_m, without the N×N matrix; as a product and
     # a sum, since a batched matrix-vector product is slow on a CPU.
@@ -462,8 +486,8 @@ def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: b
     return out if last else out.masked_fill_(out == n, -1)
 
 
-def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool, kept: torch.Tensor,
-                   need: torch.Tensor, new: torch.Tensor, c: int) -> torch.Tensor:
+def _updated_picks(passes: Passes, k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool,
+                   kept: torch.Tensor, need: torch.Tensor, new: torch.Tensor, c: int) -> torch.Tensor:
     """The exempt rows (slots, −1 if none) of :func:`key_redundancy_update`'s incremental path.
 
     k [B, H, D, N] normalised keys; kept [B, H, N] the slot of each column's previous pick
@@ -473,9 +497,8 @@ def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last:
     Blocks of cos(need columns, all rows) are thresholded and multiplied by a row code
     (slot + 1 for "last", N − slot for "first"; 0 = no hit), so one max along the rows
     finds each need column's extreme near-duplicate; multiplied instead by the code of the
-    new columns only, one max along them finds every column's extreme *new* near-duplicate.
-    Both products are made in place: a fresh block-sized temporary costs more than the
-    passes (page faults of a new allocation)."""
+    new columns only, one max along them finds every column's extreme *new* near-duplicate
+    (``passes.block_extremes``)."""
     b, h, _, n = k.shape
     cols = (~need).to(torch.uint8).argsort(dim=-1, stable=True)[..., :c]  # the need columns, ascending
     slots = torch.arange(n, device=k.device)
@@ -483,25 +506,12 @@ def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last:
     new_code = torch.where(new.gather(-1, cols), code[cols], 0.0)  # [B, H, c]
     extreme = k.new_empty(b, h, c)  # per need column, over all rows
     newest = k.new_zeros(b, h, n)  # per column, over the new rows
-    fused = native.usable(k)
-    if fused:
-        valid = valid.contiguous()
     step = max(1, _block_elements(k) // max(1, b * h * n))
     for c0 in range(0, c, step):
         c1 = min(c0 + step, c)
         blk = _columns(k, cols[..., c0:c1]).transpose(-1, -2) @ k  # [B, H, c1 − c0, N]
-        if fused:  # the passes below in one, row by row (kvrl/kernels/cpu_scores.cpp)
-            extreme[..., c0:c1] = native.ops().block_extremes(blk, cols[..., c0:c1].contiguous(),
-                                                              new_code[..., c0:c1].contiguous(), valid,
-                                                              threshold, last, newest)
-            continue
-        blk.scatter_(-1, cols[..., c0:c1, None], float("-inf"))  # a slot is not its own near-duplicate
-        blk.gt_(threshold)
-        if threshold < 0:  # invalid rows have cos 0, which passes: mask them explicitly
-            blk.mul_(valid[:, :, None, :])
-        extreme[..., c0:c1] = blk.mul_(code).amax(-1)
-        # every code is ≥ 1, so clamping turns the coded hits back into 1s
-        newest = torch.maximum(newest, blk.clamp_(max=1).mul_(new_code[..., c0:c1, None]).amax(-2))
+        extreme[..., c0:c1] = passes.block_extremes(blk, cols[..., c0:c1], new_code[..., c0:c1], code, valid,
+                                                    threshold, last, newest)
 
     def decode(v: torch.Tensor) -> torch.Tensor:
         v = v.long()
@@ -512,6 +522,32 @@ def _updated_picks(k: torch.Tensor, valid: torch.Tensor, threshold: float, last:
     pick = torch.where(fresh >= 0, fresh, kept) if last else torch.where(kept >= 0, kept, fresh)
     recomputed = torch.where(need.gather(-1, cols), decode(extreme), pick.gather(-1, cols))
     return pick.scatter_(-1, cols, recomputed).masked_fill_(~valid, -1)
+
+
+def _block_extremes(blk: torch.Tensor, cols: torch.Tensor, new_code: torch.Tensor, code: torch.Tensor,
+                    valid: torch.Tensor, threshold: float, last: bool, newest: torch.Tensor) -> torch.Tensor:
+    """One block of :func:`_updated_picks`: blk [B, H, C, N] = cos(columns ``cols`` [B, H, C],
+    all rows) → per column the row code ``code`` [N] of its extreme near-duplicate (0: none),
+    [B, H, C]; ``newest`` [B, H, N] raised in place, per slot, to the largest ``new_code``
+    [B, H, C] of the columns it is a near-duplicate of. ``blk`` is overwritten: both
+    products are made in place, since a fresh block-sized temporary costs more than the
+    passes (page faults of a new allocation). The torch pass reads the direction from
+    ``code``, the C++ one from ``last``."""
+    blk.scatter_(-1, cols[..., None], float("-inf"))  # a slot is not its own near-duplicate
+    blk.gt_(threshold)
+    if threshold < 0:  # invalid rows have cos 0, which passes: mask them explicitly
+        blk.mul_(valid[:, :, None, :])
+    extreme = blk.mul_(code).amax(-1)
+    # every code is ≥ 1, so clamping turns the coded hits back into 1s
+    torch.maximum(newest, blk.clamp_(max=1).mul_(new_code[..., None]).amax(-2), out=newest)
+    return extreme
+
+
+TORCH = Passes(unit_keys=_unit_keys, redundancy=_row_sums_softmax, previous_picks=_previous_picks,
+               block_extremes=_block_extremes, stale_picks=None)
+
+
+POOL_MODES = ("max", "avg")
 
 
 def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str) -> torch.Tensor:
@@ -534,10 +570,8 @@ def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str
     -------
     Tensor [B, H, N]; 0 at invalid slots.
     """
-    if mode not in ("max", "avg"):
-        raise ValueError(f"mode={mode!r} is not one of ('max', 'avg')")
-    if native.usable(x) and x.dtype == torch.float32:  # one pass per head (cpu_scores.cpp)
-        return native.ops().pool_valid(x.contiguous(), valid.contiguous(), kernel_size, mode == "max")
+    if mode not in POOL_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {POOL_MODES}")
     # Move the valid slots to the front (stable, so in order), pool, and move them back.
     order = (~valid).to(torch.uint8).argsort(dim=-1, stable=True)
     packed = x.gather(-1, order)

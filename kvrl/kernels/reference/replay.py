@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from kvrl.kernels import NEVER  # re-exported: the death of a key that is never evicted
+from kvrl.kernels.reference import NEVER  # re-exported: the death of a key that is never evicted
 
 
 @dataclass
@@ -106,7 +106,7 @@ def replay_attention(module, query, key, value, attention_mask, *, scaling, drop
     if kvrl_replay is None and kwargs.get("kvrl_mixed") is not None:
         # RLKV's learner: mixed gates under the same implementation, so a checkpointed layer's
         # recompute in backward (after score() returned) runs the attention its forward ran
-        from kvrl.kernels.mixed import mixed_attention
+        from kvrl.kernels.reference.mixed import mixed_attention
 
         return mixed_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                position_ids=position_ids, **kwargs)

@@ -1,5 +1,5 @@
 // kvrl's native CPU ops for the policies' scores (specification: the torch
-// code of kvrl/kernels/scores.py, which they are tested against). One (sample, head) at a
+// code of kvrl/kernels/reference/scores.py, which they are tested against). One (sample, head) at a
 // time, so each head's keys [D, N] stay in the core's cache across what torch does in
 // several passes over the whole batch.
 
@@ -332,7 +332,7 @@ at::Tensor block_extremes(at::Tensor blk, const at::Tensor& cols, const at::Tens
   return extreme;
 }
 
-// window_attention(...).sum(2) of kvrl/kernels/scores.py from the observation queries' logits
+// window_attention(...).sum(2) of kvrl/kernels/reference/scores.py from the observation queries' logits
 // [B, H, G·W, N] (query head g of the group, query w at row g·W + w), one (sample, head) at a
 // time: masks by true position, softmax per query head then the pool over the group (or the
 // pool of the logits then one softmax), the sum over the queries; [B, H, N].
@@ -405,7 +405,7 @@ at::Tensor attention_received(const at::Tensor& logits, const at::Tensor& key_po
   return out;
 }
 
-// pool_slots of kvrl/kernels/scores.py: x [B, H, N] pooled along each head's valid slots only
+// pool_slots of kvrl/kernels/reference/scores.py: x [B, H, N] pooled along each head's valid slots only
 // (neighbours are the previous/next valid slots), stride 1, an odd `kernel`; "max" pads with
 // -inf, "avg" with zeros that count (the window's sum / kernel, as avg_pool1d); 0 at invalid
 // slots. Torch needs a sort, two gathers, the pool and a scatter for the same.

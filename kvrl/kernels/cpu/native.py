@@ -1,10 +1,11 @@
 """kvrl's native CPU ops, built on first use: ``torch.ops.kvrl_cpu``.
 
-``cpu_cache.cpp`` reads and compacts vLLM's CPU paged cache (:mod:`kvrl.kernels.cpu_cache`);
-``cpu_scores.cpp`` computes the attention the observation queries pay each slot (H2O, SnapKV,
-R-KV, G-KV) and R-KV's and G-KV's key redundancy (:mod:`kvrl.kernels.scores`) one head at a
-time. Each op has a torch reference of the same semantics, which the tests
-compare it with and which runs where the ops cannot be built.
+``paged.cpp`` reads and compacts vLLM's CPU paged cache; ``scores.cpp`` computes the
+attention the observation queries pay each slot (H2O, SnapKV, R-KV, G-KV) and R-KV's and
+G-KV's key redundancy one head at a time. :mod:`kvrl.kernels.cpu.paged` and
+:mod:`kvrl.kernels.cpu.scores` wrap them with the signatures of their torch specification
+(:mod:`kvrl.kernels.reference`), which the tests compare them with and which runs where
+they cannot be built (:mod:`kvrl.kernels.dispatch` asks :func:`usable`).
 
 The build uses torch's C++ extension loader (a C++ compiler and ninja; about 20 s once, cached
 in ``~/.cache/torch_extensions``, rebuilt when a source changes). Every checkout shares that
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("cpu_cache.cpp", "cpu_scores.cpp")
+SOURCES = ("paged.cpp", "scores.cpp")
 # Vector instructions by the capability torch detects at run time; each capability builds
 # its own library (the name carries it), so a cache folder shared by different CPUs holds
 # one per kind instead of code that faults on the other.
@@ -46,7 +47,7 @@ def ops():
                 warnings.warn(f"removed a stale build lock {baton}, left by a process killed while building "
                               "kvrl's native ops", stacklevel=2)
                 baton.unlink()
-            # -fno-trapping-math lets GCC if-convert the masked max and exp loops of cpu_scores.cpp
+            # -fno-trapping-math lets GCC if-convert the masked max and exp loops of scores.cpp
             # into vector code (nothing here reads floating-point exception flags).
             load(name=name, sources=[str(here / s) for s in SOURCES], build_directory=str(build),
                  extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])], is_python_module=False,
