@@ -144,12 +144,14 @@ class FileTasks(Sequence):
     def __init__(self, path: str | Path, template: str) -> None:
         self.path, self.template = Path(path), template
         self._digest = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            self._stamp = _stamp(f)
+        self._stamp = None  # the subclass's pass takes it from the file it reads
+
+    @property
+    def tasks_sha256(self) -> str:
+        return self._digest.hexdigest()
 
     def _add(self, task: Task) -> None:
         self._digest.update(json.dumps([task.id, task.prompt, task.answer]).encode())
-        self.tasks_sha256 = self._digest.hexdigest()
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -180,8 +182,8 @@ class JsonlTasks(FileTasks):
     def __init__(self, path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | None = None) -> None:
         super().__init__(path, template)
         self._offsets, self._lines = array("q"), array("i")
-        self.tasks_sha256 = self._digest.hexdigest()
         with open(self.path, "rb") as f:
+            self._stamp = _stamp(f)
             for index, (lineno, offset, row) in enumerate(_jsonl_rows(self.path, f)):
                 task = row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{index}", template)
                 if limit is None or index < limit:  # rows past the limit are still checked, as before
@@ -209,20 +211,21 @@ class ParquetTasks(FileTasks):
         import pyarrow.parquet as pq
 
         super().__init__(path, template)
-        self.tasks_sha256 = self._digest.hexdigest()
-        file = pq.ParquetFile(self.path)
-        self._starts = [0]  # the first row of each row group, then the row count
-        for g in range(file.metadata.num_row_groups):
-            self._starts.append(self._starts[-1] + file.metadata.row_group(g).num_rows)
-        self._len = self._starts[-1] if limit is None else min(limit, self._starts[-1])
         self._group: tuple[int, Any] | None = None
-        i = 0
-        for batch in file.iter_batches(batch_size=1024):  # a batch of rows as dicts at a time
-            for row in batch.to_pylist():
-                task = self._task(row, i)  # rows past the limit are still checked, as JSONL's are
-                if i < self._len:
-                    self._add(task)
-                i += 1
+        with open(self.path, "rb") as f:
+            self._stamp = _stamp(f)
+            file = pq.ParquetFile(f)
+            self._starts = [0]  # the first row of each row group, then the row count
+            for g in range(file.metadata.num_row_groups):
+                self._starts.append(self._starts[-1] + file.metadata.row_group(g).num_rows)
+            self._len = self._starts[-1] if limit is None else min(limit, self._starts[-1])
+            i = 0
+            for batch in file.iter_batches(batch_size=1024):  # a batch of rows as dicts at a time
+                for row in batch.to_pylist():
+                    task = self._task(row, i)  # rows past the limit are still checked, as JSONL's are
+                    if i < self._len:
+                        self._add(task)
+                    i += 1
 
     def __len__(self) -> int:
         return self._len
