@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from kvrl.jobs import JOBS
 from kvrl.models import SHIPPED
-from kvrl.runlog import SUMS, config_changes, flatten, lock_holder, trained_model
+from kvrl.runlog import config_changes, flatten, intact_checkpoint, lock_holder, trained_model
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
@@ -233,9 +233,7 @@ def resume_problems(cfg) -> list[str]:
     if cfg.resume == "never":
         return []
     if cfg.resume == "auto":
-        root = Path(cfg.output_dir).expanduser() / "checkpoints"
-        sealed = sorted(p for p in root.glob("step_*") if (p / SUMS).is_file())  # step_NNNNNN: by step
-        path = sealed[-1] if sealed else None
+        path = intact_checkpoint(Path(cfg.output_dir).expanduser() / "checkpoints", verify=False)
     else:
         path = Path(cfg.resume)
     if path is None or not (path / "config.json").is_file():
