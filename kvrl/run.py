@@ -77,7 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvrl: error: this machine cannot run the config: " + "\n".join(problems), file=sys.stderr)
         return 2
     module, _, function = JOBS[cfg.job].entry.partition(":")
-    result = getattr(importlib.import_module(module), function)(cfg)
+    try:
+        result = getattr(importlib.import_module(module), function)(cfg)
+    except ConfigError as err:  # what only the job can know (a data set's prompts), refused before it trains
+        print(f"kvrl: error: the run cannot start: {err}", file=sys.stderr)
+        return 2
     return result if isinstance(result, int) else 0
 
 

@@ -401,3 +401,43 @@ def test_the_gates_policy_names_are_the_zoos():
     from kvrl.policies import POLICIES
 
     assert set(POLICY_NAMES) == {"full", *POLICIES}
+
+
+@pytest.mark.parametrize("data", [False, True], ids=["procedural", "data_set"])
+def test_a_budget_no_sequence_outgrows_is_refused_at_run_start(tmp_path, monkeypatch, capsys, data):
+    """What only the prompts tell (issue #34): kv.budget >= the longest prompt + sampling.max_new_tokens
+    would run RL-Sparse on the full cache. The run stops with exit 2 before Ray starts or output_dir is made."""
+    import ray
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "run"
+    argv = ["recipe=tiny_gkv_sparse", f"output_dir={out}", "kv.budget=500"]
+    if data:  # three short problems: the recipe's own budget (76) outlasts every sequence
+        path = tmp_path / "problems.jsonl"
+        path.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n"
+                                for i in range(3)))
+        argv = argv[:2] + ["env.id=kvrl/math-v0", f"env.kwargs.path={path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    budget = 76 if data else 500
+    whence = ("the longest prompt of env.id=kvrl/math-v0's data set" if data else
+              "the longest of 256 prompts drawn from env.id=kvrl/counts-v0")
+    assert err.startswith(f"kvrl: error: the run cannot start: kv.budget={budget} never evicts: a sequence holds at "
+                          "most "), err
+    assert whence in err and "sampling.max_new_tokens=64" in err and "rl.algo=rl_sparse" in err, err
+    limit = int(err.split("holds at most ")[1].split()[0])
+    assert limit < budget + 1 and f"set kv.budget={max(13, limit // 2)} (below {limit})" in err, err
+    assert not ray.is_initialized() and not out.exists()
+
+
+def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    path = tmp_path / "problems.jsonl"
+    path.write_text(json.dumps({"question": "1 + 1 = ?", "answer": "2"}) + "\n"
+                    + json.dumps({"question": " ".join(["3"] * 40), "answer": "3"}) + "\n")
+    assert main(["recipe=tiny_rl_full", "env.id=kvrl/math-v0", f"env.kwargs.path={path}", "model.max_model_len=32",
+                 f"output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
+    assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err

@@ -85,14 +85,21 @@ class KVConfig:
                             f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
                             f"score; set kv.budget={fix} (or lower kv.window / kv.sink)")
         elif self.budget >= (limit := cache_limit(cfg))[0]:
-            problems.append(f"kv.budget={self.budget} never evicts: a sequence holds at most {limit[0]} tokens "
-                            f"({limit[1]}), so the cache never outgrows the budget and {who} would run the full "
-                            f"cache; set kv.budget={max(least, limit[0] // 2)} (below {limit[0]})")
+            problems.append(self.never_evicts(*limit, who))
         elif "budget_ratio" in self.kwargs:
             problems.append(f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
                             f"the memory plan and the engines' block caps read too; set kv.budget_ratio="
                             f"{self.kwargs['budget_ratio']} instead")
         return problems
+
+    def never_evicts(self, limit: int, why: str, who: str) -> str:
+        """The refusal of a kv.budget that a sequence of at most `limit` tokens (`why`) never outgrows: on the
+        config path the model's positions (`problems`); at run start, once the data is read, the longest
+        prompt + sampling.max_new_tokens (`kvrl.workers.controller.Controller`)."""
+        least = self.window + self.sink + 1
+        return (f"kv.budget={self.budget} never evicts: a sequence holds at most {limit} tokens ({why}), so the "
+                f"cache never outgrows the budget and {who} would run the full cache; set "
+                f"kv.budget={max(least, limit // 2)} (below {limit})")
 
 
 @dataclass

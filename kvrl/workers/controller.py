@@ -57,9 +57,11 @@ from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
                          plot_rewards, save_torch, seal, write_json)
+from kvrl.section import SECTIONS, ConfigError
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker
 
+PROBE = 256  # tasks drawn from a procedural environment to estimate its longest prompt
 TIMINGS = ("rollout_s", "learn_s", "step_s", "gen_tokens_per_s")  # metrics that vary between identical runs
 
 
@@ -149,16 +151,7 @@ class Controller:
         self.algo = make_algo(cfg)  # a bad algorithm setting fails here, before any actor starts
         self.env = self.algo.make_env()  # the task stream; the rollout workers score with their own copies
         self.env.reset(seed=cfg.seed)
-        if getattr(self.env, "data", None):  # a data set: a row no rollout could serve fails now, by file:line
-            from transformers import AutoConfig, AutoTokenizer
-
-            path = resolve_path(cfg.model.path)
-            positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
-            longest = check_prompts(self.env.data, AutoTokenizer.from_pretrained(path),
-                                    cfg.model.max_model_len or positions, Chat.of(cfg.env))
-            if not cfg.model.max_model_len:  # the engines size their KV checks for what this data needs
-                need = longest + cfg.sampling.max_new_tokens
-                cfg.model.max_model_len = min(need, positions) if positions else need
+        self.check_prompts_fit()
         self.out = Path(cfg.output_dir)
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
         self.own_ray = connect(cfg)
@@ -185,6 +178,37 @@ class Controller:
         except BaseException:
             self.close()  # actors would otherwise hold their CPUs in a Ray that outlives us
             raise
+
+    def check_prompts_fit(self) -> None:
+        """Before Ray starts, from the prompts themselves: a data set's row no rollout could serve fails by
+        file:line, and (where the rollouts evict with kv.*) a kv.budget no sequence outgrows is refused. A data
+        set is read whole; a procedural environment by `PROBE` tasks drawn aside (its stream is untouched), so
+        its longest prompt is an estimate and its max_model_len is left to the model."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        cfg = self.cfg
+        data = getattr(self.env, "data", None)
+        section = SECTIONS.get(type(self.algo).section or cfg.rl.algo)  # a registered algorithm's: its name
+        evicts = section is not None and "kv" in section.uses  # its rollouts evict with kv.*
+        if not data and not (evicts and cfg.kv.budget and hasattr(self.env, "sample_task")):
+            return
+        path = resolve_path(cfg.model.path)
+        positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        rng = np.random.default_rng(cfg.seed)
+        tasks = data or [self.env.sample_task(rng) for _ in range(PROBE)]
+        try:
+            longest = check_prompts(tasks, AutoTokenizer.from_pretrained(path), cfg.model.max_model_len or positions,
+                                    Chat.of(cfg.env))
+        except ValueError as err:  # a row too long: the user's data, not a bug of ours
+            raise ConfigError(str(err)) from None
+        end = longest + cfg.sampling.max_new_tokens
+        if data and not cfg.model.max_model_len:  # the engines size their KV checks for what this data needs
+            cfg.model.max_model_len = min(end, positions) if positions else end
+        if evicts and cfg.kv.budget >= end:
+            whence = (f"the longest prompt of env.id={cfg.env.id}'s data set" if data else
+                      f"the longest of {PROBE} prompts drawn from env.id={cfg.env.id}")
+            raise ConfigError(cfg.kv.never_evicts(end, f"{whence}, {longest} tokens, + sampling.max_new_tokens="
+                                                  f"{cfg.sampling.max_new_tokens}", f"rl.algo={cfg.rl.algo}"))
 
     # ---- the loop --------------------------------------------------------------------------
 
