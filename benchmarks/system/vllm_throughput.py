@@ -7,12 +7,14 @@ step exceeds the weight read, as for the seed models at reasoning lengths. One t
 thread. Four settings, one JSON line each:
 
 ``equal``  the same batch (``--batch``, default 16) with the full cache and with each
-    policy (interleaved, best of ``--repeats``): ``ratio`` = compressed/full tokens/s
-    (``ratio_cpu``: the same in tokens per CPU-second of the process);
-    ``predicted`` = the full cache's own step time at the compressed mean context (the full
-    run's per-step times fitted linearly against context length, evaluated at the policy's
-    cache lengths); ``achieved_over_predicted`` = ratio / predicted; ``evict_share`` =
-    eviction seconds / decode seconds.
+    policy, interleaved over ``--repeats`` rounds; each figure is paired within a round and
+    reported as mean, min and max over the rounds (issue #35: a best-of did not reproduce).
+    ``ratio`` = compressed/full tokens per CPU-second of the process (one thread: CPU time
+    moves less with the machine's load than wall time; ``ratio_wall``: the same in wall
+    time); ``predicted`` = the full cache's own CPU time with each decode step at the
+    compressed mean context (the full run's per-step CPU times fitted linearly against
+    context length, evaluated at the policy's cache lengths); ``achieved_over_predicted`` =
+    ratio / predicted; ``evict_share`` = eviction seconds / decode seconds.
 ``fixed``  the papers' setting: KV blocks for ``--full-requests`` full-length requests,
     ``--requests`` submitted: total tokens/s and peak running requests, full vs each
     policy (vLLM preempted nothing: ``preemptions``).
@@ -63,7 +65,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvrl.bench import emit, interleaved, timed  # noqa: E402
+from kvrl.bench import emit, interleaved, spread, timed  # noqa: E402
 from kvrl.engines.base import Sampling  # noqa: E402
 from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
 from kvrl.policies import RULE_BASED, HeadAllocation, Mixed, make_policy  # noqa: E402
@@ -110,7 +112,8 @@ def make(name: str, args, layers: int, kv_heads: int):
 
 
 class StepTimer:
-    """Wraps the engine's ``step``: wall time of every step, and peak running requests."""
+    """Wraps the engine's ``step``: the process's CPU time of every step (one thread: the
+    engine's), and peak running requests."""
 
     def __init__(self, engine):
         self.llm_engine = engine.llm.llm_engine
@@ -121,9 +124,9 @@ class StepTimer:
 
     def __enter__(self):
         def timed():
-            start = time.perf_counter()
+            start = time.process_time()
             out = self.step()
-            self.times.append(time.perf_counter() - start)
+            self.times.append(time.process_time() - start)
             self.peak = max(self.peak, len(self.sched.running))
             self.preemptions = max(self.preemptions, sum(r.num_preemptions for r in self.sched.running))
             return out
@@ -157,30 +160,30 @@ def equal(args, engine, layers, kv_heads):
     names = args.policies.split(",")
     runs = interleaved({name: lambda name=name: run(engine, batch, sampling, make(name, args, layers, kv_heads))
                         for name in ["full", *names]}, args.repeats)
-    best = {}  # name: (wall, CPU, run) of its fastest run
-    for name, r in runs.items():
-        i = int(np.argmin(r.wall_s))
-        best[name] = r.wall_s[i], r.cpu_s[i], r.outs[i]
-    wall_full, cpu_full, (tokens, times, out, _, _) = best["full"]
-    plens = [len(p) for p in out.prompt_ids]
-    # decode steps only (the first steps also prefill): step time = a + b · mean context
+    full = runs["full"]
+    plens = [len(p) for p in full.outs[0][2].prompt_ids]
     ctx_full = context_lengths(plens, args.new, None)
-    decode = times[-len(ctx_full):]
-    b, a = np.polyfit(ctx_full, decode, 1)
+    fits = []  # per round: decode steps only (the first steps also prefill): step CPU = a + b · mean context
+    for _, times, _, _, _ in full.outs:
+        fits.append(np.polyfit(ctx_full, times[-len(ctx_full):], 1))
     result = {"setting": "equal", "batch": args.batch, "new_tokens": args.new, "budget": args.budget,
-              "interval": args.interval, "full_tokens_per_s": round(tokens / wall_full, 1),
-              "step_fit_ms": {"a": round(1e3 * a, 3), "b_per_1k_tokens": round(1e6 * b, 3)}, "policies": {}}
+              "interval": args.interval, "repeats": args.repeats,
+              "full_tokens_per_cpu_s": spread([o[0] / c for o, c in zip(full.outs, full.cpu_s)], 1),
+              "step_fit_ms": {"a": spread([1e3 * a for _, a in fits], 3),
+                              "b_per_1k_tokens": spread([1e6 * b for b, _ in fits], 3)}, "policies": {}}
     for name in names:
-        wall, cpu, (tok, _, o, _, _) = best[name]
-        policy = make(name, args, layers, kv_heads)
-        row = {"ratio": round((tok / wall) / (tokens / wall_full), 3),
-               "ratio_cpu": round((tok / cpu) / (tokens / cpu_full), 3),
-               "evict_share": round(o.timing["evict"] / o.timing["decode"], 4)}
-        if name in TOKEN_POLICIES:
-            saved = b * (ctx_full - context_lengths(plens, args.new, policy)).sum()
-            predicted = wall_full / (wall_full - saved)
-            row.update(predicted=round(predicted, 3), achieved_over_predicted=round(row["ratio"] / predicted, 3))
-        result["policies"][name] = row
+        r, policy = runs[name], make(name, args, layers, kv_heads)
+        rounds = {"ratio": [], "ratio_wall": [], "evict_share": [], "predicted": [], "achieved_over_predicted": []}
+        for i, (tok, _, out, _, _) in enumerate(r.outs):
+            tokens = full.outs[i][0]
+            rounds["ratio"].append((tok / r.cpu_s[i]) / (tokens / full.cpu_s[i]))
+            rounds["ratio_wall"].append((tok / r.wall_s[i]) / (tokens / full.wall_s[i]))
+            rounds["evict_share"].append(out.timing["evict"] / out.timing["decode"])
+            if name in TOKEN_POLICIES:
+                saved = fits[i][0] * (ctx_full - context_lengths(plens, args.new, policy)).sum()
+                rounds["predicted"].append(full.cpu_s[i] / (full.cpu_s[i] - saved))
+                rounds["achieved_over_predicted"].append(rounds["ratio"][-1] / rounds["predicted"][-1])
+        result["policies"][name] = {key: spread(values, 3) for key, values in rounds.items() if values}
     return result
 
 
