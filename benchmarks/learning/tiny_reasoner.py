@@ -80,7 +80,8 @@ def main():
     enc = tok([t.prompt for t in sub], return_tensors="pt", padding=True)
     gen = ref_model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,
                              eos_token_id=tok.eos_token_id)[:, enc["input_ids"].shape[1]:].tolist()
-    ref = [g[:g.index(tok.eos_token_id)] if tok.eos_token_id in g else g for g in gen]
+    # the engines' outputs end with the stop token they stopped at, as vLLM's do
+    ref = [g[:g.index(tok.eos_token_id) + 1] if tok.eos_token_id in g else g for g in gen]
     res["window_full_equal"] = ref == unl["tokens"]
     res["window25_over_full"] = res["window25_acc"] / max(res["full_acc"], 1e-9)
     emit(res)
