@@ -311,7 +311,10 @@ def calls(args, engine, layers, kv_heads):
                 type(policy).score = score
                 for restore in restores:
                     restore()
-            calls_ = max(1, spent["calls"])
+            if not spent["rows"]:
+                raise SystemExit(f"calls: {name} never evicted at {n} requests: the sequences (~100-token prompts + "
+                                 f"--new {args.new}) stay within --budget {args.budget}; raise --new or lower --budget")
+            calls_ = spent["calls"]
             rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / calls_, 1),
                        "requests_per_call": round(spent["rows"] / calls_, 1),
                        "us_per_request": round(1e6 * spent["seconds"] / max(1, spent["rows"]), 1),
