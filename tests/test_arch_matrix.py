@@ -20,7 +20,10 @@ with tied embeddings), with the prompts rendered through the chat template (``Ch
    / window 8 / sink 4 (~60 evictions per row, ~12 at 256): identical tokens, identical
    eviction traces and logprobs within 1e-4 under every regime (measured: ≤ 3.8e-6) —
    except where G-KV or R-KV hit a selection that float32 rounding decides
-   (:func:`assert_parity_up_to_a_float32_flip`).
+   (:func:`assert_parity_up_to_a_float32_flip`), or where greedy decoding meets two tokens
+   whose logprobs tie within rounding, which a CPU's float32 kernels order: a row may part
+   there, its tokens and logprobs equal up to it and both engines' maxima equal at it
+   (:func:`assert_parity_up_to_a_greedy_tie`).
 3. **stop ids**: both engines read the same stop ids from the model folder, and each of
    several ends a row at the same token in both (:func:`test_every_stop_id_ends_both_engines_at_the_same_token`).
 
@@ -442,6 +445,26 @@ def assert_parity_up_to_a_float32_flip(policy, ref, out) -> list[str]:
     return notes
 
 
+def assert_parity_up_to_a_greedy_tie(ref, out) -> dict[int, int]:
+    """Each row's tokens are identical, logprobs within TOL, up to a token where the engines
+    chose differently, after which the row's texts part. At that token each engine took its
+    own argmax, so both logprobs are maxima: within TOL of each other they say HF's top two
+    tokens lie within 2·TOL, a near-tie that float32 rounding orders (a CPU's kernels decide
+    it: an AMD EPYC parted r1-qwen row 7 under ``mixed`` at generated token 549, both maxima
+    -5.7477598, where earlier machines did not). Returns {row: absolute position of the
+    token where it parted}; evictions before that position saw the same inputs."""
+    parted = {}
+    for b, (r, o) in enumerate(zip(ref.tokens, out.tokens)):
+        j = next((i for i, (x, y) in enumerate(zip(r, o)) if x != y), len(r))
+        diff = max_lp_diff([out.logprobs[b][:j + 1]], [ref.logprobs[b][:j + 1]])
+        assert diff <= TOL, (b, j, diff)
+        if j < len(r):
+            parted[b] = len(ref.prompt_ids[b]) + j
+            print(f"float32 decided a greedy near-tie: row {b} parted at generated token {j} (HF {r[j]}, vLLM "
+                  f"{o[j]}; their maxima {ref.logprobs[b][j]:.7f} / {out.logprobs[b][j]:.7f})")
+    return parted
+
+
 FAST = {"gkv", "full", "mixed"}  # one evicting, the full cache and RLKV's per shape; CI runs the others too
 
 
@@ -471,12 +494,14 @@ def test_vllm_matches_hf(family, hf32, vllm_engine, name):
             for note in assert_parity_up_to_a_float32_flip(policy, ref, out):
                 print(f"{family[0]} {name}: float32 decided a selection, {note}")
             return
-        assert out.tokens == ref.tokens, (family[0], name)
-        assert diff <= TOL, (family[0], name, diff)
+        parted = assert_parity_up_to_a_greedy_tie(ref, out)
         if name in ("full", "mixed"):
             assert out.traces is None and ref.traces is None
             return
-        assert torch.equal(out.traces.full(), ref.traces.full()), (family[0], name)
+        hd, vd = ref.traces.full(), out.traces.full()
+        for b, m in parted.items():  # evictions from the parting token on follow different texts
+            hd[:, b], vd[:, b] = hd[:, b].clamp(max=m), vd[:, b].clamp(max=m)
+        assert torch.equal(vd, hd), (family[0], name)
         evicted = (ref.traces.full() < NEVER).sum(-1)  # [layers, B, H]: keys each head evicted
         if name == "heads0.5":
             assert (evicted > 0).sum() == evicted.numel() // 2  # the compressed half of the heads
