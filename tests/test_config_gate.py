@@ -173,10 +173,12 @@ def outcomes(tmp_recipes, tmp_path_factory) -> dict:
     folders = {"{tmp}": tmp_path_factory.mktemp("not_a_model"), "{locked}": tmp_path_factory.mktemp("locked"),
                "{run}": tmp_path_factory.mktemp("run")}
     earlier_run(folders["{run}"])
-    cases = []
+    cases, fresh = [], tmp_path_factory.mktemp("out")
     for id_, argv, recipes, _ in CASES:
         for mark, folder in folders.items():
             argv = [a.replace(mark, str(folder)) for a in argv]
+        if not any(a.startswith("output_dir=") for a in argv):  # not the checkout's outputs/, which a run may hold
+            argv.append(f"output_dir={fresh / id_}")
         cases.append({"id": id_, "argv": argv, "recipes": str(tmp_recipes) if recipes == "tmp" else None})
     # offline: a hub id is refused without asking the network (test_an_unreachable_hub_is_refused asks one)
     env = {**{k: v for k, v in os.environ.items() if k not in ("KVRL_RECIPES_DIR", "RAY_ADDRESS")},
