@@ -16,6 +16,7 @@ from kvrl.algos.rlkv import RLKV, adaptive_penalty
 from kvrl.policies.heads import export_gates, head_allocation, load_gates, ranking
 from kvrl.config import ConfigError, load_config
 from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
+from kvrl.envs import Task, TextEnv
 from kvrl.engines.base import Sampling
 from kvrl.policies import Mixed
 from kvrl.policies.heads import HeadAllocation
@@ -247,6 +248,24 @@ def test_self_distill_job_keeps_solved_tasks_that_the_rl_env_serves(tmp_path):
     assert sorted(t.id for t in tasks) == sorted(r["id"] for r in rows)
     t = tasks[0]
     assert env.score(t, t.meta["completion"])[0] == 1.0 and env.score(t, "no answer")[0] == 0.0
+
+
+def test_self_distilled_tasks_are_read_when_drawn(tmp_path):
+    """Issue #35: the task set is read lazily, as a data file of kvrl/math-v0 is: the data set
+    holds where each row is, not the rows; its digest is the one a list of its tasks gives (a
+    resume of a run that read it eagerly still matches); a malformed row names file:line."""
+    rows = [{"id": f"t{i}", "prompt": f"{i} ; ?", "answer": str(i), "meta": {"digits": [i]}, "output_len": 3,
+             "bucket": 0} for i in range(5)]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = SelfDistilledEnv(str(path), env="kvrl/counts-v0")
+    assert type(env.data).__name__ == "DistilledTasks" and not hasattr(env.data, "_tasks")
+    eager = [Task(r["id"], r["prompt"], r["answer"], r["meta"]) for r in rows]
+    assert list(env.data) == eager and env.data[3] == eager[3]
+    assert env.state_dict()["data_sha256"] == TextEnv(eager).state_dict()["data_sha256"]
+    path.write_text(path.read_text() + json.dumps({"id": "x", "prompt": "1 ; ?"}) + "\n")
+    with pytest.raises(ValueError, match=r"tasks\.jsonl:6: no answer, meta: not a row job=self_distill writes"):
+        SelfDistilledEnv(str(path), env="kvrl/counts-v0")
 
 
 # ---- recipes ----------------------------------------------------------------------------------

@@ -27,12 +27,12 @@ Contract:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from kvrl.envs import Task, TextEnv, make
+from kvrl.envs.math import JsonlTasks
 
 
 def bucket_of(length: int, edges: list[int]) -> int | None:
@@ -69,8 +69,19 @@ class SelfDistilledEnv(TextEnv):
         if not path.is_file():
             raise FileNotFoundError(f"no self-distilled task set at {path}: run the data step first "
                                     "(python -m kvrl.run recipe=tiny_self_distill) or fix env.kwargs.path")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if not rows:
+        tasks = DistilledTasks(path)  # read when drawn, as a data file of kvrl/math-v0 (issue #35)
+        if not len(tasks):
             raise ValueError(f"{path} holds no tasks: no candidate was solved; raise self_distill.candidates")
         base = make(env, **(env_kwargs or {}))
-        super().__init__([Task(r["id"], r["prompt"], r["answer"], r["meta"]) for r in rows], base.rewards)
+        super().__init__(tasks, base.rewards)
+
+
+class DistilledTasks(JsonlTasks):
+    """The rows of a ``tasks.jsonl`` that job=self_distill wrote, each read when it is drawn."""
+
+    def _task(self, row: dict, lineno: int, index: int) -> Task:
+        missing = [k for k in ("id", "prompt", "answer", "meta") if k not in row]
+        if missing:
+            raise ValueError(f"{self.path}:{lineno}: no {', '.join(missing)}: not a row job=self_distill writes; "
+                             "rerun the data step (python -m kvrl.run recipe=tiny_self_distill)")
+        return Task(row["id"], row["prompt"], row["answer"], row["meta"])

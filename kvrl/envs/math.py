@@ -185,7 +185,7 @@ class JsonlTasks(FileTasks):
         with open(self.path, "rb") as f:
             self._stamp = _stamp(f)
             for index, (lineno, offset, row) in enumerate(_jsonl_rows(self.path, f)):
-                task = row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{index}", template)
+                task = self._task(row, lineno, index)
                 if limit is None or index < limit:  # rows past the limit are still checked, as before
                     self._offsets.append(offset)
                     self._lines.append(lineno)
@@ -194,12 +194,16 @@ class JsonlTasks(FileTasks):
     def __len__(self) -> int:
         return len(self._offsets)
 
+    def _task(self, row: dict, lineno: int, index: int) -> Task:
+        """Row ``index`` (at line ``lineno``) as a Task; a subclass reads its own row format."""
+        return row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{index}", self.template)
+
     def _read(self, f, indices) -> list[Task]:
         tasks = []
         for i in indices:
             f.seek(self._offsets[i])
             lineno, _, row = next(_jsonl_rows(self.path, f, self._lines[i]))
-            tasks.append(row_to_task(row, f"{self.path}:{lineno}", f"{self.path.stem}-{i}", self.template))
+            tasks.append(self._task(row, lineno, i))
         return tasks
 
 
