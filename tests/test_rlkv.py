@@ -259,11 +259,12 @@ def test_self_distilled_tasks_are_read_when_drawn(tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = SelfDistilledEnv(str(path), env="kvrl/counts-v0")
-    assert type(env.data).__name__ == "DistilledTasks" and not hasattr(env.data, "_tasks")
     eager = [Task(r["id"], r["prompt"], r["answer"], r["meta"]) for r in rows]
     assert list(env.data) == eager and env.data[3] == eager[3]
     assert env.state_dict()["data_sha256"] == TextEnv(eager).state_dict()["data_sha256"]
     path.write_text(path.read_text() + json.dumps({"id": "x", "prompt": "1 ; ?"}) + "\n")
+    with pytest.raises(ValueError, match="changed while this run reads it"):  # a held list would not notice
+        env.data[0]
     with pytest.raises(ValueError, match=r"tasks\.jsonl:6: no answer, meta: not a row job=self_distill writes"):
         SelfDistilledEnv(str(path), env="kvrl/counts-v0")
 

@@ -2,8 +2,9 @@
 
 Issue #35: kvrl's RL loop spent more CPU per sample than TRL's GRPOTrainer, which decodes a
 step's samples in one batch, while ``tiny_rl_full`` decoded each rollout worker's shard of 64
-in chunks of ``sampling.batch_size: 32`` (it now takes the shard in one batch of 64). This decodes the same 64 counts prompts (seed 0, 64 new
-tokens at temperature 2.5, one torch thread) in chunks of each ``--sizes`` value, interleaved
+in chunks of ``sampling.batch_size: 32`` (it now takes the shard in one batch of 64). This
+decodes the same 64 counts prompts (seed 0, 64 new tokens at temperature 2.5, one torch
+thread) in chunks of each ``--sizes`` value, interleaved
 over ``--repeats``, and reports CPU seconds per 64 samples (mean and spread) and each size's
 ratio to the first.
 

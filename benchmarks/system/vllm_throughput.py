@@ -317,9 +317,9 @@ def calls(args, engine, layers, kv_heads):
             calls_ = spent["calls"]
             rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / calls_, 1),
                        "requests_per_call": round(spent["rows"] / calls_, 1),
-                       "us_per_request": round(1e6 * spent["seconds"] / max(1, spent["rows"]), 1),
+                       "us_per_request": round(1e6 * spent["seconds"] / spent["rows"], 1),
                        "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
-            per_row = 1e6 / max(1, spent["rows"])
+            per_row = 1e6 / spent["rows"]
             by_phase = {k: round(per_row * spent[k], 1) for k in ("read", "score", "select", "compact")}
             by_phase["other"] = round(rows[n]["us_per_request"] - sum(by_phase.values()), 1)
             rows[n]["us_per_request_by_phase"] = by_phase

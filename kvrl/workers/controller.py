@@ -208,7 +208,7 @@ class Controller:
             whence = (f"the longest prompt of env.id={cfg.env.id}'s data set" if data else
                       f"the longest of {PROBE} prompts drawn from env.id={cfg.env.id}")
             raise ConfigError(cfg.kv.never_evicts(end, f"{whence}, {longest} tokens, + sampling.max_new_tokens="
-                                                  f"{cfg.sampling.max_new_tokens}", f"rl.algo={cfg.rl.algo}"))
+                                                  f"{cfg.sampling.max_new_tokens}", f"job={cfg.job} rl.algo={cfg.rl.algo}"))
 
     # ---- the loop --------------------------------------------------------------------------
 
