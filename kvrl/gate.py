@@ -26,6 +26,7 @@ from typing import Any, Callable
 from kvrl.jobs import JOBS
 from kvrl.models import SHIPPED
 from kvrl.runlog import config_changes, flatten, intact_checkpoint, lock_holder, trained_model
+from kvrl.workers.inline import INLINE
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
@@ -292,9 +293,10 @@ def machine_problems(cfg, ray: bool) -> list[str]:
     actors when Ray is local. `ray`: the job runs Ray actors (workers.*); with a cluster (workers.address
     or $RAY_ADDRESS) the actors and their devices are the cluster's, which the controller checks."""
     w = cfg.workers
-    local_ray = ray and not (w.address or os.environ.get("RAY_ADDRESS"))
+    inline = ray and w.address == INLINE  # the actors are this process's objects: its memory, no reservations
+    local_ray = ray and (inline or not (w.address or os.environ.get("RAY_ADDRESS")))
     problems = []
-    if local_ray:
+    if local_ray and not inline:
         have = w.num_cpus or os.cpu_count() or 1
         need = w.rollout * w.rollout_cpus + w.learners * w.learner_cpus
         if need > have:

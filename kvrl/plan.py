@@ -36,6 +36,7 @@ from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.jobs import JOBS
 from kvrl.policies.base import budget_at, geometry
 from kvrl.section import ConfigError
+from kvrl.workers.inline import INLINE
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
 
@@ -270,8 +271,9 @@ def dry_run(cfg) -> dict:
         lines += [
             f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
             f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
-            f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): the Ray cluster needs {p['cpus']:g} CPUs "
-            f"and {p['gpus']:g} GPUs",
+            f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): " + (
+                "objects in this process, one after another (workers.address=inline)" if w.address == INLINE else
+                f"the Ray cluster needs {p['cpus']:g} CPUs and {p['gpus']:g} GPUs"),
             f"steps      {tr.steps} x {tr.batch_size} samples ({tr.batch_size // cfg.rl.group_size} tasks x "
             f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
             f"new tokens each",

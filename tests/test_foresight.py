@@ -240,7 +240,8 @@ def test_sft_then_rl_stage(tiny, traces):
 def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkeypatch):
     """The data step's shards come from trace actors, none from this process; a deleted shard is
     made again, alone, by another actor (there is one missing shard, so one actor) with the
-    same rows, and the finished shards are left as they were."""
+    same rows, and the finished shards are left as they were. With workers.address=inline (the
+    actors in this process, Ray shut down) the shards are the same."""
     import pyarrow.parquet as pq
     import ray
 
@@ -251,9 +252,10 @@ def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkey
 
     monkeypatch.setattr(HFEngine, "generate", here)  # here only: the actors import kvrl.engines.hf afresh
     monkeypatch.setattr(HFEngine, "score", here)
-    cfg = load_config(["recipe=tiny_foresight", f"output_dir={tmp_path}", "workers.engine=hf", "workers.rollout=2",
-                       "foresight.traces=8", "foresight.heldout=4", "foresight.shard_size=4", "foresight.min_tokens=0",
-                       "sampling.batch_size=8", "sampling.temperature=1.0"])  # sampled: the seeds must follow the shard
+    args = ["recipe=tiny_foresight", "workers.engine=hf", "workers.rollout=2", "foresight.traces=8",
+            "foresight.heldout=4", "foresight.shard_size=4", "foresight.min_tokens=0", "sampling.batch_size=8",
+            "sampling.temperature=1.0"]  # sampled: the seeds must follow the shard
+    cfg = load_config([*args, f"output_dir={tmp_path}"])
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
              log_to_driver=False)
     try:
@@ -273,6 +275,11 @@ def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkey
     train = load_traces(tmp_path / "traces" / "train")
     assert len(train) == 8 and len({t.task_id for t in train}) == 8  # shards draw different tasks
     assert all(len(t.loss) == len(t.ids) - t.prompt_len for t in train)
+    monkeypatch.undo()  # inline, this process generates
+    data.write_splits(load_config([*args, f"output_dir={tmp_path / 'inline'}", "workers.address=inline"]))
+    assert not ray.is_initialized()
+    for f in files:
+        assert pq.read_table(tmp_path / "inline" / f.relative_to(tmp_path)).equals(first[f]), f
 
 
 @pytest.mark.slow

@@ -441,6 +441,67 @@ def test_vllm_rollout_workers_get_every_update(reference, random_model, tmp_path
     assert any(not torch.equal(start[k], params[k]) for k in start), "the weights changed"
 
 
+def test_inline_actors_repeat_the_ray_run_in_this_process(reference, random_model, tmp_path):
+    """workers.address=inline: the same actor classes as objects in this process (no Ray call is
+    made: the module's Ray is still up, and would be used by mistake) give the reference's
+    metrics and weights; scoring happens here, not on an actor."""
+    _, ref_records, ref_params = reference
+    seen = []
+
+    class Scored(Controller):
+        def learn(self, samples):
+            seen.extend(s.info["pid"] for s in samples if "pid" in s.info)
+            return super().learn(samples)
+
+    records, params = train(config(tmp_path / "a", random_model, "workers.address=inline"))
+    same_metrics(records, ref_records)
+    same_params(params, ref_params)
+    train(config(tmp_path / "b", random_model, "workers.address=inline", f"env.id={__name__}:WhereScoredEnv",
+                 "trainer.steps=1"), Scored)
+    assert set(seen) == {os.getpid()}
+
+
+def test_inline_one_step_ahead_generates_before_the_update(random_model, tmp_path):
+    """rl.async_steps=1 inline: a call runs when it is made, so step t+1's samples are generated
+    before step t's update, with the old weights (a call deferred to its get() would generate
+    after it: staleness 0 and ratios of 1)."""
+    records, _ = train(config(tmp_path, random_model, "workers.address=inline", "rl.async_steps=1",
+                              "trainer.steps=3"))
+    assert [r["staleness_max"] for r in records] == [0, 1, 1]
+    assert max(r["ratio_max"] for r in records[1:]) > 1.0 + 1e-4
+
+
+class Box:
+    def __init__(self, held):
+        self.held = held
+
+    def keep(self, value):
+        self.held = value
+        return self.held
+
+    @ray.method(num_returns=2)
+    def pair(self):
+        return self.held, self.held.sum()
+
+
+def test_inline_actors_copy_what_crosses_as_ray_does():
+    """What an inline actor is given or returns is a copy, as on Ray: an in-place update on either
+    side (a learner's optimizer step, a controller's edit) never reaches the other. A result passed
+    as an argument arrives as its value, and num_returns=2 gives two results."""
+    from kvrl.workers.inline import Actor, values
+
+    given = torch.zeros(3)
+    box = Actor(ray.remote(Box), given)
+    given += 1
+    assert box.obj.held.sum() == 0
+    kept = box.keep.remote(given)
+    given += 1
+    values(kept).mul_(10)
+    assert box.obj.held.tolist() == [1.0, 1.0, 1.0]
+    held, total = box.pair.remote()
+    assert values(total) == 3 and box.keep.remote(held).value.tolist() == [1.0, 1.0, 1.0]
+
+
 class FakeWriter:
     def __init__(self):
         self.scalars, self.closed = [], False
@@ -628,6 +689,8 @@ def test_rl_config_errors_say_the_fix(random_model, tmp_path):
         Controller(config(tmp_path, random_model, "kv.policy=snapkv"))
     with pytest.raises(ValueError, match="lower workers.rollout_cpus"):
         Controller(config(tmp_path, random_model, "workers.rollout_cpus=4"))
+    with pytest.raises(ConfigError, match="set workers.learners=1 workers.backend=ddp, or run on Ray"):
+        config(tmp_path, random_model, "workers.address=inline", "workers.learners=2")
 
 
 @pytest.mark.slow

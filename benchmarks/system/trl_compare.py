@@ -6,6 +6,8 @@ TRL's start-up CPU. This runs both, interleaved, each in its own process tree:
 
 * kvrl: ``python -m kvrl.run recipe=tiny_rl_full`` (2 rollout actors and a learner on a
   private local Ray; Ray's daemons count too);
+* kvrl_inline: the same with ``workers.address=inline`` (the same actors as objects in the
+  one process, no Ray; it gives the Ray run's metrics and weights exactly);
 * TRL: ``GRPOTrainer`` in one process with HF ``generate``, on the same shipped tiny
   reasoner and ``kvrl/counts-v0`` tasks (seed 0), scored by the environment's own reward,
   with the recipe's hyperparameters: 16 prompts x 8 samples a step, 64 new tokens at
@@ -40,6 +42,7 @@ from kvrl.bench import draw_tasks, emit, interleaved, spread
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP, NEW_TOKENS = 16, 8, 64
+SIDES = ("kvrl", "kvrl_inline", "trl")  # kvrl on a private local Ray; kvrl with workers.address=inline; TRL
 
 
 def run_trl(steps: int, out: Path, threads: int) -> None:
@@ -83,9 +86,12 @@ def run_trl(steps: int, out: Path, threads: int) -> None:
 ACTORS = (("RolloutWorker", "rollout_actors"), ("Learner", "learner_actor"))
 
 
-def kind(p: psutil.Process) -> str:
-    """What a process is, by its command line (Ray retitles a worker ray::CLASS.method)."""
+def kind(p: psutil.Process) -> str | None:
+    """What a process is, by its command line (Ray retitles a worker ray::CLASS.method); None
+    while it has none to read (exec'ing, or exited: its kind is the one seen before)."""
     cmd = p.cmdline()
+    if not cmd:
+        return None
     first, whole = (cmd[0] if cmd else ""), " ".join(cmd)
     for text, k in ACTORS:
         if text in whole:
@@ -108,8 +114,8 @@ def tree_cpu(root: psutil.Process, seen: dict[int, float], kinds: dict[int, str]
         try:
             t = p.cpu_times()
             seen[p.pid] = max(seen.get(p.pid, 0.0), t.user + t.system)
-            if kinds.get(p.pid) not in dict(ACTORS).values():  # an idle worker may become an actor
-                kinds[p.pid] = kind(p)
+            if kinds.get(p.pid) not in dict(ACTORS).values() and (k := kind(p)):  # an idle worker may become one
+                kinds[p.pid] = k
         except psutil.Error:
             pass
     return sum(seen.values())
@@ -119,9 +125,9 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
     out = tmp / f"{side}-{time.monotonic_ns()}"
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
-    if side == "kvrl":
+    if side.startswith("kvrl"):
         cmd = [sys.executable, "-m", "kvrl.run", "recipe=tiny_rl_full", f"trainer.steps={steps}",
-               f"output_dir={out}", "rl.checkpoint_every=0"]
+               f"output_dir={out}", "rl.checkpoint_every=0", *(["workers.address=inline"] if side == SIDES[1] else [])]
         progress = out / "metrics.jsonl"
     else:
         cmd = [sys.executable, __file__, "--child", str(out), "--steps", str(steps), "--trl-threads", str(threads)]
@@ -170,19 +176,15 @@ def main() -> None:
         return run_trl(args.steps, Path(args.child), args.trl_threads)
     with tempfile.TemporaryDirectory() as tmp:  # interleaved: a change in the machine's load hits both
         timed = interleaved({side: lambda side=side: measure(side, args.steps, Path(tmp), args.trl_threads)
-                             for side in ("kvrl", "trl")}, args.repeats)
+                             for side in SIDES}, args.repeats)
     runs = {side: [{**out, "wall_s": round(wall, 1)} for out, wall in zip(r.outs, r.wall_s)]
             for side, r in timed.items()}
     keys = ("samples_per_cpu_s", "cpu_s_per_step", "startup_cpu_s", "wall_s")
     s = {side: {k: spread([r[k] for r in rs], 2) for k in keys} for side, rs in runs.items()}
+    ratios = {f"{key}_ratio_{side}_over_trl": round(s[side][key]["mean"] / s["trl"][key]["mean"], 3)
+              for side in SIDES[:2] for key in ("samples_per_cpu_s", "startup_cpu_s")}
     emit({"steps": args.steps, "repeats": args.repeats, "samples_per_step": PROMPTS * GROUP,
-          "trl_threads": args.trl_threads,
-          "kvrl": s["kvrl"], "trl": s["trl"],
-          "samples_per_cpu_s_ratio_kvrl_over_trl": round(s["kvrl"]["samples_per_cpu_s"]["mean"]
-                                                         / s["trl"]["samples_per_cpu_s"]["mean"], 3),
-          "startup_cpu_ratio_kvrl_over_trl": round(s["kvrl"]["startup_cpu_s"]["mean"]
-                                                   / s["trl"]["startup_cpu_s"]["mean"], 2),
-          "runs": runs})
+          "trl_threads": args.trl_threads, **{side: s[side] for side in SIDES}, **ratios, "runs": runs})
 
 
 if __name__ == "__main__":

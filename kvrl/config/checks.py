@@ -42,7 +42,7 @@ def _section_problems(cfg) -> list[str]:
     """The cross-field rules of the job's sections and of its rl.algo, with the shared sections each uses."""
     problems = []
     job = JOBS.get(cfg.job, Job(""))  # an unknown job: kvrl.run names the jobs
-    names = list(job.sections)
+    names = list(job.sections) + (["workers"] if job.ray else [])  # its actors' settings
     algo = cfg.rl.algo  # an RL job ("rl" among its sections) runs it: its section's rules apply too
     if "rl" in job.sections and ":" in algo:  # by path: the job the config names runs it
         try:

@@ -19,6 +19,7 @@ from kvrl.algos import ALGOS, algo_class
 from kvrl.gate import cache_limit, env_problems, model_problems, policy_problems
 from kvrl.jobs import JOBS
 from kvrl.section import POLICY_NAMES, ConfigError, checked
+from kvrl.workers.inline import INLINE
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -192,7 +193,9 @@ class RLConfig:
 
 @dataclass
 class WorkersConfig:
-    # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port
+    # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port;
+    # inline = no Ray: the actors are objects in this process, one after another (a laptop's smallest start-up;
+    # no restarts, no timeouts, one learner: kvrl/workers/inline.py)
     address: str = ""
     num_cpus: int = checked(0, ge=0)  # CPUs a private local Ray may use; 0 = all of this machine
     # nice increment of Ray's workers over the process that starts Ray (Ray's default 15 starves them on a busy machine)
@@ -220,6 +223,14 @@ class WorkersConfig:
     max_restarts: int = checked(3, ge=0)
     # longest any single Ray call may take before the run fails with the actor's name
     timeout_s: float = checked(900.0, ge=1)
+
+    def problems(self, cfg: "Shared") -> list[str]:
+        """Checked for the jobs that run actors (`kvrl.jobs.Job.ray`)."""
+        if self.address == INLINE and (self.learners > 1 or self.backend == "deepspeed"):
+            return [f"workers.address=inline runs one learner in this process, without a process group (got "
+                    f"workers.learners={self.learners} workers.backend={self.backend}); set workers.learners=1 "
+                    "workers.backend=ddp, or run on Ray (workers.address=)"]
+        return []
 
 @dataclass
 class LoggingConfig:

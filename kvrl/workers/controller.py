@@ -58,6 +58,7 @@ from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
                          plot_rewards, save_torch, seal, write_json)
 from kvrl.section import SECTIONS, ConfigError
+from kvrl.workers.inline import INLINE, is_done, spawn, values
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker
 
@@ -85,7 +86,10 @@ def connect(cfg) -> bool:
     Ray's default of +15: on a busy 2-core machine the actors at nice 15 took 31-33 s per
     ``tiny_rl_full`` step instead of 5.4-6.5 s, and Ray's own daemons (at nice 0) spent 5x the CPU
     polling them. A private local Ray has no dashboard (its web UI and job server); for those,
-    start a head with ``ray start --head`` (launch/ray_submit.sh does) and set workers.address."""
+    start a head with ``ray start --head`` (launch/ray_submit.sh does) and set workers.address.
+    ``workers.address=inline`` starts none: the actors are objects in this process (:mod:`kvrl.workers.inline`)."""
+    if cfg.workers.address == INLINE:
+        return False
     if ray.is_initialized():  # a test or a notebook brought its own
         return False
     address = cfg.workers.address or os.environ.get("RAY_ADDRESS", "")
@@ -128,7 +132,10 @@ def reserve(cfg, rollout: int, learners: int) -> None:
 
 
 def get(refs, what: str, timeout_s: float):
-    """ray.get with workers.timeout_s: a stuck actor fails the run with its name."""
+    """ray.get with workers.timeout_s: a stuck actor fails the run with its name. An inline actor's
+    results are already there."""
+    if is_done(refs):
+        return values(refs)
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
@@ -156,12 +163,13 @@ class Controller:
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
         self.own_ray = connect(cfg)
         w = cfg.workers
-        reserve(cfg, w.rollout, w.learners)
-        self.workers = [RolloutWorker.options(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus,
-                                              max_restarts=w.max_restarts, max_task_retries=0).remote(cfg, i)
-                        for i in range(w.rollout)]
-        self.learners = [Learner.options(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus).remote(cfg, r, w.learners)
-                         for r in range(w.learners)]
+        self.inline = w.address == INLINE
+        if not self.inline:
+            reserve(cfg, w.rollout, w.learners)
+        rollout = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts, max_task_retries=0)
+        self.workers = [spawn(RolloutWorker, rollout, cfg, i, inline=self.inline) for i in range(w.rollout)]
+        self.learners = [spawn(Learner, dict(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus), cfg, r, w.learners,
+                               inline=self.inline) for r in range(w.learners)]
         self.step = 0  # updates done
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
@@ -483,7 +491,7 @@ class Controller:
     def close(self) -> None:
         if self.runlog is not None:
             self.runlog.close()
-        for actor in self.workers + self.learners:
+        for actor in [] if self.inline else self.workers + self.learners:
             ray.kill(actor, no_restart=True)
         if self.own_ray:
             ray.shutdown()

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from kvrl.data.traces import MAX_BATCHES, SCHEMA, SCORE_TOKENS, SPLIT_SEEDS
 from kvrl.runlog import atomic, setup_process
 from kvrl.workers.controller import connect, get, raise_if_start_failed, reserve
+from kvrl.workers.inline import INLINE, spawn
 
 
 def _engine(cfg):
@@ -143,12 +144,14 @@ def generate(cfg, shards: list[Shard], done: int = 0) -> None:
     w, n = cfg.workers, min(cfg.workers.rollout, len(shards))
     env = make(cfg.env.id, **cfg.env.kwargs)  # the task streams; the actors score with their own copies
     queue, active = list(shards), {}  # active: actor -> the shard it generates
-    own_ray, actors = connect(cfg), []
+    own_ray, actors, inline = connect(cfg), [], w.address == INLINE
     try:
-        reserve(cfg, rollout=n, learners=0)
+        if not inline:
+            reserve(cfg, rollout=n, learners=0)
         # a batch is a pure function of its arguments: Ray redoes it on a restarted actor
-        actors = [TraceWorker.options(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
-                                      max_task_retries=w.max_restarts).remote(cfg) for _ in range(n)]
+        options = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
+                       max_task_retries=w.max_restarts)
+        actors = [spawn(TraceWorker, options, cfg, inline=inline) for _ in range(n)]
         bar = tqdm(total=done + sum(s.want for s in queue), initial=done, desc="traces", unit="trace")
         while queue or active:
             for i in range(len(actors)):
@@ -170,7 +173,7 @@ def generate(cfg, shards: list[Shard], done: int = 0) -> None:
                     del active[i]
         bar.close()
     finally:
-        for actor in actors:
+        for actor in [] if inline else actors:
             ray.kill(actor, no_restart=True)
         if own_ray:
             ray.shutdown()

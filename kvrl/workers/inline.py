@@ -1,0 +1,69 @@
+"""``workers.address=inline``: a run's actors as plain objects in the driver's process, no Ray.
+
+On a laptop or a 2-core CI machine most of a short run's start-up is processes: each Ray actor
+imports torch and transformers again (~4 CPU-s each on the tiny reasoner) and Ray's daemons
+start (~3 CPU-s), so ``tiny_rl_full`` on Ray spends ~20 CPU-s before its first step where
+TRL's single process spends ~8 (``benchmarks/system/trl_compare.py``). Inline, the same
+controller drives the same actor classes, in one process.
+
+The contract: :func:`spawn` gives a handle with a Ray actor's call shape,
+``handle.method.remote(*args)``, whose call runs there and then and returns a :class:`Done`
+(two for a ``@ray.method(num_returns=2)`` method); :func:`kvrl.workers.controller.get` reads
+it as it reads an object ref, and a call given one receives its value, as on Ray. Arguments and results are deep-copied, as Ray's object store
+copies them: a learner's in-place optimizer step must not reach the weights a rollout worker
+was given, nor a worker's edit the controller's samples. So a run gives the same samples and
+metrics inline as on Ray (``tests/test_rl_loop.py``).
+
+What Ray gives and this does not: actors run one after another, not in parallel; nothing is
+restarted (an actor's exception is the run's, with its own traceback, at the call); no call
+times out; one learner only (a process group needs a process per rank).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+INLINE = "inline"  # the workers.address that selects it
+
+
+@dataclass(frozen=True)
+class Done:
+    """The result of a call that has run."""
+
+    value: Any
+
+
+def is_done(refs) -> bool:
+    """True for a Done or a non-empty list of them (what ray.get would otherwise be given)."""
+    return isinstance(refs, Done) or (isinstance(refs, list) and bool(refs) and isinstance(refs[0], Done))
+
+
+def values(refs):
+    return refs.value if isinstance(refs, Done) else [r.value for r in refs]
+
+
+class Method:
+    def __init__(self, fn):
+        self.fn, self.returns = fn, getattr(fn, "__ray_num_returns__", 1)
+
+    def remote(self, *args):
+        args = [a.value if isinstance(a, Done) else a for a in args]  # Ray passes a ref argument's value
+        out = copy.deepcopy(self.fn(*copy.deepcopy(args)))
+        return Done(out) if self.returns == 1 else tuple(Done(v) for v in out)
+
+
+class Actor:
+    """An instance of a ``@ray.remote`` class's own class, called as Ray's handles are."""
+
+    def __init__(self, remote_cls, *args):
+        self.obj = remote_cls.__ray_actor_class__(*copy.deepcopy(args))
+
+    def __getattr__(self, name: str) -> Method:
+        return Method(getattr(self.obj, name))
+
+
+def spawn(remote_cls, options: dict, *args, inline: bool):
+    """An actor of ``remote_cls`` (a ``@ray.remote`` class): on Ray with ``options``, or inline."""
+    return Actor(remote_cls, *args) if inline else remote_cls.options(**options).remote(*args)
