@@ -339,6 +339,28 @@ def test_a_worker_that_cannot_start_reports_its_own_error(random_model, tmp_path
         Controller(config(tmp_path, random_model, f"env.id={__name__}:FailsInActors"))
 
 
+class FailsAfterTheDriver(DigitsEnv):
+    """Builds once (the controller's copy), raises after (a rollout worker's, inline)."""
+
+    built = 0
+
+    def __init__(self, **ignored):
+        FailsAfterTheDriver.built += 1
+        if FailsAfterTheDriver.built > 1:
+            raise RuntimeError("this environment cannot start on a rollout actor")
+        super().__init__()
+
+
+def test_an_inline_worker_that_cannot_start_raises_its_error_and_frees_the_output_dir(random_model, tmp_path):
+    from kvrl.runlog import OutputLock
+
+    with pytest.raises(RuntimeError, match="cannot start on a rollout actor") as failed:
+        Controller(config(tmp_path, random_model, f"env.id={__name__}:FailsAfterTheDriver", "workers.address=inline"))
+    # the failed start let go of output_dir itself: its traceback (held here) keeps the controller alive
+    assert failed.tb is not None
+    OutputLock(tmp_path).release()
+
+
 class Recording(Controller):
     """Records the ids of every sample handed to the learners."""
 

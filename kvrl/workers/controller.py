@@ -161,15 +161,9 @@ class Controller:
         self.check_prompts_fit()
         self.out = Path(cfg.output_dir)
         self.lock = OutputLock(self.out)  # before Ray starts: a second run on this directory stops here
-        self.own_ray = connect(cfg)
         w = cfg.workers
-        self.inline = w.address == INLINE
-        if not self.inline:
-            reserve(cfg, w.rollout, w.learners)
-        rollout = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts, max_task_retries=0)
-        self.workers = [spawn(RolloutWorker, rollout, cfg, i, inline=self.inline) for i in range(w.rollout)]
-        self.learners = [spawn(Learner, dict(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus), cfg, r, w.learners,
-                               inline=self.inline) for r in range(w.learners)]
+        self.inline, self.own_ray = w.address == INLINE, False
+        self.workers, self.learners = [], []
         self.step = 0  # updates done
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
@@ -178,6 +172,15 @@ class Controller:
         self.lives = [0] * w.rollout  # incarnation of each rollout actor: a death is counted once
         self.runlog: RunLog | None = None  # opened by resume(): fresh, or appending to the resumed run's
         try:
+            self.own_ray = connect(cfg)
+            if not self.inline:
+                reserve(cfg, w.rollout, w.learners)
+            rollout = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
+                           max_task_retries=0)
+            # inline, an actor that cannot start raises here, with its own traceback
+            self.workers = [spawn(RolloutWorker, rollout, cfg, i, inline=self.inline) for i in range(w.rollout)]
+            self.learners = [spawn(Learner, dict(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus), cfg, r,
+                                   w.learners, inline=self.inline) for r in range(w.learners)]
             if w.learners > 1 or w.backend == "deepspeed":
                 endpoint = self.get(self.learners[0].endpoint.remote(), "learner 0")
                 self.get([learner.join.remote(endpoint) for learner in self.learners], "the learners' process group")
