@@ -77,6 +77,14 @@ def test_wrong_type_names_key_type_and_value(capsys, arg, key, expected, given):
     assert f"{key} expects {expected}, got {given}" in err
 
 
+def test_an_empty_value_is_the_empty_string_where_a_string_is_expected(capsys):
+    """`workers.address=` (OmegaConf reads null) is '' for a string key, as the user typed, and the
+    fix an error proposes for one is typeable; an empty number is still refused."""
+    assert load_config(["recipe=tiny_rl_full", "workers.address=auto", "workers.address="]).workers.address == ""
+    assert main(["kv.budget="]) == 2
+    assert "kv.budget expects int, got None" in capsys.readouterr().err
+
+
 def test_malformed_argument_shows_the_syntax(capsys):
     assert main(["trainer.lr", "0.1"]) == 2
     assert "key=value" in capsys.readouterr().err

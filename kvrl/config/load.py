@@ -89,7 +89,12 @@ def _parse_cli(argv: Sequence[str]) -> DictConfig:
             OmegaConf.from_dotlist([arg])
         except (yaml.YAMLError, OmegaConfBaseException):
             raise ConfigError(f"command line: {key} is malformed: {_value_syntax(key, value)}") from None
-    return OmegaConf.from_dotlist(list(argv))
+    layer, keys = OmegaConf.from_dotlist(list(argv)), schema_keys()
+    for arg in argv:  # `key=` (OmegaConf's null) is the empty string where the key takes a string
+        key, _, value = arg.partition("=")
+        if not value and keys.get(key, (None,))[0] is str:
+            OmegaConf.update(layer, key, "")
+    return layer
 
 
 def _valid_value(key: str, before: DictConfig, layer: DictConfig) -> str:

@@ -229,7 +229,7 @@ class WorkersConfig:
         if self.address == INLINE and (self.learners > 1 or self.backend == "deepspeed"):
             return [f"workers.address=inline runs one learner in this process, without a process group (got "
                     f"workers.learners={self.learners} workers.backend={self.backend}); set workers.learners=1 "
-                    "workers.backend=ddp, or run on Ray (workers.address=)"]
+                    "workers.backend=ddp, or run on Ray (workers.address= or auto or HOST:PORT)"]
         return []
 
 @dataclass
