@@ -232,6 +232,7 @@ class WorkersConfig:
                     "workers.backend=ddp, or run on Ray (workers.address= or auto or HOST:PORT)"]
         return []
 
+
 @dataclass
 class LoggingConfig:
     tensorboard: bool = False  # also write TensorBoard events to output_dir/tensorboard (`pip install tensorboard`)

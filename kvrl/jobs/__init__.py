@@ -23,7 +23,9 @@ class Job:
     # "rl": an RL job, which runs rl.algo (the algorithms kvrl.algos.ALGOS gives it, or one by path),
     # whose registered rules (and the shared sections it uses) apply too
     sections: tuple[str, ...] = ()
-    ray: bool = False  # runs Ray actors (workers.*): a local Ray must host them (kvrl.gate.machine_problems)
+    # runs actors (workers.*, whose rules apply): on Ray, where a local Ray must host them
+    # (kvrl.gate.machine_problems), or inline in this process (workers.address=inline)
+    ray: bool = False
     # resumes from output_dir/checkpoints/step_*, whose config.json the run's settings must match but for
     # Config.RESUMABLE (kvrl.gate.resume_problems compares them before the job starts)
     resumes: bool = False

@@ -9,10 +9,11 @@ controller drives the same actor classes, in one process.
 The contract: :func:`spawn` gives a handle with a Ray actor's call shape,
 ``handle.method.remote(*args)``, whose call runs there and then and returns a :class:`Done`
 (two for a ``@ray.method(num_returns=2)`` method); :func:`kvrl.workers.controller.get` reads
-it as it reads an object ref, and a call given one receives its value, as on Ray. Arguments and results are deep-copied, as Ray's object store
-copies them: a learner's in-place optimizer step must not reach the weights a rollout worker
-was given, nor a worker's edit the controller's samples. So a run gives the same samples and
-metrics inline as on Ray (``tests/test_rl_loop.py``).
+it as it reads an object ref, and a call given one receives its value, as on Ray. Arguments
+and results are deep-copied, as Ray's object store copies them: a learner's in-place
+optimizer step must not reach the weights a rollout worker was given, nor a worker's edit the
+controller's samples. So a run gives the same samples and metrics inline as on Ray
+(``tests/test_rl_loop.py``).
 
 What Ray gives and this does not: actors run one after another, not in parallel; nothing is
 restarted (an actor's exception is the run's, with its own traceback, at the call); no call
@@ -45,6 +46,8 @@ def values(refs):
 
 
 class Method:
+    """``handle.method``: ``.remote(*args)`` runs it now."""
+
     def __init__(self, fn):
         self.fn, self.returns = fn, getattr(fn, "__ray_num_returns__", 1)
 
