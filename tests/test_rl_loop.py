@@ -223,22 +223,24 @@ def test_resume_refuses_changed_settings_and_a_second_run(random_model, tmp_path
         first.close()
 
 
+class ScoredWhere(Controller):
+    """Records the process that scored each sample handed to the learners (WhereScoredEnv's info)."""
+
+    def learn(self, samples):
+        self.scored_by = getattr(self, "scored_by", []) + [s.info["pid"] for s in samples]
+        return super().learn(samples)
+
+
 def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
     """Scoring (math-verify can take seconds per answer) runs beside generation on each
     rollout actor, in parallel and inside workers.timeout_s, not one by one in the driver."""
-    seen = []
-
-    class Scored(Controller):
-        def learn(self, samples):
-            seen.extend(s.info["pid"] for s in samples)
-            return super().learn(samples)
-
-    controller = Scored(config(tmp_path, random_model, f"env.id={__name__}:WhereScoredEnv", "trainer.steps=2"))
+    controller = ScoredWhere(config(tmp_path, random_model, f"env.id={__name__}:WhereScoredEnv", "trainer.steps=2"))
     try:
         workers = set(ray.get([w.__ray_call__.remote(lambda self: os.getpid()) for w in controller.workers]))
         controller.run()
     finally:
         controller.close()
+    seen = controller.scored_by
     assert len(seen) == 2 * 16 and set(seen) == workers and os.getpid() not in workers
 
 
@@ -468,19 +470,16 @@ def test_inline_actors_repeat_the_ray_run_in_this_process(reference, random_mode
     made: the module's Ray is still up, and would be used by mistake) give the reference's
     metrics and weights; scoring happens here, not on an actor."""
     _, ref_records, ref_params = reference
-    seen = []
-
-    class Scored(Controller):
-        def learn(self, samples):
-            seen.extend(s.info["pid"] for s in samples if "pid" in s.info)
-            return super().learn(samples)
-
     records, params = train(config(tmp_path / "a", random_model, "workers.address=inline"))
     same_metrics(records, ref_records)
     same_params(params, ref_params)
-    train(config(tmp_path / "b", random_model, "workers.address=inline", f"env.id={__name__}:WhereScoredEnv",
-                 "trainer.steps=1"), Scored)
-    assert set(seen) == {os.getpid()}
+    controller = ScoredWhere(config(tmp_path / "b", random_model, "workers.address=inline",
+                                    f"env.id={__name__}:WhereScoredEnv", "trainer.steps=1"))
+    try:
+        controller.run()
+    finally:
+        controller.close()
+    assert len(controller.scored_by) == 16 and set(controller.scored_by) == {os.getpid()}
 
 
 def test_inline_one_step_ahead_generates_before_the_update(random_model, tmp_path):
@@ -510,7 +509,7 @@ def test_inline_actors_copy_what_crosses_as_ray_does():
     """What an inline actor is given or returns is a copy, as on Ray: an in-place update on either
     side (a learner's optimizer step, a controller's edit) never reaches the other. A result passed
     as an argument arrives as its value, and num_returns=2 gives two results."""
-    from kvrl.workers.inline import Actor, values
+    from kvrl.workers.inline import Actor
 
     given = torch.zeros(3)
     box = Actor(ray.remote(Box), given)
@@ -518,10 +517,10 @@ def test_inline_actors_copy_what_crosses_as_ray_does():
     assert box.obj.held.sum() == 0
     kept = box.keep.remote(given)
     given += 1
-    values(kept).mul_(10)
+    kept.value.mul_(10)
     assert box.obj.held.tolist() == [1.0, 1.0, 1.0]
     held, total = box.pair.remote()
-    assert values(total) == 3 and box.keep.remote(held).value.tolist() == [1.0, 1.0, 1.0]
+    assert total.value == 3 and box.keep.remote(held).value.tolist() == [1.0, 1.0, 1.0]
 
 
 class FakeWriter:

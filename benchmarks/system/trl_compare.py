@@ -127,7 +127,7 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     if side.startswith("kvrl"):
         cmd = [sys.executable, "-m", "kvrl.run", "recipe=tiny_rl_full", f"trainer.steps={steps}",
-               f"output_dir={out}", "rl.checkpoint_every=0", *(["workers.address=inline"] if side == SIDES[1] else [])]
+               f"output_dir={out}", "rl.checkpoint_every=0", *(["workers.address=inline"] if side == "kvrl_inline" else [])]
         progress = out / "metrics.jsonl"
     else:
         cmd = [sys.executable, __file__, "--child", str(out), "--steps", str(steps), "--trl-threads", str(threads)]

@@ -58,7 +58,7 @@ from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
                          plot_rewards, save_torch, seal, write_json)
 from kvrl.section import SECTIONS, ConfigError
-from kvrl.workers.inline import INLINE, is_done, spawn, values
+from kvrl.workers.inline import INLINE, Done, spawn
 from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker
 
@@ -120,8 +120,11 @@ def actor_logs() -> str:
 
 def reserve(cfg, rollout: int, learners: int) -> None:
     """Fail now unless the Ray cluster has the CPUs and GPUs of ``rollout`` rollout and
-    ``learners`` learner actors (Ray would otherwise leave them pending forever)."""
+    ``learners`` learner actors (Ray would otherwise leave them pending forever). Inline actors
+    reserve nothing."""
     w = cfg.workers
+    if w.address == INLINE:
+        return
     for kind, need in (("CPU", rollout * w.rollout_cpus + learners * w.learner_cpus),
                        ("GPU", rollout * w.rollout_gpus + learners * w.learner_gpus)):
         have = ray.cluster_resources().get(kind, 0)
@@ -134,8 +137,10 @@ def reserve(cfg, rollout: int, learners: int) -> None:
 def get(refs, what: str, timeout_s: float):
     """ray.get with workers.timeout_s: a stuck actor fails the run with its name. An inline actor's
     results are already there."""
-    if is_done(refs):
-        return values(refs)
+    if isinstance(refs, Done):
+        return refs.value
+    if isinstance(refs, list) and refs and isinstance(refs[0], Done):
+        return [r.value for r in refs]
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
@@ -173,8 +178,7 @@ class Controller:
         self.runlog: RunLog | None = None  # opened by resume(): fresh, or appending to the resumed run's
         try:
             self.own_ray = connect(cfg)
-            if not self.inline:
-                reserve(cfg, w.rollout, w.learners)
+            reserve(cfg, w.rollout, w.learners)
             rollout = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
                            max_task_retries=0)
             # inline, an actor that cannot start raises here, with its own traceback

@@ -36,15 +36,6 @@ class Done:
     value: Any
 
 
-def is_done(refs) -> bool:
-    """True for a Done or a non-empty list of them (what ray.get would otherwise be given)."""
-    return isinstance(refs, Done) or (isinstance(refs, list) and bool(refs) and isinstance(refs[0], Done))
-
-
-def values(refs):
-    return refs.value if isinstance(refs, Done) else [r.value for r in refs]
-
-
 class Method:
     """``handle.method``: ``.remote(*args)`` runs it now."""
 

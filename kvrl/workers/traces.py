@@ -146,8 +146,7 @@ def generate(cfg, shards: list[Shard], done: int = 0) -> None:
     queue, active = list(shards), {}  # active: actor -> the shard it generates
     own_ray, actors, inline = connect(cfg), [], w.address == INLINE
     try:
-        if not inline:
-            reserve(cfg, rollout=n, learners=0)
+        reserve(cfg, rollout=n, learners=0)
         # a batch is a pure function of its arguments: Ray redoes it on a restarted actor
         options = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
                        max_task_retries=w.max_restarts)
