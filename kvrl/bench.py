@@ -10,7 +10,9 @@ in one run. This module is the part of that every script would otherwise write a
 * :func:`interleaved` — repeats of several callables taken in turns (a, b, a, b, ...), so
   that a drift in the machine's load hits each alike; each one's :class:`Runs` keeps every
   run's two times and result, :meth:`Runs.summary` their mean and spread.
-* :func:`emit` — the one JSON line.
+* :func:`emit` — the one JSON line; :func:`record` also writes it to
+  ``benchmarks/results/<name>.json`` with the commit it ran at, for the benchmarks whose
+  figures take hours to remake; :func:`accuracy` a judged accuracy with its 95 % interval.
 * :func:`reasoner`, :func:`draw_tasks` and :func:`recipe_policy` — a shipped tiny reasoner in
   the reference engine, an environment's task stream at a seed, and a recipe's ``kv``
   section as a policy.
@@ -86,6 +88,40 @@ def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Ru
 def emit(record: dict) -> None:
     """The benchmark's one JSON line, flushed (a caller may be reading the pipe)."""
     print(json.dumps(record), flush=True)
+
+
+def accuracy(result: dict) -> dict:
+    """{"acc", "ci95", "query_acc" where the environment reports it, "n"} of an
+    :func:`kvrl.eval.budgets.evaluate` result: the exact answer's share with its 95 % Wilson
+    interval over tasks."""
+    from kvrl.eval.suite import wilson
+
+    n = len(result["rewards"])
+    line = {"acc": round(result["acc"], 4), "ci95": [round(x, 4) for x in wilson(result["acc"], n)], "n": n}
+    if "query_acc" in result["metrics"]:
+        line["query_acc"] = round(result["metrics"]["query_acc"], 4)
+    return line
+
+
+def record(name: str, line: dict) -> None:
+    """:func:`emit` ``line`` and write it, with the commit of the code that ran (``-dirty`` when
+    the tree had uncommitted changes), to ``benchmarks/results/<name>.json``."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    line = {**line, "commit": commit, "date": time.strftime("%Y-%m-%d")}
+    emit(line)
+    out = root / "benchmarks" / "results" / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(line, indent=1) + "\n")
 
 
 def reasoner(path: str = "tiny", **kwargs):

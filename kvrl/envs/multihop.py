@@ -195,14 +195,23 @@ class MultiHopEnv(TextEnv):
     """Multi-query variable chains as a text environment (``kvrl/multihop-v0``).
 
     Tasks are drawn from ``np_random``, so ``reset(seed=s)`` fixes the stream. The reward is
-    the exact boxed answer; ``query_acc`` and ``exact_cot`` are metrics. ``meta`` holds the
-    reference completion, the queries, their chains and the statements (for oracles and the
-    property measurements).
+    the exact boxed answer (1 or 0) plus ``partial_credit`` times the share of queries right
+    (``query_acc``); ``partial_credit=0`` (the default) makes ``query_acc`` a metric only, as
+    ``exact_cot`` is. Partial credit is a training signal: under a compressed cache the exact
+    answer over 5–7 queries can be so rare that every group of samples scores 0 and GRPO's
+    advantages vanish, while the share of queries right still differs within groups
+    (``benchmarks/learning/multihop_signal.py`` measures both). ``correct`` in ``info`` stays
+    the exact answer whatever the weight. ``meta`` holds the reference completion, the
+    queries, their chains and the statements (for oracles and the property measurements).
     """
 
     def __init__(self, min_statements: int = 36, max_statements: int = 48, min_queries: int = 5,
-                 max_queries: int = 7, min_depth: int = 5, max_depth: int = 9, max_trees: int = 3):
-        super().__init__(rewards=[Reward(correct, 1.0, "correct"), Reward(query_accuracy, 0.0, "query_acc"),
+                 max_queries: int = 7, min_depth: int = 5, max_depth: int = 9, max_trees: int = 3,
+                 partial_credit: float = 0.0):
+        if not (np.isfinite(partial_credit) and partial_credit >= 0):
+            raise ValueError(f"partial_credit must be a finite number >= 0, got {partial_credit}")
+        super().__init__(rewards=[Reward(correct, 1.0, "correct"),
+                                  Reward(query_accuracy, float(partial_credit), "query_acc"),
                                   Reward(exact_cot, 0.0, "exact_cot")])
         self.spec = MultiHopSpec(min_statements, max_statements, min_queries, max_queries, min_depth, max_depth,
                                  max_trees)
