@@ -341,12 +341,13 @@ def generating(model):
     tokens the forward brings into the cache, as the engine's loop counts them) and hands the
     cache to the ``"kvrl_evict"`` attention function, which ``generate()`` would refuse as an
     unknown keyword. The model's attention implementation and hooks are restored on exit.
-    Forwards given another ``past_key_values`` are left alone.
+    Forwards given another ``past_key_values``, or a ``kvrl_cache`` (a caller that calls
+    :meth:`KVCache.begin` itself, as :class:`kvrl.engines.hf.HFEngine`), are left alone.
     """
 
     def begin(module, args, kwargs):
         cache = kwargs.get("past_key_values")
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, KVCache) or "kvrl_cache" in kwargs:  # the caller drives it (HFEngine)
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         rows, q = (ids if ids is not None else kwargs["inputs_embeds"]).shape[:2]

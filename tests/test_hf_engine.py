@@ -288,6 +288,8 @@ def test_model_generate_under_a_policy_gives_the_engines_tokens_and_trace(reason
     eos = tok.eos_token_id  # generate() pads after EOS; the engine keeps EOS and stops there
     assert [row[:row.index(eos) + 1] if eos in row else row for row in gen.tolist()] == ref.tokens
     assert model.config._attn_implementation == "kvrl_replay", "generating() restores the attention"
+    with generating(model):  # an engine that drives the cache itself is left alone
+        assert engine.generate(batch, Sampling(max_new_tokens=40), policy=policy).tokens == ref.tokens
     lengths = prompt_lens + torch.tensor([len(t) for t in ref.tokens])
     trace = cache.trace(lengths)
     assert (ref.traces.full() != NEVER).any(), "the policy evicted"
