@@ -28,6 +28,7 @@ masks keys by the pattern's death times instead of evicting them, which is equiv
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,6 +143,10 @@ class KVLayer(DynamicLayer):
 
     def update(self, key_states: Tensor, value_states: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Append new keys/values [B, H, Q, D] at true positions pos [B, Q]."""
+        if pos is None:
+            raise ValueError("a KVCache forward needs the true positions of its tokens: call cache.begin(positions, "
+                             "generated) before model(...), or run model.generate(..., past_key_values=cache) "
+                             "inside `with kvrl.cache.generating(model):`")
         keys, values = super().update(key_states, value_states)
         new = pos[:, None, :].expand(-1, key_states.shape[1], -1)
         self.key_pos = new if self.key_pos is None else torch.cat([self.key_pos, new], -1)
@@ -208,13 +213,22 @@ class KVCache(Cache):
         self.death = death
         self.sample, self.generator = sample, generator
         self.step_pos, self.evict_now = None, False
+        self.forwards = 0  # begin() calls so far: under generating(), the generated tokens in the cache
         self.logprobs: list[Tensor] = []  # per sampled eviction event: [layers, B, H]
         self.evict_seconds = 0.0  # wall time spent scoring, selecting and compacting
+
+    @classmethod
+    def for_model(cls, model, batch: int, length: int, regime=None, **kwargs) -> KVCache:
+        """A cache of ``model``'s geometry (its config's layers and KV heads) on its device."""
+        cfg = model.config
+        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, regime, device=model.device,
+                   **kwargs)
 
     def begin(self, pos: Tensor, generated: int) -> None:
         """Announce the next forward: true positions pos [B, Q] (−1 = padding) of its
         tokens, after which ``generated`` generated tokens are in the cache."""
         self.step_pos = pos
+        self.forwards += 1
         # One schedule for the batch, due when the shortest row (the smallest budget) is
         # over; rows within their own budget then keep everything (apply).
         self.evict_now = self.policy is not None and should_evict(
@@ -312,3 +326,49 @@ def evict_attention(module, query, key, value, attention_mask, *, scaling, dropo
 
 
 AttentionInterface.register("kvrl_evict", evict_attention)
+
+
+@contextmanager
+def generating(model):
+    """Inside it, ``model.generate(..., past_key_values=cache)`` (and ``model(...)``) with a
+    :class:`KVCache` decodes under the cache's regime; afterwards ``cache.trace(lengths)`` is
+    its eviction trace. Greedy and sampled decoding alike; not beam search (the cache cannot
+    be reordered).
+
+    A forward pre-hook on ``model`` reads each forward's true positions from its 2-D
+    ``attention_mask`` (left padding = 0; without one, from ``position_ids``), calls
+    :meth:`KVCache.begin` with them and the number of forwards before this one (the generated
+    tokens the forward brings into the cache, as the engine's loop counts them) and hands the
+    cache to the ``"kvrl_evict"`` attention function, which ``generate()`` would refuse as an
+    unknown keyword. The model's attention implementation and hooks are restored on exit.
+    Forwards given another ``past_key_values``, or a ``kvrl_cache`` (a caller that calls
+    :meth:`KVCache.begin` itself, as :class:`kvrl.engines.hf.HFEngine`), are left alone.
+    """
+
+    def begin(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, KVCache) or "kvrl_cache" in kwargs:  # the caller drives it (HFEngine)
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows, q = (ids if ids is not None else kwargs["inputs_embeds"]).shape[:2]
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if mask is not None and mask.dim() == 2:
+            # generate's mask spans every token so far; true positions count the unpadded ones
+            pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, -1)[:, -q:]
+        elif positions is not None:
+            pos = positions.expand(rows, -1)
+        else:
+            # the cache's length is not the next position once it has evicted
+            raise ValueError("a forward on a KVCache needs the true positions of its tokens: pass a 2-D "
+                             "attention_mask or position_ids")
+        cache.begin(pos, generated=cache.forwards)
+        return args, {**kwargs, "kvrl_cache": cache}
+
+    handle = model.register_forward_pre_hook(begin, with_kwargs=True)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvrl_evict")
+    try:
+        yield model
+    finally:
+        handle.remove()
+        model.set_attn_implementation(previous)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrl.cache import EvictionTrace
+from kvrl.cache import EvictionTrace, KVCache, generating
 from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling, nucleus
 from kvrl.envs import make
@@ -254,3 +254,79 @@ def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     assert (torch.softmax(nucleus(flat, 0.7), -1) > 0).sum(-1).tolist() == [3, 3]
     both = nucleus(torch.stack([logits, logits.flip(0)]), 0.8)
     assert torch.equal(both[1], nucleus(logits.flip(0), 0.8))
+
+
+@pytest.fixture(scope="module")
+def reasoner():
+    """The shipped tiny reasoner, its counts prompts (of different lengths: left padding) and
+    the SnapKV policy they overflow."""
+    model, tok = load_model("tiny")
+    env = make("kvrl/counts-v0", n_digits=24)
+    env.reset(seed=0)
+    batch = sorted((t.prompt for t in env.tasks(4)), key=len, reverse=True)
+    policy = make_policy("snapkv", model.config, budget=48, interval=8, window=8, sink=4)
+    return model.eval(), tok, batch, policy
+
+
+def generate_with_transformers(model, tok, batch, policy, new, **kwargs):
+    """model.generate under ``policy`` through :func:`kvrl.cache.generating`: (generated ids
+    [B, G] with generate's padding after EOS, the output, the cache)."""
+    enc = tok(batch, return_tensors="pt", padding=True)
+    P = enc["input_ids"].shape[1]
+    cache = KVCache.for_model(model, len(batch), P + new, policy)
+    with generating(model):
+        out = model.generate(**enc, past_key_values=cache, max_new_tokens=new, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, return_dict_in_generate=True, **kwargs)
+    return out.sequences[:, P:], out, cache, enc["attention_mask"].sum(-1)
+
+
+def test_model_generate_under_a_policy_gives_the_engines_tokens_and_trace(reasoner):
+    model, tok, batch, policy = reasoner
+    engine = HFEngine(model, tok)
+    ref = engine.generate(batch, Sampling(max_new_tokens=40), policy=policy)
+    gen, _, cache, prompt_lens = generate_with_transformers(model, tok, batch, policy, 40, do_sample=False)
+    eos = tok.eos_token_id  # generate() pads after EOS; the engine keeps EOS and stops there
+    assert [row[:row.index(eos) + 1] if eos in row else row for row in gen.tolist()] == ref.tokens
+    assert model.config._attn_implementation == "kvrl_replay", "generating() restores the attention"
+    with generating(model):  # an engine that drives the cache itself is left alone
+        assert engine.generate(batch, Sampling(max_new_tokens=40), policy=policy).tokens == ref.tokens
+    lengths = prompt_lens + torch.tensor([len(t) for t in ref.tokens])
+    trace = cache.trace(lengths)
+    assert (ref.traces.full() != NEVER).any(), "the policy evicted"
+    for b in range(len(batch)):  # rows stop at different steps; the engine stops when all have
+        n = int(lengths[b])
+        assert torch.equal(trace.for_sequence(b).death, ref.traces.for_sequence(b).death), b
+        assert n == len(ref.prompt_ids[b]) + len(ref.tokens[b])
+
+
+def test_sampled_model_generate_is_replayed_by_its_trace(reasoner):
+    """Sampling under model.generate: the recorded trace, replayed by the learner's score(),
+    gives the logprobs of the logits generate sampled from."""
+    model, tok, batch, policy = reasoner
+    torch.manual_seed(0)
+    gen, out, cache, prompt_lens = generate_with_transformers(model, tok, batch, policy, 40, do_sample=True,
+                                                             temperature=1.0, top_k=0, top_p=1.0,
+                                                             output_logits=True)
+    n_gen = torch.tensor([row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+                          for row in gen.tolist()])
+    trace = cache.trace(prompt_lens + n_gen)
+    assert (trace.full() != NEVER).any(), "the policy evicted"
+    enc = tok(batch)["input_ids"]
+    sequences = [p + row[:n] for p, row, n in zip(enc, gen.tolist(), n_gen.tolist())]
+    with torch.no_grad():
+        scores = HFEngine(model, tok).score(sequences, [len(p) for p in enc], trace=trace)
+    logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, gen[..., None]).squeeze(-1)
+    mask = torch.arange(gen.shape[1]) < n_gen[:, None]
+    assert torch.allclose(scores.logprobs[mask], logp[:, :scores.logprobs.shape[1]][mask], atol=1e-4)
+
+
+def test_a_kvcache_forward_without_positions_names_the_fix(reasoner):
+    model, tok, batch, policy = reasoner
+    ids = tok(batch[:1], return_tensors="pt")["input_ids"]
+    cache = KVCache.for_model(model, 1, ids.shape[1] + 4, policy)
+    model.set_attn_implementation("kvrl_evict")
+    try:
+        with pytest.raises(ValueError, match="generating"):
+            model(input_ids=ids, past_key_values=cache, kvrl_cache=cache)
+    finally:
+        model.set_attn_implementation("kvrl_replay")

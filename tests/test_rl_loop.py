@@ -9,6 +9,9 @@ reward (the fraction of digits in the completion) a random model can learn in a 
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ from kvrl.run import main as run_main
 from kvrl.runlog import tensorboard_writer
 from kvrl.workers.controller import TIMINGS, Controller
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 
 
@@ -492,6 +496,33 @@ def test_inline_one_step_ahead_generates_before_the_update(random_model, tmp_pat
     assert max(r["ratio_max"] for r in records[1:]) > 1.0 + 1e-4
 
 
+SLOW_S = 0.02
+
+
+def slow_digits(task, completion):
+    time.sleep(SLOW_S)
+    return digits(task, completion)
+
+
+class SlowEnv(DigitsEnv):
+    """Scoring a sample waits SLOW_S: a rollout takes at least that long per sample."""
+
+    def __init__(self, **ignored):
+        TextEnv.__init__(self, rewards=[Reward(slow_digits, 1.0, "digits")])
+
+
+def test_inline_rollout_time_is_the_time_the_shards_took(random_model, tmp_path):
+    """Inline, a shard runs when it is dispatched; rollout_s counts the shards' own seconds
+    (not the instant between dispatch and collection), so gen_tokens_per_s is the rate the
+    workers generated at. Each of the 16 samples a step scores waits SLOW_S: the rollout
+    takes at least 16 · SLOW_S."""
+    records, _ = train(config(tmp_path, random_model, "workers.address=inline", f"env.id={__name__}:SlowEnv",
+                              "trainer.steps=2"))
+    for r in records:
+        assert r["rollout_s"] >= 16 * SLOW_S, r
+        assert r["gen_tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["rollout_s"])
+
+
 class Box:
     def __init__(self, held):
         self.held = held
@@ -521,6 +552,49 @@ def test_inline_actors_copy_what_crosses_as_ray_does():
     assert box.obj.held.tolist() == [1.0, 1.0, 1.0]
     held, total = box.pair.remote()
     assert total.value == 3 and box.keep.remote(held).value.tolist() == [1.0, 1.0, 1.0]
+
+
+NOISY = """
+import logging, os, sys, warnings
+import ray
+from kvrl.workers.inline import Actor
+
+class Noisy:
+    # prints as vLLM and DeepSpeed do when they start and run: Python's print, a warning, a log
+    # record (logging's last-resort handler) and a C-level write to file descriptor 2
+    def __init__(self, word):
+        self.word = word
+        self.say("start")
+
+    def say(self, when):
+        print(f"{self.word} print {when}")
+        warnings.warn(f"{self.word} warning {when}", FutureWarning, stacklevel=1)
+        logging.getLogger("noisy").warning("%s log %s", self.word, when)
+        os.write(2, f"{self.word} fd2 {when}\\n".encode())
+        return when
+
+warnings.simplefilter("always")
+quiet = Actor(ray.remote(Noisy), "quiet", log=sys.argv[1])
+assert quiet.say.remote("call").value == "call"
+print("kvrl line")
+loud = Actor(ray.remote(Noisy), "loud")
+"""
+
+
+def test_inline_actors_print_to_their_log_not_the_console(tmp_path):
+    """Inline, what an actor prints at start and in its calls, by any route, goes to its log
+    (the console is left to kvrl's own lines), as a Ray actor's goes to Ray's log files. In a
+    child process: pytest's capture replaces the streams that the redirection works below."""
+    log = tmp_path / "actors.log"
+    res = subprocess.run([sys.executable, "-c", NOISY, str(log)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "quiet" not in res.stdout + res.stderr and "kvrl line" in res.stdout
+    assert "loud print start" in res.stdout and "loud fd2 start" in res.stderr, "without a log, the console"
+    text = log.read_text()
+    for route in ("print", "warning", "log", "fd2"):
+        for when in ("start", "call"):
+            assert f"quiet {route} {when}" in text, (route, when)
 
 
 class FakeWriter:

@@ -206,7 +206,7 @@ def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name
     is scored one request at a time (``grouped``: the grouping that keeps a large batch's
     temporaries in the CPU's caches, forced down to one row) and every call takes all
     layers."""
-    from kvrl.engines.vllm import evicting, runtime
+    from kvrl.engines.vllm import evicting
 
     if grouped:
         monkeypatch.setattr(evicting, "SCORE_LOGITS", 1)
@@ -220,7 +220,7 @@ def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name
     policy = token_policy(name)
     tokens, logprobs, _, traces = hf_alone(hf, batch, sampling, policy)
     out = engine.generate(batch, sampling, policy=policy)
-    n_layers = runtime.CONTEXT.geometry[0]
+    n_layers = engine.layers
     if grouped:
         assert set(layers_per_call) == {n_layers}
     else:  # 16 due at once: a layer per call; fewer: several
@@ -686,6 +686,33 @@ def test_flash_compact_kernel_matches_reference_on_cuda(layout, dtype):
     flash_compact(got, bt, keep, counts)
     torch.cuda.synchronize()
     assert torch.equal(want, got)
+
+
+def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, hf, model_dir):
+    """Inline rollout workers (``workers.address=inline``) are two engines in one process. Each
+    keeps its own worker context (requests, traces, installed regime): decoding under
+    different policies in turn, each gives the HF engine's tokens and traces."""
+    from kvrl.engines.vllm import VLLMEngine
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        second = VLLMEngine(model_dir, max_model_len=256, block_size=BLOCK, kv_cache_gib=0.004)
+    finally:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING") if saved is None else \
+            os.environ.__setitem__("VLLM_ENABLE_V1_MULTIPROCESSING", saved)
+    try:
+        batch, sampling = prompts(4, seed=7), Sampling(max_new_tokens=NEW)
+        for eng, name in ((engine, "h2o"), (second, "snapkv"), (engine, "h2o"), (engine, "gkv")):
+            policy = token_policy(name)
+            tokens, _, _, traces = hf_alone(hf, batch, sampling, policy)
+            out = eng.generate(batch, sampling, policy=policy)
+            assert out.tokens == tokens, name
+            assert any((t.full() != NEVER).any() for t in traces), "the policy evicted"
+            for b, trace in enumerate(traces):
+                assert torch.equal(out.trace(b).death, trace.death), (name, b)
+    finally:
+        second.close()
 
 
 def test_a_model_vllm_would_read_with_another_head_dim_is_refused(model_dir, tmp_path):

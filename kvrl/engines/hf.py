@@ -15,11 +15,10 @@ It implements :class:`kvrl.engines.base.Engine` and adds the learner's ``score``
   replayed trace (``"kvrl_replay"``), under full attention, or under RLKV's mixed-gate
   attention (``policy=Mixed``, :mod:`kvrl.kernels.reference.mixed`: the learner of ``rl.algo=rlkv``).
 
-Every other engine is checked against this one. It runs its own decode loop rather than
-``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
-the attention function) and grows a 2-D padding mask that no longer describes a cache
-once keys are evicted (reference/stack.md §2). Positions are always passed explicitly:
-they are true RoPE positions, which the cache length stops being after an eviction.
+Every other engine is checked against this one. It runs its own decode loop, which passes
+the cache to the attention function and the true RoPE positions (which the cache's length
+stops being after an eviction) explicitly; ``model.generate`` does the same inside
+:func:`kvrl.cache.generating` and gives the same tokens (``tests/test_hf_engine.py``).
 """
 
 from __future__ import annotations
@@ -83,7 +82,6 @@ class HFEngine:
         a KVPolicy, a static pattern with ``death(T)``, a death tensor [layers, B, H_kv, T]
         with T >= longest prompt + max_new_tokens, ``Mixed``)."""
         regime = as_regime(policy)
-        cfg = self.model.config
         prompt_ids = self.encode(prompts)
         check_request([len(x) for x in prompt_ids], sampling, regime, self.max_model_len)
         ids, pos = self.pad(prompt_ids)
@@ -92,9 +90,8 @@ class HFEngine:
         # generated tokens each row may hold: max_new_tokens, or up to the model's length limit
         limits = (pos[:, -1] + 1).neg().add(self.max_model_len or T).clamp(max=sampling.max_new_tokens)
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        cache = KVCache(cfg.num_hidden_layers, B, cfg.num_key_value_heads, T, regime,
-                        sample=sampling.sample_evictions, device=self.device,
-                        generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
+        cache = KVCache.for_model(self.model, B, T, regime, sample=sampling.sample_evictions,
+                                  generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
         stops = torch.tensor([] if sampling.ignore_eos else self.stop_ids, dtype=torch.long, device=self.device)
         step_ids, step_pos = ids, pos
         done = torch.zeros(B, dtype=torch.bool, device=self.device)

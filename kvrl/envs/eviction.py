@@ -54,8 +54,7 @@ class ChunkedPass:
         self.model, self.policy, self.prompt_len = model, policy, prompt_len
         self.ids = ids.to(model.device).view(1, -1)
         self.ends = block_bounds(self.ids.shape[1], prompt_len, policy.interval)
-        self.cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, self.ids.shape[1], policy,
-                             device=model.device)
+        self.cache = KVCache.for_model(model, 1, self.ids.shape[1], policy)
         self.scaling = geometry(cfg)["head_dim"] ** -0.5
         self.chunk, self.losses, self.entropies = 0, [], []
 

@@ -181,10 +181,16 @@ class Controller:
             reserve(cfg, w.rollout, w.learners)
             rollout = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
                            max_task_retries=0)
-            # inline, an actor that cannot start raises here, with its own traceback
-            self.workers = [spawn(RolloutWorker, rollout, cfg, i, inline=self.inline) for i in range(w.rollout)]
+            # inline, an actor that cannot start raises here, with its own traceback; what the actors
+            # print goes to a file, as on Ray
+            log = self.out / "actors.log" if self.inline and not cfg.logging.verbose else None
+            if log is not None:
+                tqdm.write(f"kvrl: the actors' output (vLLM, DeepSpeed) is in {log}; logging.verbose=true prints "
+                           "it here")
+            self.workers = [spawn(RolloutWorker, rollout, cfg, i, inline=self.inline, log=log)
+                            for i in range(w.rollout)]
             self.learners = [spawn(Learner, dict(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus), cfg, r,
-                                   w.learners, inline=self.inline) for r in range(w.learners)]
+                                   w.learners, inline=self.inline, log=log) for r in range(w.learners)]
             if w.learners > 1 or w.backend == "deepspeed":
                 endpoint = self.get(self.learners[0].endpoint.remote(), "learner 0")
                 self.get([learner.join.remote(endpoint) for learner in self.learners], "the learners' process group")
@@ -347,7 +353,11 @@ class Controller:
         expected = [sid for i in sorted(pending.args) for sid in pending.args[i][0]]
         assert [s.id for s in samples] == expected, "a shard's samples were lost or duplicated"
         tokens = sum(r[1]["tokens"] for r in results.values())
-        return samples, {"tokens": tokens, "seconds": time.perf_counter() - pending.start}
+        # On Ray the shards run side by side from their dispatch to here: the wall time is the
+        # rollout's. Inline each ran, one after another, inside dispatch(): their own seconds are.
+        seconds = (sum(r[1]["seconds"] for r in results.values()) if self.inline
+                   else time.perf_counter() - pending.start)
+        return samples, {"tokens": tokens, "seconds": seconds}
 
     def gather(self, refs: dict[int, ray.ObjectRef], method: str, args: dict[int, tuple],
                weights: tuple | None = None, lives: list[int] | None = None) -> dict:

@@ -15,6 +15,10 @@ optimizer step must not reach the weights a rollout worker was given, nor a work
 controller's samples. So a run gives the same samples and metrics inline as on Ray
 (``tests/test_rl_loop.py``).
 
+What the actors print (vLLM's and DeepSpeed's start-up, their warnings, C++ lines included) goes,
+as on Ray, to a log file rather than the console, unless ``logging.verbose``: :func:`output_to`
+points the process's stdout and stderr at it for the length of each call.
+
 What Ray gives and this does not: actors run one after another, not in parallel; nothing is
 restarted (an actor's exception is the run's, with its own traceback, at the call); no call
 times out; one learner only (a process group needs a process per rank).
@@ -22,8 +26,12 @@ times out; one learner only (a process group needs a process per rank).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 INLINE = "inline"  # the workers.address that selects it
@@ -36,28 +44,59 @@ class Done:
     value: Any
 
 
+@contextlib.contextmanager
+def output_to(log: Path | None):
+    """File descriptors 1 and 2 appended to ``log`` inside the block (None: left alone), so that
+    C and C++ lines go there with Python's prints, warnings and log records."""
+    if log is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 class Method:
     """``handle.method``: ``.remote(*args)`` runs it now."""
 
-    def __init__(self, fn):
-        self.fn, self.returns = fn, getattr(fn, "__ray_num_returns__", 1)
+    def __init__(self, fn, log: Path | None):
+        self.fn, self.log, self.returns = fn, log, getattr(fn, "__ray_num_returns__", 1)
 
     def remote(self, *args):
         args = [a.value if isinstance(a, Done) else a for a in args]  # Ray passes a ref argument's value
-        out = copy.deepcopy(self.fn(*copy.deepcopy(args)))
+        with output_to(self.log):
+            out = copy.deepcopy(self.fn(*copy.deepcopy(args)))
         return Done(out) if self.returns == 1 else tuple(Done(v) for v in out)
 
 
 class Actor:
-    """An instance of a ``@ray.remote`` class's own class, called as Ray's handles are."""
+    """An instance of a ``@ray.remote`` class's own class, called as Ray's handles are; what it
+    prints goes to ``log`` (None: the console)."""
 
-    def __init__(self, remote_cls, *args):
-        self.obj = remote_cls.__ray_actor_class__(*copy.deepcopy(args))
+    def __init__(self, remote_cls, *args, log: Path | None = None):
+        self.log = log
+        with output_to(log):
+            self.obj = remote_cls.__ray_actor_class__(*copy.deepcopy(args))
 
     def __getattr__(self, name: str) -> Method:
-        return Method(getattr(self.obj, name))
+        return Method(getattr(self.obj, name), self.log)
 
 
-def spawn(remote_cls, options: dict, *args, inline: bool):
-    """An actor of ``remote_cls`` (a ``@ray.remote`` class): on Ray with ``options``, or inline."""
-    return Actor(remote_cls, *args) if inline else remote_cls.options(**options).remote(*args)
+def spawn(remote_cls, options: dict, *args, inline: bool, log: Path | None = None):
+    """An actor of ``remote_cls`` (a ``@ray.remote`` class): on Ray with ``options``, or inline
+    printing to ``log``."""
+    return Actor(remote_cls, *args, log=log) if inline else remote_cls.options(**options).remote(*args)

@@ -29,11 +29,14 @@ the rest to the installed regime's worker, chosen once by type when the regime i
 * ``Static`` → :func:`.static.static_worker`: a fixed death pattern (sink + recent heads, pooled or not);
 * ``Mixed`` → :class:`.mixed.MixedWorker`: RLKV's mixed-gate attention.
 
-The vLLM hooks find the context through the process-global :data:`CONTEXT` (one per worker
-process: the builder and the attention implementation are built by vLLM, which passes them
-no kvrl object). :meth:`WorkerContext.push_cache_state` loads new trainable state (gates, a
-scorer) into the installed regime (``regime.load_state``), which its worker reads in place,
-and returns its checksum.
+There is one context per engine, found by :func:`context` from the engine's ``VllmConfig``:
+the builder and the worker extension hold that config (vLLM builds them and passes them no
+kvrl object), and the builder hands its context to the layers with the forward's plan, in
+the attention metadata. Two engines in one process (inline rollout workers,
+``workers.address=inline``) thus keep their own requests, traces and regimes.
+:meth:`WorkerContext.push_cache_state` loads new trainable state (gates, a scorer) into the
+installed regime (``regime.load_state``), which its worker reads in place, and returns its
+checksum.
 
 Refusals: a request seen for the first time with computed tokens (prefix caching, a KV
 connector) and a request whose computed tokens went back (preemption/recompute) raise
@@ -54,6 +57,7 @@ connector) and a request whose computed tokens went back (preemption/recompute) 
 from __future__ import annotations
 
 import copy
+import weakref
 
 import numpy as np
 import torch
@@ -74,7 +78,7 @@ class EvictionRefused(RuntimeError):
 
 
 class WorkerContext:
-    """The per-process kvrl state of a vLLM worker (one per process: :data:`CONTEXT`)."""
+    """The kvrl state of one engine's vLLM worker (:func:`context`)."""
 
     def __init__(self):
         self.runner = None
@@ -292,11 +296,18 @@ def check_config(vllm_config) -> None:
         raise ValueError("kvrl KV policies cannot run with: " + "; ".join(problems))
 
 
-CONTEXT = WorkerContext()
+# id(VllmConfig) -> (a weak reference to it, its context); an entry goes with its config
+CONTEXTS: dict[int, tuple[weakref.ref, WorkerContext]] = {}
 
 
-def context() -> WorkerContext:
-    return CONTEXT
+def context(vllm_config) -> WorkerContext:
+    """The worker context of the engine whose config is ``vllm_config``, made on first use."""
+    key = id(vllm_config)
+    entry = CONTEXTS.get(key)
+    if entry is None or entry[0]() is not vllm_config:
+        entry = CONTEXTS[key] = (weakref.ref(vllm_config), WorkerContext())
+        weakref.finalize(vllm_config, CONTEXTS.pop, key, None)
+    return entry[1]
 
 
 def layer_index(layer_name: str) -> int:
@@ -305,4 +316,4 @@ def layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 
 
-__all__ = ["CONTEXT", "EvictionRefused", "WorkerContext", "check_config", "context", "layer_index"]
+__all__ = ["CONTEXTS", "EvictionRefused", "WorkerContext", "check_config", "context", "layer_index"]

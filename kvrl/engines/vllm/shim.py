@@ -29,7 +29,8 @@ class KVRLBuilderMixin:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         cm = common_attn_metadata
-        plan = context().plan_step(cm, self.kv_cache_spec.block_size)
+        ctx = context(self.vllm_config)  # this engine's: a process may hold two (inline workers)
+        plan = ctx.plan_step(cm, self.kv_cache_spec.block_size)
         if plan is not None and plan.kernel_seq_lens is not None:
             n = plan.kernel_seq_lens.shape[0]
             seq_lens = cm.seq_lens.clone()
@@ -43,7 +44,7 @@ class KVRLBuilderMixin:
             cm = cm.replace(seq_lens=seq_lens, max_seq_len=int(upper.max()), **extra)
             common_prefix_len = 0
         meta = super().build(common_prefix_len, cm, fast_build)
-        meta.kvrl_plan = plan
+        meta.kvrl_plan, meta.kvrl_context = plan, ctx
         return meta
 
 
@@ -69,8 +70,8 @@ class KVRLImplMixin:
         if plan is None:
             return stock()
         self._check_layout(layer, kv_cache)
-        context().kv_update(plan, self._index(layer), layer.layer_name, self.LAYOUT, key, value, kv_cache,
-                            slot_mapping, stock)
+        meta.kvrl_context.kv_update(plan, self._index(layer), layer.layer_name, self.LAYOUT, key, value,
+                                    kv_cache, slot_mapping, stock)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -80,9 +81,10 @@ class KVRLImplMixin:
         if plan is None:
             return stock()
         n = attn_metadata.num_actual_tokens
-        context().attention(plan, self._index(layer), layer.layer_name, self.LAYOUT, query[:n], kv_cache,
-                            self.scale, output[:n], stock, key=None if key is None else key[:n],
-                            value=None if value is None else value[:n])
+        attn_metadata.kvrl_context.attention(plan, self._index(layer), layer.layer_name, self.LAYOUT, query[:n],
+                                             kv_cache, self.scale, output[:n], stock,
+                                             key=None if key is None else key[:n],
+                                             value=None if value is None else value[:n])
         return output
 
 

@@ -98,16 +98,16 @@ class KVRLWorkerExtension:
     def kvrl_attach(self) -> list[tuple[int, int, int]]:
         """Attach the worker context; returns (heads, kv_heads, head_size) of every attention
         layer vLLM built, for :meth:`VLLMEngine` to compare with transformers' reading."""
-        context().attach(self.model_runner, self.vllm_config)
+        context(self.vllm_config).attach(self.model_runner, self.vllm_config)
         layers = self.vllm_config.compilation_config.static_forward_context.values()
         return [(a.num_heads, a.num_kv_heads, a.head_size) for a in layers if hasattr(a, "head_size")]
 
     def kvrl_set_policy(self, regime=None, sample: bool = False) -> bool:
-        context().set_policy(regime, sample=sample)
+        context(self.vllm_config).set_policy(regime, sample=sample)
         return True
 
     def kvrl_pop(self, tags: list[str]) -> list:
-        ctx = context()
+        ctx = context(self.vllm_config)
         ctx._release_finished()
         return ctx.pop(tags)
 
@@ -148,4 +148,4 @@ class KVRLWorkerExtension:
 
     def kvrl_push_cache_state(self, state: dict) -> str:
         """Load ``state`` into the installed regime; returns the checksum it then holds."""
-        return context().push_cache_state(state)
+        return context(self.vllm_config).push_cache_state(state)
