@@ -143,3 +143,22 @@ def test_the_kernels_check_catches_a_reference_importing_the_accelerator(tmp_pat
                    "def f():\n    from kvrl.kernels.cpu import native\n")
     assert kernel_imports_outside(bad, "reference") == [(2, "kvrl.kernels"), (4, "kvrl.kernels.cpu")]
     assert kernel_imports_outside(bad, "cpu") == [(2, "kvrl.kernels")]
+
+
+def documented_layers(text: str) -> dict[str, int]:
+    """Component name -> layer number, from a markdown table whose rows read ``| 3 | `cache` | ... |``."""
+    table = {}
+    for number, names in re.findall(r"^\| (\d+) \| ([^|]+) \|", text, re.M):
+        table.update(dict.fromkeys(re.findall(r"`([a-z_]+)`", names), int(number)))
+    return table
+
+
+def test_the_architecture_page_shows_the_same_layers():
+    page = (ROOT.parent / "docs" / "architecture.md").read_text()
+    assert documented_layers(page) == layers(), "docs/architecture.md's layer table differs from kvrl/__init__.py's"
+
+
+def test_the_layer_comparison_sees_a_moved_component():
+    page = "| 11 | `gate`, `plan` | ... |\n| 12 | `jobs`, `config` | ... |\n"
+    assert documented_layers(page) == {"gate": 11, "plan": 11, "jobs": 12, "config": 12}
+    assert documented_layers(page) != {**documented_layers(page), "jobs": 11}
