@@ -1,4 +1,4 @@
-"""#36, why Distill's sampled accuracy fell while its greedy accuracy rose. Prints one JSON line:
+"""Why Distill's sampled accuracy fell while its greedy accuracy rose. Prints one JSON line:
 
     python benchmarks/learning/distill_tails.py untrained outputs/distill_lr/lr0.001_s0/checkpoints/step_000040/model \
         outputs/distill_lr/lr0.0003_s0/checkpoints/step_000040/model

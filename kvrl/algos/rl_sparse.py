@@ -33,7 +33,7 @@ from kvrl.policies import Evicting, make_policy
 
 
 class RLSparse(RLFull):
-    """RL-Sparse (seed 003 §5; reference ``gkv/rl_main.py``): RL-Full's GRPO with rollouts
+    """RL-Sparse (G-KV, arXiv 2512.00504, §5; microsoft/G-KV@6db3b2e ``gkv/rl_main.py``): RL-Full's GRPO with rollouts
     under G-KV and logprobs recomputed under the rollouts' traces (``batch.trace``:
     death times [layers, B, H_kv, T])."""
 

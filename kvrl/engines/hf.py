@@ -18,7 +18,7 @@ It implements :class:`kvrl.engines.base.Engine` and adds the learner's ``score``
 Every other engine is checked against this one. It runs its own decode loop rather than
 ``model.generate``: generate() refuses extra model keyword arguments (the cache handed to
 the attention function) and grows a 2-D padding mask that no longer describes a cache
-once keys are evicted (reference/stack.md §2). Positions are always passed explicitly:
+once keys are evicted. Positions are always passed explicitly:
 they are true RoPE positions, which the cache length stops being after an eviction.
 """
 
