@@ -6,7 +6,8 @@ one JSON line. The figures in docs/results.md are seed 0 at 1e-3 and at 3e-4:
     python benchmarks/learning/distill_lr.py 0.001 0 40 outputs/distill_lr
     python benchmarks/learning/distill_lr.py 0.0003 0 40 outputs/distill_lr
 """
-import json, sys
+import json
+import sys
 from pathlib import Path
 import torch
 from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy, timed
