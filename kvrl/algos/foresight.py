@@ -50,7 +50,7 @@ from kvrl.data.traces import Trace, load_traces
 from kvrl.engines.base import Scores
 from kvrl.envs import Task, TextEnv
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
-from kvrl.policies import LearnedScorer, make_policy
+from kvrl.policies import RULE_BASED, LearnedScorer, make_policy  # noqa: F401 (RULE_BASED: re-exported)
 from kvrl.policies.golden import GoldenEviction, record_attention
 from kvrl.policies.learned import topk_pool, topk_set_logprob
 
@@ -233,7 +233,7 @@ def ratio_of_sums(episodes: list[Episode]) -> float:
 def loss_ratios(model, traces: list[Trace], policies: dict, budget: int, interval: int, window: int,
                 sink: int) -> dict[str, float]:
     """Σ loss / Σ full-cache loss over the generated tokens of ``traces`` for each policy
-    (a name of :data:`kvrl.policies.RULE_BASED`, ``"golden"``, or a :class:`LearnedScorer`), all replayed
+    (a name of :data:`RULE_BASED`, ``"golden"``, or a :class:`LearnedScorer`), all replayed
     by :func:`kvrl.envs.eviction.run_policy` at (budget, interval) — ForesightKV's Table 2."""
     full = sum(sum(t.loss) for t in traces)
     kv = dict(budget=budget, interval=interval, window=window, sink=sink)
