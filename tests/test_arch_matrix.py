@@ -68,7 +68,7 @@ their cosine is > 0.5 (G-KV's and R-KV's hard-coded threshold). A cosine of 0.50
 in HF and 0.49999994 in vLLM (r1-llama, natural-language questions, key 720 at the
 eviction after position 732) moved that key's G-KV score by 3e-3
 (the normalised redundancy by 0.6 %): a discontinuity of the policy that rounding crosses
-(methods.md quirk 8 notes the same between CPU and GPU). There it did not change the kept
+(G-KV's Triton kernel shows the same between CPU and GPU). There it did not change the kept
 set; where it does, the scores at the boundary need not tie.
 
 So for ``gkv`` and ``rkv`` the test asserts: tokens and logprobs identical up to the first
@@ -133,8 +133,8 @@ class Shape:
 # run vLLM-vs-HF parity on one family each: what an architecture changes for them is the
 # observation (keys, queries, positions), which G-KV (keys and queries) checks on every
 # shape, while their scoring is the same code on every architecture. This keeps the matrix
-# inside CI's budget with the wider shapes below (#38). The learned scorer reads the
-# geometry itself (#38's crash at learned.py:47) and the static and mixed paths have their
+# inside CI's budget with the wider shapes below. The learned scorer reads the
+# geometry itself and the static and mixed paths have their
 # own attention in vLLM: those run everywhere.
 ONE_FAMILY = {"streaming": "qwen3", "snapkv": "qwen3", "h2o": "r1-qwen", "rkv": "r1-llama"}
 
@@ -143,7 +143,7 @@ def family_shape(family: str) -> Shape:
     return Shape(family, family, parity=tuple(r for r in REGIMES if ONE_FAMILY.get(r, family) == family))
 
 
-# The wider matrix (#38 item 7), 2 layers each, 256 new tokens per row in the parity tests
+# The wider matrix, 2 layers each, 256 new tokens per row in the parity tests
 # (12-15 evictions per row): head_dim decoupled from hidden / heads (Qwen3 and Llama, whose
 # vLLM models read config.head_dim; vLLM's Qwen2 does not, and VLLMEngine refuses it:
 # test_vllm_engine.py::test_a_model_vllm_would_read_with_another_head_dim_is_refused),
@@ -153,7 +153,7 @@ def family_shape(family: str) -> Shape:
 # replay reads the trace, whichever policy wrote it), the mixed gates and the full cache,
 # and skip decoding rows alone (parity against vLLM's per-request decoding would fail if
 # the HF batch's rows were not independent).
-# The learned scorer, which reads the geometry (#38's crash), runs on the decoupled head_dim
+# The learned scorer, which reads the geometry, runs on the decoupled head_dim
 # 64 only: at head_dim 128 its case took 52 s against 4-5 s for the others (wall time,
 # measured beside other jobs).
 WIDE_RUNS = dict(new=256, parity=("full", "gkv", "mixed"), replay=("gkv", "mixed", "full"), rows_alone=False)

@@ -206,7 +206,7 @@ def test_every_base_is_used_and_is_not_a_recipe():
 
 
 def test_every_recipe_header_names_its_source():
-    """Issue #38: a recipe's leading comments name the paper table or setting it reproduces
+    """A recipe's leading comments name the paper table or setting it reproduces
     (and, in the file or its base, what deliberately differs), or say it reproduces none."""
     for path in sorted(recipes_dir().glob("**/*.yaml")):
         header = []

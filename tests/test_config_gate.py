@@ -407,7 +407,7 @@ def test_the_gates_policy_names_are_the_zoos():
 
 @pytest.mark.parametrize("data", [False, True], ids=["procedural", "data_set"])
 def test_a_budget_no_sequence_outgrows_is_refused_at_run_start(tmp_path, monkeypatch, capsys, data):
-    """What only the prompts tell (issue #34): kv.budget >= the longest prompt + sampling.max_new_tokens
+    """What only the prompts tell: kv.budget >= the longest prompt + sampling.max_new_tokens
     would run RL-Sparse on the full cache. The run stops with exit 2 before Ray starts or output_dir is made."""
     import ray
 

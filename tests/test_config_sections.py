@@ -1,4 +1,4 @@
-"""Config sections owned by what they configure (#37): an algorithm of your own brings its keys and
+"""Config sections owned by what they configure: an algorithm of your own brings its keys and
 rules without a change to kvrl/config (one line in kvrl.algos.ALGOS, or none: rl.algo=pkg.module:Class),
 and kv.policy takes a KVPolicy class of your own by path.
 

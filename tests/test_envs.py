@@ -296,7 +296,7 @@ def test_answers_are_read_after_the_thinking_block(completion, answer):
 
 
 def test_an_id_is_found_through_the_package_its_namespace_names(user_package, monkeypatch):
-    """#34: `env.id=kvtasks/partial-counts-v0` works with nothing imported by hand: the
+    """`env.id=kvtasks/partial-counts-v0` works with nothing imported by hand: the
     namespace `kvtasks` is imported, and its __init__ registers the id (in the driver and in
     every Ray worker, where the package is a py_module or on PYTHONPATH)."""
     from kvrl.gate import env_problems

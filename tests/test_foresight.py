@@ -292,7 +292,7 @@ def test_pipeline_job_runs_and_resumes(tmp_path, capsys):
     assert main(args + ["trainer.steps=2"]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["loss_ratio"]) == {"golden", "foresight_sft", "foresight_rl", *fk.RULE_BASED}
-    # held-out accuracy beside the ratios (#33): every generating policy and the full cache, with intervals
+    # held-out accuracy beside the ratios: every generating policy and the full cache, with intervals
     accuracy = result["accuracy"]
     assert set(accuracy) == {"full", "foresight_sft", "foresight_rl", *fk.RULE_BASED}
     for a in accuracy.values():

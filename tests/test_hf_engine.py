@@ -118,7 +118,7 @@ def test_float64_norms_stay_float64():
     input change d = 1e-10, far below float32's resolution (6e-8), then moves most values not
     at all and a few by a whole float32 step, which the layers amplify: the logprobs move by
     2.4e-6 (measured on the tiny reasoner), not by ~d. These steps are the float64 replay
-    gaps #38 saw (up to 7.6e-8: decoding and replay differ by ~1e-16 before the norms). With
+    gaps seen before (up to 7.6e-8: decoding and replay differ by ~1e-16 before the norms). With
     the norms kept in float64, as HFEngine does for a float64 model, the change propagates in
     proportion (measured 1.0e-9 = 10 d). Same weights, first without the patch."""
     from kvrl.engines.vllm.patches import keep_norms_in_float64

@@ -143,7 +143,7 @@ def check_one_step_job(proc, out):
 
 @pytest.mark.slow
 def test_a_users_registered_environment_locally_and_as_a_ray_job(tmp_path, random_model, user_package):
-    """#34: a package outside kvrl (nothing installed) registers `kvtasks/partial-counts-v0`;
+    """A package outside kvrl (nothing installed) registers `kvtasks/partial-counts-v0`;
     its id works from the command line in a local run (the package on PYTHONPATH) and in a Ray
     job through the documented launcher (the package as a py_module): it starts a head,
     submits 1 step, stops the head. The user's metric in metrics.jsonl shows its class ran."""
@@ -156,7 +156,7 @@ def test_a_users_registered_environment_locally_and_as_a_ray_job(tmp_path, rando
                timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "env/user_words" in json.loads((local / "metrics.jsonl").read_text().splitlines()[0])
-    # #34 quiet by default: kvrl's lines and progress bars only; vLLM's, Ray's and DeepSpeed's stay in the logs it names
+    # quiet by default: kvrl's lines and progress bars only; vLLM's, Ray's and DeepSpeed's stay in the logs it names
     console = proc.stdout + proc.stderr
     assert "kvrl: the actors' logs (vLLM, DeepSpeed, Ray) are in" in console
     for noise in ("(RolloutWorker pid=", "(Learner pid=", "INFO ", "WARNING", "Failed to load weights", "Traceback"):

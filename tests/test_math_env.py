@@ -215,7 +215,7 @@ def test_a_prompt_the_model_cannot_hold_names_its_row(tmp_path):
         check_prompts(env.data, build_tokenizer(), 32)
 
 
-# ---- large files: read when drawn (issue #35: a 200 MB file cost the driver 4.2 GB) ------------------
+# ---- large files: read when drawn (a 200 MB file held whole costs the driver 4.2 GB) ------------------
 
 
 def _big(path, rows=3000, group=None):

@@ -46,7 +46,7 @@ def test_multihop_task_is_consistent():
 
 
 def test_multihop_default_size_has_a_long_chain_of_thought():
-    """The sizes #33 asks for: >= 300 chain-of-thought tokens on average, >= 60 % of the sequence."""
+    """The sizes the testbed needs: >= 300 chain-of-thought tokens on average, >= 60 % of the sequence."""
     tok = build_tokenizer()
     rng = np.random.default_rng(1)
     cot, share = [], []
@@ -89,7 +89,7 @@ def test_multihop_env_contract_and_rewards():
 
 @pytest.mark.skipif(not (MULTIHOP / "config.json").exists(), reason="the multihop weights are not shipped")
 def test_the_shipped_multihop_reasoner_solves_its_task():
-    """#33: >= 0.95 greedy accuracy with the full cache on 64 seeded tasks (0.98 measured)."""
+    """>= 0.95 greedy accuracy with the full cache on 64 seeded tasks (0.98 measured)."""
     model, tok = load_model("tiny-multihop")
     env = make("kvrl/multihop-v0")
     env.reset(seed=0)
@@ -184,7 +184,7 @@ def test_multihop_eval_report_has_the_properties_and_the_papers_orderings(tmp_pa
 @pytest.mark.vllm
 @pytest.mark.skipif(not (MULTIHOP / "config.json").exists(), reason="the multihop weights are not shipped")
 def test_both_engines_give_the_multihop_zoo_the_same_answers(tmp_path):
-    """#33: recipe=tiny_multihop_eval on the HF and the vLLM engine, shrunk to 4 tasks and the
+    """recipe=tiny_multihop_eval on the HF and the vLLM engine, shrunk to 4 tasks and the
     scoring policies at half the sequence: the same reward for every sample and the same
     completion for all but near-ties of greedy decoding (fp32; the engines' logprobs agree within
     1e-4, tests/test_vllm_engine.py). The full recipe (256 tasks, 19 rows) gave identical

@@ -8,7 +8,7 @@ from kvrl.run import main
 
 
 def test_kv_memory_of_a_known_architecture_without_weights():
-    # rl.algo=rl_sparse: rl_full's rule (kv.policy=full) is the config gate's since #37
+    # rl.algo=rl_sparse: rl_full's rule (kv.policy=full) is the config gate's
     cfg_args = ["recipe=tiny_rl_full", "rl.algo=rl_sparse", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
                 "model.dtype=bfloat16", "kv.policy=gkv", "kv.budget=2048", "kv.interval=128",
                 "sampling.max_new_tokens=8192", "sampling.batch_size=16"]
@@ -154,4 +154,4 @@ def test_the_rlkv_learners_plan_counts_its_attention_masks(tmp_path):
     print(f"RLKV learner at {rows} x {seq}: planned {planned / 2 ** 20:.1f} MiB "
           f"(masks {parts['attention masks'] / 2 ** 20:.1f}), measured {measured / 2 ** 20:.1f} MiB")
     assert abs(planned / measured - 1) <= 0.15, (planned, measured)
-    assert planned - parts["attention masks"] < 0.85 * measured  # the term the plan missed (#38)
+    assert planned - parts["attention masks"] < 0.85 * measured  # the term a plan without masks misses

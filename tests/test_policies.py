@@ -1,7 +1,7 @@
 """KV policies: one contract matrix over every policy, then hand-computed cases.
 
 Expected values in the hand-computed cases are worked out here with NumPy from the
-formulas in reference/methods.md, never by calling the code under test.
+formulas in the papers and reference code (docs/fidelity.md), never by calling the code under test.
 """
 
 import itertools

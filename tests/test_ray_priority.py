@@ -1,8 +1,7 @@
 """The Ray that kvrl starts for itself: workers at the driver's priority, no dashboard.
 
-Ray starts its worker processes at nice +15 unless told otherwise. On a busy 2-core machine
-the actors then got a sliver of the CPU: a ``tiny_rl_full`` step took 31-33 s instead of
-5.4-6.5 s (issue #35, item 9).
+Ray starts its worker processes at nice +15 unless told otherwise; beside other work at nice 0
+the actors then get a sliver of the CPU.
 """
 
 import os

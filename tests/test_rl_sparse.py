@@ -48,7 +48,7 @@ def rollout_batch(engine, cfg, algo, n=4, seed=0):
 
 @pytest.mark.parametrize("policy", ["gkv", "rkv", "snapkv"])
 def test_rl_sparse_learner_replays_the_rollout_trace(engine, policy):
-    """#34: RL-Sparse trains under any token policy of the zoo (G-KV in the paper): the rollout
+    """RL-Sparse trains under any token policy of the zoo (G-KV in the paper): the rollout
     evicts with kv.policy and the learner replays its trace."""
     cfg = load_config(["recipe=tiny_gkv_sparse", *SMALL, f"kv.policy={policy}"])
     algo = RLSparse(cfg)
@@ -84,7 +84,7 @@ def test_rl_sparse_refuses_samples_without_a_trace(engine):
 
 @pytest.mark.parametrize("T, policy", [(1.0, "gkv"), (2.0, "gkv"), (1.0, "rkv"), (1.0, "snapkv")])
 def test_distill_loss_is_the_soft_target_kl(engine, T, policy):
-    """Under G-KV and (#34) other token policies of the zoo, whose traces Distill replays alike."""
+    """Under G-KV and other token policies of the zoo, whose traces Distill replays alike."""
     cfg = load_config(["recipe=tiny_gkv_distill", *SMALL, f"distill.temperature={T}", f"kv.policy={policy}"])
     algo = Distill(cfg)
     algo.setup(engine.model, engine.tokenizer)
@@ -177,7 +177,7 @@ def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, tmp_path_factory):
 
 @pytest.mark.parametrize("regime", ["full", "gkv", "window", "mixed"])
 def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
-    """#36: under every cache regime, a stopped sample's stop token is scored (its learner
+    """Under every cache regime, a stopped sample's stop token is scored (its learner
     logprob equals the behaviour one and it is in the mask) and the GRPO loss weighs its
     logprob exactly as the sample's other tokens': d loss / d logprob = -A / N at every
     generated position, the stop token's included, and 0 past the sample."""
@@ -218,7 +218,7 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
 
 @pytest.mark.slow
 def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
-    """#36: the first 10 steps of tiny_gkv_sparse as shipped (vLLM rollouts under G-KV, ZeRO-2).
+    """The first 10 steps of tiny_gkv_sparse as shipped (vLLM rollouts under G-KV, ZeRO-2).
     Before the fix the model stopped ending its answers from step 7 (truncated 0.02 -> 0.77 ->
     0.99 at step 8, every group then all-wrong and the gradient 0). Now no step truncates more
     than a quarter of its samples, and the G-KV accuracy of the last 3 steps (48 tasks x 8
@@ -244,7 +244,7 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
 
 @pytest.mark.slow
 def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accuracy(tmp_path, tmp_path_factory):
-    """#36: the first 10 steps of tiny_gkv_distill as shipped (vLLM rollouts under G-KV, ZeRO-2).
+    """The first 10 steps of tiny_gkv_distill as shipped (vLLM rollouts under G-KV, ZeRO-2).
     Distill is for its objective: the student's KL to the full-cache teacher under the replayed
     G-KV trace falls (steps 8-10 at most 0.8x step 1's; measured 0.24 vs 0.38 at the recipe's
     3e-4, 0.14 vs 0.38 at 1e-3); no step truncates more than a quarter of its samples; and

@@ -251,7 +251,7 @@ def test_self_distill_job_keeps_solved_tasks_that_the_rl_env_serves(tmp_path):
 
 
 def test_self_distilled_tasks_are_read_when_drawn(tmp_path):
-    """Issue #35: the task set is read lazily, as a data file of kvrl/math-v0 is: the data set
+    """The task set is read lazily, as a data file of kvrl/math-v0 is: the data set
     holds where each row is, not the rows; its digest is the one a list of its tasks gives (a
     resume of a run that read it eagerly still matches); a malformed row names file:line."""
     rows = [{"id": f"t{i}", "prompt": f"{i} ; ?", "answer": str(i), "meta": {"digits": [i]}, "output_len": 3,

@@ -207,7 +207,7 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
 
 
 def test_a_process_set_up_for_kvrl_prints_no_numpy_subnormal_warning():
-    """#34 item 8: flushing denormals made numpy warn "the smallest subnormal ... is zero" in
+    """Flushing denormals made numpy warn "the smallest subnormal ... is zero" in
     every process that later asked for a float type's limits (pandas, matplotlib do)."""
     code = ("import warnings, numpy as np\nwarnings.simplefilter('error')\nfrom kvrl.runlog import setup_process\n"
             "setup_process(0)\nprint(np.finfo(np.float32), np.finfo(np.float64), np.finfo(np.float16))")

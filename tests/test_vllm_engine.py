@@ -717,7 +717,7 @@ def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, h
 
 def test_a_model_vllm_would_read_with_another_head_dim_is_refused(model_dir, tmp_path):
     """vLLM's Qwen2 derives head_dim = hidden // heads and ignores config.head_dim, loads the
-    weights anyway and runs a different model (#38: tokens differ from token 0). The engine
+    weights anyway and runs a different model (tokens differ from token 0). The engine
     compares what vLLM built with transformers' reading and refuses, naming the field. In a
     child process: a second engine here would re-attach this module's worker context."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -8,7 +8,7 @@ eviction ops are the vLLM engine's CUDA path called directly on a cache of vLLM'
 FlashAttention layout. Each setting checks its own result against a reference before it
 reports a time, and raises if they disagree.
 
-``ops``     (#16) one eviction of 64 requests with 4,096-token caches, 8 KV heads (32 query
+``ops``     one eviction of 64 requests with 4,096-token caches, 8 KV heads (32 query
     heads), head_dim 128, bf16, per policy: ``flash_read`` of the paged cache, the policy's
     ``score`` (float32) and ``select`` over the whole batch, and the Triton ``flash_compact``
     (checked equal to its torch reference). Milliseconds per phase (median of
@@ -19,12 +19,12 @@ reports a time, and raises if they disagree.
     G-KV are timed at a later eviction (the picks of a previous one in their state, the
     newest ``interval`` slots new; see :func:`steady_state`) and at a first one
     (``first_score_ms``).
-``replay``  (#17) the HF engine with the shrunk Qwen3 model (bf16 on CUDA): sampled rollouts
+``replay``  the HF engine with the shrunk Qwen3 model (bf16 on CUDA): sampled rollouts
     under every policy and the full cache, scored again under their recorded trace (the
     flex-attention replay, the CUDA default): max and mean |Δlogprob|. bf16 is not exact
     (float64 replay is, ``tests/test_arch_matrix.py``); the full cache's gap is the bf16
     noise floor that a policy's gap is compared with.
-``flex``    (#17) forward + backward (forward only on a CPU) of a shrunk Qwen3 on one 8K and one 32K sequence under a
+``flex``    forward + backward (forward only on a CPU) of a shrunk Qwen3 on one 8K and one 32K sequence under a
     synthetic G-KV-like trace (:func:`kvrl.bench.synthetic_death`): the flex-attention replay vs
     dense per-layer masks (the reference repos' training), seconds, peak memory, and the
     max |Δ| of their logits; "oom" where one does not fit.
@@ -71,7 +71,7 @@ def peaks(device: torch.device) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- ops (#16)
+# ---------------------------------------------------------------- ops
 
 def paged_cache(r: int, n: int, h: int, d: int, bs: int, dtype, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's FlashAttention cache, logical [nb, H, bs, 2D] in its default LBNHC order, and a
@@ -163,7 +163,7 @@ def ops(args, device) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- replay (#17)
+# ---------------------------------------------------------------- replay
 
 QUESTIONS = ["What is 12 times 7?", "Solve 4y = 36 for y.", "Anna has 5 apples and gives Bob 2. How many are left?",
              "What is the sum of 3, 5 and 7?"]
@@ -202,7 +202,7 @@ def replay(args, device) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- flex (#17)
+# ---------------------------------------------------------------- flex
 
 def flex(args, device) -> dict:
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,4 @@
-"""#36, why Distill's sampled accuracy fell while its greedy accuracy rose. Prints one JSON line:
+"""Why Distill's sampled accuracy fell while its greedy accuracy rose. Prints one JSON line:
 
     python benchmarks/learning/distill_tails.py untrained outputs/distill_lr/lr0.001_s0/checkpoints/step_000040/model \
         outputs/distill_lr/lr0.0003_s0/checkpoints/step_000040/model
@@ -7,7 +7,8 @@ Distill's sampled-accuracy decay at temperature 2: held-out accuracy under G-KV,
 sampled at T=2 (4 seeds), untrained vs Distill checkpoints; and the share of probability the
 model puts outside its top token at T=1 and T=2 under the full cache (its tails)."""
 import sys
-import numpy as np, torch
+import numpy as np
+import torch
 from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling

@@ -1,4 +1,4 @@
-"""ForesightKV's loss ratio (seed 004, Table 2) and accuracy on the tiny reasoner.
+"""ForesightKV's loss ratio (ForesightKV, arXiv 2602.03203, Table 2) and accuracy on the tiny reasoner.
 
 Loss ratio = Σ loss / Σ full-cache loss over the generated tokens of the held-out traces
 of a ``tiny_foresight`` run (``outputs/tiny_foresight/traces/heldout``), each policy

@@ -1,5 +1,5 @@
 """G-KV post-training on the tiny reasoner: accuracy under the G-KV cache before and after
-RL-Full, RL-Sparse and Distill (seed 003 §5 Table 1, in miniature).
+RL-Full, RL-Sparse and Distill (G-KV, arXiv 2512.00504, §5 Table 1, in miniature).
 
 The three models are trained in this run from the same initial weights with the same
 number of steps, samples per step (16 tasks x 8) and seed, each with its recipe's learning

@@ -1,5 +1,5 @@
 """Key redundancy at a vLLM eviction: the picks carried in the state against the stateless
-full computation (issue #16).
+full computation.
 
 The vLLM engine's setting for R-KV / G-KV at 64 concurrent requests: B=64, H=2 KV heads,
 N=288 slots (budget 256 + interval 32), U=32 new tokens, D=64, float32, CPU, 1 thread.

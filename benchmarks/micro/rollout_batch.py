@@ -1,9 +1,7 @@
 """The reference engine's rollout CPU at the RL recipes' sampling, by decoding batch size.
 
-Issue #35: kvrl's RL loop spent more CPU per sample than TRL's GRPOTrainer, which decodes a
-step's samples in one batch, while ``tiny_rl_full`` decoded each rollout worker's shard of 64
-in chunks of ``sampling.batch_size: 32`` (it now takes the shard in one batch of 64). This
-decodes the same 64 counts prompts (seed 0, 64 new tokens at temperature 2.5, one torch
+TRL's GRPOTrainer decodes a step's samples in one batch; ``tiny_rl_full`` decodes each rollout
+worker's shard of 64 in one batch (``sampling.batch_size: 64``). This decodes the same 64 counts prompts (seed 0, 64 new tokens at temperature 2.5, one torch
 thread) in chunks of each ``--sizes`` value, interleaved
 over ``--repeats``, and reports CPU seconds per 64 samples (mean and spread) and each size's
 ratio to the first.

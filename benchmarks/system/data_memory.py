@@ -1,7 +1,7 @@
 """Peak memory of a driver that loads a large JSONL data set and draws 1,000 tasks.
 
-Issue #35: a 200 MB data file made the RL driver grow to 4.2 GB, holding every row as a
-Task and tokenising all of them at once for the prompt-length check. This generates a
+Holding every row of a data file as a Task and tokenising all of them at once for the
+prompt-length check made the RL driver of a 200 MB file grow to 4.2 GB. This generates a
 ``--mb`` MB GSM8K-like file in a temporary folder and, in a fresh interpreter per code path,
 does what the driver does before and during a run: ``MathEnv(path)``, ``check_prompts``
 over the whole data set with the tiny reasoner's tokenizer (as ``Controller.__init__``),

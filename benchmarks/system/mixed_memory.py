@@ -1,6 +1,6 @@
 """Peak host memory of RLKV's mixed-gate attention, forward and backward, with one mask per
 sequence (key positions shared by the heads: the learner's case, broadcast over the query
-heads) against one mask per query head (what every call built before #38; forced here by
+heads) against one mask per query head (forced here by
 per-head key positions, which give the same outputs). Each side runs in its own process and
 reports its peak RSS above the process's baseline. Prints one JSON line.
 

@@ -1,8 +1,6 @@
 """kvrl's RL loop against TRL's GRPOTrainer: samples per CPU-second and start-up CPU.
 
-Issue #35 item 9 measured kvrl's loop at ~41 samples per CPU-second of the whole process
-tree against TRL's 46-48 on the same tiny model, prompts and hyperparameters, and twice
-TRL's start-up CPU. This runs both, interleaved, each in its own process tree:
+The same tiny model, prompts and hyperparameters in both. This runs both, interleaved, each in its own process tree:
 
 * kvrl: ``python -m kvrl.run recipe=tiny_rl_full`` (2 rollout actors and a learner on a
   private local Ray; Ray's daemons count too);

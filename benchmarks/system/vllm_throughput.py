@@ -8,7 +8,7 @@ thread. Four settings, one JSON line each:
 
 ``equal``  the same batch (``--batch``, default 16) with the full cache and with each
     policy, interleaved over ``--repeats`` rounds; each figure is paired within a round and
-    reported as mean, min and max over the rounds (issue #35: a best-of did not reproduce).
+    reported as mean, min and max over the rounds (a best-of does not reproduce on a shared machine).
     ``ratio`` = compressed/full tokens per CPU-second of the process (one thread: CPU time
     moves less with the machine's load than wall time; ``ratio_wall``: the same in wall
     time); ``predicted`` = the full cache's own CPU time with each decode step at the

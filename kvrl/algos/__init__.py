@@ -4,7 +4,8 @@ An algorithm is a subclass of :class:`kvrl.algos.base.Algorithm` built from the 
 config, ``Algo(cfg)``. The base gives the text rollout every algorithm but ForesightKV's
 shares (``make_env``: the environment, ``generate``: decode a shard and score it on the
 rollout worker, ``collate``: a learner's :class:`~kvrl.algos.base.Batch`, and
-``rollout_engine``: the engine the rollouts need); each algorithm declares:
+``rollout_engine``: the engine the rollouts need); each algorithm defines the hooks the base
+declares (their signatures and contracts are on :class:`~kvrl.algos.base.Algorithm`):
 
 * ``rollout_policy(model)`` — the cache regime rollouts run under (:mod:`kvrl.policies.regime`:
   ``Full()``, ``Evicting(policy)``, ``Static(pattern)``, ``Mixed(gates, sink, recent)``);

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvrl.algos.push import Push
 from kvrl.cache import EvictionTrace
-from kvrl.engines.base import Sampling
+from kvrl.engines.base import Sampling, Scores
 from kvrl.envs import Task, make
 from kvrl.kernels import NEVER
 
@@ -126,6 +127,30 @@ class Algorithm:
     def rollout_policy(self, model):
         """The cache regime rollouts run under (anything :func:`kvrl.policies.as_regime` takes)."""
         return None
+
+    # ---- the hooks every algorithm defines (the learner's side)
+
+    def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
+        """On a learner, once, before a checkpoint is loaded into ``model``: build what the loss keeps
+        beside the model (a frozen reference) and return the parameters the optimizer updates."""
+        raise NotImplementedError(f"{type(self).__name__} must define setup(model, tokenizer)")
+
+    def loss(self, engine, batch: Batch) -> tuple[torch.Tensor, Scores, dict]:
+        """The learner's loss on a collated batch: (scalar loss, the recomputed :class:`Scores` of
+        ``batch.sequences``, from which the learner measures the train/inference mismatch, metrics)."""
+        raise NotImplementedError(f"{type(self).__name__} must define loss(engine, batch)")
+
+    def state(self, model) -> Push:
+        """The trainable state, pushed to every rollout worker after each update and saved in
+        checkpoints: ``Push(weights=...)`` for the model's weights, ``Push(cache=...)`` for the rollout
+        regime's (gates, a scorer)."""
+        raise NotImplementedError(f"{type(self).__name__} must define state(model)")
+
+    def load(self, model, state: Push) -> None:
+        """Load what :meth:`state` returned (from a checkpoint) into ``model`` and this algorithm."""
+        raise NotImplementedError(f"{type(self).__name__} must define load(model, state)")
+
+    # ---- the rollout side every text algorithm shares
 
     def generate(self, engine, regime, env, ids: list[str], tasks: list[Task], seed: int,
                  version: int) -> tuple[list[Sample], dict]:

@@ -34,7 +34,7 @@ from kvrl.engines.hf import HFEngine
 
 
 class Distill(RLSparse):
-    """Distill (seed 003 Appendix C): G-KV rollouts and traces as RL-Sparse; the loss is
+    """Distill (G-KV, arXiv 2512.00504, Appendix C): G-KV rollouts and traces as RL-Sparse; the loss is
     T²·KL(full-cache teacher ‖ sparse student) over the generated tokens' [V] distributions."""
 
     def __init__(self, cfg):

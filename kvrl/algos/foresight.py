@@ -1,4 +1,4 @@
-"""ForesightKV (seed 004; methods.md §4): learned eviction scorers, trained in two stages
+"""ForesightKV (Dong et al. 2026, arXiv 2602.03203): learned eviction scorers, trained in two stages
 with the LLM frozen — the pieces; the pipeline that runs them is ``kvrl/jobs/foresight.py``.
 
 * Golden Eviction replays (:func:`golden_replay`): the scorer's features at every eviction
@@ -15,7 +15,7 @@ The scorer is :class:`kvrl.policies.LearnedScorer` (per-layer, per-KV-head MLPs 
 into it and evicts deterministically (top-k) in either engine; ``VLLMEngine.push_cache_state``
 updates a running vLLM engine. Sampled eviction at inference stays available
 (``Sampling(sample_evictions=True)``: Plackett–Luce draws of ``KVPolicy.select``); ForesightKV's
-own evaluation samples by mistake (methods.md §4), kvrl's default is deterministic.
+own evaluation samples (docs/fidelity.md); kvrl's default is deterministic.
 
 Scale note: the features of every eviction step are stored (Golden replays and stage 2
 trajectories): O(steps·layers·H·(B+L)·(2D+8G)) floats per trace, small for the tiny
@@ -50,7 +50,7 @@ from kvrl.data.traces import Trace, load_traces
 from kvrl.engines.base import Scores
 from kvrl.envs import Task, TextEnv
 from kvrl.envs.eviction import ChunkedPass, EvictionEnv, run_policy
-from kvrl.policies import RULE_BASED, LearnedScorer, make_policy
+from kvrl.policies import RULE_BASED, LearnedScorer, make_policy  # noqa: F401 (RULE_BASED: re-exported)
 from kvrl.policies.golden import GoldenEviction, record_attention
 from kvrl.policies.learned import topk_pool, topk_set_logprob
 
@@ -234,7 +234,7 @@ def loss_ratios(model, traces: list[Trace], policies: dict, budget: int, interva
                 sink: int) -> dict[str, float]:
     """Σ loss / Σ full-cache loss over the generated tokens of ``traces`` for each policy
     (a name of :data:`RULE_BASED`, ``"golden"``, or a :class:`LearnedScorer`), all replayed
-    by :func:`kvrl.envs.eviction.run_policy` at (budget, interval) — seed 004's Table 2."""
+    by :func:`kvrl.envs.eviction.run_policy` at (budget, interval) — ForesightKV's Table 2."""
     full = sum(sum(t.loss) for t in traces)
     kv = dict(budget=budget, interval=interval, window=window, sink=sink)
     result = {}

@@ -1,6 +1,6 @@
 """RL-Full: GRPO fine-tuning of the whole model with the full KV cache (G-KV's baseline).
 
-G-KV (seed 003) compares its sparse-cache training against this: the same GRPO, the same
+G-KV (arXiv 2512.00504) compares its sparse-cache training against this: the same GRPO, the same
 rewards, but rollouts and learner both attend to every token. What the loop needs from it:
 
 * rollouts run with the full cache (no KV policy, no eviction trace);

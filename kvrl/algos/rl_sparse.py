@@ -27,20 +27,18 @@ weight push it reuses unchanged):
 
 from __future__ import annotations
 
-from kvrl.algos.base import Algorithm
 from kvrl.algos.rl_full import RLFull
 from kvrl.policies import Evicting, make_policy
 
 
 class RLSparse(RLFull):
-    """RL-Sparse (seed 003 §5; reference ``gkv/rl_main.py``): RL-Full's GRPO with rollouts
-    under G-KV and logprobs recomputed under the rollouts' traces (``batch.trace``:
-    death times [layers, B, H_kv, T])."""
+    """RL-Sparse (G-KV, arXiv 2512.00504, §5; microsoft/G-KV@6db3b2e ``gkv/rl_main.py``): RL-Full's
+    GRPO with rollouts under G-KV and logprobs recomputed under the rollouts' traces
+    (``batch.trace``: death times [layers, B, H_kv, T])."""
 
     def __init__(self, cfg):
         # its rules (kv.policy=gkv, a kv.budget with room to choose) are the config gate's: rl_sparse_config.py
-        Algorithm.__init__(self, cfg)
-        self.rl, self.temperature, self.ref = cfg.rl, cfg.sampling.temperature, None
+        super().__init__(cfg)
         self.kv = cfg.kv
 
     def rollout_policy(self, model) -> Evicting:

@@ -1,7 +1,7 @@
 """RLKV: RL-guided per-head gates (``rl.algo=rlkv``, trained by ``kvrl/jobs/rlkv.py``).
 
-"Which Heads Matter for Reasoning? RL-Guided KV Cache Compression" (seed 000; the
-reference code's choices in ``reference/methods.md`` §3)::
+"Which Heads Matter for Reasoning? RL-Guided KV Cache Compression" (arXiv 2510.08525; reference
+code Kurt232/RLKV@6dadf85, differences in docs/fidelity.md)::
 
     python -m kvrl.run recipe=tiny_rlkv        # train, then export gates + plots to output_dir
 

@@ -1,6 +1,6 @@
 """rl.algo=rlkv's section and rules (the algorithm: :mod:`kvrl.algos.rlkv`, the job: job=rlkv).
 
-RLKV (seed 000, methods.md §3): one gate per (layer, KV head) trained with GRPO, and head
+RLKV (arXiv 2510.08525): one gate per (layer, KV head) trained with GRPO, and head
 reallocation from the exported gates (job=eval with eval.settings.NAME: {policy: heads, run: DIR}).
 Defaults: the paper's Table 3. Light on purpose (no torch): the config gate imports it.
 """

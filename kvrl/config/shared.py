@@ -261,7 +261,7 @@ class Shared:
     recipe_file: str = ""  # a recipe of your own, by path (instead of recipe=NAME); its stem becomes recipe
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     # seed for every random number generator; engines add sample indices to it and torch's generators
-    # take at most 64 bits, so 99999999999999999999 used to pass here and fail at engine start
+    # take at most 64 bits: a larger seed must fail here, not at engine start
     seed: int = checked(0, lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)")
     run_name: str = "${recipe}"  # name of this run in logs and output paths
     output_dir: str = "outputs/${run_name}"  # where metrics, checkpoints and plots go

@@ -1,6 +1,6 @@
 """Self-distillation sampling: RLKV's training set (built by ``kvrl/jobs/self_distill.py``).
 
-RLKV (seed 000, §3.3 and Appendix B) trains its gates on problems the base model already
+RLKV (arXiv 2510.08525, §3.3 and Appendix B) trains its gates on problems the base model already
 solves, so rewards stay dense while the gates close: every candidate is decoded greedily
 with the full cache, the correct ones are bucketed by output length (a proxy for
 difficulty) and a fixed number is drawn per bucket — the paper keeps 600/600/1000/800
@@ -69,7 +69,7 @@ class SelfDistilledEnv(TextEnv):
         if not path.is_file():
             raise FileNotFoundError(f"no self-distilled task set at {path}: run the data step first "
                                     "(python -m kvrl.run recipe=tiny_self_distill) or fix env.kwargs.path")
-        tasks = DistilledTasks(path)  # read when drawn, as a data file of kvrl/math-v0 (issue #35)
+        tasks = DistilledTasks(path)  # read when drawn, as a data file of kvrl/math-v0
         if not len(tasks):
             raise ValueError(f"{path} holds no tasks: no candidate was solved; raise self_distill.candidates")
         base = make(env, **(env_kwargs or {}))

@@ -12,7 +12,7 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
 
     ``hf``: :class:`kvrl.engines.hf.HFEngine` on the loaded model, on ``cfg.device``.
     ``vllm``: :class:`kvrl.engines.vllm.VLLMEngine`, in-process (this process is vLLM's
-    engine core and worker, as reference/vllm.md measured fastest on a small machine), with
+    engine core and worker: no inter-process copies), with
     ``tokenizer`` or the model folder's, and ``workers.kv_cache_gib`` of KV cache.
     Both stop on ``model.stop_ids`` (default: the model's own), hold
     ``model.max_model_len`` tokens per sequence (0: the model's positions) and render

@@ -137,7 +137,7 @@ def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = N
     Returns the longest prompt's length in tokens (rendered by ``chat`` as the engines do).
 
     ``chunk`` rows at a time: the whole data set's tokens at once made the driver of a 200 MB
-    file hold gigabytes (issue #35); a lazily read data set is read ``chunk`` rows at a time."""
+    file hold gigabytes; a lazily read data set is read ``chunk`` rows at a time."""
     longest = 0
     for start in range(0, len(tasks), chunk):
         part = tasks[start:start + chunk]

@@ -168,7 +168,7 @@ class TextEnv(Env):
         shuffle: bool = True,
     ) -> None:
         # a sequence that reads its rows when drawn and knows their digest (kvrl.envs.math.FileTasks) stays
-        # as it is: a list of a large file's tasks is what made the driver hold gigabytes (issue #35)
+        # as it is: a list of a large file's tasks is what makes a driver hold gigabytes
         self.data = None if data is None else data if hasattr(data, "tasks_sha256") else list(data)
         self.rewards = list(rewards or [])
         self.shuffle = shuffle

@@ -131,8 +131,8 @@ def math_tasks(path: str | Path, template: str = DEFAULT_TEMPLATE, limit: int | 
 class FileTasks(Sequence):
     """The tasks of a data file, each read from the file when it is indexed.
 
-    Holding every row as a Task (and the driver tokenising them all) made a 200 MB file cost
-    the driver 4.2 GB and each rollout actor 1.3 GB (issue #35). A subclass makes one
+    Holding every row as a Task (and the driver tokenising them all) would make a 200 MB file
+    cost the driver 4.2 GB and each rollout actor 1.3 GB. A subclass makes one
     streaming pass at construction that checks every row as :func:`row_to_task` would (a
     malformed row fails now, naming ``file:line``) and keeps where each row is, and calls
     :meth:`_add` for each row it keeps: that builds ``tasks_sha256``, the digest

@@ -2,7 +2,7 @@
 
     python -m kvrl.run recipe=tiny_self_distill
 
-RLKV (seed 000, §3.3 and Appendix B) trains its gates on problems the base model solves,
+RLKV (arXiv 2510.08525, §3.3 and Appendix B) trains its gates on problems the base model solves,
 so rewards stay dense while the gates close. The candidates (``self_distill.source``) are
 decoded greedily with the full cache on ``workers.engine``; the solved ones (reward > 0,
 finished by a stop id) are bucketed by output length and ``self_distill.counts[b]`` drawn per

@@ -115,7 +115,7 @@ def should_evict(generated: int | Tensor, cache_len: int | Tensor, policy: KVPol
     brought the sequence to true length ``length`` (prompt + generated tokens written);
     int64 tensors [R] of rows give a bool tensor [R].
 
-    G-KV's rule (methods.md §1): evict when the number of generated tokens written to the
+    G-KV's rule (microsoft/G-KV@6db3b2e ``ScoreBasedKV``): evict when the number of generated tokens written to the
     cache is a multiple of ``interval`` — including 0, right after prefill — and the cache
     holds more than ``budget_at(length)`` entries. The cache then oscillates between the
     budget and budget + ``interval``, and a prompt longer than the budget is compressed
@@ -299,7 +299,7 @@ class KVPolicy:
         the action "this ordered draw"; it is not the probability of the evicted *set*
         (which sums over all E! orders). ForesightKV instead samples among the top-2E and
         scores with a plain log-softmax, which is not the sampling probability
-        (methods.md §4).
+        (ForesightKV, arXiv 2602.03203).
 
         Parameters
         ----------

@@ -17,7 +17,7 @@ _MODES = ("max", "mean", "sum")
 
 @dataclass(kw_only=True)
 class GKV(KVPolicy):
-    """G-KV (Liao et al. 2025, microsoft/G-KV ``ScoreBasedKV``; methods.md §1 and §8).
+    """G-KV (Liao et al. 2025, https://arxiv.org/abs/2512.00504; microsoft/G-KV@6db3b2e ``ScoreBasedKV``).
 
     Per eviction, per (batch, KV head), with the candidates = valid slots outside the sink
     and the last ``window``:
@@ -42,67 +42,13 @@ class GKV(KVPolicy):
     fresh S when they become candidates. The pick is every valid slot's exempt row of step
     4 as a true position (−1: none), only a cache:
     :func:`kvrl.kernels.reference.scores.key_redundancy_update` reuses it at the next eviction
-    instead of comparing all N×N key pairs, with the same R. Unlike the reference, finished rows and
-    ``q_len != window`` need no special case (methods.md §8 quirks 5, 6).
+    instead of comparing all N×N key pairs, with the same R. Finished rows and
+    ``q_len != window`` need no special case.
 
     Defaults follow the paper's "G-KV" recipe (``scripts/inference.sh``): budget 2048,
-    window 16, interval 128, mix_lambda 0.5, alpha 0.8, max smoothing, no pooling. The CLI
-    defaults differ (window 64, mix_lambda 0.1). ``mix_lambda=1`` turns redundancy off.
-
-    The reference's knobs (``ScoreBasedKV`` and ``gkv/inference_main.py``'s CLI, G-KV
-    @345e290; issue #38's audit against 6db3b2e, every knob set to match: the same kept
-    tokens in all 29 cases of R-KV and G-KV, G-KV's scores within 3.3e-7) and what is left
-    different:
-
-    ========================== ===================== =========================================
-    G-KV                       kvrl                  remaining difference
-    ========================== ===================== =========================================
-    ``budget``                 ``budget``            none (G-KV @345e290 also runs a no-op
-                                                     compression at N == budget)
-    ``window_size``            ``window``            none
-    ``divide_length``          ``interval``          none (:func:`should_evict`)
-    ``mix_lambda``             ``mix_lambda``        none
-    ``alpha``                  ``alpha``             none
-    ``smooth_method``          ``mode``              none ("sum" is not on G-KV's CLI)
-    ``enable_pooling``,        ``kernel_size``       none; 0 is off, 5 is ``enable_pooling``
-    ``kernel_size`` 5
-    ``suppressing_redundancy`` ``mix_lambda < 1``    none: off is ``mix_lambda=1`` (score = F)
-    ``enable_score_cache``     ``score_cache``       none
-    ``compress_mode="ratio"``, ``budget_ratio``      G-KV's length is its batch's padded
-    ``compress_ratio``                               width, kvrl's each row's own: equal at
-                                                     batch 1; a shorter row of a batch keeps
-                                                     fewer tokens in kvrl (tests/test_policies.py
-                                                     ::test_gkv_ratio_budget_counts_each_rows_own_length)
-    similarity threshold 0.5   ``threshold``         none (hard-coded in the reference)
-    Triton redundancy rule     "last"                the 6db3b2e kernel: equal within 3.7e-9
-                                                     (issue #38); the 345e290 kernel: differs
-                                                     for a token with two or more
-                                                     near-duplicates (three copies: row sums
-                                                     2, 1, 1 against 2, 1, 0); not measured on
-                                                     real caches
-    ``retain_direction``,      —                     stored, read by neither similarity path
-    ``retain_ratio``                                 (``retain_ratio`` only by the raw one)
-    ``disable_norm``           ``normalise=False``   none
-    ``triton_similarity``      not expressed         ``cal_similarity_raw``: sample 0's keys
-    False                                            for the whole batch, eps 1e-8, R-KV's
-                                                     token-0 fallback, no padding mask; only
-                                                     the class default switches it (not on the
-                                                     CLI, no script); kvrl keeps one
-                                                     per-sample, padding-aware similarity
-                                                     (size not measured)
-    finished rows              no special case       G-KV still compacts a finished row's K/V
-                                                     but returns its old positions and score
-                                                     cache, which no longer describe the keys;
-                                                     kvrl keeps them consistent. Kept sets agree
-                                                     (issue #38); expressing G-KV's would store
-                                                     a state that is wrong by construction
-    ``attention_shift_``       not expressed         CAKE's ``+ γ·std`` over the queries
-    ``indicator``
-    GQA ``pooling="max"``      max (fixed)           none
-    padding at min − 1e-6      never a candidate     none: both evict padding first
-    TF32 ``tl.dot`` on GPU     float32               ~1e-3 relative in the cosines can flip a
-                                                     near-duplicate at 0.5 (not measured)
-    ========================== ===================== =========================================
+    window 16, interval 128, mix_lambda 0.5, alpha 0.8, max smoothing, no pooling.
+    ``mix_lambda=1`` turns redundancy off. The reference's knobs and what differs from it:
+    ``docs/fidelity.md``.
 
     Parameters
     ----------
@@ -117,9 +63,7 @@ class GKV(KVPolicy):
         in ``gkv/utils/compression_score.py`` (``ScoreBasedKV`` never passes it, so 0.5 is
         the only value the reference runs). There is no ``retain_direction``: the reference
         stores one (``--retain_direction``) but passes it to neither similarity function.
-        kvrl runs "last", the rule methods.md §8 and issue #38's audit give for G-KV's
-        Triton kernel (@6db3b2e, equal within 3.7e-9); the kernel at @345e290 differs for a
-        token with two or more near-duplicates (see the G-KV paragraph of
+        kvrl runs "last", the rule of G-KV's Triton kernel (see the G-KV paragraph of
         :func:`kvrl.kernels.reference.scores.key_redundancy`).
     score_cache : bool, default True
         The reference's ``enable_score_cache`` (``ScoreBasedKV.update_kv``): True is G-KV

@@ -184,12 +184,12 @@ def future_attention(att: FullAttention, layer: int, key_pos: Tensor, end: int, 
 
 @dataclass(kw_only=True)
 class GoldenEviction(KVPolicy):
-    """ForesightKV's Golden Eviction (RUCAIBox/ForesightKV ``supervised_training``; seed 004 §3).
+    """ForesightKV's Golden Eviction (RUCAIBox/ForesightKV ``supervised_training``; arXiv 2602.03203 §3).
 
     At an eviction step ending at position e, a cached key k is scored by the most
     attention any future block of queries (block start ≥ e) pays it under the full cache,
     averaged over the block's queries and the query heads of the KV head's GQA group
-    (methods.md §4); the lowest are evicted (0 when no future block remains). ForesightKV's
+    ; the lowest are evicted (0 when no future block remains). ForesightKV's
     supervision targets are the negatives of these scores.
 
     Parameters

@@ -21,7 +21,7 @@ GATES_FILE = "gates.safetensors"
 
 @dataclass(kw_only=True)
 class HeadAllocation:
-    """RLKV / DuoAttention head allocation (methods.md §3).
+    """RLKV / DuoAttention head allocation (RLKV arXiv 2510.08525; DuoAttention arXiv 2410.10819).
 
     Heads are ranked by their gate α (or any importance score, higher = more important)
     **globally** across layers, as DuoAttention's and RLKV's quantile threshold does; the

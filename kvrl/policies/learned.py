@@ -50,7 +50,7 @@ class ScorerMLP(nn.Module):
 
 @dataclass(kw_only=True)
 class LearnedScorer(KVPolicy):
-    """ForesightKV's learned scorer (RUCAIBox/ForesightKV; methods.md §4).
+    """ForesightKV's learned scorer (arXiv 2602.03203; RUCAIBox/ForesightKV@fdb541f).
 
     Features per query head g of the KV head's group, over the step's queries (the last
     ``interval``, ``observe = interval``), with attention = softmax per query head over all
@@ -59,7 +59,7 @@ class LearnedScorer(KVPolicy):
     32 queries, cumulative sum, 0.9-decayed cumulative sum. The last two are per-token state
     (``state_size = 2·G``: [cumsum for g=0..G−1, decayed for g=0..G−1]), NaN → 0, updated as
     ``c ← c + sum`` and ``d ← 0.9·d + sum`` before use. (ForesightKV's evaluation code
-    overwrites the decayed sum with the plain one after the first step, methods.md §4; its
+    overwrites the decayed sum with the plain one after the first step; its
     training code — and this — decays correctly.)
 
     The scorer :class:`ScorerMLP` maps ``[k ‖ v ‖ features]`` (2·head_dim + 8·G) to an

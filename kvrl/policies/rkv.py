@@ -21,7 +21,7 @@ def check_threshold(threshold: float) -> None:
 class RKV(KVPolicy):
     """R-KV (Cai et al. 2025, https://arxiv.org/abs/2505.24133), ``R1KV`` in Zefan-Cai/R-KV.
 
-    ``score = λ·importance − (1−λ)·redundancy`` (methods.md §2 and §8):
+    ``score = λ·importance − (1−λ)·redundancy``:
 
     * importance: the query logits are max-pooled over the GQA group *before* one softmax
       over the candidate keys only (the window's own keys are out of the denominator),
@@ -37,47 +37,8 @@ class RKV(KVPolicy):
     compare the new tokens and the tokens whose pick was evicted with the cache, instead of
     all N×N key pairs, and gives the same redundancy as without state.
 
-    The reference's knobs (``R1KV`` and ``cal_similarity`` in ``rkv/``, ``run_math.py``; R-KV
-    @d15c976, with ``rkv/utils.py`` read at cc5a9b9) and what is left different. Sizes are
-    measured by ``benchmarks/micro/rkv_fallback.py`` (random keys with a shared offset, 200 caches of
-    64 slots) unless a test is named:
-
-    ====================== ======================= =============================================
-    R-KV                   kvrl                    remaining difference
-    ====================== ======================= =============================================
-    ``budget``             ``budget``              R-KV also compresses at N == budget, where it
-                                                   keeps every token and only reorders
-                                                   (:func:`should_evict`): same kept sets
-    ``window_size`` 8      ``window`` 8            none
-    ``buffer`` 128         ``interval`` 128        R-KV's "newline" trigger is not implemented;
-                                                   its step counter is never reset across
-                                                   ``generate`` calls (not measured)
-    ``kernel_size`` 7      ``kernel_size`` 7       R-KV keeps its cache in score order, so from
-                                                   its second eviction on it pools score
-                                                   neighbours; kvrl keeps position order and
-                                                   pools position neighbours (not measured)
-    ``mix_lambda`` 0.07    ``mix_lambda`` 0.1      the class/CLI default is 0.07, the README,
-                                                   SGLang and HF evaluations use 0.1; pass 0.07
-                                                   for ``run_math.py``
-    ``threshold`` 0.5      ``threshold`` 0.5       none (hard-coded in ``cal_similarity``)
-    ``retain_direction``   ``retain_direction``    none for "last" and "first" (the paper's
-                                                   code) and "first_vllm" (its vLLM port) per
-                                                   call; the ``*_percent`` directions are not
-                                                   implemented
-    ``retain_ratio``       —                       used by the ``*_percent`` directions only
-    token-0 fallback       ``fallback`` False      off: token 0's redundancy changes by up to
-                                                   8.8 % at threshold 0.5 (1.55 % in
-                                                   tests/test_policies.py::test_rkv_token0_fallback,
-                                                   1.54 % in issue #38's audit) and 30 % at 0.7;
-                                                   kept sets change in 15 / 200 caches at 0.5
-                                                   and 119 / 200 at 0.7. ``fallback=True``
-                                                   reproduces it (within 1e-5 relative)
-    key norm eps 1e-8      1e-6 (G-KV's)           up to 3.9e-7 relative in the redundancy
-    ``key_states[0]``      each sample's keys      R-KV scores every sample with sample 0's
-                                                   redundancy (issue #20): equal at batch 1
-    bf16 importance        float32 throughout      R-KV casts the attention mean to the query
-                                                   dtype before pooling (not measured)
-    ====================== ======================= =============================================
+    The reference's knobs (``R1KV`` and ``cal_similarity`` in Zefan-Cai/R-KV@d15c976) and what
+    differs from them: ``docs/fidelity.md``.
 
     Redundancy is G-KV's padding-aware form (÷ valid length), which equals R-KV's ÷ N
     without padding.

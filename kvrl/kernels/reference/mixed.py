@@ -67,7 +67,7 @@ def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: T
     def attend(mask):
         # One key_pos for all heads gives a [B, 1, Q, N] mask that broadcasts over the query
         # heads; repeating it to [B, Hq, Q, N] (as this did) held Hq masks of Q x N per branch
-        # and layer through the learner's backward (#38: 12.7 GiB at rlkv_r1_llama_8b's shape).
+        # and layer through the learner's backward (12.7 GiB at rlkv_r1_llama_8b's shape).
         if mask.shape[1] != 1:  # per-KV-head positions: one mask per query head
             mask = mask.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)

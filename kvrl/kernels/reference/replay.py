@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
-from kvrl.kernels.reference import NEVER  # re-exported: the death of a key that is never evicted
+from kvrl.kernels.reference import NEVER  # noqa: F401 (re-exported: the death of a key that is never evicted)
 
 
 @dataclass

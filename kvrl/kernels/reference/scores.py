@@ -166,7 +166,7 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
                    retain_direction: str = "last", fallback: bool = False, eps: float = 1e-6,
                    tile: int | None = None, passes: Passes | None = None) -> torch.Tensor:
     """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` / R-KV's ``cal_similarity``
-    (methods.md §8 step 7 and R-KV step 5).
+    (G-KV's and R-KV's redundancy step).
 
     1. cosine similarity of the keys (norm + ``eps``), diagonal set to 0, invalid rows and
        columns set to 0;
@@ -209,10 +209,10 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     bug is not reproduced). Slot order must be position order among valid slots, so that
     "latest row" means "most recent token".
 
-    G-KV: methods.md §8 and issue #38's audit give ``"last"`` as the rule of G-KV's Triton
-    kernel (the audit ran G-KV @6db3b2e's kernel in Triton's CPU interpreter: equal to
+    G-KV: ``"last"`` is the rule of G-KV's Triton kernel (microsoft/G-KV@6db3b2e's
+    kernel run in Triton's CPU interpreter: equal to
     ``"last"`` within 3.7e-9 on 14 cases, and slot 45 of the three copies penalised by
-    neither). The kernel of ``gkv/utils/compression_score.py`` at G-KV @345e290, run the
+    neither). The kernel of ``gkv/utils/compression_score.py`` at microsoft/G-KV@345e290, run the
     same way (block pointers rewritten as masked loads for Triton 3.9), zeroes per row
     instead: visiting the rows from the last in blocks of 16, each row zeroes, in each
     64-column tile, its largest near-duplicate column that no earlier-visited block has
