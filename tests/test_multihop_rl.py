@@ -23,7 +23,6 @@ from kvrl.config import load_config
 from kvrl.engines.base import Sampling
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
-from kvrl.envs.multihop import query_accuracy
 from kvrl.models.tiny import load_model
 
 # tasks of the pretraining curriculum's middle sizes (~130-token sequences), under a budget that evicts
