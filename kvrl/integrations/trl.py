@@ -9,7 +9,7 @@ with Global Attention", Liao et al. 2025, https://arxiv.org/abs/2512.00504) insi
   ``args.seed``. Each rollout keeps its :class:`kvrl.cache.EvictionTrace`: which key each KV
   head stopped seeing when, as death times [layers, H_kv, T] per sample. They travel in the
   batch as ``inputs["kvrl_death"]`` [B, layers, H_kv, T], so TRL's shuffle and split carry
-  them with their rows.
+  them with their rows, with their sampling logprobs (``inputs["kvrl_logprobs"]``).
 * **Every logprob forward of the loss** (old, reference and current policy) replays its
   rows' traces through the ``"kvrl_replay"`` attention (:mod:`kvrl.kernels.reference.replay`)
   at their true positions, so the loss scores the tokens under the attention that drew them.
@@ -204,6 +204,7 @@ class KVGRPOTrainer(GRPOTrainer):
                  given.get("rollout_func"), given.get("environment_factory"))
         self.kv_policy = build_policy(kv_policy, model_config, kv_budget, kv_interval, kv_window, kv_sink, kv_kwargs)
         self._kv_rows: torch.Tensor | None = None  # deaths of the rows the next logprob forwards score
+        self._kv_sampled: list | None = None  # the rollouts' sampling logprobs, until they join their batch
         self._kv_sampling: tuple | None = None  # (sampling logprobs, mask) when those forwards are on-policy
         self._kv_active: _Replaying | None = None
         self._kv_rollouts = 0
@@ -233,27 +234,35 @@ class KVGRPOTrainer(GRPOTrainer):
             out = HFEngine(m, self.processing_class, stop_ids=self.eos_token_ids).generate(
                 [list(p) for p in prompt_ids], sampling, policy=self.kv_policy)
         self._kv_rows = out.traces.death.transpose(0, 1).contiguous()  # [B, layers, H_kv, T]: rows first
+        self._kv_sampled = out.logprobs
         mode = "train" if self.model.training else "eval"
         retention = out.traces.retention().mean().to(self.accelerator.device)
         self._metrics[mode]["kv/retention"].append(self.accelerator.gather(retention).mean().item())
         return {"prompt_ids": out.prompt_ids, "completion_ids": out.tokens, "logprobs": out.logprobs}
 
     def _generate_and_score_completions(self, inputs):
-        """super(), with each row's death times in ``output["kvrl_death"]``; when TRL scored the
-        old policy here (``num_iterations > 1``, or generation out of step with the optimizer),
-        the mismatch is measured on those logprobs."""
+        """super(), with each row's death times in ``output["kvrl_death"]`` and its sampling
+        logprobs in ``output["kvrl_logprobs"]`` [B, C], in the precision the engine drew them
+        (float64 for a float64 model; TRL's ``sampling_per_token_logps`` is float32). When TRL
+        scored the old policy here (``num_iterations > 1``, or generation out of step with the
+        optimizer), the mismatch is measured on those logprobs."""
         try:
             output = super()._generate_and_score_completions(inputs)
-            death = self._kv_rows
+            death, sampled = self._kv_rows, self._kv_sampled
         finally:
-            self._kv_rows = None
-        if death is None or death.shape[0] != output["completion_ids"].shape[0]:
+            self._kv_rows = self._kv_sampled = None
+        completions = output["completion_ids"]
+        if death is None or death.shape[0] != completions.shape[0]:
             raise TRLChanged("GRPOTrainer._generate_and_score_completions built a batch without calling "
                              "rollout_func once for it; " + self._surface_hint())
-        output["kvrl_death"] = death.to(output["completion_ids"].device)
+        output["kvrl_death"] = death.to(completions.device)
+        dtype = torch.promote_types(self.accelerator.unwrap_model(self.model).dtype, torch.float32)
+        logps = torch.zeros(completions.shape, dtype=dtype)
+        for b, row in enumerate(sampled):
+            logps[b, :len(row)] = torch.tensor(row, dtype=dtype)
+        output["kvrl_logprobs"] = logps.to(completions.device)
         if "old_per_token_logps" in output:
-            self._log_mismatch(output["old_per_token_logps"], output["sampling_per_token_logps"],
-                               output["completion_mask"])
+            self._log_mismatch(output["old_per_token_logps"], output["kvrl_logprobs"], output["completion_mask"])
         return output
 
     # ---- the loss's forwards
@@ -266,7 +275,7 @@ class KVGRPOTrainer(GRPOTrainer):
                              "own rollouts (_prepare_inputs); the loss cannot replay anything else")
         self._kv_rows = inputs["kvrl_death"]
         if "old_per_token_logps" not in inputs:
-            self._kv_sampling = (inputs["sampling_per_token_logps"], inputs["completion_mask"])
+            self._kv_sampling = (inputs["kvrl_logprobs"], inputs["completion_mask"])
         try:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
