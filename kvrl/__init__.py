@@ -13,7 +13,8 @@ of every module, lazy ones included):
     6. engines            generate() and score(): the HF reference engine and the vLLM plugin
     7. data               data sets built from a model's outputs (traces, self-distillation)
     8. algos              what is trained, the loss, what is pushed to the rollout workers
-    9. workers            Ray actors (rollout workers, learners) and the controller loop
+    9. workers integrations  Ray actors (rollout workers, learners) and the controller loop; kvrl inside
+                          other trainers (TRL's GRPOTrainer under a kvrl eviction policy)
    10. eval bench         evaluation under KV budgets; what the scripts under benchmarks/ share (models,
                           tasks, clocks, the JSON line)
    11. gate plan jobs     the checks beyond the config; the dry-run plan; what ``python -m kvrl.run`` starts,

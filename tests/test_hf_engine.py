@@ -239,6 +239,20 @@ def test_requests_the_engine_cannot_serve_are_refused(engine):
                         policy=make_policy("streaming", budget=500, interval=4, window=2, sink=1))
 
 
+def test_prompts_given_as_token_ids_decode_as_their_texts(engine):
+    """A trainer that tokenised its prompts itself (TRL) passes ids: the same rollouts and
+    trace as from the texts; a batch mixing texts and ids is refused."""
+    texts = prompts(3)
+    policy = make_policy("gkv", engine.model.config, budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    sampling = Sampling(max_new_tokens=NEW, temperature=1.0, seed=3)
+    a = engine.generate(texts, sampling, policy=policy)
+    b = engine.generate(engine.encode(texts), sampling, policy=policy)
+    assert (a.tokens, a.logprobs, a.prompt_ids) == (b.tokens, b.logprobs, b.prompt_ids)
+    assert torch.equal(a.traces.death, b.traces.death)
+    with pytest.raises(TypeError, match="mix texts and token ids"):
+        engine.generate([texts[0], engine.encode(texts[1:2])[0]], sampling)
+
+
 def test_nucleus_keeps_the_smallest_set_reaching_top_p():
     """Probabilities 0.5, 0.2, 0.15, 0.1, 0.05 (shuffled): at top_p 0.8 the nucleus is the
     first three (0.85 >= 0.8; the first two hold 0.7), renormalised to 0.5/0.85, 0.2/0.85,

@@ -65,8 +65,14 @@ class HFEngine:
     def device(self):
         return self.model.device
 
-    def encode(self, prompts: list[str]) -> list[list[int]]:
-        """Token ids per prompt (rendered by ``chat`` when set), as every engine encodes them."""
+    def encode(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids per prompt (rendered by ``chat`` when set), as every engine encodes them.
+        Prompts given as token ids (lists of ints: a trainer that tokenised them with its own
+        chat template, as TRL does) are taken as they are."""
+        if prompts and all(isinstance(p, (list, tuple)) for p in prompts):
+            return [[int(t) for t in p] for p in prompts]
+        if any(isinstance(p, (list, tuple)) for p in prompts):
+            raise TypeError("generate() got prompts that mix texts and token ids: pass all texts or all id lists")
         return encode_prompts(self.tokenizer, prompts, self.chat)
 
     def pad(self, ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,10 +83,10 @@ class HFEngine:
         return out, pos.masked_fill(pos < 0, -1)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], sampling: Sampling, policy=None) -> Rollouts:
-        """policy: a cache regime or anything :func:`kvrl.policies.as_regime` takes (None,
-        a KVPolicy, a static pattern with ``death(T)``, a death tensor [layers, B, H_kv, T]
-        with T >= longest prompt + max_new_tokens, ``Mixed``)."""
+    def generate(self, prompts: list[str] | list[list[int]], sampling: Sampling, policy=None) -> Rollouts:
+        """prompts: texts, or token ids (:meth:`encode`). policy: a cache regime or anything
+        :func:`kvrl.policies.as_regime` takes (None, a KVPolicy, a static pattern with ``death(T)``,
+        a death tensor [layers, B, H_kv, T] with T >= longest prompt + max_new_tokens, ``Mixed``)."""
         regime = as_regime(policy)
         prompt_ids = self.encode(prompts)
         check_request([len(x) for x in prompt_ids], sampling, regime, self.max_model_len)
