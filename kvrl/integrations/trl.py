@@ -98,8 +98,8 @@ def refusals(args, model_config, processing_class, tools, rollout_func, environm
     warn for ``top_p < 1``. ``args`` is a GRPOConfig or None (TRL's defaults, which pass)."""
     loop = "kvrl's own loop (`python -m kvrl.run recipe=tiny_gkv_sparse`, docs/trl.md)"
     if tools:
-        raise ValueError(f"KVGRPOTrainer got tools: tool results are spliced into the completion, which the "
-                         f"eviction trace does not cover; drop `tools`, or train tool use with plain GRPOTrainer")
+        raise ValueError("KVGRPOTrainer got tools: tool results are spliced into the completion, which the "
+                         "eviction trace does not cover; drop `tools`, or train tool use with plain GRPOTrainer")
     if environment_factory is not None:
         raise ValueError("KVGRPOTrainer got an environment_factory: environment turns are spliced into the "
                          "completion, which the eviction trace does not cover; drop `environment_factory`")
