@@ -127,6 +127,9 @@ def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> lis
         near = near or registered()[:1]
         return [f"{id_key}={env_id!r} is neither a registered environment ({', '.join(registered())}) nor a "
                 f"dotted path pkg.module:Class; set {id_key}={near[0]}"]
+    except TypeError as err:  # imported, but not an environment class: nothing of it is called
+        return [f"{id_key}={env_id!r} cannot be used: {err}; set {id_key} to a registered id or a pkg.module:Class "
+                "of your own environment"]
     except (ImportError, AttributeError, ValueError) as err:
         return [f"{id_key}={env_id!r} cannot be imported ({' '.join(str(err).split())}); set {id_key} to a "
                 "registered id or an importable pkg.module:Class"]

@@ -443,3 +443,27 @@ def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, 
     err = capsys.readouterr().err
     assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
     assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}", "dry_run=true"],
+    ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}"],
+    ["recipe=tiny_self_distill", "self_distill.source=os:system", "self_distill.source_kwargs.command=touch {marker}"],
+], ids=["env_dry_run", "env_run", "self_distill_source"])
+def test_an_env_path_to_anything_but_an_env_class_is_refused_before_it_is_called(tmp_path, monkeypatch, capsys, argv):
+    """env.id=os:system with env.kwargs.command: the gate read the signature, found `command`, passed it, and the
+    dry run's plan called os.system. A dotted path must name an Env class, refused before anything is called."""
+    from kvrl.envs import make
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    marker = tmp_path / "PWNED"
+    argv = [a.replace("{marker}", str(marker)) for a in argv] + [f"output_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    key = "self_distill.source" if "source" in argv[1] else "env.id"
+    assert f"{key}='os:system' cannot be used: 'os:system' is a builtin_function_or_method, not a kvrl.envs.Env " \
+           "class" in err, err
+    assert "Traceback" not in err and not marker.exists() and not (tmp_path / "run").exists()
+    with pytest.raises(TypeError, match="not a kvrl.envs.Env class"):
+        make("os:system", command=f"touch {marker}")
+    assert not marker.exists()
