@@ -16,6 +16,7 @@ data files); the network is asked once, for a hub model.path that is not cached,
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import inspect
 import json
 import os
@@ -184,8 +185,8 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
 
 
 def run_problems(cfg) -> list[str]:
-    """What a run of `cfg` here needs besides a valid config: the files it reads exist, no live run holds its
-    output_dir, a checkpoint it would resume was written with its settings, and a hub model.path is cached
+    """What a run of `cfg` here needs besides a valid config: the files it reads exist, its output_dir is (or
+    can be made) a folder that no live run holds, the logging packages it asks for are installed, a checkpoint it would resume was written with its settings, and a hub model.path is cached
     here or the hub answers. `kvrl.run` asks just before the job starts, as `machine_problems` (not for
     print_config or dry_run: they plan for another machine, where the data and the weights are)."""
     job, problems = JOBS[cfg.job], []
@@ -201,11 +202,21 @@ def run_problems(cfg) -> list[str]:
                 problems.append(f"eval.settings.{name}.run={run!r}: no such file or folder; set "
                                 f"eval.settings.{name}.run to the output_dir of the run that trained the line (or "
                                 "the file it wrote: a scorer.safetensors, RLKV's gates)")
-    holder = lock_holder(Path(cfg.output_dir).expanduser())
+    out = Path(cfg.output_dir).expanduser()
+    above = next(p for p in (out, *out.parents) if p.exists())  # what the run's mkdir would meet first
+    if not above.is_dir():  # nothing of the run could be written, nor is a lock or a checkpoint there to read
+        problems.append(f"output_dir={cfg.output_dir}: {above} is a file, not a folder, so the run cannot write its "
+                        "output there; set output_dir=<a folder> (a new one is made)")
+    if job.ray:  # the controller's RunLog opens them (kvrl.runlog); the metrics file has every value anyway
+        for key, package in (("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")):
+            if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
+                problems.append(f"{key}=true needs the {package} package, which is not installed here: pip install "
+                                f"{package}, or set {key}=false (metrics.jsonl has every value)")
+    holder = lock_holder(out) if above.is_dir() else None
     if holder is not None:  # kvrl.runlog.OutputLock would refuse it once the job (and Ray) started
         problems.append(f"output_dir={cfg.output_dir} is in use by another run ({holder}): wait for it to end, or "
                         "set output_dir=<another folder>")
-    if job.resumes:
+    if job.resumes and above.is_dir():
         problems += resume_problems(cfg)
     if "model" in job.sections:
         problems += hub_problems(cfg.model.path)

@@ -132,6 +132,33 @@ CASES = [
             "set model.path=DIR"]),
     ("eval_learned_without_run", ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
      None, ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"]),
+    # what used to be a traceback once the job had started
+    ("group_size_zero", ["recipe=tiny_rl_full", "rl.group_size=0"],
+     None, ["rl.group_size must be >= 2 (got 0); set rl.group_size=8"]),
+    ("lr_absurd", ["recipe=tiny_rl_full", "trainer.lr=1e39"],
+     None, ["trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step) (got 1e+39); "
+            "set trainer.lr=0.003"]),
+    ("device_unknown", ["recipe=tiny_rl_full", "device=foo"],
+     None, ["device must be cpu, cuda or cuda:N (got 'foo'); set device=cpu"]),
+    ("address_unknown", ["recipe=tiny_rl_full", "workers.address=foo"],
+     None, ["workers.address must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, inline, HOST:PORT or "
+            "ray://HOST:PORT (got 'foo')"]),
+    ("output_dir_a_file", ["recipe=tiny_rl_full", "output_dir={file}"],
+     None, ["output_dir={file}: {file} is a file, not a folder", "set output_dir=<a folder>"]),
+    ("output_dir_under_a_file", ["recipe=tiny_eval", "output_dir={file}/run"],
+     None, ["output_dir={file}/run: {file} is a file, not a folder"]),
+    ("eval_sparsity_over_one", ["recipe=tiny_eval", "eval.settings.rlkv.sparsities=[1.5]"],
+     None, ["eval.settings.rlkv.sparsities must be a list of fractions in [0, 1] (the share of KV heads compressed; "
+            "got [1.5]); set eval.settings.rlkv.sparsities=[0.5]"]),
+    ("eval_alpha_nan", ["recipe=tiny_eval", "eval.settings.gkv.alpha=.nan"],
+     None, ["eval.settings.gkv.alpha must be a finite number (got nan)"]),
+    ("eval_alpha_over_one", ["recipe=tiny_eval", "eval.settings.gkv.alpha=1.5"],
+     None, ["eval.settings.gkv: gkv refuses its settings: alpha=1.5: must be in [0, 1]", "set eval.settings.gkv.alpha=0.8"]),
+    ("eval_setting_mistyped", ["recipe=tiny_eval", "eval.settings.gkv.mix_lambda=abc"],
+     None, ["eval.settings.gkv.mix_lambda expects float, got 'abc'; set eval.settings.gkv.mix_lambda=0.5"]),
+    ("eval_pass_k_over_samples", ["recipe=tiny_eval", "eval.pass_k=[1,5]"],
+     None, ["eval.pass_k=[1,5] asks for pass@5 but eval.samples=1 draws fewer samples per task; set eval.samples=5 "
+            "(or eval.pass_k=[1])"]),
 ]
 
 SCRIPT = r"""
@@ -171,8 +198,9 @@ def earlier_run(out: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def outcomes(tmp_recipes, tmp_path_factory) -> dict:
     folders = {"{tmp}": tmp_path_factory.mktemp("not_a_model"), "{locked}": tmp_path_factory.mktemp("locked"),
-               "{run}": tmp_path_factory.mktemp("run")}
+               "{run}": tmp_path_factory.mktemp("run"), "{file}": tmp_path_factory.mktemp("file") / "a_file"}
     earlier_run(folders["{run}"])
+    folders["{file}"].write_text("not a folder")
     cases, fresh = [], tmp_path_factory.mktemp("out")
     for id_, argv, recipes, _ in CASES:
         for mark, folder in folders.items():
@@ -190,12 +218,12 @@ def outcomes(tmp_recipes, tmp_path_factory) -> dict:
     finally:
         lock.release()
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+    return {**json.loads(proc.stdout.splitlines()[-1]), "{file}": str(folders["{file}"])}
 
 
 @pytest.mark.parametrize("case, expected", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
 def test_each_case_exits_2_before_ray_with_the_fix(outcomes, case, expected):
-    result = outcomes[case]
+    result, expected = outcomes[case], [text.replace("{file}", outcomes["{file}"]) for text in expected]
     assert result["rc"] == 2, result
     assert not result["ray"], "ray was imported before the gate refused the config"
     err = result["err"]
@@ -467,3 +495,28 @@ def test_an_env_path_to_anything_but_an_env_class_is_refused_before_it_is_called
     with pytest.raises(TypeError, match="not a kvrl.envs.Env class"):
         make("os:system", command=f"touch {marker}")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("dry_run", ["true", "false"])
+def test_an_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, dry_run):
+    """`output_dir=` wrote checkpoints/, model/, metrics.jsonl and .lock into the current directory."""
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipe=tiny_rl_full", "output_dir=", f"dry_run={dry_run}"]) == 2
+    err = capsys.readouterr().err
+    assert "output_dir must name a folder (empty would write the run into the current directory) (got '')" in err
+    assert "set output_dir=outputs/${run_name}" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("key, package", [("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")])
+def test_a_logger_that_is_not_installed_is_refused_before_the_run_starts(tmp_path, monkeypatch, key, package):
+    """logging.tensorboard=true without tensorboard was an ImportError after Ray and the actors had started."""
+    import sys
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, package, None)  # what an interpreter without the package finds
+    cfg = load_config(["recipe=tiny_rl_full", f"{key}=true", f"output_dir={tmp_path / 'run'}"])
+    assert f"{key}=true needs the {package} package, which is not installed here: pip install {package}, or set " \
+           f"{key}=false" in "\n".join(run_problems(cfg))
+    cfg = load_config(["recipe=tiny_rl_full", f"{key}=false", f"output_dir={tmp_path / 'run'}"])
+    assert package not in "\n".join(run_problems(cfg))

@@ -2,6 +2,7 @@
 template) over a local math file, in both engines, and its resume."""
 
 import json
+import re
 
 import pytest
 
@@ -35,6 +36,14 @@ def args(setup, out, *extra):
 
 def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def refused(capsys, pattern: str) -> bool:
+    """What kvrl.run printed for a run it refused: one message matching `pattern`, no traceback."""
+    err = capsys.readouterr().err
+    assert err.startswith("kvrl: error: the run cannot start: ") and "Traceback" not in err, err
+    assert re.search(pattern, err), err
+    return True
 
 
 def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
@@ -187,9 +196,11 @@ def test_a_line_sets_its_own_window_and_sink():
     assert (gkv.window, gkv.sink, gkv.budget) == (16, 0, 512)
 
 
-def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_differs(setup, tmp_path, monkeypatch):
+def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_differs(setup, tmp_path, monkeypatch,
+                                                                                     capsys):
     """Samples are keyed by what determines them. Before: a rerun at another temperature, or with
-    other weights at the same path, reused the old samples silently."""
+    other weights at the same path, reused the old samples silently. The refusal is a config error:
+    exit 2, the message, no traceback."""
     import shutil
 
     from kvrl.engines.hf import HFEngine
@@ -197,16 +208,17 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
     model, _ = setup
     out = tmp_path / "out"
     assert main(args(setup, out, "eval.policies=[full]")) == 0
-    with pytest.raises(ValueError, match=r"(?s)holds samples of line full from another setting than this "
-                                         r"evaluation's:\n  sampling.temperature: 0.0 -> 1.0\nrerun with those "
-                                         r"settings to reuse them, or give this evaluation its own output_dir="):
-        main(args(setup, out, "eval.policies=[full]", "sampling.temperature=1.0"))
+    capsys.readouterr()
+    assert main(args(setup, out, "eval.policies=[full]", "sampling.temperature=1.0")) == 2
+    assert refused(capsys, r"(?s)holds samples of line full from another setting than this evaluation's:\n  "
+                           r"sampling.temperature: 0.0 -> 1.0\nrerun with those settings to reuse them, or give this "
+                           r"evaluation its own output_dir=")
     flipped = shutil.copytree(model, tmp_path / "flipped")
     weights = bytearray((flipped / "model.safetensors").read_bytes())
     weights[-3] ^= 0x40
     (flipped / "model.safetensors").write_bytes(bytes(weights))
-    with pytest.raises(ValueError, match=r"model.files.model.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
-        main(args(setup, out, "eval.policies=[full]", f"model.path={flipped}"))
+    assert main(args(setup, out, "eval.policies=[full]", f"model.path={flipped}")) == 2
+    assert refused(capsys, r"model.files.model.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'")
     generated = []
     real = HFEngine.generate
     monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: generated.append(len(prompts))
@@ -218,18 +230,17 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
     assert {s["setting"] for s in read(out / "samples.jsonl")} <= settings.keys()
 
 
-def test_duplicate_task_ids_are_an_error_naming_the_rows(setup, tmp_path):
+def test_duplicate_task_ids_are_an_error_naming_the_rows(setup, tmp_path, capsys):
     """Before: 20 rows sharing one id were reported as 1 task."""
     data = tmp_path / "dup.jsonl"
     data.write_text("".join(json.dumps({"id": "same", "question": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
                             for a in range(20)))
-    with pytest.raises(ValueError, match=r"kvrl/math-v0: task ids must be unique, but 1 are shared: 'same' by "
-                                         r".*dup.jsonl:1, .*dup.jsonl:2, .*dup.jsonl:5 \.\.\. \(20 tasks\); give every "
-                                         r"task its own id"):
-        main(args(setup, tmp_path / "out", f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=20"))
+    assert main(args(setup, tmp_path / "out", f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=20")) == 2
+    assert refused(capsys, r"kvrl/math-v0: task ids must be unique, but 1 are shared: 'same' by .*dup.jsonl:1, "
+                           r".*dup.jsonl:2, .*dup.jsonl:5 \.\.\. \(20 tasks\); give every task its own id")
 
 
-def test_a_task_whose_content_changed_is_refused(setup, tmp_path):
+def test_a_task_whose_content_changed_is_refused(setup, tmp_path, capsys):
     data = tmp_path / "tasks.jsonl"
     rows = [{"id": f"t{a}", "question": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(3)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -237,5 +248,6 @@ def test_a_task_whose_content_changed_is_refused(setup, tmp_path):
     assert main(args(setup, tmp_path / "out", *own)) == 0
     rows[1]["question"] = "What is 40 + 1?"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"holds samples of 1 task\(s\) whose content has changed since \(t1\)"):
-        main(args(setup, tmp_path / "out", *own))
+    capsys.readouterr()
+    assert main(args(setup, tmp_path / "out", *own)) == 2
+    assert refused(capsys, r"holds samples of 1 task\(s\) whose content has changed since \(t1\)")

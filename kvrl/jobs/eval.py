@@ -56,6 +56,7 @@ from kvrl.eval.suite import LOOP_DISTINCT, LOOP_N, LOOP_WINDOW, MODES, PolicySpe
     summarise, wilson
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import OutputLock, atomic, config_changes, pyplot, setup_process, sha256_of
+from kvrl.section import ConfigError
 
 
 def read_samples(path: Path) -> list[dict]:
@@ -120,7 +121,7 @@ def main(cfg) -> dict:
             where.setdefault(t.id, []).append(t.meta.get("source", f"task {k + 1}"))
         shared = [f"{i!r} by {', '.join(map(str, where[i][:5]))}{' ...' if n > 5 else ''} ({n} tasks)"
                   for i, n in ids.items() if n > 1]
-        raise ValueError(f"{cfg.env.id}: task ids must be unique, but {len(shared)} are shared: "
+        raise ConfigError(f"{cfg.env.id}: task ids must be unique, but {len(shared)} are shared: "
                          + "; ".join(shared[:5]) + ("; ..." if len(shared) > 5 else "")
                          + "; give every task its own id (a data set's id field) or drop the repeated rows")
     # ---- what the samples depend on (module docstring): another setting's samples are refused
@@ -157,14 +158,14 @@ def main(cfg) -> dict:
         before = recorded["settings"].get(other.get("setting"))
         changed = config_changes(before, settings[other["policy"]], ()) if before else [
             f"(not recorded in {settings_path}: written by a kvrl that kept no settings, or the file was removed)"]
-        raise ValueError(f"{out} holds samples of line {other['policy']} from another setting than this "
+        raise ConfigError(f"{out} holds samples of line {other['policy']} from another setting than this "
                          "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
                          "or give this evaluation its own output_dir=...")
     shas = {t.id: task_sha(t) for t in tasks}
     moved = sorted({s["task"] for s in done if s["policy"] in setting and shas.get(s["task"], s["task_sha"])
                     != s["task_sha"]})
     if moved:
-        raise ValueError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
+        raise ConfigError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
                          f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
                          "changed; give this evaluation its own output_dir=...")
     recorded["settings"].update({setting[name]: value for name, value in settings.items()})
@@ -233,7 +234,7 @@ def main(cfg) -> dict:
     mean_len = sum(s["prompt_tokens"] + s["tokens"] for s in full) / len(full)
     budgets = sorted({round(b * mean_len) if b <= 1 else int(b) for b in ev.budgets})
     if budgets and budgets[0] <= cfg.kv.sink + cfg.kv.window:
-        raise ValueError(f"eval.budgets gives {budgets[0]} tokens, not more than kv.sink + kv.window = "
+        raise ConfigError(f"eval.budgets gives {budgets[0]} tokens, not more than kv.sink + kv.window = "
                          f"{cfg.kv.sink + cfg.kv.window}; raise the budget or lower kv.sink / kv.window")
 
     # ---- every policy at every point, one progress line each
