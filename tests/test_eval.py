@@ -251,3 +251,25 @@ def test_a_task_whose_content_changed_is_refused(setup, tmp_path, capsys):
     capsys.readouterr()
     assert main(args(setup, tmp_path / "out", *own)) == 2
     assert refused(capsys, r"holds samples of 1 task\(s\) whose content has changed since \(t1\)")
+
+
+def test_a_value_read_from_the_environment_is_never_written_nor_shown(setup, tmp_path, monkeypatch, capsys):
+    """`env.system_prompt='${oc.env:NAME}'` (or a token in env.kwargs): settings.json held the value, and a
+    rerun with another value printed both. The samples are keyed by the value; what is written and shown is
+    the reference."""
+    _, data = setup
+    out = tmp_path / "out"
+    secret = ["env.system_prompt=${oc.env:KVRL_TEST_SECRET}", "env.kwargs.path=${oc.env:KVRL_TEST_DATA}",
+              "eval.policies=[full]"]
+    monkeypatch.setenv("KVRL_TEST_SECRET", "first-secret-7f3a")
+    monkeypatch.setenv("KVRL_TEST_DATA", str(data))
+    assert main(args(setup, out, *secret)) == 0
+    settings = (out / "settings.json").read_text()
+    assert "${oc.env:KVRL_TEST_SECRET}" in settings and "${oc.env:KVRL_TEST_DATA}" in settings
+    written = "".join(p.read_text() for p in out.iterdir() if p.suffix in (".json", ".jsonl", ".md"))
+    assert "first-secret" not in written + capsys.readouterr().out and str(data) not in settings
+    monkeypatch.setenv("KVRL_TEST_SECRET", "second-secret-9c1b")
+    assert main(args(setup, out, *secret)) == 2
+    err = capsys.readouterr().err
+    assert "env.kwargs, env.system_prompt: read from the environment, which gives another value than then" in err
+    assert "first-secret" not in err and "second-secret" not in err

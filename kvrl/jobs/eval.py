@@ -35,7 +35,9 @@ task's content. A rerun into a folder whose samples of a line it runs have anoth
 of a task whose content changed, is refused with the keys that differ (``settings.json`` keeps
 each digest's settings), as a resumed training run is; other lines' samples stay where they
 are. The model's files are hashed once per folder: a rerun whose file sizes and modification
-times match ``settings.json``'s reuses the checksums. Task ids must be unique.
+times match ``settings.json``'s reuses the checksums. Task ids must be unique. A value read from the
+environment (``env.system_prompt='${oc.env:NAME}'``, a token in ``env.kwargs``) keys the samples by its
+value but is written to ``settings.json``, and shown in a refusal, as its reference.
 """
 
 from __future__ import annotations
@@ -142,6 +144,9 @@ def main(cfg) -> dict:
         "kv.interval": cfg.kv.interval, "kv.window": cfg.kv.window, "kv.sink": cfg.kv.sink,
         "kv.budget_ratio": cfg.kv.budget_ratio,
     }
+    # a value read from the environment (a token, a system prompt) keys the samples but is written down, and
+    # shown, as its reference `${oc.env:NAME}` (kvrl.config): settings.json never holds a secret
+    hidden = {key: cfg.env_references[key] for key in run_settings if key in cfg.env_references}
     setting, settings, artefacts = {}, {}, {}
     for spec in specs:
         artefact = spec.artefact()
@@ -156,8 +161,10 @@ def main(cfg) -> dict:
     other = next((s for s in done if s["policy"] in setting and s.get("setting") != setting[s["policy"]]), None)
     if other is not None:
         before = recorded["settings"].get(other.get("setting"))
-        changed = config_changes(before, settings[other["policy"]], ()) if before else [
+        changed = config_changes(before, {**settings[other["policy"]], **hidden}, ()) if before else [
             f"(not recorded in {settings_path}: written by a kvrl that kept no settings, or the file was removed)"]
+        changed = changed or [f"{', '.join(hidden)}: read from the environment, which gives another value than "
+                              "then"]  # the references are equal: a variable's value differs
         raise ConfigError(f"{out} holds samples of line {other['policy']} from another setting than this "
                          "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
                          "or give this evaluation its own output_dir=...")
@@ -168,7 +175,7 @@ def main(cfg) -> dict:
         raise ConfigError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
                          f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
                          "changed; give this evaluation its own output_dir=...")
-    recorded["settings"].update({setting[name]: value for name, value in settings.items()})
+    recorded["settings"].update({setting[name]: {**value, **hidden} for name, value in settings.items()})
     with atomic(settings_path) as tmp:
         tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
     with atomic(samples_path) as tmp:  # rewrite without a torn line, then append
