@@ -19,6 +19,7 @@ import difflib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -156,7 +157,7 @@ def policy_problems(policy: str, kwargs: dict) -> list[str]:
 
 def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: str, kwargs: dict) -> list[str]:
     """`kwargs` (given as `kwargs_key`) fit `factory`'s signature, with `defaults` given besides: no
-    unknown argument, every required one given, and the rules of `ENV_ARG_RULES`."""
+    unknown argument, no float that is not finite, every required one given, and the rules of `ENV_ARG_RULES`."""
     name = f"{factory.__module__}:{getattr(factory, '__qualname__', factory)}"
     try:
         params = inspect.signature(factory).parameters
@@ -172,6 +173,11 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
                 near = difflib.get_close_matches(key, named, n=1, cutoff=0.6)
                 hint = f" (did you mean {kwargs_key}.{near[0]}?)" if near else ""
                 problems.append(f"{kwargs_key}.{key} is not an argument of {name}{hint}; {listing}")
+    for key, value in kwargs.items():  # a NaN weight or penalty passes every range check a constructor states
+        if isinstance(value, float) and not math.isfinite(value):
+            default = named[key].default if key in named else inspect.Parameter.empty
+            fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
+            problems.append(f"{kwargs_key}.{key} must be a finite number (got {value}){fix}")
     given = {**defaults, **kwargs}
     for key, p in named.items():
         if p.default is inspect.Parameter.empty and key not in given:

@@ -156,6 +156,8 @@ CASES = [
      None, ["eval.settings.gkv: gkv refuses its settings: alpha=1.5: must be in [0, 1]", "set eval.settings.gkv.alpha=0.8"]),
     ("eval_setting_mistyped", ["recipe=tiny_eval", "eval.settings.gkv.mix_lambda=abc"],
      None, ["eval.settings.gkv.mix_lambda expects float, got 'abc'; set eval.settings.gkv.mix_lambda=0.5"]),
+    ("env_weight_nan", ["recipe=tiny_rl_full", "env.kwargs.overlong_penalty=.nan"],
+     None, ["env.kwargs.overlong_penalty must be a finite number (got nan); set env.kwargs.overlong_penalty=0.0"]),
     ("eval_pass_k_over_samples", ["recipe=tiny_eval", "eval.pass_k=[1,5]"],
      None, ["eval.pass_k=[1,5] asks for pass@5 but eval.samples=1 draws fewer samples per task; set eval.samples=5 "
             "(or eval.pass_k=[1])"]),

@@ -273,3 +273,19 @@ def test_a_value_read_from_the_environment_is_never_written_nor_shown(setup, tmp
     err = capsys.readouterr().err
     assert "env.kwargs, env.system_prompt: read from the environment, which gives another value than then" in err
     assert "first-secret" not in err and "second-secret" not in err
+
+
+def test_a_sample_written_twice_is_refused_naming_both_lines(setup, tmp_path, capsys):
+    """A duplicated line of samples.jsonl was reused: its row said 17 samples of 16 and counted the sample
+    twice in the accuracy."""
+    out = tmp_path / "out"
+    assert main(args(setup, out, "eval.policies=[full]")) == 0
+    path = out / "samples.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines + lines[2:3]))
+    capsys.readouterr()
+    assert main(args(setup, out, "eval.policies=[full]")) == 2
+    assert refused(capsys, rf"{path}:{len(lines) + 1} holds the sample of {path}:3 again \(policy full, point -, "
+                           r"task '.*', sample \d\): the file was edited or joined with another; delete line "
+                           rf"{len(lines) + 1}")
+    assert len(path.read_text().splitlines()) == len(lines) + 1  # nothing rewritten

@@ -62,15 +62,23 @@ from kvrl.section import ConfigError
 
 
 def read_samples(path: Path) -> list[dict]:
-    """The samples written so far; a torn last line (a killed run) is dropped."""
+    """The samples written so far; a torn last line (a killed run) is dropped. A sample written twice (a
+    line copied, two files joined) is refused naming both lines: a row would count it twice."""
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    rows, seen = [], {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             break
+        key = tuple(row.get(k) for k in ("policy", "point", "task", "sample"))
+        if key in seen:
+            raise ConfigError(f"{path}:{number} holds the sample of {path}:{seen[key]} again (policy {key[0]}, point "
+                              f"{key[1]}, task {key[2]!r}, sample {key[3]}): the file was edited or joined with "
+                              f"another; delete line {number} (or the file, to generate its samples afresh)")
+        seen[key] = number
+        rows.append(row)
     return rows
 
 
