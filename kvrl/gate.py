@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvrl.jobs import JOBS
-from kvrl.models import SHIPPED
+from kvrl.models import SHIPPED, seal_problem
 from kvrl.runlog import config_changes, flatten, intact_checkpoint, lock_holder, trained_model
 from kvrl.workers.inline import INLINE
 
@@ -192,8 +192,9 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
 
 def run_problems(cfg) -> list[str]:
     """What a run of `cfg` here needs besides a valid config: the files it reads exist, its output_dir is (or
-    can be made) a folder that no live run holds, the logging packages it asks for are installed, a checkpoint it would resume was written with its settings, and a hub model.path is cached
-    here or the hub answers. `kvrl.run` asks just before the job starts, as `machine_problems` (not for
+    can be made) a folder that no live run holds, the logging packages it asks for are installed, a checkpoint
+    it would resume was written with its settings, a sealed model.path matches its SHA256SUMS
+    (`kvrl.models.seal_problem`), and a hub model.path is cached here or the hub answers. `kvrl.run` asks just before the job starts, as `machine_problems` (not for
     print_config or dry_run: they plan for another machine, where the data and the weights are)."""
     job, problems = JOBS[cfg.job], []
     if "env" in job.sections:
@@ -226,6 +227,8 @@ def run_problems(cfg) -> list[str]:
         problems += resume_problems(cfg)
     if "model" in job.sections:
         problems += hub_problems(cfg.model.path)
+        damaged = seal_problem(cfg.model.path)  # reads the weights once: the job's load finds them cached
+        problems += [damaged] if damaged else []
     return problems
 
 

@@ -156,8 +156,16 @@ def main(cfg) -> dict:
     # shown, as its reference `${oc.env:NAME}` (kvrl.config): settings.json never holds a secret
     hidden = {key: cfg.env_references[key] for key in run_settings if key in cfg.env_references}
     setting, settings, artefacts = {}, {}, {}
+    kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
+          "budget_ratio": cfg.kv.budget_ratio}
     for spec in specs:
-        artefact = spec.artefact()
+        try:  # a scorer or gates that cannot load (damaged, another model's, not finite): refused before any sample
+            artefact = spec.artefact()
+            if artefact is not None:
+                own = {**kv, **spec.kwargs}
+                spec.regime(config, spec.points([own["sink"] + own["window"] + 1])[0], kv)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"eval.settings.{spec.name}: {err}") from None
         line = {"policy": spec.kind, **{k: v for k, v in spec.kwargs.items() if k != "sparsities"},  # only points
                 "artefact_sha256": sha256_of(artefact) if artefact is not None and artefact.is_file() else None}
         if artefact is not None:
@@ -190,8 +198,6 @@ def main(cfg) -> dict:
         tmp.write_text("".join(json.dumps(s) + "\n" for s in done))
     have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in done}
     engine = None
-    kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
-          "budget_ratio": cfg.kv.budget_ratio}
     traces, warm = {}, set()
     cells = {(t.id, i) for t in tasks for i in range(ev.samples)}
 
