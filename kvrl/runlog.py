@@ -86,14 +86,15 @@ TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWri
 @contextmanager
 def disk_full_names(path: str | Path) -> Iterator[None]:
     """Re-raise "no space left on device" with the file that could not be written, as an OSError
-    (ENOSPC); torch.save's own report of a failed write too."""
+    (ENOSPC); torch.save's own report of a failed write too. ``path``: the file written, or the folder
+    whose files are (the error's own file name, when it has one, is named instead)."""
     fix = "free space there or point output_dir at a larger disk (resume=auto continues the run)"
     try:
         yield
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: {fix}") from err
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {err.filename or path}: {fix}") from err
     except RuntimeError as err:
         if not any(sign in str(err) for sign in TORCH_WRITE_FAILED):
             raise

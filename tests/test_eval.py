@@ -289,3 +289,48 @@ def test_a_sample_written_twice_is_refused_naming_both_lines(setup, tmp_path, ca
                            r"task '.*', sample \d\): the file was edited or joined with another; delete line "
                            rf"{len(lines) + 1}")
     assert len(path.read_text().splitlines()) == len(lines) + 1  # nothing rewritten
+
+
+@pytest.mark.parametrize("row, message", [
+    ('{"question": "What is \\ud800 + 1?", "answer": "2"}',
+     r"bad.jsonl:2: the question holds a lone surrogate '\\ud800' at character 9 .*; fix the escape or drop the row"),
+    (json.dumps({"question": " ".join(["apples"] * 60), "answer": "3"}),
+     r"bad.jsonl:2: the prompt has \d+ tokens, the model holds 48 positions; drop or shorten that row"),
+], ids=["lone_surrogate", "overlong"])
+def test_a_row_the_model_cannot_take_is_refused_by_file_and_line(setup, tmp_path, capsys, row, message):
+    """A lone surrogate ended in a tokenizer TypeError naming no row; an overlong prompt said "prompt 1 has
+    2002 tokens" (an index in a batch) with exit 1, where RL names file:line with exit 2."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n" + row + "\n")
+    out = tmp_path / "out"
+    assert main(args(setup, out, f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=2", "eval.policies=[full]",
+                     "model.max_model_len=48")) == 2
+    assert refused(capsys, message)
+    assert not (out / "samples.jsonl").exists()
+
+
+def test_a_full_disk_names_the_file_eval_was_writing(setup, tmp_path, monkeypatch):
+    """A full disk while eval appended its samples was a bare `OSError: [Errno 28]`."""
+    import errno
+    from pathlib import Path
+
+    real = Path.open
+
+    class Full:  # a file on a full disk: the write fails
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: Full(real(self, mode, *a, **k))
+                        if self.name == "samples.jsonl" and "a" in mode else real(self, mode, *a, **k))
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match=rf"no space left on device while writing {out / 'samples.jsonl'}: free space"):
+        main(args(setup, out, "eval.policies=[full]"))

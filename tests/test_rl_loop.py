@@ -739,3 +739,27 @@ def test_rl_full_improves_the_tiny_reasoner(tmp_path):
     rewards = [r["reward_mean"] for r in records]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
     assert max(r["mismatch_max"] for r in records) < 1e-3
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_file(random_model, tmp_path, monkeypatch):
+    """A full disk while the learner wrote its part of a checkpoint named the checkpoint folder, not the file."""
+    import errno
+
+    from kvrl.workers.learner import Learner
+
+    learner = Learner.__ray_actor_class__(config(tmp_path, random_model), 0, 1)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    real = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("basic_ios::clear")))
+    with pytest.raises(OSError, match=rf"writing {folder / 'learner.pt'} failed \(torch.save: basic_ios::clear\)"):
+        learner.save(str(folder))
+    monkeypatch.setattr(torch, "save", real)
+    weights = folder / "model" / "model.safetensors"  # save_pretrained's write: the error names its file
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(weights))
+
+    monkeypatch.setattr(learner, "export", full)
+    with pytest.raises(OSError, match=rf"no space left on device while writing {weights}: free space there"):
+        learner.save(str(folder))

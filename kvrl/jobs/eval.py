@@ -48,16 +48,17 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 from tqdm import tqdm
 
 from kvrl.engines import make_engine
-from kvrl.engines.base import Sampling
+from kvrl.engines.base import Sampling, check_prompts
 from kvrl.envs import make
+from kvrl.envs.chat import Chat
 from kvrl.eval.suite import LOOP_DISTINCT, LOOP_N, LOOP_WINDOW, MODES, PolicySpec, error_mode, kv_usage, loops_apply, \
     summarise, wilson
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import OutputLock, atomic, config_changes, pyplot, setup_process, sha256_of
+from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, pyplot, setup_process, sha256_of
 from kvrl.section import ConfigError
 
 
@@ -119,11 +120,16 @@ def main(cfg) -> dict:
     specs = [PolicySpec.of(name, ev.settings) for name in dict.fromkeys(["full", *ev.policies])]
     weights = resolve_path(cfg.model.path)  # a run directory: the folder of the weights it trained
     config = AutoConfig.from_pretrained(weights)
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=cfg.seed)
-    # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
-    data = getattr(env, "data", None)
-    tasks = list(data[:cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
+    try:  # a row the model cannot take (a broken row, a prompt longer than it holds), by file:line, as RL's
+        env = make(cfg.env.id, **cfg.env.kwargs)
+        env.reset(seed=cfg.seed)
+        # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
+        data = getattr(env, "data", None)
+        tasks = list(data[:cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
+        check_prompts(tasks, AutoTokenizer.from_pretrained(weights), cfg.model.max_model_len or
+                      getattr(config, "max_position_embeddings", None), Chat.of(cfg.env))
+    except ValueError as err:  # the user's data, not a bug of ours
+        raise ConfigError(str(err)) from None
     ids = Counter(t.id for t in tasks)
     if any(n > 1 for n in ids.values()):  # samples are keyed by task id, and a row counts tasks by id
         where = {}
@@ -219,7 +225,7 @@ def main(cfg) -> dict:
                                 policy=regime)
                 warm.add(spec.name)
             bar = tqdm(total=len(batches), desc=f"{spec.name} {label}", leave=False)
-            with samples_path.open("a") as f:
+            with disk_full_names(samples_path), samples_path.open("a") as f:
                 for lo in batches:
                     chunk = grid[lo:lo + bs]
                     sampling = Sampling(max_new_tokens=cfg.sampling.max_new_tokens,
@@ -286,11 +292,14 @@ def main(cfg) -> dict:
             tmp.write_text(json.dumps(props, indent=1) + "\n")
 
     # ---- pictures and report.md
-    plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
-    plot_modes(rows, out / "error_modes.png")
+    with disk_full_names(out / "accuracy.png"):  # a full disk names the file, as every atomic write does
+        plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
+    with disk_full_names(out / "error_modes.png"):
+        plot_modes(rows, out / "error_modes.png")
     shown = retention_samples(traces, rows)
     if shown:
-        plot_retention(shown, out / "retention.png")
+        with disk_full_names(out / "retention.png"):
+            plot_retention(shown, out / "retention.png")
     evaluated = {"model": (weights, files), "artefacts": artefacts}
     write_report(cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated)
     lock.release()
