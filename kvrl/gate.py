@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from kvrl.jobs import JOBS
 from kvrl.models import SHIPPED, seal_problem
-from kvrl.runlog import config_changes, flatten, intact_checkpoint, lock_holder, trained_model
+from kvrl.runlog import flatten, intact_checkpoint, lock_holder, resume_changes, trained_model
 from kvrl.workers.inline import INLINE
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
@@ -265,7 +265,7 @@ def resume_problems(cfg) -> list[str]:
     saved = json.loads((path / "config.json").read_text())
     # model.max_model_len=0: an RL job over a data set derives it before it saves, and compares it then
     resumable = (*cfg.RESUMABLE, *(() if cfg.model.max_model_len else ("model.max_model_len",)))
-    changed = config_changes(saved, json.loads(json.dumps(flatten(cfg))), resumable)
+    changed = resume_changes(saved, json.loads(json.dumps(flatten(cfg))), resumable, cfg.resume, path)
     if not changed:
         return []
     return [f"output_dir={cfg.output_dir} holds a run whose settings differ from this one's (checkpoint {path}):\n  "

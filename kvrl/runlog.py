@@ -284,6 +284,26 @@ def config_changes(saved: dict, now: dict, resumable: tuple[str, ...]) -> list[s
     return changed
 
 
+def resume_changes(saved: dict, now: dict, resumable: tuple[str, ...], resume: str, checkpoint: Path) -> list[str]:
+    """:func:`config_changes` of a run that resumes ``checkpoint`` (whose config.json is ``saved``) with
+    ``resume`` (auto, or the checkpoint's path). ``output_dir`` is compared by the folder it names: a
+    symlink to the run's folder, or another spelling of its path, is the same run. A run folder that was
+    copied or moved is another folder: resume=auto refuses it, naming the key that accepts it, and a
+    checkpoint named by path (``resume=PATH``) continues into this output_dir whatever folder wrote it
+    (only read: nothing of the other folder is written or mixed in)."""
+    named = resume not in ("auto", "never")
+    changed = config_changes(saved, now, (*resumable, *(("output_dir",) if named else ())))
+    before, after = saved.get("output_dir"), now.get("output_dir")
+    if named or before == after or not isinstance(before, str) or not isinstance(after, str):
+        return changed
+    line = f"output_dir: {before!r} -> {after!r}"
+    if Path(before).expanduser().resolve() == Path(after).expanduser().resolve():
+        return [c for c in changed if c != line]
+    return [c if c != line else f"{line} (this folder holds a run written as output_dir={before}: copied or moved "
+            f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint into this "
+            "output_dir)" for c in changed]
+
+
 class OutputLock:
     """This process's exclusive hold on ``out`` (see the module docstring); ``release()``."""
 

@@ -522,3 +522,32 @@ def test_a_logger_that_is_not_installed_is_refused_before_the_run_starts(tmp_pat
            f"{key}=false" in "\n".join(run_problems(cfg))
     cfg = load_config(["recipe=tiny_rl_full", f"{key}=false", f"output_dir={tmp_path / 'run'}"])
     assert package not in "\n".join(run_problems(cfg))
+
+
+def test_a_run_folder_reached_through_a_symlink_or_copied_continues_as_documented(tmp_path, monkeypatch, capsys):
+    """Resume through a symlink to the run folder, or from a copied run folder, was refused because output_dir
+    differed, with a fix pointing at the original. A symlink is the same folder; a copy continues with
+    resume=<its checkpoint>, which the refusal names; the original folder is only read."""
+    import shutil
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    args = ["recipe=tiny_pretrain", "trainer.batch_size=2", "trainer.log_every=1", "pretrain.eval_tasks=1",
+            "pretrain.checkpoint_every=1", "pretrain.layers=1", "pretrain.hidden=32", "pretrain.kv_heads=1",
+            "pretrain.intermediate=32"]
+    real = tmp_path / "real"
+    assert main([*args, f"output_dir={real}", "trainer.steps=2"]) == 0  # step_000001 (the last step: model/ only)
+    copy = Path(shutil.copytree(real, tmp_path / "copy", symlinks=True))
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    capsys.readouterr()
+    assert main([*args, f"output_dir={link}", "trainer.steps=3"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    before = {p: p.read_bytes() for p in real.rglob("*") if p.is_file()}
+    assert main([*args, f"output_dir={copy}", "trainer.steps=4"]) == 2
+    err = capsys.readouterr().err
+    checkpoint = copy / "checkpoints" / "step_000001"
+    assert f"output_dir: '{real}' -> '{copy}' (this folder holds a run written as output_dir={real}: copied or moved " \
+           f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint" in err, err
+    assert main([*args, f"output_dir={copy}", "trainer.steps=4", f"resume={checkpoint}"]) == 0
+    assert "resumed from" in capsys.readouterr().out and (copy / "checkpoints" / "step_000003").is_dir()
+    assert {p: p.read_bytes() for p in real.rglob("*") if p.is_file()} == before  # the original is untouched
