@@ -194,8 +194,9 @@ def run_problems(cfg) -> list[str]:
     """What a run of `cfg` here needs besides a valid config: the files it reads exist, its output_dir is (or
     can be made) a folder that no live run holds, the logging packages it asks for are installed, a checkpoint
     it would resume was written with its settings, a sealed model.path matches its SHA256SUMS
-    (`kvrl.models.seal_problem`), and a hub model.path is cached here or the hub answers. `kvrl.run` asks just before the job starts, as `machine_problems` (not for
-    print_config or dry_run: they plan for another machine, where the data and the weights are)."""
+    (`kvrl.models.seal_problem`), and a hub model.path is cached here or the hub answers. `kvrl.run` asks just
+    before the job starts, as `machine_problems` (not for print_config or dry_run: they plan for another
+    machine, where the data and the weights are)."""
     job, problems = JOBS[cfg.job], []
     if "env" in job.sections:
         problems += input_problems("env.id", cfg.env.id, "env.kwargs", cfg.env.kwargs)

@@ -138,8 +138,8 @@ def main(cfg) -> dict:
         shared = [f"{i!r} by {', '.join(map(str, where[i][:5]))}{' ...' if n > 5 else ''} ({n} tasks)"
                   for i, n in ids.items() if n > 1]
         raise ConfigError(f"{cfg.env.id}: task ids must be unique, but {len(shared)} are shared: "
-                         + "; ".join(shared[:5]) + ("; ..." if len(shared) > 5 else "")
-                         + "; give every task its own id (a data set's id field) or drop the repeated rows")
+                          + "; ".join(shared[:5]) + ("; ..." if len(shared) > 5 else "")
+                          + "; give every task its own id (a data set's id field) or drop the repeated rows")
     # ---- what the samples depend on (module docstring): another setting's samples are refused
     settings_path = out / "settings.json"
     recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
@@ -188,15 +188,15 @@ def main(cfg) -> dict:
         changed = changed or [f"{', '.join(hidden)}: read from the environment, which gives another value than "
                               "then"]  # the references are equal: a variable's value differs
         raise ConfigError(f"{out} holds samples of line {other['policy']} from another setting than this "
-                         "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
-                         "or give this evaluation its own output_dir=...")
+                          "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
+                          "or give this evaluation its own output_dir=...")
     shas = {t.id: task_sha(t) for t in tasks}
     moved = sorted({s["task"] for s in done if s["policy"] in setting and shas.get(s["task"], s["task_sha"])
                     != s["task_sha"]})
     if moved:
         raise ConfigError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
-                         f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
-                         "changed; give this evaluation its own output_dir=...")
+                          f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
+                          "changed; give this evaluation its own output_dir=...")
     recorded["settings"].update({setting[name]: {**value, **hidden} for name, value in settings.items()})
     with atomic(settings_path) as tmp:
         tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
@@ -262,7 +262,7 @@ def main(cfg) -> dict:
     budgets = sorted({round(b * mean_len) if b <= 1 else int(b) for b in ev.budgets})
     if budgets and budgets[0] <= cfg.kv.sink + cfg.kv.window:
         raise ConfigError(f"eval.budgets gives {budgets[0]} tokens, not more than kv.sink + kv.window = "
-                         f"{cfg.kv.sink + cfg.kv.window}; raise the budget or lower kv.sink / kv.window")
+                          f"{cfg.kv.sink + cfg.kv.window}; raise the budget or lower kv.sink / kv.window")
 
     # ---- every policy at every point, one progress line each
     rows = []

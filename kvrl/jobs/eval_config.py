@@ -103,9 +103,9 @@ def problems(cfg) -> list[str]:
 
 
 def kind_of(default: Any) -> tuple[type, ...]:
-    """The types a setting whose constructor default is `default` takes (a float also takes an int; none or
-    None: any)."""
-    if default is None or default is inspect.Parameter.empty:
+    """The types a setting whose constructor default is `default` takes (a float also takes an int; no default,
+    None or another kind of default: any)."""
+    if not isinstance(default, (bool, int, float, str)):
         return (object,)
     return (float, int) if isinstance(default, float) else (type(default),)
 
@@ -132,7 +132,8 @@ def value_problems(cfg) -> list[str]:
             continue  # named by problems
         bad = [k for k, v in own.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
-            found += [f"eval.settings.{name}.{k} must be a finite number (got {own[k]}); set it or drop it" for k in bad]
+            found += [f"eval.settings.{name}.{k} must be a finite number (got {own[k]}); set it or drop it"
+                      for k in bad]
             continue
         if kind == "heads":
             cls, fixed = HeadAllocation, {"gates": torch.zeros(1, 1), "layers": 1, "kv_heads": 1}

@@ -124,8 +124,8 @@ class LearnedScorer(KVPolicy):
         except RuntimeError as err:  # missing keys, or shapes of another model's geometry
             found = "; ".join(line.strip() for line in str(err).splitlines()[1:4])
             raise ValueError(f"the ForesightKV scorer {path} does not fit this model ({self.layers} layers x "
-                             f"{self.kv_heads} KV heads, head_dim {self.head_dim}, group {self.group}): {found}; it was "
-                             "trained on another model: evaluate it with that run's model.path") from None
+                             f"{self.kv_heads} KV heads, head_dim {self.head_dim}, group {self.group}): {found}; it "
+                             "was trained on another model: evaluate it with that run's model.path") from None
 
     @property
     def observe(self) -> int:
