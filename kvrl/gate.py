@@ -16,16 +16,18 @@ data files); the network is asked once, for a hub model.path that is not cached,
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
 from kvrl.jobs import JOBS
-from kvrl.models import SHIPPED
-from kvrl.runlog import config_changes, flatten, intact_checkpoint, lock_holder, trained_model
+from kvrl.models import SHIPPED, seal_problem
+from kvrl.runlog import flatten, intact_checkpoint, lock_holder, resume_changes, trained_model
 from kvrl.workers.inline import INLINE
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
@@ -127,6 +129,9 @@ def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> lis
         near = near or registered()[:1]
         return [f"{id_key}={env_id!r} is neither a registered environment ({', '.join(registered())}) nor a "
                 f"dotted path pkg.module:Class; set {id_key}={near[0]}"]
+    except TypeError as err:  # imported, but not an environment class: nothing of it is called
+        return [f"{id_key}={env_id!r} cannot be used: {err}; set {id_key} to a registered id or a pkg.module:Class "
+                "of your own environment"]
     except (ImportError, AttributeError, ValueError) as err:
         return [f"{id_key}={env_id!r} cannot be imported ({' '.join(str(err).split())}); set {id_key} to a "
                 "registered id or an importable pkg.module:Class"]
@@ -152,7 +157,7 @@ def policy_problems(policy: str, kwargs: dict) -> list[str]:
 
 def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: str, kwargs: dict) -> list[str]:
     """`kwargs` (given as `kwargs_key`) fit `factory`'s signature, with `defaults` given besides: no
-    unknown argument, every required one given, and the rules of `ENV_ARG_RULES`."""
+    unknown argument, no float that is not finite, every required one given, and the rules of `ENV_ARG_RULES`."""
     name = f"{factory.__module__}:{getattr(factory, '__qualname__', factory)}"
     try:
         params = inspect.signature(factory).parameters
@@ -168,6 +173,11 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
                 near = difflib.get_close_matches(key, named, n=1, cutoff=0.6)
                 hint = f" (did you mean {kwargs_key}.{near[0]}?)" if near else ""
                 problems.append(f"{kwargs_key}.{key} is not an argument of {name}{hint}; {listing}")
+    for key, value in kwargs.items():  # a NaN weight or penalty passes every range check a constructor states
+        if isinstance(value, float) and not math.isfinite(value):
+            default = named[key].default if key in named else inspect.Parameter.empty
+            fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
+            problems.append(f"{kwargs_key}.{key} must be a finite number (got {value}){fix}")
     given = {**defaults, **kwargs}
     for key, p in named.items():
         if p.default is inspect.Parameter.empty and key not in given:
@@ -181,10 +191,12 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
 
 
 def run_problems(cfg) -> list[str]:
-    """What a run of `cfg` here needs besides a valid config: the files it reads exist, no live run holds its
-    output_dir, a checkpoint it would resume was written with its settings, and a hub model.path is cached
-    here or the hub answers. `kvrl.run` asks just before the job starts, as `machine_problems` (not for
-    print_config or dry_run: they plan for another machine, where the data and the weights are)."""
+    """What a run of `cfg` here needs besides a valid config: the files it reads exist, its output_dir is (or
+    can be made) a folder that no live run holds, the logging packages it asks for are installed, a checkpoint
+    it would resume was written with its settings, a sealed model.path matches its SHA256SUMS
+    (`kvrl.models.seal_problem`), and a hub model.path is cached here or the hub answers. `kvrl.run` asks just
+    before the job starts, as `machine_problems` (not for print_config or dry_run: they plan for another
+    machine, where the data and the weights are)."""
     job, problems = JOBS[cfg.job], []
     if "env" in job.sections:
         problems += input_problems("env.id", cfg.env.id, "env.kwargs", cfg.env.kwargs)
@@ -198,14 +210,26 @@ def run_problems(cfg) -> list[str]:
                 problems.append(f"eval.settings.{name}.run={run!r}: no such file or folder; set "
                                 f"eval.settings.{name}.run to the output_dir of the run that trained the line (or "
                                 "the file it wrote: a scorer.safetensors, RLKV's gates)")
-    holder = lock_holder(Path(cfg.output_dir).expanduser())
+    out = Path(cfg.output_dir).expanduser()
+    above = next(p for p in (out, *out.parents) if p.exists())  # what the run's mkdir would meet first
+    if not above.is_dir():  # nothing of the run could be written, nor is a lock or a checkpoint there to read
+        problems.append(f"output_dir={cfg.output_dir}: {above} is a file, not a folder, so the run cannot write its "
+                        "output there; set output_dir=<a folder> (a new one is made)")
+    if job.ray:  # the controller's RunLog opens them (kvrl.runlog); the metrics file has every value anyway
+        for key, package in (("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")):
+            if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
+                problems.append(f"{key}=true needs the {package} package, which is not installed here: pip install "
+                                f"{package}, or set {key}=false (metrics.jsonl has every value)")
+    holder = lock_holder(out) if above.is_dir() else None
     if holder is not None:  # kvrl.runlog.OutputLock would refuse it once the job (and Ray) started
         problems.append(f"output_dir={cfg.output_dir} is in use by another run ({holder}): wait for it to end, or "
                         "set output_dir=<another folder>")
-    if job.resumes:
+    if job.resumes and above.is_dir():
         problems += resume_problems(cfg)
     if "model" in job.sections:
         problems += hub_problems(cfg.model.path)
+        damaged = seal_problem(cfg.model.path)  # reads the weights once: the job's load finds them cached
+        problems += [damaged] if damaged else []
     return problems
 
 
@@ -242,7 +266,7 @@ def resume_problems(cfg) -> list[str]:
     saved = json.loads((path / "config.json").read_text())
     # model.max_model_len=0: an RL job over a data set derives it before it saves, and compares it then
     resumable = (*cfg.RESUMABLE, *(() if cfg.model.max_model_len else ("model.max_model_len",)))
-    changed = config_changes(saved, json.loads(json.dumps(flatten(cfg))), resumable)
+    changed = resume_changes(saved, json.loads(json.dumps(flatten(cfg))), resumable, cfg.resume, path)
     if not changed:
         return []
     return [f"output_dir={cfg.output_dir} holds a run whose settings differ from this one's (checkpoint {path}):\n  "

@@ -15,6 +15,7 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from kvrl.config import JOBS, ConfigError, available_recipes, cli_value, load_config, recipes_dir, schema_keys
+from kvrl.config.load import redact, secret_names
 
 USAGE = "usage: python -m kvrl.run [recipe=NAME] [key=value ...]  (print_config=true shows the result)"
 
@@ -43,13 +44,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(args)
-        if cfg.job not in JOBS:
-            near = difflib.get_close_matches(cfg.job, JOBS, n=1)
-            hint = f"did you mean job={near[0]}? " if near else ""
-            raise ConfigError(f"unknown job {cfg.job!r}; {hint}available jobs: {', '.join(JOBS)}")
     except ConfigError as err:
         print(f"kvrl: error: {err}", file=sys.stderr)
         return 2
+
+    def refuse(what: str) -> int:  # a value read from the environment is shown as its reference
+        print(redact(f"kvrl: error: {what}", secret_names(cfg)), file=sys.stderr)
+        return 2
+
+    if cfg.job not in JOBS:
+        near = difflib.get_close_matches(cfg.job, JOBS, n=1)
+        hint = f"did you mean job={near[0]}? " if near else ""
+        return refuse(f"unknown job {cfg.job!r}; {hint}available jobs: {', '.join(JOBS)}")
     if cfg.print_config:  # a value read from the environment is shown as its reference, never in the clear
         shown = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(cfg)))
         for key, reference in cfg.env_references.items():
@@ -63,25 +69,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             dry_run(cfg)
         except ConfigError as err:
-            print(f"kvrl: error: {err}", file=sys.stderr)
-            return 2
+            return refuse(str(err))
         return 0
     from kvrl.gate import machine_problems, run_problems
 
     problems = run_problems(cfg)
     if problems:
-        print("kvrl: error: the run cannot start: " + "\n".join(problems), file=sys.stderr)
-        return 2
+        return refuse("the run cannot start: " + "\n".join(problems))
     problems = machine_problems(cfg, ray=JOBS[cfg.job].ray)
     if problems:
-        print("kvrl: error: this machine cannot run the config: " + "\n".join(problems), file=sys.stderr)
-        return 2
+        return refuse("this machine cannot run the config: " + "\n".join(problems))
     module, _, function = JOBS[cfg.job].entry.partition(":")
     try:
         result = getattr(importlib.import_module(module), function)(cfg)
     except ConfigError as err:  # what only the job can know (a data set's prompts), refused before it trains
-        print(f"kvrl: error: the run cannot start: {err}", file=sys.stderr)
-        return 2
+        return refuse(f"the run cannot start: {err}")
     return result if isinstance(result, int) else 0
 
 

@@ -86,14 +86,15 @@ TORCH_WRITE_FAILED = ("basic_ios::clear", "file write failed", "PytorchStreamWri
 @contextmanager
 def disk_full_names(path: str | Path) -> Iterator[None]:
     """Re-raise "no space left on device" with the file that could not be written, as an OSError
-    (ENOSPC); torch.save's own report of a failed write too."""
+    (ENOSPC); torch.save's own report of a failed write too. ``path``: the file written, or the folder
+    whose files are (the error's own file name, when it has one, is named instead)."""
     fix = "free space there or point output_dir at a larger disk (resume=auto continues the run)"
     try:
         yield
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        raise OSError(errno.ENOSPC, f"no space left on device while writing {path}: {fix}") from err
+        raise OSError(errno.ENOSPC, f"no space left on device while writing {err.filename or path}: {fix}") from err
     except RuntimeError as err:
         if not any(sign in str(err) for sign in TORCH_WRITE_FAILED):
             raise
@@ -281,6 +282,26 @@ def config_changes(saved: dict, now: dict, resumable: tuple[str, ...]) -> list[s
         if saved.get(key) != now.get(key):
             changed.append(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}")
     return changed
+
+
+def resume_changes(saved: dict, now: dict, resumable: tuple[str, ...], resume: str, checkpoint: Path) -> list[str]:
+    """:func:`config_changes` of a run that resumes ``checkpoint`` (whose config.json is ``saved``) with
+    ``resume`` (auto, or the checkpoint's path). ``output_dir`` is compared by the folder it names: a
+    symlink to the run's folder, or another spelling of its path, is the same run. A run folder that was
+    copied or moved is another folder: resume=auto refuses it, naming the key that accepts it, and a
+    checkpoint named by path (``resume=PATH``) continues into this output_dir whatever folder wrote it
+    (only read: nothing of the other folder is written or mixed in)."""
+    named = resume not in ("auto", "never")
+    changed = config_changes(saved, now, (*resumable, *(("output_dir",) if named else ())))
+    before, after = saved.get("output_dir"), now.get("output_dir")
+    if named or before == after or not isinstance(before, str) or not isinstance(after, str):
+        return changed
+    line = f"output_dir: {before!r} -> {after!r}"
+    if Path(before).expanduser().resolve() == Path(after).expanduser().resolve():
+        return [c for c in changed if c != line]
+    return [c if c != line else f"{line} (this folder holds a run written as output_dir={before}: copied or moved "
+            f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint into this "
+            "output_dir)" for c in changed]
 
 
 class OutputLock:

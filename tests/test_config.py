@@ -291,3 +291,18 @@ def test_a_value_from_the_environment_is_never_written_or_shown(monkeypatch, tmp
         assert main(["recipe=tiny_pretrain", bad]) == 2
         err = capsys.readouterr().err
         assert "a-rotated-token" not in err and "${oc.env:KVRL_TEST_TOKEN}" in err, err
+
+
+@pytest.mark.parametrize("arg", ["job", "recipe", "recipe_file", "device", "workers.address", "output_dir"])
+def test_a_value_from_the_environment_is_not_shown_by_any_refusal(monkeypatch, tmp_path, capsys, arg):
+    """job=, recipe=, recipe_file=, device= and workers.address= set to `${oc.env:NAME}` printed the value in
+    their refusals (read before the recipe, or refused by kvrl.run and the gate after the config loaded)."""
+    secret = "s3cr3t-T0KEN-value"
+    monkeypatch.setenv("KVRL_TEST_TOKEN", secret)
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    value = f"{tmp_path}/a_file/${{oc.env:KVRL_TEST_TOKEN}}" if arg == "output_dir" else "${oc.env:KVRL_TEST_TOKEN}"
+    (tmp_path / "a_file").write_text("")
+    argv = [f"{arg}={value}"] + ([] if arg.startswith("recipe") else ["recipe=tiny_rl_full"])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert secret not in err and "${oc.env:KVRL_TEST_TOKEN}" in err and "Traceback" not in err, err

@@ -132,6 +132,36 @@ CASES = [
             "set model.path=DIR"]),
     ("eval_learned_without_run", ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
      None, ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"]),
+    # what used to be a traceback once the job had started
+    ("group_size_zero", ["recipe=tiny_rl_full", "rl.group_size=0"],
+     None, ["rl.group_size must be >= 2 (got 0); set rl.group_size=8"]),
+    ("lr_absurd", ["recipe=tiny_rl_full", "trainer.lr=1e39"],
+     None, ["trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step) (got 1e+39); "
+            "set trainer.lr=0.003"]),
+    ("device_unknown", ["recipe=tiny_rl_full", "device=foo"],
+     None, ["device must be cpu, cuda or cuda:N (got 'foo'); set device=cpu"]),
+    ("address_unknown", ["recipe=tiny_rl_full", "workers.address=foo"],
+     None, ["workers.address must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, inline, HOST:PORT or "
+            "ray://HOST:PORT (got 'foo')"]),
+    ("output_dir_a_file", ["recipe=tiny_rl_full", "output_dir={file}"],
+     None, ["output_dir={file}: {file} is a file, not a folder", "set output_dir=<a folder>"]),
+    ("output_dir_under_a_file", ["recipe=tiny_eval", "output_dir={file}/run"],
+     None, ["output_dir={file}/run: {file} is a file, not a folder"]),
+    ("eval_sparsity_over_one", ["recipe=tiny_eval", "eval.settings.rlkv.sparsities=[1.5]"],
+     None, ["eval.settings.rlkv.sparsities must be a list of fractions in [0, 1] (the share of KV heads compressed; "
+            "got [1.5]); set eval.settings.rlkv.sparsities=[0.5]"]),
+    ("eval_alpha_nan", ["recipe=tiny_eval", "eval.settings.gkv.alpha=.nan"],
+     None, ["eval.settings.gkv.alpha must be a finite number (got nan)"]),
+    ("eval_alpha_over_one", ["recipe=tiny_eval", "eval.settings.gkv.alpha=1.5"],
+     None, ["eval.settings.gkv: gkv refuses its settings: alpha=1.5: must be in [0, 1]",
+            "set eval.settings.gkv.alpha=0.8"]),
+    ("eval_setting_mistyped", ["recipe=tiny_eval", "eval.settings.gkv.mix_lambda=abc"],
+     None, ["eval.settings.gkv.mix_lambda expects float, got 'abc'; set eval.settings.gkv.mix_lambda=0.5"]),
+    ("env_weight_nan", ["recipe=tiny_rl_full", "env.kwargs.overlong_penalty=.nan"],
+     None, ["env.kwargs.overlong_penalty must be a finite number (got nan); set env.kwargs.overlong_penalty=0.0"]),
+    ("eval_pass_k_over_samples", ["recipe=tiny_eval", "eval.pass_k=[1,5]"],
+     None, ["eval.pass_k=[1,5] asks for pass@5 but eval.samples=1 draws fewer samples per task; set eval.samples=5 "
+            "(or eval.pass_k=[1])"]),
 ]
 
 SCRIPT = r"""
@@ -171,8 +201,9 @@ def earlier_run(out: Path, *args: str) -> None:
 @pytest.fixture(scope="module")
 def outcomes(tmp_recipes, tmp_path_factory) -> dict:
     folders = {"{tmp}": tmp_path_factory.mktemp("not_a_model"), "{locked}": tmp_path_factory.mktemp("locked"),
-               "{run}": tmp_path_factory.mktemp("run")}
+               "{run}": tmp_path_factory.mktemp("run"), "{file}": tmp_path_factory.mktemp("file") / "a_file"}
     earlier_run(folders["{run}"])
+    folders["{file}"].write_text("not a folder")
     cases, fresh = [], tmp_path_factory.mktemp("out")
     for id_, argv, recipes, _ in CASES:
         for mark, folder in folders.items():
@@ -190,12 +221,12 @@ def outcomes(tmp_recipes, tmp_path_factory) -> dict:
     finally:
         lock.release()
     assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+    return {**json.loads(proc.stdout.splitlines()[-1]), "{file}": str(folders["{file}"])}
 
 
 @pytest.mark.parametrize("case, expected", [(c[0], c[3]) for c in CASES], ids=[c[0] for c in CASES])
 def test_each_case_exits_2_before_ray_with_the_fix(outcomes, case, expected):
-    result = outcomes[case]
+    result, expected = outcomes[case], [text.replace("{file}", outcomes["{file}"]) for text in expected]
     assert result["rc"] == 2, result
     assert not result["ray"], "ray was imported before the gate refused the config"
     err = result["err"]
@@ -443,3 +474,81 @@ def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, 
     err = capsys.readouterr().err
     assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
     assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [
+    ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}", "dry_run=true"],
+    ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}"],
+    ["recipe=tiny_self_distill", "self_distill.source=os:system", "self_distill.source_kwargs.command=touch {marker}"],
+], ids=["env_dry_run", "env_run", "self_distill_source"])
+def test_an_env_path_to_anything_but_an_env_class_is_refused_before_it_is_called(tmp_path, monkeypatch, capsys, argv):
+    """env.id=os:system with env.kwargs.command: the gate read the signature, found `command`, passed it, and the
+    dry run's plan called os.system. A dotted path must name an Env class, refused before anything is called."""
+    from kvrl.envs import make
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    marker = tmp_path / "PWNED"
+    argv = [a.replace("{marker}", str(marker)) for a in argv] + [f"output_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    key = "self_distill.source" if "source" in argv[1] else "env.id"
+    assert f"{key}='os:system' cannot be used: 'os:system' is a builtin_function_or_method, not a kvrl.envs.Env " \
+           "class" in err, err
+    assert "Traceback" not in err and not marker.exists() and not (tmp_path / "run").exists()
+    with pytest.raises(TypeError, match="not a kvrl.envs.Env class"):
+        make("os:system", command=f"touch {marker}")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("dry_run", ["true", "false"])
+def test_an_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, dry_run):
+    """`output_dir=` wrote checkpoints/, model/, metrics.jsonl and .lock into the current directory."""
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipe=tiny_rl_full", "output_dir=", f"dry_run={dry_run}"]) == 2
+    err = capsys.readouterr().err
+    assert "output_dir must name a folder (empty would write the run into the current directory) (got '')" in err
+    assert "set output_dir=outputs/${run_name}" in err and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("key, package", [("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")])
+def test_a_logger_that_is_not_installed_is_refused_before_the_run_starts(tmp_path, monkeypatch, key, package):
+    """logging.tensorboard=true without tensorboard was an ImportError after Ray and the actors had started."""
+    import sys
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.setitem(sys.modules, package, None)  # what an interpreter without the package finds
+    cfg = load_config(["recipe=tiny_rl_full", f"{key}=true", f"output_dir={tmp_path / 'run'}"])
+    assert f"{key}=true needs the {package} package, which is not installed here: pip install {package}, or set " \
+           f"{key}=false" in "\n".join(run_problems(cfg))
+    cfg = load_config(["recipe=tiny_rl_full", f"{key}=false", f"output_dir={tmp_path / 'run'}"])
+    assert package not in "\n".join(run_problems(cfg))
+
+
+def test_a_run_folder_reached_through_a_symlink_or_copied_continues_as_documented(tmp_path, monkeypatch, capsys):
+    """Resume through a symlink to the run folder, or from a copied run folder, was refused because output_dir
+    differed, with a fix pointing at the original. A symlink is the same folder; a copy continues with
+    resume=<its checkpoint>, which the refusal names; the original folder is only read."""
+    import shutil
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    args = ["recipe=tiny_pretrain", "trainer.batch_size=2", "trainer.log_every=1", "pretrain.eval_tasks=1",
+            "pretrain.checkpoint_every=1", "pretrain.layers=1", "pretrain.hidden=32", "pretrain.kv_heads=1",
+            "pretrain.intermediate=32"]
+    real = tmp_path / "real"
+    assert main([*args, f"output_dir={real}", "trainer.steps=2"]) == 0  # step_000001 (the last step: model/ only)
+    copy = Path(shutil.copytree(real, tmp_path / "copy", symlinks=True))
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    capsys.readouterr()
+    assert main([*args, f"output_dir={link}", "trainer.steps=3"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    before = {p: p.read_bytes() for p in real.rglob("*") if p.is_file()}
+    assert main([*args, f"output_dir={copy}", "trainer.steps=4"]) == 2
+    err = capsys.readouterr().err
+    checkpoint = copy / "checkpoints" / "step_000001"
+    assert f"output_dir: '{real}' -> '{copy}' (this folder holds a run written as output_dir={real}: copied or moved " \
+           f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint" in err, err
+    assert main([*args, f"output_dir={copy}", "trainer.steps=4", f"resume={checkpoint}"]) == 0
+    assert "resumed from" in capsys.readouterr().out and (copy / "checkpoints" / "step_000003").is_dir()
+    assert {p: p.read_bytes() for p in real.rglob("*") if p.is_file()} == before  # the original is untouched

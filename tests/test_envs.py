@@ -106,6 +106,20 @@ def test_a_reward_that_is_no_finite_number_is_an_error_naming_env_function_and_t
         env.score(Task(id="add-1-2", prompt="1 + 2?", answer="3"), "\\boxed{3}")
 
 
+def test_rewards_whose_sum_overflows_and_a_nan_weight_are_errors_naming_the_task_and_the_reward():
+    """Finite one by one, 1e308 + 1e308 summed to inf, and a NaN weight made every reward NaN: both were
+    trained on (reward_mean null) and checkpointed."""
+    huge = [Reward(lambda task, completion: 1e308, 1.0, "a"), Reward(lambda task, completion: 1e308, 1.0, "b")]
+    env = TextEnv(rewards=huge)
+    env.id = "my/env-v0"
+    with pytest.raises(ValueError, match=r"environment my/env-v0: the rewards of task 'add-1-2' sum to inf \(1 x a "
+                                         r"1e\+308, 1 x b 1e\+308\); a reward must be a finite number"):
+        env.score(Task(id="add-1-2", prompt="1 + 2?", answer="3"), "\\boxed{3}")
+    for weight in (float("nan"), float("inf"), "1", True):
+        with pytest.raises(ValueError, match=r"reward 'exact': weight .* must be a finite number; set it to 1.0"):
+            Reward(exact, weight, "exact")
+
+
 def test_trace_episode_reward_at_end():
     env = DropEnv()
     obs, _ = env.reset(seed=0)

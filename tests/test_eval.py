@@ -2,6 +2,7 @@
 template) over a local math file, in both engines, and its resume."""
 
 import json
+import re
 
 import pytest
 
@@ -35,6 +36,14 @@ def args(setup, out, *extra):
 
 def read(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def refused(capsys, pattern: str) -> bool:
+    """What kvrl.run printed for a run it refused: one message matching `pattern`, no traceback."""
+    err = capsys.readouterr().err
+    assert err.startswith("kvrl: error: the run cannot start: ") and "Traceback" not in err, err
+    assert re.search(pattern, err), err
+    return True
 
 
 def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
@@ -187,9 +196,11 @@ def test_a_line_sets_its_own_window_and_sink():
     assert (gkv.window, gkv.sink, gkv.budget) == (16, 0, 512)
 
 
-def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_differs(setup, tmp_path, monkeypatch):
+def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_differs(setup, tmp_path, monkeypatch,
+                                                                                     capsys):
     """Samples are keyed by what determines them. Before: a rerun at another temperature, or with
-    other weights at the same path, reused the old samples silently."""
+    other weights at the same path, reused the old samples silently. The refusal is a config error:
+    exit 2, the message, no traceback."""
     import shutil
 
     from kvrl.engines.hf import HFEngine
@@ -197,16 +208,17 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
     model, _ = setup
     out = tmp_path / "out"
     assert main(args(setup, out, "eval.policies=[full]")) == 0
-    with pytest.raises(ValueError, match=r"(?s)holds samples of line full from another setting than this "
-                                         r"evaluation's:\n  sampling.temperature: 0.0 -> 1.0\nrerun with those "
-                                         r"settings to reuse them, or give this evaluation its own output_dir="):
-        main(args(setup, out, "eval.policies=[full]", "sampling.temperature=1.0"))
+    capsys.readouterr()
+    assert main(args(setup, out, "eval.policies=[full]", "sampling.temperature=1.0")) == 2
+    assert refused(capsys, r"(?s)holds samples of line full from another setting than this evaluation's:\n  "
+                           r"sampling.temperature: 0.0 -> 1.0\nrerun with those settings to reuse them, or give this "
+                           r"evaluation its own output_dir=")
     flipped = shutil.copytree(model, tmp_path / "flipped")
     weights = bytearray((flipped / "model.safetensors").read_bytes())
     weights[-3] ^= 0x40
     (flipped / "model.safetensors").write_bytes(bytes(weights))
-    with pytest.raises(ValueError, match=r"model.files.model.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
-        main(args(setup, out, "eval.policies=[full]", f"model.path={flipped}"))
+    assert main(args(setup, out, "eval.policies=[full]", f"model.path={flipped}")) == 2
+    assert refused(capsys, r"model.files.model.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'")
     generated = []
     real = HFEngine.generate
     monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: generated.append(len(prompts))
@@ -218,18 +230,17 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
     assert {s["setting"] for s in read(out / "samples.jsonl")} <= settings.keys()
 
 
-def test_duplicate_task_ids_are_an_error_naming_the_rows(setup, tmp_path):
+def test_duplicate_task_ids_are_an_error_naming_the_rows(setup, tmp_path, capsys):
     """Before: 20 rows sharing one id were reported as 1 task."""
     data = tmp_path / "dup.jsonl"
     data.write_text("".join(json.dumps({"id": "same", "question": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
                             for a in range(20)))
-    with pytest.raises(ValueError, match=r"kvrl/math-v0: task ids must be unique, but 1 are shared: 'same' by "
-                                         r".*dup.jsonl:1, .*dup.jsonl:2, .*dup.jsonl:5 \.\.\. \(20 tasks\); give every "
-                                         r"task its own id"):
-        main(args(setup, tmp_path / "out", f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=20"))
+    assert main(args(setup, tmp_path / "out", f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=20")) == 2
+    assert refused(capsys, r"kvrl/math-v0: task ids must be unique, but 1 are shared: 'same' by .*dup.jsonl:1, "
+                           r".*dup.jsonl:2, .*dup.jsonl:5 \.\.\. \(20 tasks\); give every task its own id")
 
 
-def test_a_task_whose_content_changed_is_refused(setup, tmp_path):
+def test_a_task_whose_content_changed_is_refused(setup, tmp_path, capsys):
     data = tmp_path / "tasks.jsonl"
     rows = [{"id": f"t{a}", "question": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(3)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -237,5 +248,89 @@ def test_a_task_whose_content_changed_is_refused(setup, tmp_path):
     assert main(args(setup, tmp_path / "out", *own)) == 0
     rows[1]["question"] = "What is 40 + 1?"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(ValueError, match=r"holds samples of 1 task\(s\) whose content has changed since \(t1\)"):
-        main(args(setup, tmp_path / "out", *own))
+    capsys.readouterr()
+    assert main(args(setup, tmp_path / "out", *own)) == 2
+    assert refused(capsys, r"holds samples of 1 task\(s\) whose content has changed since \(t1\)")
+
+
+def test_a_value_read_from_the_environment_is_never_written_nor_shown(setup, tmp_path, monkeypatch, capsys):
+    """`env.system_prompt='${oc.env:NAME}'` (or a token in env.kwargs): settings.json held the value, and a
+    rerun with another value printed both. The samples are keyed by the value; what is written and shown is
+    the reference."""
+    _, data = setup
+    out = tmp_path / "out"
+    secret = ["env.system_prompt=${oc.env:KVRL_TEST_SECRET}", "env.kwargs.path=${oc.env:KVRL_TEST_DATA}",
+              "eval.policies=[full]"]
+    monkeypatch.setenv("KVRL_TEST_SECRET", "first-secret-7f3a")
+    monkeypatch.setenv("KVRL_TEST_DATA", str(data))
+    assert main(args(setup, out, *secret)) == 0
+    settings = (out / "settings.json").read_text()
+    assert "${oc.env:KVRL_TEST_SECRET}" in settings and "${oc.env:KVRL_TEST_DATA}" in settings
+    written = "".join(p.read_text() for p in out.iterdir() if p.suffix in (".json", ".jsonl", ".md"))
+    assert "first-secret" not in written + capsys.readouterr().out and str(data) not in settings
+    monkeypatch.setenv("KVRL_TEST_SECRET", "second-secret-9c1b")
+    assert main(args(setup, out, *secret)) == 2
+    err = capsys.readouterr().err
+    assert "env.kwargs, env.system_prompt: read from the environment, which gives another value than then" in err
+    assert "first-secret" not in err and "second-secret" not in err
+
+
+def test_a_sample_written_twice_is_refused_naming_both_lines(setup, tmp_path, capsys):
+    """A duplicated line of samples.jsonl was reused: its row said 17 samples of 16 and counted the sample
+    twice in the accuracy."""
+    out = tmp_path / "out"
+    assert main(args(setup, out, "eval.policies=[full]")) == 0
+    path = out / "samples.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines + lines[2:3]))
+    capsys.readouterr()
+    assert main(args(setup, out, "eval.policies=[full]")) == 2
+    assert refused(capsys, rf"{path}:{len(lines) + 1} holds the sample of {path}:3 again \(policy full, point -, "
+                           r"task '.*', sample \d\): the file was edited or joined with another; delete line "
+                           rf"{len(lines) + 1}")
+    assert len(path.read_text().splitlines()) == len(lines) + 1  # nothing rewritten
+
+
+@pytest.mark.parametrize("row, message", [
+    ('{"question": "What is \\ud800 + 1?", "answer": "2"}',
+     r"bad.jsonl:2: the question holds a lone surrogate '\\ud800' at character 9 .*; fix the escape or drop the row"),
+    (json.dumps({"question": " ".join(["apples"] * 60), "answer": "3"}),
+     r"bad.jsonl:2: the prompt has \d+ tokens, the model holds 48 positions; drop or shorten that row"),
+], ids=["lone_surrogate", "overlong"])
+def test_a_row_the_model_cannot_take_is_refused_by_file_and_line(setup, tmp_path, capsys, row, message):
+    """A lone surrogate ended in a tokenizer TypeError naming no row; an overlong prompt said "prompt 1 has
+    2002 tokens" (an index in a batch) with exit 1, where RL names file:line with exit 2."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n" + row + "\n")
+    out = tmp_path / "out"
+    assert main(args(setup, out, f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=2", "eval.policies=[full]",
+                     "model.max_model_len=48")) == 2
+    assert refused(capsys, message)
+    assert not (out / "samples.jsonl").exists()
+
+
+def test_a_full_disk_names_the_file_eval_was_writing(setup, tmp_path, monkeypatch):
+    """A full disk while eval appended its samples was a bare `OSError: [Errno 28]`."""
+    import errno
+    from pathlib import Path
+
+    real = Path.open
+
+    class Full:  # a file on a full disk: the write fails
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: Full(real(self, mode, *a, **k))
+                        if self.name == "samples.jsonl" and "a" in mode else real(self, mode, *a, **k))
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match=rf"no space left on device while writing {out / 'samples.jsonl'}: free space"):
+        main(args(setup, out, "eval.policies=[full]"))

@@ -80,6 +80,17 @@ class NanRewardEnv(DigitsEnv):
         TextEnv.__init__(self, rewards=[Reward(digits, 1.0, "digits"), Reward(no_value, 1.0, "judge")])
 
 
+def huge(task, completion):
+    return 1e308
+
+
+class OverflowingRewardEnv(DigitsEnv):
+    """Rewards finite one by one whose weighted sum overflows to inf."""
+
+    def __init__(self, **ignored):
+        TextEnv.__init__(self, rewards=[Reward(huge, 1.0, "judge"), Reward(huge, 1.0, "judge_again")])
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_local(tmp_path_factory):
     # the rollout actors build this module's environments to score their samples: they must import it
@@ -248,12 +259,16 @@ def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
     assert len(seen) == 2 * 16 and set(seen) == workers and os.getpid() not in workers
 
 
-def test_a_nan_reward_stops_the_run_before_any_update(random_model, tmp_path):
+@pytest.mark.parametrize("env, error", [
+    ("NanRewardEnv", "reward function 'judge' returned nan \\(float\\) for task 'digits-"),
+    ("OverflowingRewardEnv", "the rewards of task 'digits-.*' sum to inf \\(1 x judge 1e\\+308, 1 x judge_again"),
+], ids=["nan", "sum_overflows"])
+def test_a_nan_reward_stops_the_run_before_any_update(random_model, tmp_path, env, error):
     """The rollout actor that scores it names the environment, the reward function and the task;
-    nothing is trained, logged or checkpointed (before: step 1 trained on NaN and was sealed)."""
-    with pytest.raises(ValueError, match=rf"(?s)environment {__name__}:NanRewardEnv: reward function 'judge' "
-                                         r"returned nan \(float\) for task 'digits-"):
-        train(config(tmp_path, random_model, f"env.id={__name__}:NanRewardEnv", "trainer.steps=1"))
+    nothing is trained, logged or checkpointed (before: step 1 trained on NaN, or on rewards finite one by one
+    whose sum overflowed, and was sealed)."""
+    with pytest.raises(ValueError, match=rf"(?s)environment {__name__}:{env}: {error}"):
+        train(config(tmp_path, random_model, f"env.id={__name__}:{env}", "trainer.steps=1"))
     assert not (tmp_path / "checkpoints").exists()
     assert not (tmp_path / "metrics.jsonl").exists()  # no step was logged
 
@@ -798,3 +813,27 @@ def test_rl_full_improves_the_tiny_reasoner(tmp_path):
     rewards = [r["reward_mean"] for r in records]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.05, rewards
     assert max(r["mismatch_max"] for r in records) < 1e-3
+
+
+def test_a_full_disk_during_a_checkpoint_names_the_file(random_model, tmp_path, monkeypatch):
+    """A full disk while the learner wrote its part of a checkpoint named the checkpoint folder, not the file."""
+    import errno
+
+    from kvrl.workers.learner import Learner
+
+    learner = Learner.__ray_actor_class__(config(tmp_path, random_model), 0, 1)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    real = torch.save
+    monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("basic_ios::clear")))
+    with pytest.raises(OSError, match=rf"writing {folder / 'learner.pt'} failed \(torch.save: basic_ios::clear\)"):
+        learner.save(str(folder))
+    monkeypatch.setattr(torch, "save", real)
+    weights = folder / "model" / "model.safetensors"  # save_pretrained's write: the error names its file
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(weights))
+
+    monkeypatch.setattr(learner, "export", full)
+    with pytest.raises(OSError, match=rf"no space left on device while writing {weights}: free space there"):
+        learner.save(str(folder))

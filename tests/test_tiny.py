@@ -222,3 +222,65 @@ def test_a_flipped_byte_in_the_shipped_scorer_or_gates_is_refused(tmp_path):
         load_gates(gates)
     with pytest.raises(ValueError, match="damaged"):
         PolicySpec("rlkv", "heads", {"run": str(gates)}).regime(config, 0.5, kv)
+
+
+@pytest.mark.parametrize("where", ["copy", "model", "checkpoints/step_000002/model"])
+@pytest.mark.parametrize("recipe", ["tiny_eval", "tiny_rl_full"])
+def test_a_flipped_byte_in_a_sealed_model_folder_is_refused_before_the_job(where, recipe, tmp_path, monkeypatch,
+                                                                           capsys):
+    """A copy of the shipped reasoner with its SHA256SUMS, a run's model/ or a checkpoint's model/, given as
+    model.path with one byte flipped, trained and evaluated with exit 0: a sealed folder is checked first."""
+    from kvrl.models import SHIPPED
+    from kvrl.run import main
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    copy = flipped_copy(SHIPPED["tiny"][0], tmp_path, "model.safetensors")
+    folder = copy if where == "copy" else tmp_path / "run" / where
+    if where != "copy":
+        folder.parent.mkdir(parents=True)
+        copy.rename(folder)
+    out = tmp_path / "out"
+    assert main([f"recipe={recipe}", f"model.path={folder}", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvrl: error: the run cannot start: ") and "Traceback" not in err, err
+    assert f"model.path={folder} is damaged: {folder / 'model.safetensors'} does not match its checksum in " \
+           f"{folder / 'SHA256SUMS'}; copy the folder again" in err, err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="does not match its checksum"):  # Python callers: the same check
+        load_model(str(folder))
+
+
+def test_a_scorer_or_gates_that_are_not_finite_or_of_another_model_are_refused_naming_the_file(tmp_path, capsys):
+    """A scorer with a NaN weight, or all-NaN gates, evaluated with exit 0 (foresight accuracy 0.25 instead of
+    1.0); a scorer of another shape failed with a torch error naming no file."""
+    from safetensors.torch import load_file, save_file
+
+    from kvrl.models import WEIGHTS
+    from kvrl.policies import LearnedScorer
+    from kvrl.run import main
+
+    shipped = WEIGHTS / "tiny_artefacts"
+    state = load_file(str(shipped / "foresight_scorer.safetensors"))
+    name = sorted(state)[0]
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, str(tmp_path / "nan_scorer.safetensors"))
+    other = LearnedScorer(budget=32, interval=8, window=8, sink=4, group=2, head_dim=16, layers=2, kv_heads=1)
+    save_file({k: v.contiguous() for k, v in other.scorer.state_dict().items()}, str(tmp_path / "other.safetensors"))
+    save_file({"gates": torch.full((4, 2), float("nan"))}, str(tmp_path / "nan_gates.safetensors"))
+    save_file({"gates": torch.zeros(3, 3)}, str(tmp_path / "other_gates.safetensors"))
+    cases = {"nan_scorer": ("foresight", f"the ForesightKV scorer {tmp_path / 'nan_scorer.safetensors'} holds values "
+                                         f"that are not finite (in {name})"),
+             "other": ("foresight", f"the ForesightKV scorer {tmp_path / 'other.safetensors'} does not fit this model "
+                                    "(4 layers x 2 KV heads, head_dim 32, group 2): size mismatch for"),
+             "nan_gates": ("rlkv", f"the RLKV gates {tmp_path / 'nan_gates.safetensors'} hold 8 of 8 values that are "
+                                   "not finite"),
+             "other_gates": ("rlkv", f"the RLKV gates {tmp_path / 'other_gates.safetensors'} have shape (3, 3), but "
+                                     "the model has (layers, KV heads) = (4, 2)")}
+    for file, (line, message) in cases.items():
+        out = tmp_path / f"out_{file}"
+        argv = ["recipe=tiny_eval", "env.num_eval_tasks=4", f"eval.policies=[{line}]",
+                f"eval.settings.{line}.run={tmp_path / file}.safetensors", f"output_dir={out}"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"kvrl: error: the run cannot start: eval.settings.{line}: {message}" in err, err
+        assert "Traceback" not in err and not (out / "samples.jsonl").exists()

@@ -186,7 +186,17 @@ def _load_recipe(path: Path) -> list[tuple[DictConfig, str]]:
 
 
 def load_config(argv: Sequence[str]) -> Any:
-    """schema ⊕ base ⊕ recipes/NAME.yaml ⊕ `key=value` arguments -> validated, typed Config."""
+    """schema ⊕ base ⊕ recipes/NAME.yaml ⊕ `key=value` arguments -> validated, typed Config. A message
+    shows values: an environment variable's (read on the command line or in the recipe) as its reference."""
+    names = ENV_REFERENCE.findall(" ".join(argv))  # recipe=${oc.env:X} is read before the recipe is
+    try:
+        return _load_config(argv, names)
+    except ConfigError as err:
+        raise ConfigError(redact(str(err), names)) from None
+
+
+def _load_config(argv: Sequence[str], names: list[str]) -> Any:
+    """load_config's work; adds to `names` the environment variables the merged layers read."""
     cli = _parse_cli(argv)
     own = str(cli.get("recipe_file") or "")
     if own:
@@ -228,29 +238,36 @@ def load_config(argv: Sequence[str]) -> Any:
         raise ConfigError(f"job is not set; add `job: NAME` to {recipe_path} or pass job=NAME "
                           "(`python -m kvrl.run --help` lists the jobs)")
     OmegaConf.set_readonly(merged, True)
-    raw = repr(OmegaConf.to_container(merged, resolve=False))
-    names = list(dict.fromkeys(name.strip() for name in ENV_REFERENCE.findall(raw)))
-    secrets = {name: os.environ[name] for name in names if os.environ.get(name)}
+    names += ENV_REFERENCE.findall(repr(OmegaConf.to_container(merged, resolve=False)))
     try:
-        try:
-            cfg = OmegaConf.to_object(merged)
-            references = _env_references(merged) if names else {}
-        except OmegaConfBaseException as err:
-            key = getattr(err, "full_key", None) or "the config"
-            raise ConfigError(f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another "
-                              "key, e.g. output_dir=outputs/${run_name}") from None
-        assert isinstance(cfg, schema())
-        cfg.env_references = references
-        validate(cfg)
-    except ConfigError as err:  # a message shows values: never the environment's in the clear
-        message = str(err)
-        for name, value in secrets.items():
-            message = re.sub(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", f"${{oc.env:{name}}}", message)
-        raise ConfigError(message) from None
+        cfg = OmegaConf.to_object(merged)
+        references = _env_references(merged) if names else {}
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "the config"
+        raise ConfigError(f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another "
+                          "key, e.g. output_dir=outputs/${run_name}") from None
+    assert isinstance(cfg, schema())
+    cfg.env_references = references
+    validate(cfg)
     return cfg
 
 
 ENV_REFERENCE = re.compile(r"\$\{oc\.env:([^,}]+)")
+
+
+def redact(text: str, names: Sequence[str]) -> str:
+    """`text` with the value of each environment variable in `names` shown as its reference `${oc.env:NAME}`:
+    what kvrl prints about a config (its errors, and kvrl.run's) never holds a secret in the clear."""
+    for name in dict.fromkeys(n.strip() for n in names):
+        value = os.environ.get(name)
+        if value:
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", f"${{oc.env:{name}}}", text)
+    return text
+
+
+def secret_names(cfg) -> list[str]:
+    """The environment variables `cfg` read (`Config.env_references`), for :func:`redact`."""
+    return ENV_REFERENCE.findall(repr(cfg.env_references))
 
 
 def _env_references(merged: DictConfig) -> dict[str, Any]:

@@ -9,6 +9,7 @@ checks that look outside the config (a model folder, an environment's constructo
 """
 
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Dict, List, Optional
@@ -22,6 +23,7 @@ from kvrl.section import POLICY_NAMES, ConfigError, checked
 from kvrl.workers.inline import INLINE
 
 DTYPES = ("float32", "bfloat16", "float16")
+ADDRESS = re.compile(r"(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):\d{1,5}")  # a Ray head: HOST:PORT
 
 
 @dataclass
@@ -115,7 +117,9 @@ class SamplingConfig:
 
 @dataclass
 class TrainerConfig:
-    lr: float = checked(3e-3, lambda v: v > 0, "must be > 0")  # peak learning rate
+    # peak learning rate; Adam moves every weight by about lr per step, so above 1 it only destroys the model
+    # (1e39 overflowed float32 inside the optimizer's first step)
+    lr: float = checked(3e-3, lambda v: 0 < v <= 1, "must be in (0, 1] (Adam moves each weight by about lr per step)")
     steps: int = checked(0, ge=0)  # optimizer steps; 0 = no training
     batch_size: int = checked(32, ge=1)  # samples per optimizer step
     warmup_steps: int = checked(100, ge=0)  # linear learning-rate warmup length
@@ -158,7 +162,7 @@ class RLConfig:
         """Cross-field checks of RL jobs; each message names the key and a value that works."""
         problems = []
         g, n = self.group_size, cfg.trainer.batch_size
-        if n % g or n < g:
+        if g >= 1 and (n % g or n < g):  # below 2 the field's own rule says so (and n % 0 would raise)
             problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): it is the number "
                             f"of samples per step; set trainer.batch_size={max(1, round(n / g)) * g}")
         if cfg.sampling.temperature <= 0:
@@ -196,7 +200,9 @@ class WorkersConfig:
     # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port;
     # inline = no Ray: the actors are objects in this process, one after another (a laptop's smallest start-up;
     # no restarts, no timeouts, one learner: kvrl/workers/inline.py)
-    address: str = ""
+    address: str = checked("", lambda v: v in ("", "auto", "local", INLINE) or ADDRESS.fullmatch(v) is not None,
+                           f"must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, {INLINE}, HOST:PORT "
+                           "or ray://HOST:PORT")
     num_cpus: int = checked(0, ge=0)  # CPUs a private local Ray may use; 0 = all of this machine
     # nice increment of Ray's workers over the process that starts Ray (Ray's default 15 starves them on a busy machine)
     niceness: int = checked(0, lambda v: 0 <= v <= 19, "must be 0..19 (0 = the driver's priority)")
@@ -264,8 +270,11 @@ class Shared:
     # take at most 64 bits: a larger seed must fail here, not at engine start
     seed: int = checked(0, lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)")
     run_name: str = "${recipe}"  # name of this run in logs and output paths
-    output_dir: str = "outputs/${run_name}"  # where metrics, checkpoints and plots go
-    device: str = "cpu"  # torch device, e.g. cpu or cuda
+    # where metrics, checkpoints and plots go (empty would put them in the current directory)
+    output_dir: str = checked("outputs/${run_name}", lambda v: bool(v.strip()),
+                              "must name a folder (empty would write the run into the current directory)")
+    device: str = checked("cpu", lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None,
+                          "must be cpu, cuda or cuda:N")  # torch device
     print_config: bool = False  # print the resolved config as YAML and exit
     dry_run: bool = False  # print the resource plan and the KV-memory estimate, then exit (no weights needed)
     # auto (latest checkpoint in output_dir, if any) | never | a checkpoint path

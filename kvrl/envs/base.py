@@ -70,8 +70,9 @@ class Reward:
     ``fn(task, completion)`` returns a finite number, or ``(number, extra_info)`` to report
     diagnostics (``extra_info`` is merged into the step's ``info``); anything else (NaN,
     inf, a string, a tensor) is an error naming the environment, the function and the task.
-    The episode reward is ``Σ weight · fn``; ``weight == 0`` makes the function a metric
-    only: it is reported in ``info[name]`` but never added to the reward.
+    The episode reward is ``Σ weight · fn`` (a weight, and the sum, must be finite: a NaN
+    weight is refused here, a sum that overflows by :meth:`TextEnv.score`); ``weight == 0``
+    makes the function a metric only: it is reported in ``info[name]`` but never added to the reward.
     """
 
     fn: Callable[[Task, str], Any]
@@ -81,6 +82,10 @@ class Reward:
     def __post_init__(self) -> None:
         if not self.name:
             self.name = getattr(self.fn, "__name__", "") or "reward"
+        # a NaN weight makes every reward NaN (and `weight != 0` holds for NaN, so a metric could not be told apart)
+        if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
+            raise ValueError(f"reward {self.name!r}: weight {self.weight!r} ({type(self.weight).__name__}) must be a "
+                             "finite number; set it to 1.0, or 0.0 for a metric that is reported but not rewarded")
 
 
 def correct(task: Task, completion: str) -> float:
@@ -260,6 +265,11 @@ class TextEnv(Env):
             info[r.name] = value
             if r.weight != 0:
                 total += r.weight * value
+        if not math.isfinite(total):  # finite terms whose sum overflows (1e308 + 1e308) would be trained on as inf
+            terms = ", ".join(f"{r.weight:g} x {r.name} {info[r.name]:g}" for r in self.rewards if r.weight != 0)
+            raise ValueError(f"environment {self.id or type(self).__qualname__}: the rewards of task {task.id!r} sum "
+                             f"to {total} ({terms}); a reward must be a finite number: scale the reward functions "
+                             "(or their weights) to a range whose sum a float holds")
         info["reward"] = total
         return total, info
 

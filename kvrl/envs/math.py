@@ -301,6 +301,13 @@ def row_to_task(row: dict, where: str, default_id: str, template: str = DEFAULT_
         raise ValueError(f"{where}: missing answer field (columns: {sorted(row)}); accepted: {ACCEPTED}")
     if not answer:
         raise ValueError(f"{where}: empty answer")
+    for name, text in (("question", question), ("answer", answer)):
+        try:  # JSON's "\ud800" decodes to a lone surrogate, which no tokenizer (nor UTF-8) encodes
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where}: the {name} holds a lone surrogate {text[e.start]!r} at character {e.start + 1} "
+                             "(a \\uXXXX escape of half a UTF-16 pair), which is no text a tokenizer encodes; fix the "
+                             "escape or drop the row") from None
     task_id = _first(row, ID_KEYS)
     used = {*QUESTION_KEYS, *ANSWER_KEYS, *ID_KEYS, "solution"}
     meta = {k: v for k, v in row.items() if k not in used and _is_small(v)}

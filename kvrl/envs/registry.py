@@ -108,15 +108,22 @@ def discover(id: str) -> None:
 
 def resolve(id_or_path: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     """What ``make(id_or_path)`` calls and the registered default keyword arguments, without
-    building anything (the config gate inspects the constructor's signature)."""
+    building anything (the config gate inspects the constructor's signature). A dotted path must name
+    an :class:`Env` subclass (TypeError otherwise, before anything is called); a registered id may name
+    any factory."""
     if id_or_path not in _REGISTRY and ":" not in id_or_path:
         discover(id_or_path)
     if id_or_path in _REGISTRY:
         spec = _REGISTRY[id_or_path]
         factory = spec.entry_point
         return (load_entry_point(factory) if isinstance(factory, str) else factory), dict(spec.kwargs)
-    if ":" in id_or_path:
-        return load_entry_point(id_or_path), {}
+    if ":" in id_or_path:  # a path to anything importable: only an Env class may be called (os:system must not)
+        cls = load_entry_point(id_or_path)
+        if not (isinstance(cls, type) and issubclass(cls, Env)):
+            raise TypeError(f"{id_or_path!r} is a {type(cls).__name__}, not a kvrl.envs.Env class: a dotted path names "
+                            "a subclass of kvrl.envs.TextEnv or kvrl.envs.TraceEnv (a factory function is registered "
+                            "under an id: kvrl.envs.register('my_lab/name-v0', factory))")
+        return cls, {}
     near = difflib.get_close_matches(id_or_path, registered(), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
     namespace = id_or_path.partition("/")[0]

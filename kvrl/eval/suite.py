@@ -103,9 +103,7 @@ class PolicySpec:
         kv = {**kv, "budget_ratio": self.budget_ratio(kv)}
         policy = make_policy(self.kind, config if self.kind == "learned" else None, budget=point, **{**kv, **kw})
         if self.kind == "learned":
-            from safetensors.torch import load_file
-
-            policy.scorer.load_state_dict(load_file(self._scorer()))
+            policy.load_scorer(self._scorer())
         return policy
 
     def artefact(self) -> Path | None:

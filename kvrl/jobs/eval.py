@@ -35,7 +35,9 @@ task's content. A rerun into a folder whose samples of a line it runs have anoth
 of a task whose content changed, is refused with the keys that differ (``settings.json`` keeps
 each digest's settings), as a resumed training run is; other lines' samples stay where they
 are. The model's files are hashed once per folder: a rerun whose file sizes and modification
-times match ``settings.json``'s reuses the checksums. Task ids must be unique.
+times match ``settings.json``'s reuses the checksums. Task ids must be unique. A value read from the
+environment (``env.system_prompt='${oc.env:NAME}'``, a token in ``env.kwargs``) keys the samples by its
+value but is written to ``settings.json``, and shown in a refusal, as its reference.
 """
 
 from __future__ import annotations
@@ -46,28 +48,38 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 from tqdm import tqdm
 
 from kvrl.engines import make_engine
-from kvrl.engines.base import Sampling
+from kvrl.engines.base import Sampling, check_prompts
 from kvrl.envs import make
+from kvrl.envs.chat import Chat
 from kvrl.eval.suite import LOOP_DISTINCT, LOOP_N, LOOP_WINDOW, MODES, PolicySpec, error_mode, kv_usage, loops_apply, \
     summarise, wilson
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import OutputLock, atomic, config_changes, pyplot, setup_process, sha256_of
+from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, pyplot, setup_process, sha256_of
+from kvrl.section import ConfigError
 
 
 def read_samples(path: Path) -> list[dict]:
-    """The samples written so far; a torn last line (a killed run) is dropped."""
+    """The samples written so far; a torn last line (a killed run) is dropped. A sample written twice (a
+    line copied, two files joined) is refused naming both lines: a row would count it twice."""
     if not path.exists():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
+    rows, seen = [], {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             break
+        key = tuple(row.get(k) for k in ("policy", "point", "task", "sample"))
+        if key in seen:
+            raise ConfigError(f"{path}:{number} holds the sample of {path}:{seen[key]} again (policy {key[0]}, point "
+                              f"{key[1]}, task {key[2]!r}, sample {key[3]}): the file was edited or joined with "
+                              f"another; delete line {number} (or the file, to generate its samples afresh)")
+        seen[key] = number
+        rows.append(row)
     return rows
 
 
@@ -108,11 +120,16 @@ def main(cfg) -> dict:
     specs = [PolicySpec.of(name, ev.settings) for name in dict.fromkeys(["full", *ev.policies])]
     weights = resolve_path(cfg.model.path)  # a run directory: the folder of the weights it trained
     config = AutoConfig.from_pretrained(weights)
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=cfg.seed)
-    # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
-    data = getattr(env, "data", None)
-    tasks = list(data[:cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
+    try:  # a row the model cannot take (a broken row, a prompt longer than it holds), by file:line, as RL's
+        env = make(cfg.env.id, **cfg.env.kwargs)
+        env.reset(seed=cfg.seed)
+        # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
+        data = getattr(env, "data", None)
+        tasks = list(data[:cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
+        check_prompts(tasks, AutoTokenizer.from_pretrained(weights), cfg.model.max_model_len or
+                      getattr(config, "max_position_embeddings", None), Chat.of(cfg.env))
+    except ValueError as err:  # the user's data, not a bug of ours
+        raise ConfigError(str(err)) from None
     ids = Counter(t.id for t in tasks)
     if any(n > 1 for n in ids.values()):  # samples are keyed by task id, and a row counts tasks by id
         where = {}
@@ -120,9 +137,9 @@ def main(cfg) -> dict:
             where.setdefault(t.id, []).append(t.meta.get("source", f"task {k + 1}"))
         shared = [f"{i!r} by {', '.join(map(str, where[i][:5]))}{' ...' if n > 5 else ''} ({n} tasks)"
                   for i, n in ids.items() if n > 1]
-        raise ValueError(f"{cfg.env.id}: task ids must be unique, but {len(shared)} are shared: "
-                         + "; ".join(shared[:5]) + ("; ..." if len(shared) > 5 else "")
-                         + "; give every task its own id (a data set's id field) or drop the repeated rows")
+        raise ConfigError(f"{cfg.env.id}: task ids must be unique, but {len(shared)} are shared: "
+                          + "; ".join(shared[:5]) + ("; ..." if len(shared) > 5 else "")
+                          + "; give every task its own id (a data set's id field) or drop the repeated rows")
     # ---- what the samples depend on (module docstring): another setting's samples are refused
     settings_path = out / "settings.json"
     recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
@@ -141,9 +158,20 @@ def main(cfg) -> dict:
         "kv.interval": cfg.kv.interval, "kv.window": cfg.kv.window, "kv.sink": cfg.kv.sink,
         "kv.budget_ratio": cfg.kv.budget_ratio,
     }
+    # a value read from the environment (a token, a system prompt) keys the samples but is written down, and
+    # shown, as its reference `${oc.env:NAME}` (kvrl.config): settings.json never holds a secret
+    hidden = {key: cfg.env_references[key] for key in run_settings if key in cfg.env_references}
     setting, settings, artefacts = {}, {}, {}
+    kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
+          "budget_ratio": cfg.kv.budget_ratio}
     for spec in specs:
-        artefact = spec.artefact()
+        try:  # a scorer or gates that cannot load (damaged, another model's, not finite): refused before any sample
+            artefact = spec.artefact()
+            if artefact is not None:
+                own = {**kv, **spec.kwargs}
+                spec.regime(config, spec.points([own["sink"] + own["window"] + 1])[0], kv)
+        except (ValueError, FileNotFoundError) as err:
+            raise ConfigError(f"eval.settings.{spec.name}: {err}") from None
         line = {"policy": spec.kind, **{k: v for k, v in spec.kwargs.items() if k != "sparsities"},  # only points
                 "artefact_sha256": sha256_of(artefact) if artefact is not None and artefact.is_file() else None}
         if artefact is not None:
@@ -155,27 +183,27 @@ def main(cfg) -> dict:
     other = next((s for s in done if s["policy"] in setting and s.get("setting") != setting[s["policy"]]), None)
     if other is not None:
         before = recorded["settings"].get(other.get("setting"))
-        changed = config_changes(before, settings[other["policy"]], ()) if before else [
+        changed = config_changes(before, {**settings[other["policy"]], **hidden}, ()) if before else [
             f"(not recorded in {settings_path}: written by a kvrl that kept no settings, or the file was removed)"]
-        raise ValueError(f"{out} holds samples of line {other['policy']} from another setting than this "
-                         "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
-                         "or give this evaluation its own output_dir=...")
+        changed = changed or [f"{', '.join(hidden)}: read from the environment, which gives another value than "
+                              "then"]  # the references are equal: a variable's value differs
+        raise ConfigError(f"{out} holds samples of line {other['policy']} from another setting than this "
+                          "evaluation's:\n  " + "\n  ".join(changed) + "\nrerun with those settings to reuse them, "
+                          "or give this evaluation its own output_dir=...")
     shas = {t.id: task_sha(t) for t in tasks}
     moved = sorted({s["task"] for s in done if s["policy"] in setting and shas.get(s["task"], s["task_sha"])
                     != s["task_sha"]})
     if moved:
-        raise ValueError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
-                         f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
-                         "changed; give this evaluation its own output_dir=...")
-    recorded["settings"].update({setting[name]: value for name, value in settings.items()})
+        raise ConfigError(f"{out} holds samples of {len(moved)} task(s) whose content has changed since "
+                          f"({', '.join(moved[:5])}{' ...' if len(moved) > 5 else ''}): the data or the environment "
+                          "changed; give this evaluation its own output_dir=...")
+    recorded["settings"].update({setting[name]: {**value, **hidden} for name, value in settings.items()})
     with atomic(settings_path) as tmp:
         tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
     with atomic(samples_path) as tmp:  # rewrite without a torn line, then append
         tmp.write_text("".join(json.dumps(s) + "\n" for s in done))
     have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in done}
     engine = None
-    kv = {"interval": cfg.kv.interval, "window": cfg.kv.window, "sink": cfg.kv.sink,
-          "budget_ratio": cfg.kv.budget_ratio}
     traces, warm = {}, set()
     cells = {(t.id, i) for t in tasks for i in range(ev.samples)}
 
@@ -197,7 +225,7 @@ def main(cfg) -> dict:
                                 policy=regime)
                 warm.add(spec.name)
             bar = tqdm(total=len(batches), desc=f"{spec.name} {label}", leave=False)
-            with samples_path.open("a") as f:
+            with disk_full_names(samples_path), samples_path.open("a") as f:
                 for lo in batches:
                     chunk = grid[lo:lo + bs]
                     sampling = Sampling(max_new_tokens=cfg.sampling.max_new_tokens,
@@ -233,8 +261,8 @@ def main(cfg) -> dict:
     mean_len = sum(s["prompt_tokens"] + s["tokens"] for s in full) / len(full)
     budgets = sorted({round(b * mean_len) if b <= 1 else int(b) for b in ev.budgets})
     if budgets and budgets[0] <= cfg.kv.sink + cfg.kv.window:
-        raise ValueError(f"eval.budgets gives {budgets[0]} tokens, not more than kv.sink + kv.window = "
-                         f"{cfg.kv.sink + cfg.kv.window}; raise the budget or lower kv.sink / kv.window")
+        raise ConfigError(f"eval.budgets gives {budgets[0]} tokens, not more than kv.sink + kv.window = "
+                          f"{cfg.kv.sink + cfg.kv.window}; raise the budget or lower kv.sink / kv.window")
 
     # ---- every policy at every point, one progress line each
     rows = []
@@ -264,11 +292,14 @@ def main(cfg) -> dict:
             tmp.write_text(json.dumps(props, indent=1) + "\n")
 
     # ---- pictures and report.md
-    plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
-    plot_modes(rows, out / "error_modes.png")
+    with disk_full_names(out / "accuracy.png"):  # a full disk names the file, as every atomic write does
+        plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
+    with disk_full_names(out / "error_modes.png"):
+        plot_modes(rows, out / "error_modes.png")
     shown = retention_samples(traces, rows)
     if shown:
-        plot_retention(shown, out / "retention.png")
+        with disk_full_names(out / "retention.png"):
+            plot_retention(shown, out / "retention.png")
     evaluated = {"model": (weights, files), "artefacts": artefacts}
     write_report(cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated)
     lock.release()

@@ -6,6 +6,7 @@ keys an eval.settings entry may hold) only when job=eval is checked.
 """
 
 import difflib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
@@ -34,8 +35,6 @@ def problems(cfg) -> list[str]:
     """The eval job's budgets are eval.budgets, not kv.budget; every line names a known kind, and its
     eval.settings entry holds only the keys that kind reads (a typo would be ignored: the papers' line
     would run at kv's settings)."""
-    import inspect
-
     from kvrl.eval.suite import KINDS
     from kvrl.policies import POLICIES
     from kvrl.policies.heads import head_allocation
@@ -95,6 +94,81 @@ def problems(cfg) -> list[str]:
                    f"set eval.settings.{name}.{near[0]}={cli_value(value)}" if near else "drop it")
             found.append(f"eval.settings.{name}.{key} is not a setting of a line of kind {kind} (got "
                          f"{cli_value(value)}); {fix}; its settings: {', '.join(keys)}")
+    too_many = [k for k in ev.pass_k if k > ev.samples]
+    if too_many:  # pass@k of fewer than k samples is not defined: summarise would leave the column out
+        found.append(f"eval.pass_k={cli_value(ev.pass_k)} asks for pass@{too_many[0]} but eval.samples={ev.samples} "
+                     f"draws fewer samples per task; set eval.samples={max(ev.pass_k)} (or eval.pass_k="
+                     f"{cli_value([k for k in ev.pass_k if k <= ev.samples] or [1])})")
+    return found + value_problems(cfg)
+
+
+def kind_of(default: Any) -> tuple[type, ...]:
+    """The types a setting whose constructor default is `default` takes (a float also takes an int; no default,
+    None or another kind of default: any)."""
+    if not isinstance(default, (bool, int, float, str)):
+        return (object,)
+    return (float, int) if isinstance(default, float) else (type(default),)
+
+
+def value_problems(cfg) -> list[str]:
+    """Each evaluated line's settings hold values its policy accepts: the line's policy (a rule-based one;
+    RLKV's head allocation with every sparsity) is built from them at the gate as the job would, on a
+    nominal budget, so that a value out of range (eval.settings.gkv.alpha=nan, sparsities=[1.5]) is refused
+    before the model loads. The learned scorer's are checked only for being finite (building it needs the
+    model's geometry); a setting that is not the kind's is named by `problems`."""
+    import math
+
+    import torch
+
+    from kvrl.eval.suite import KINDS
+    from kvrl.policies import POLICIES, LearnedScorer
+    from kvrl.policies.heads import HeadAllocation
+
+    ev, kv, found = cfg.eval, cfg.kv, []
+    for name in dict.fromkeys(ev.policies):
+        own = dict(ev.settings.get(name, {}))
+        kind = own.pop("policy", name)
+        if kind not in KINDS:
+            continue  # named by problems
+        bad = [k for k, v in own.items() if isinstance(v, float) and not math.isfinite(v)]
+        if bad:
+            found += [f"eval.settings.{name}.{k} must be a finite number (got {own[k]}); set it or drop it"
+                      for k in bad]
+            continue
+        if kind == "heads":
+            cls, fixed = HeadAllocation, {"gates": torch.zeros(1, 1), "layers": 1, "kv_heads": 1}
+            sparsities = own.pop("sparsities", [0.5])
+            if not (isinstance(sparsities, list) and sparsities and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in sparsities)):
+                found.append(f"eval.settings.{name}.sparsities must be a list of fractions in [0, 1] (the share of "
+                             f"KV heads compressed; got {cli_value(sparsities)}); set eval.settings.{name}.sparsities="
+                             "[0.5]")
+                continue
+            fixed["sparsity"] = sparsities[0]
+        elif kind in POLICIES and POLICIES[kind] is not LearnedScorer:
+            cls = POLICIES[kind]
+            fixed = {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "budget_ratio": kv.budget_ratio}
+        else:
+            continue
+        params = inspect.signature(cls).parameters
+        given = {k: v for k, v in own.items() if k in params}  # the others are named by problems
+        mistyped = [k for k, v in given.items() if not isinstance(v, kind_of(params[k].default))]
+        if mistyped:
+            found += [f"eval.settings.{name}.{k} expects {kind_of(params[k].default)[0].__name__}, got "
+                      f"{given[k]!r}; set eval.settings.{name}.{k}={cli_value(params[k].default)}" for k in mistyped]
+            continue
+        args = {**fixed, **given}
+        if cls is not HeadAllocation:
+            window, sink = args["window"], args["sink"]
+            args["budget"] = window + sink + 1 if isinstance(window, int) and isinstance(sink, int) else 0
+        try:
+            cls(**args)
+        except (ValueError, TypeError) as err:
+            key = str(err).partition("=")[0]
+            default = params[key].default if key in given else inspect.Parameter.empty
+            fix = (f"set eval.settings.{name}.{key}={cli_value(default)}" if default is not inspect.Parameter.empty
+                   else "fix the line's settings (or the kv.* it takes)")
+            found.append(f"eval.settings.{name}: {kind} refuses its settings: {' '.join(str(err).split())}; {fix}")
     return found
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kvrl.algos.foresight import (RULE_BASED, evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack,
@@ -185,13 +185,13 @@ def pipeline(cfg, out: Path, started: float) -> dict:
         records = controller.runlog.records()
     finally:
         controller.close()
-    policy.scorer.load_state_dict(load_file(out / "rl" / "scorer.safetensors"))
+    policy.load_scorer(out / "rl" / "scorer.safetensors")
     print(f"stage 2 done ({time.perf_counter() - started:.0f} s)")
 
     # ---- 5. held-out loss ratios at the training setting, and the plots
     setting = dict(budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink)
     sft = make_scorer(model, kv)
-    sft.scorer.load_state_dict(load_file(sft_path))
+    sft.load_scorer(sft_path)
     ratios = loss_ratios(model, heldout, {"golden": "golden", "foresight_sft": sft, "foresight_rl": policy,
                                           **{n: n for n in RULE_BASED}}, **setting)
     # ---- 6. held-out accuracy under the same cache: what a user gets from the scorer

@@ -21,7 +21,8 @@ class ForesightConfig:
     shard_size: int = checked(64, ge=1)  # traces per parquet shard: the unit the data step resumes from
     sft_steps: int = checked(1000, ge=0)  # stage 1 optimizer steps (Adam, 10 warm-up steps, cosine decay)
     sft_batch_size: int = checked(8, ge=1)  # traces per stage 1 step
-    sft_lr: float = checked(1.0e-2, lambda v: v > 0, "must be > 0")  # stage 1 peak learning rate
+    sft_lr: float = checked(1.0e-2, lambda v: 0 < v <= 1, "must be in (0, 1] (Adam moves each weight by about lr per "
+                            "step)")  # stage 1 peak learning rate
     margin: float = checked(0.01, ge=0)  # stage 1 pairwise ranking hinge margin
     eta: float = checked(1.5, ge=0)  # stage 2 reward: a token counts when its loss rose by more than eta
     # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first

@@ -40,7 +40,7 @@ from kvrl.envs import make
 from kvrl.envs.base import correct
 from kvrl.kernels.reference.replay import NEVER, Replay
 from kvrl.models.tiny import build_tokenizer, tiny_config
-from kvrl.runlog import (RunLog, config_changes, flatten, intact_checkpoint, mark_latest, save_torch, seal,
+from kvrl.runlog import (RunLog, flatten, intact_checkpoint, mark_latest, resume_changes, save_torch, seal,
                          setup_process, write_json)
 
 
@@ -141,7 +141,8 @@ def main(cfg) -> dict:
     path = intact_checkpoint(out_dir / "checkpoints") if cfg.resume == "auto" else (
         None if cfg.resume == "never" else Path(cfg.resume))
     if path is not None:
-        changed = config_changes(json.loads((path / "config.json").read_text()), settings, cfg.RESUMABLE)
+        changed = resume_changes(json.loads((path / "config.json").read_text()), settings, cfg.RESUMABLE, cfg.resume,
+                                 path)
         if changed:
             raise ValueError(f"{out_dir} holds a pretraining run with other settings (checkpoint {path}):\n  "
                              + "\n  ".join(changed) + "\nrerun with its settings to continue it, or pass "

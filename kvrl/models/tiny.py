@@ -19,8 +19,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 from kvrl.envs.chains import VOCAB
-from kvrl.models import SHIPPED
-from kvrl.runlog import damage, trained_model
+from kvrl.models import SHIPPED, seal_problem
+from kvrl.runlog import trained_model
 
 TINY_PATH = SHIPPED["tiny"][0]
 
@@ -55,7 +55,8 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, hidden: 
 @functools.cache
 def resolve_path(path: str) -> str:
     """``"tiny"`` and ``"tiny-multihop"`` name the shipped weights (:data:`SHIPPED`, checked against
-    the SHA256SUMS shipped beside them); a kvrl run directory (an ``output_dir``, without a
+    the SHA256SUMS shipped beside them, as is any folder a SHA256SUMS seals: :func:`kvrl.models.seal_problem`);
+    a kvrl run directory (an ``output_dir``, without a
     config.json) names the weights that run trained, its final model or else its newest
     complete checkpoint's (:func:`kvrl.runlog.trained_model`: verified against their checksums,
     refused with what to pass instead for a run that trained no model weights), with a note on
@@ -67,14 +68,11 @@ def resolve_path(path: str) -> str:
             raise FileNotFoundError(
                 f"the {path} reasoner's weights are missing from {folder}; reinstall kvrl, or "
                 f"train them with `python -m kvrl.run recipe={recipe}`")
-        # one flipped exponent byte loads silently and scores 0 everywhere: check the shipped checksums
-        why = damage(folder)
-        if why is not None:
-            raise ValueError(
-                f"the shipped {path} reasoner is damaged: {why}; restore it: reinstall kvrl (`pip install "
-                f"--force-reinstall --no-deps kvrl`), or `git checkout -- {folder}` in a clone, or retrain it with "
-                f"`python -m kvrl.run recipe={recipe}` and copy its output_dir/model over {folder}")
-        return str(folder)
+    why = seal_problem(path)  # a shipped or sealed folder is checked against its checksums before it loads
+    if why is not None:
+        raise ValueError(why)
+    if path in SHIPPED:
+        return str(SHIPPED[path][0])
     local = Path(path).expanduser()
     if local.is_dir() and not (local / "config.json").exists():
         found = trained_model(local)

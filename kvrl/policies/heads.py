@@ -168,16 +168,29 @@ def load_gates(path: str | Path) -> Tensor:
                          f"kvrl, or `git checkout -- {path}` in a clone) or regenerate it with the run that wrote it "
                          "(python -m kvrl.run recipe=tiny_rlkv writes gates.safetensors)")
     if path.suffix == ".tsv":
-        return torch.from_numpy(np.loadtxt(path, delimiter="\t", ndmin=2)).float()
-    from safetensors.torch import load_file
+        gates = torch.from_numpy(np.loadtxt(path, delimiter="\t", ndmin=2)).float()
+    else:
+        from safetensors.torch import load_file
 
-    return load_file(str(path))["gates"]
+        gates = load_file(str(path))["gates"]
+    bad = int((~torch.isfinite(gates)).sum())
+    if bad:  # NaN gates sort anywhere: the heads compressed would be arbitrary
+        raise ValueError(f"the RLKV gates {path} hold {bad} of {gates.numel()} values that are not finite; regenerate "
+                         "the file with the run that wrote it (python -m kvrl.run recipe=tiny_rlkv writes "
+                         "gates.safetensors)")
+    return gates
 
 
 def head_allocation(gates: str | Path | Tensor, sparsity: float, model_config, *, sink: int = 16,
                     recent: int = 64) -> HeadAllocation:
     """The deployment of RLKV's gates: the round(s·L·H) lowest-gated heads keep sink +
     recent, the others the full cache; ``policy=`` of either engine."""
-    g = gates if isinstance(gates, Tensor) else load_gates(gates)
-    return HeadAllocation(gates=g, sparsity=sparsity, layers=model_config.num_hidden_layers,
-                          kv_heads=model_config.num_key_value_heads, sink=sink, recent=recent)
+    if isinstance(gates, Tensor):
+        return HeadAllocation(gates=gates, sparsity=sparsity, layers=model_config.num_hidden_layers,
+                              kv_heads=model_config.num_key_value_heads, sink=sink, recent=recent)
+    g = load_gates(gates)
+    shape = (model_config.num_hidden_layers, model_config.num_key_value_heads)
+    if tuple(g.shape) != shape:  # gates of another model
+        raise ValueError(f"the RLKV gates {gates} have shape {tuple(g.shape)}, but the model has (layers, KV heads) = "
+                         f"{shape}: they were trained on another model; evaluate them with that run's model.path")
+    return head_allocation(g, sparsity, model_config, sink=sink, recent=recent)

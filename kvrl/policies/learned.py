@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +108,24 @@ class LearnedScorer(KVPolicy):
         in_features = 2 * self.head_dim + N_FEATURES * self.group
         self.scorer = ScorerMLP(self.layers, self.kv_heads, in_features,
                                 torch.Generator().manual_seed(self.seed))
+
+    def load_scorer(self, path: str | Path) -> None:
+        """Load trained scorer weights from a ``scorer.safetensors``, refused naming the file when they are of
+        another geometry (a scorer trained on another model) or hold a value that is not finite."""
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+        bad = [name for name, tensor in state.items() if not torch.isfinite(tensor).all()]
+        if bad:  # a NaN weight scores every token NaN: the eviction would be arbitrary
+            raise ValueError(f"the ForesightKV scorer {path} holds values that are not finite (in {', '.join(bad)}); "
+                             "regenerate it with the run that wrote it")
+        try:
+            self.scorer.load_state_dict(state)
+        except RuntimeError as err:  # missing keys, or shapes of another model's geometry
+            found = "; ".join(line.strip() for line in str(err).splitlines()[1:4])
+            raise ValueError(f"the ForesightKV scorer {path} does not fit this model ({self.layers} layers x "
+                             f"{self.kv_heads} KV heads, head_dim {self.head_dim}, group {self.group}): {found}; it "
+                             "was trained on another model: evaluate it with that run's model.path") from None
 
     @property
     def observe(self) -> int:

@@ -55,8 +55,8 @@ from kvrl.algos.grpo import group_advantages, mask_truncated
 from kvrl.engines.base import check_prompts
 from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import (OutputLock, RunLog, config_changes, damage, flatten, intact_checkpoint, mark_latest,
-                         plot_rewards, save_torch, seal, write_json)
+from kvrl.runlog import (OutputLock, RunLog, damage, flatten, intact_checkpoint, mark_latest,
+                         plot_rewards, resume_changes, save_torch, seal, write_json)
 from kvrl.section import SECTIONS, ConfigError
 from kvrl.workers.inline import INLINE, Done, spawn
 from kvrl.workers.learner import Learner
@@ -473,7 +473,7 @@ class Controller:
         settings = json.loads(json.dumps(flatten(cfg)))  # as a checkpoint's config.json holds them
         if path is not None and (path / "config.json").exists():
             saved = json.loads((path / "config.json").read_text())
-            changed = config_changes(saved, settings, cfg.RESUMABLE)
+            changed = resume_changes(saved, settings, cfg.RESUMABLE, cfg.resume, path)
             if changed:
                 raise ValueError(f"{self.out} holds a run whose settings differ from this one's (checkpoint {path}):"
                                  f"\n  " + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to "

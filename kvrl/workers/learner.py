@@ -216,13 +216,15 @@ class Learner:
             raise FloatingPointError(f"not saving the checkpoint {path}: non-finite values in {', '.join(bad[:5])}"
                                      f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint stays the newest "
                                      "(resume=auto continues from it): lower trainer.lr or trainer.max_grad_norm")
-        with disk_full_names(path):
-            if self.ds is not None:
+        if self.ds is not None:
+            with disk_full_names(path / "deepspeed"):
                 self.ds.save_checkpoint(str(path), tag="deepspeed")
-            elif self.rank == 0:
+        elif self.rank == 0:
+            with disk_full_names(path / "learner.pt"):
                 torch.save({"trainables": self.algo.state(self.engine.model), "optimizer": self.opt.state_dict(),
                             "torch_rng": torch.get_rng_state()}, path / "learner.pt")
-            if self.rank == 0 and self.algo.trains_weights:
+        if self.rank == 0 and self.algo.trains_weights:
+            with disk_full_names(path / "model"):  # a folder of files: the error's own file name, if it has one
                 self.export(str(path / "model"))
 
     def load(self, path: str, version: int) -> None:
