@@ -2,6 +2,7 @@
 template) over a local math file, in both engines, and its resume."""
 
 import json
+import sys
 
 import pytest
 
@@ -239,3 +240,87 @@ def test_a_task_whose_content_changed_is_refused(setup, tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(ValueError, match=r"holds samples of 1 task\(s\) whose content has changed since \(t1\)"):
         main(args(setup, tmp_path / "out", *own))
+
+
+KNORM = '''"""KNorm (Devoto et al. 2024): keep the keys of smallest L2 norm."""
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvrl.policies import KVPolicy
+
+
+@dataclass(kw_only=True)
+class KNorm(KVPolicy):
+    reads: ClassVar[frozenset[str]] = frozenset({"keys"})
+
+    def score(self, obs):
+        return -obs.keys.float().norm(dim=-1), None
+
+
+class NotAPolicy:
+    def __init__(self, budget=0):
+        self.budget = budget
+'''
+
+
+@pytest.fixture
+def own_policy(tmp_path, monkeypatch):
+    """A package `evalpol` outside kvrl holding the KNorm of docs/policies.md, on sys.path."""
+    (tmp_path / "src" / "evalpol").mkdir(parents=True)
+    (tmp_path / "src" / "evalpol" / "__init__.py").write_text("")
+    (tmp_path / "src" / "evalpol" / "policies.py").write_text(KNORM)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    for name in ("evalpol", "evalpol.policies"):  # another test's copy, imported from its own folder
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return tmp_path / "src" / "evalpol" / "policies.py"
+
+
+def test_a_policy_of_your_own_is_a_line(setup, tmp_path, own_policy, capsys):
+    """docs/policies.md's comparison with the zoo. Before: eval.settings.knorm.policy=pkg.module:Class
+    was refused with a fix that named what was given."""
+    from kvrl.runlog import sha256_of
+
+    out = tmp_path / "out"
+    line = ["eval.policies=[full,snapkv,knorm]", "eval.settings.knorm.policy=evalpol.policies:KNorm",
+            "eval.settings.knorm.window=2"]
+    assert main(args(setup, out, *line)) == 0
+    rows = {r["policy"]: r for r in read(out / "rows.jsonl")}
+    assert rows.keys() == {"full", "snapkv", "knorm"}
+    assert rows["knorm"]["kind"] == "evalpol.policies:KNorm" and rows["knorm"]["point"] == "40"
+    assert rows["knorm"]["kv_retention"] < 1.0 and rows["knorm"]["peak_kv_tokens"] <= 40 + 8  # it evicted
+    report = (out / "report.md").read_text()
+    assert "| knorm | 40 |" in report and f"`{own_policy}` {sha256_of(own_policy)}" in report
+    # the policy's source is part of its line's setting: an edited policy's samples are not the old ones
+    own_policy.write_text(KNORM.replace("return -obs", "return obs"))
+    with pytest.raises(ValueError, match=r"holds samples of line knorm from another setting(?s:.*)"
+                                         r"eval.settings.knorm.artefact_sha256: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
+        main(args(setup, out, *line))
+
+
+@pytest.mark.parametrize("extra, message", [
+    # before: exit 0, the zoo's rows only, the policy never ran
+    (["kv.policy=evalpol.policies:KNorm", "eval.policies=[full,snapkv]"],
+     "kv.policy=evalpol.policies:KNorm would be ignored: job=eval runs the lines of eval.policies ([full,snapkv]), "
+     "each at every eval.budgets; drop it and compare the policy as a line: eval.policies=[full,snapkv,knorm] "
+     "eval.settings.knorm.policy=evalpol.policies:KNorm"),
+    (["kv.policy=gkv", "kv.kwargs.alpha=0.9"],
+     "kv.policy=gkv kv.kwargs.alpha=0.9 would be ignored: job=eval runs the lines of eval.policies "
+     "([full,streaming,gkv]), each at every eval.budgets; drop it and compare the policy as a line: "
+     "eval.settings.gkv.alpha=0.9"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:NotAPolicy"],
+     "eval.settings.knorm.policy='evalpol.policies:NotAPolicy' cannot be used (KV policy "
+     "'evalpol.policies:NotAPolicy' is not a KVPolicy subclass)"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=os:system"],
+     "eval.settings.knorm.policy='os:system' cannot be used"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.nothere:KNorm"],
+     "eval.settings.knorm.policy='evalpol.nothere:KNorm' cannot be used (No module named 'evalpol.nothere')"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:KNorm", "eval.settings.knorm.windw=2"],
+     "eval.settings.knorm.windw is not a setting of a line of kind evalpol.policies:KNorm (got 2); set "
+     "eval.settings.knorm.window=2"),
+])
+def test_a_policy_eval_cannot_run_is_refused_before_anything_runs(setup, tmp_path, own_policy, capsys, extra,
+                                                                    message):
+    assert main(args(setup, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
