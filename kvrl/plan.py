@@ -114,6 +114,9 @@ def plan(cfg) -> dict:
         r = cfg.rlkv
         kept = round((1 - r.sparsity) * T + r.sparsity * min(T, r.eval_sink + r.eval_recent))
     w = cfg.workers
+    actor_gpus = w.rollout * w.rollout_gpus + w.learners * w.learner_gpus
+    # job=foresight runs stage 1 (Golden Eviction, SFT) in the driver process, on a GPU of its own
+    driver_gpus = 1 if cfg.job == "foresight" and str(cfg.device).startswith("cuda") else 0
     return {
         "model": cfg.model.path, "params": params, "weights_bytes": params * width,
         "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
@@ -123,7 +126,7 @@ def plan(cfg) -> dict:
         "kv_kept_bytes_per_batch": per_token * kept * cfg.sampling.batch_size,
         "rollout_actors": w.rollout, "learner_actors": w.learners,
         "cpus": w.rollout * w.rollout_cpus + w.learners * w.learner_cpus,
-        "gpus": w.rollout * w.rollout_gpus + w.learners * w.learner_gpus,
+        "actor_gpus": actor_gpus, "driver_gpus": driver_gpus, "gpus": actor_gpus + driver_gpus,
     }
 
 
@@ -273,7 +276,9 @@ def dry_run(cfg) -> dict:
             f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
             f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): " + (
                 "objects in this process, one after another (workers.address=inline)" if w.address == INLINE else
-                f"the Ray cluster needs {p['cpus']:g} CPUs and {p['gpus']:g} GPUs"),
+                f"the Ray cluster needs {p['cpus']:g} CPUs and {p['actor_gpus']:g} GPUs"
+                + (f", plus {p['driver_gpus']} GPU for stage 1 in this process: {p['gpus']:g} GPUs in all"
+                   if p["driver_gpus"] else "")),
             f"steps      {tr.steps} x {tr.batch_size} samples ({tr.batch_size // cfg.rl.group_size} tasks x "
             f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
             f"new tokens each",
@@ -322,8 +327,9 @@ def allocation_problems(p: dict, cfg, nodes: int, gpus_per_node: int | None, cpu
                 problems.append(f"a {actor} actor needs {gpus:g} GPUs (workers.{actor}_gpus) and a node has "
                                 f"{gpus_per_node}: lower workers.{actor}_gpus or ask for --gpus-per-node={gpus:g}")
         if p["gpus"] > nodes * gpus_per_node:
+            driver = f" + {p['driver_gpus']} for stage 1 in the driver" if p["driver_gpus"] else ""
             problems.append(f"the recipe's actors need {p['gpus']:g} GPUs ({w.rollout} rollout x {w.rollout_gpus:g} + "
-                            f"{w.learners} learners x {w.learner_gpus:g}) and the allocation has {nodes} nodes x "
+                            f"{w.learners} learners x {w.learner_gpus:g}{driver}) and the allocation has {nodes} nodes x "
                             f"{gpus_per_node} = {nodes * gpus_per_node}: lower workers.rollout / workers.learners or "
                             f"ask for --nodes={-(-p['gpus'] // gpus_per_node):g}")
     if cpus_per_node is not None and p["cpus"] > nodes * cpus_per_node:
@@ -331,3 +337,20 @@ def allocation_problems(p: dict, cfg, nodes: int, gpus_per_node: int | None, cpu
                         f"{cpus_per_node} = {nodes * cpus_per_node}: lower workers.rollout_cpus / "
                         "workers.learner_cpus or ask for more nodes")
     return problems
+
+
+def idle_gpus(p: dict, cfg, nodes: int, gpus_per_node: int | None) -> str | None:
+    """A warning when the plan ``p`` leaves GPUs of the allocation idle, with the recipe scaled to
+    them: more rollout actors (each ``workers.rollout_gpus``), which generate a step's samples in
+    more shards at once. None when every GPU is used or the count is not known."""
+    if not gpus_per_node:
+        return None
+    idle = nodes * gpus_per_node - p["gpus"]
+    w = cfg.workers
+    if idle <= 0 or not w.rollout_gpus:
+        return None
+    more = int(idle // w.rollout_gpus)
+    return (f"the recipe uses {p['gpus']:g} of the allocation's {nodes * gpus_per_node} GPUs; {idle:g} stay idle: "
+            f"scale it to the allocation with workers.rollout={w.rollout + more} (each rollout actor takes "
+            f"workers.rollout_gpus={w.rollout_gpus:g}), or more workers.learners, or ask "
+            "Slurm for fewer GPUs (docs/cluster.md)")

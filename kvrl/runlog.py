@@ -444,18 +444,20 @@ def pyplot():
 def plot_rewards(records: list[dict], path: Path, title: str, *, key: str = "reward_mean",
                  std_key: str = "reward_std", count_key: str | None = "samples", ylabel: str = "reward") -> None:
     """The reward curve: per-step mean ± standard error (or ± std without ``count_key``)
-    and a 5-step moving average."""
+    and a 5-step moving average once it has two points (six steps: one point of a line draws
+    nothing, and its legend entry would name a line that is not there)."""
     plt = pyplot()
     steps = [r["step"] for r in records]
     mean = np.array([r[key] for r in records])
     spread = np.array([r[std_key] / (np.sqrt(r[count_key]) if count_key else 1.0) for r in records])
-    window = min(5, len(mean))
-    smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
+    window = 5
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, mean, marker="o", ms=3, lw=0.8, label=f"{ylabel}, mean over the step's samples")
     ax.fill_between(steps, mean - spread, mean + spread, alpha=0.2,
                     label="± standard error" if count_key else "± standard deviation")
-    ax.plot(steps[window - 1:], smooth, lw=2, label=f"{window}-step moving average")
+    if len(mean) > window:
+        smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
+        ax.plot(steps[window - 1:], smooth, lw=2, label=f"{window}-step moving average")
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

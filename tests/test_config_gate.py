@@ -450,7 +450,8 @@ def test_a_budget_no_sequence_outgrows_is_refused_at_run_start(tmp_path, monkeyp
         path = tmp_path / "problems.jsonl"
         path.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n"
                                 for i in range(3)))
-        argv = argv[:2] + ["env.id=kvrl/math-v0", f"env.kwargs.path={path}"]
+        # the bare question: the tiny reasoner's tokenizer reads no English instruction
+        argv = argv[:2] + ["env.id=kvrl/math-v0", f"env.kwargs.path={path}", "env.kwargs.template='{question}'"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     budget = 76 if data else 500
@@ -470,7 +471,7 @@ def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, 
     path.write_text(json.dumps({"question": "1 + 1 = ?", "answer": "2"}) + "\n"
                     + json.dumps({"question": " ".join(["3"] * 40), "answer": "3"}) + "\n")
     assert main(["recipe=tiny_rl_full", "env.id=kvrl/math-v0", f"env.kwargs.path={path}", "model.max_model_len=32",
-                 f"output_dir={tmp_path / 'run'}"]) == 2
+                 "env.kwargs.template='{question}'", f"output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
     assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err

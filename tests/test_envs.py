@@ -342,3 +342,63 @@ def test_an_unregistered_user_id_says_how_to_register_it(monkeypatch):
     assert "--py-module path/to/nolab" in problem and "entry-point group 'kvrl.envs'" in problem
     with pytest.raises(EnvNotFoundError, match="make the package 'nolab' importable"):
         make("nolab/thing-v0")
+
+
+# ---- a task the model's tokenizer cannot read -------------------------------------------
+
+
+class SumEnv(TextEnv):
+    """docs/environments.md's example: '12 + 34 = ?' with a boxed answer, in words the tiny reasoner's
+    word-level tokenizer does not know (multi-digit numbers, '+', English)."""
+
+    def __init__(self, n: int = 3):
+        super().__init__(rewards=[Reward(exact, 1.0, "exact")])
+        self.n = n
+
+    def sample_task(self, rng):
+        xs = rng.integers(10, 100, size=self.n).tolist()
+        return Task(id="sum-" + "-".join(map(str, xs)),
+                    prompt=" + ".join(map(str, xs)) + " = ?\nPut the final answer in \\boxed{}.", answer=str(sum(xs)))
+
+
+class TinyAnswerEnv(AddEnv):
+    """Prompts in the tiny vocabulary ('3 ; 4 = ?'), answers of two digits it reads as one unknown word."""
+
+    def sample_task(self, rng):
+        a, b = (int(x) for x in rng.integers(0, 10, size=2))
+        return Task(id=f"pair-{a}-{b}", prompt=f"{a} ; {b} = ?", answer=str(10 * a + b + 10))
+
+
+def test_check_env_refuses_a_task_the_tokenizer_cannot_read():
+    """Before: SumEnv on the tiny reasoner read `<bos> <pad> <pad> <pad> = ? <pad> ...` and trained on it
+    with reward 0 and no word."""
+    from kvrl.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    check_env(SumEnv())  # the contract holds: the tokenizer is what is wrong for it
+    with pytest.raises(EnvCheckError, match=r"reset\(seed=0\): task 'sum-\d+-\d+-\d+': 11 of the 13 tokens of its "
+                                            r"prompt '\d+ \+ \d+ .*' are <pad>, which the model's tokenizer puts for "
+                                            r"what it does not know \(it reads: <bos> <pad> <pad> <pad> <pad> <pad> = "
+                                            r"\? <pad>"):
+        check_env(SumEnv(), tokenizer=tok)
+    with pytest.raises(EnvCheckError, match=r"task 'pair-\d-\d': 1 of the 1 tokens of its answer '\d+' are <pad>"):
+        check_env(TinyAnswerEnv(), tokenizer=tok)
+    from kvrl.envs.counts import CountsEnv
+
+    check_env(CountsEnv(n_digits=8), tokenizer=tok)  # the tiny reasoner's own task reads
+
+
+def test_a_run_on_a_task_the_model_cannot_read_is_refused_at_start(tmp_path, monkeypatch, capsys):
+    """docs/environments.md's SumEnv on tiny_rl_full: exit 2 naming the task, before Ray starts or
+    output_dir is made (before: exit 0 with reward 0.000 and zero_std_groups 1.0)."""
+    import ray
+
+    from kvrl.run import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "run"
+    assert main(["recipe=tiny_rl_full", f"env.id={__name__}:SumEnv", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvrl: error: the run cannot start: env.id={__name__}:SumEnv: task 'sum-"), err
+    assert "tokens of its prompt" in err and "the model cannot read this task" in err, err
+    assert not ray.is_initialized() and not out.exists()

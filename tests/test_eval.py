@@ -3,6 +3,8 @@ template) over a local math file, in both engines, and its resume."""
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -334,3 +336,161 @@ def test_a_full_disk_names_the_file_eval_was_writing(setup, tmp_path, monkeypatc
     out = tmp_path / "out"
     with pytest.raises(OSError, match=rf"no space left on device while writing {out / 'samples.jsonl'}: free space"):
         main(args(setup, out, "eval.policies=[full]"))
+
+
+KNORM = '''"""KNorm (Devoto et al. 2024): keep the keys of smallest L2 norm."""
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvrl.policies import KVPolicy
+
+
+@dataclass(kw_only=True)
+class KNorm(KVPolicy):
+    reads: ClassVar[frozenset[str]] = frozenset({"keys"})
+
+    def score(self, obs):
+        return -obs.keys.float().norm(dim=-1), None
+
+
+class NotAPolicy:
+    def __init__(self, budget=0):
+        self.budget = budget
+'''
+
+
+@pytest.fixture
+def own_policy(tmp_path, monkeypatch):
+    """A package `evalpol` outside kvrl holding the KNorm of docs/policies.md, on sys.path."""
+    (tmp_path / "src" / "evalpol").mkdir(parents=True)
+    (tmp_path / "src" / "evalpol" / "__init__.py").write_text("")
+    (tmp_path / "src" / "evalpol" / "policies.py").write_text(KNORM)
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    for name in ("evalpol", "evalpol.policies"):  # another test's copy, imported from its own folder
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return tmp_path / "src" / "evalpol" / "policies.py"
+
+
+def test_a_policy_of_your_own_is_a_line(setup, tmp_path, own_policy, capsys):
+    """docs/policies.md's comparison with the zoo. Before: eval.settings.knorm.policy=pkg.module:Class
+    was refused with a fix that named what was given."""
+    from kvrl.runlog import sha256_of
+
+    out = tmp_path / "out"
+    line = ["eval.policies=[full,snapkv,knorm]", "eval.settings.knorm.policy=evalpol.policies:KNorm",
+            "eval.settings.knorm.window=2"]
+    assert main(args(setup, out, *line)) == 0
+    rows = {r["policy"]: r for r in read(out / "rows.jsonl")}
+    assert rows.keys() == {"full", "snapkv", "knorm"}
+    assert rows["knorm"]["kind"] == "evalpol.policies:KNorm" and rows["knorm"]["point"] == "40"
+    assert rows["knorm"]["kv_retention"] < 1.0 and rows["knorm"]["peak_kv_tokens"] <= 40 + 8  # it evicted
+    report = (out / "report.md").read_text()
+    assert "| knorm | 40 |" in report and f"`{own_policy}` {sha256_of(own_policy)}" in report
+    # the policy's source is part of its line's setting: an edited policy's samples are not the old ones
+    own_policy.write_text(KNORM.replace("return -obs", "return obs"))
+    with pytest.raises(ValueError, match=r"holds samples of line knorm from another setting(?s:.*)"
+                                         r"eval.settings.knorm.artefact_sha256: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
+        main(args(setup, out, *line))
+
+
+@pytest.mark.parametrize("extra, message", [
+    # before: exit 0, the zoo's rows only, the policy never ran
+    (["kv.policy=evalpol.policies:KNorm", "eval.policies=[full,snapkv]"],
+     "kv.policy=evalpol.policies:KNorm would be ignored: job=eval runs the lines of eval.policies ([full,snapkv]), "
+     "each at every eval.budgets; drop it and compare the policy as a line: eval.policies=[full,snapkv,knorm] "
+     "eval.settings.knorm.policy=evalpol.policies:KNorm"),
+    (["kv.policy=gkv", "kv.kwargs.alpha=0.9"],
+     "kv.policy=gkv kv.kwargs.alpha=0.9 would be ignored: job=eval runs the lines of eval.policies "
+     "([full,streaming,gkv]), each at every eval.budgets; drop it and compare the policy as a line: "
+     "eval.settings.gkv.alpha=0.9"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:NotAPolicy"],
+     "eval.settings.knorm.policy='evalpol.policies:NotAPolicy' cannot be used (KV policy "
+     "'evalpol.policies:NotAPolicy' is not a KVPolicy subclass)"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=os:system"],
+     "eval.settings.knorm.policy='os:system' cannot be used"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.nothere:KNorm"],
+     "eval.settings.knorm.policy='evalpol.nothere:KNorm' cannot be used (No module named 'evalpol.nothere')"),
+    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:KNorm", "eval.settings.knorm.windw=2"],
+     "eval.settings.knorm.windw is not a setting of a line of kind evalpol.policies:KNorm (got 2); set "
+     "eval.settings.knorm.window=2"),
+])
+def test_a_policy_eval_cannot_run_is_refused_before_anything_runs(setup, tmp_path, own_policy, capsys, extra,
+                                                                    message):
+    assert main(args(setup, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_console_table_and_report_say_what_they_show(setup, tmp_path, capsys):
+    """Before: the console rows had no header and a "±" that was the standard error, and report.md left
+    KV retention and the environment's own metrics unexplained and named no kvrl commit."""
+    import re
+
+    from kvrl.eval.suite import wilson
+
+    assert main(args(setup, tmp_path, "eval.policies=[full,streaming]")) == 0
+    out = capsys.readouterr().out
+    rows = read(tmp_path / "rows.jsonl")
+    lines = [line for line in out.splitlines() if line.startswith(("policy ", "full ", "streaming "))]
+    assert re.match(r"policy +budget +accuracy \[95 % CI\] +has_boxed +gen len +KV kept +tokens/s$", lines[0]), lines
+    for row, line in zip(rows, lines[1:]):
+        lo, hi = wilson(row["accuracy"], row["tasks"])
+        assert line.startswith(f"{row['policy']:<12}{row['point']:>8}  {row['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]")
+    assert "±" not in out
+    report = (tmp_path / "report.md").read_text()
+    assert "- accuracy: the share of samples with reward > 0 (pass@1), with its 95 % Wilson score interval over " \
+           "the 5 tasks" in report
+    assert "- has_boxed (the environment's own metric, mean over samples): 1.0 when the completion contains a complete `\\boxed{...}`." in report
+    assert "- KV retention: the share of the sequence so far still in the cache" in report
+    commit = re.search(r"- kvrl \d+\.\d+\.\d+, commit (\S+)", report).group(1)
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", commit), commit
+
+
+def test_the_kvrl_commit_is_unknown_outside_its_own_checkout(tmp_path, monkeypatch):
+    import subprocess
+
+    import kvrl
+    from kvrl.jobs.eval import kvrl_commit
+
+    here = kvrl_commit()
+    top = subprocess.run(["git", "-C", str(Path(kvrl.__file__).parent), "rev-parse", "HEAD"], capture_output=True,
+                         text=True)
+    if top.returncode == 0:  # a clone: its HEAD
+        assert here.split()[0] == top.stdout.strip()
+    (tmp_path / "plain" / "kvrl").mkdir(parents=True)  # an installed copy, no repository around it
+    monkeypatch.setattr(kvrl, "__file__", str(tmp_path / "plain" / "kvrl" / "__init__.py"))
+    assert kvrl_commit() == "unknown (kvrl is not a git checkout)"
+    venv = tmp_path / "project" / "venv" / "site-packages" / "kvrl"  # inside a user's repository: not kvrl's
+    venv.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
+    monkeypatch.setattr(kvrl, "__file__", str(venv / "__init__.py"))
+    assert kvrl_commit() == "unknown (kvrl is not a git checkout of its own)"
+
+
+def test_the_accuracy_picture_draws_95_percent_intervals_side_by_side(tmp_path, monkeypatch):
+    """Before: bars of ±1 standard error, none for a line at 16/16, and lines at one budget on one x."""
+    import matplotlib.figure
+
+    from kvrl.eval.suite import wilson
+    from kvrl.jobs.eval import plot_accuracy
+
+    figures, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    row = dict(point="40", accuracy_se=0.0, tasks=16, peak_kv_tokens=48.0)
+    rows = [dict(row, policy="full", kind="full", point="-", accuracy=1.0, peak_kv_tokens=90.0),
+            dict(row, policy="streaming", kind="streaming", accuracy=1.0),  # 16/16
+            dict(row, policy="gkv", kind="gkv", accuracy=0.5)]  # the same x
+    plot_accuracy(rows, tmp_path / "accuracy.png", "one budget")
+    ax = figures[0].axes[0]
+    centres = []
+    for container, accuracy in zip(ax.containers, (1.0, 0.5)):
+        (bar,) = container.lines[2]
+        (low, high), = [sorted(seg[:, 1]) for seg in bar.get_segments()]
+        assert (low, high) == pytest.approx(wilson(accuracy, 16))
+        point = container.lines[0]
+        centres.append(point.get_transform().transform(point.get_xydata())[0, 0])
+    assert wilson(1.0, 16)[0] == pytest.approx(0.806, abs=1e-3)  # a bar at 16/16: [0.81, 1]
+    assert abs(centres[0] - centres[1]) > 3  # pixels apart, not stacked
+    texts = " ".join(t.get_text() for t in ax.texts)
+    assert "95 % Wilson interval over 16 tasks" in texts

@@ -42,7 +42,7 @@ def test_runtime_env_leaves_out_venv_git_and_outputs():
 
 def test_sbatch_dry_run_prints_head_workers_and_submit():
     proc = run("bash", SBATCH, "tiny_rl_full", "trainer.steps=5",
-               env={"DRY_RUN": "1", "KVRL_NODES": "gpu01 gpu02 gpu03", "SLURM_JOB_NODELIST": ""})
+               env={"DRY_RUN": "1", "KVRL_NODES": "gpu01 gpu02 gpu03", "SLURM_JOB_NODELIST": ""}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     head = [line for line in lines if line.startswith("head:")]
@@ -75,7 +75,8 @@ def test_sbatch_log_folder_ships_with_the_clone():
 ])
 def test_sbatch_checks_the_recipes_actors_against_the_allocation(allocation, fix):
     extra = [allocation.pop("EXTRA")] if "EXTRA" in allocation else []
-    proc = run("bash", SBATCH, "rlkv_r1_llama_8b", *extra, env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", **allocation})
+    proc = run("bash", SBATCH, "rlkv_r1_llama_8b", *extra, env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", **allocation},
+               timeout=300)  # a dry run that fits ends with kvrl's plan (torch's import)
     if fix is None:
         assert proc.returncode == 0, proc.stderr
     else:
@@ -193,3 +194,28 @@ def test_sbatch_on_one_node_with_a_stand_in_srun(tmp_path, random_model):
                timeout=600)
     assert "all 1 nodes joined" in proc.stdout
     check_one_step_job(proc, out)
+
+
+def test_sbatch_dry_run_from_elsewhere_writes_nothing_into_the_checkout_and_prints_kvrls_plan(tmp_path):
+    """Before: outputs/.runtime_env_dry.yaml appeared in the checkout and the plan was Slurm's only."""
+    before = sorted(p.name for p in (REPO / "outputs").iterdir())
+    proc = subprocess.run(["bash", str(SBATCH), "rlkv_r1_llama_8b"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a",
+                                            "KVRL_REPO": str(REPO), "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (REPO / "outputs").iterdir()) == before
+    assert list(tmp_path.iterdir()) == []  # the runtime env's temporary file is gone too
+    assert "dry run of recipe=rlkv_r1_llama_8b (job=rlkv)" in proc.stdout
+    assert "the Ray cluster needs 8 CPUs and 2 GPUs" in proc.stdout
+
+
+def test_sbatch_warns_of_idle_gpus_with_the_recipe_scaled_to_them():
+    """Before: a 2-GPU recipe on one 8-GPU node passed silently with 6 GPUs idle."""
+    proc = run("bash", SBATCH, "rlkv_r1_llama_8b", env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a",
+                                                        "KVRL_GPUS_PER_NODE": "8"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert ("allocation: warning: the recipe uses 2 of the allocation's 8 GPUs; 6 stay idle: scale it to the "
+            "allocation with workers.rollout=7 (each rollout actor takes workers.rollout_gpus=1)") in proc.stderr
+    full = run("bash", SBATCH, "rlkv_r1_llama_8b", "workers.rollout=7",
+               env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a", "KVRL_GPUS_PER_NODE": "8"}, timeout=300)
+    assert full.returncode == 0 and "warning" not in full.stderr, full.stderr

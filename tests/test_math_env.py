@@ -259,14 +259,18 @@ def test_the_prompt_check_tokenises_a_chunk_at_a_time(tmp_path):
 
     tok, batches = build_tokenizer(), []
 
-    def counting(texts, **kw):
-        batches.append(len(texts))
-        return tok(texts, **kw)
+    class Counting:  # the tokenizer, counting the texts of each call
+        def __call__(self, texts, **kw):
+            batches.append(len(texts))
+            return tok(texts, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
 
     env = MathEnv(_jsonl(tmp_path / "rows.jsonl", [{"question": f"{i} ; 4", "answer": "1"} for i in range(600)]),
                   template="{question}")
-    assert check_prompts(env.data, counting, 32) == check_prompts(env.data[:5], tok, 32)
-    assert sum(batches) == 600 and max(batches) <= 256  # never every row's tokens at once
+    assert check_prompts(env.data, Counting(), 32) == check_prompts(env.data[:5], tok, 32)
+    assert sum(batches) == 2 * 600 and max(batches) <= 256  # prompts and answers, never every row's at once
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])

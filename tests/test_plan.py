@@ -155,3 +155,18 @@ def test_the_rlkv_learners_plan_counts_its_attention_masks(tmp_path):
           f"(masks {parts['attention masks'] / 2 ** 20:.1f}), measured {measured / 2 ** 20:.1f} MiB")
     assert abs(planned / measured - 1) <= 0.15, (planned, measured)
     assert planned - parts["attention masks"] < 0.85 * measured  # the term a plan without masks misses
+
+
+def test_foresight_counts_the_gpu_its_stage_1_runs_on(capsys):
+    """Before: 3 GPUs planned, while stage 1 ran in the driver on a GPU the total did not count."""
+    from kvrl.plan import allocation_problems, dry_run
+
+    p = dry_run(load_config(["recipe=foresight_qwen3_4b"]))
+    assert (p["actor_gpus"], p["driver_gpus"], p["gpus"]) == (3, 1, 4)
+    assert ("the Ray cluster needs 12 CPUs and 3 GPUs, plus 1 GPU for stage 1 in this process: 4 GPUs in all"
+            in capsys.readouterr().out)
+    cfg = load_config(["recipe=foresight_qwen3_4b"])
+    assert allocation_problems(p, cfg, 1, 4, None) == []
+    (problem,) = allocation_problems(p, cfg, 1, 3, None)
+    assert "need 4 GPUs (2 rollout x 1 + 1 learners x 1 + 1 for stage 1 in the driver)" in problem
+    assert dry_run(load_config(["recipe=foresight_qwen3_4b", "device=cpu"]))["gpus"] == 3

@@ -6,10 +6,13 @@ formulas in the papers and reference code (docs/fidelity.md), never by calling t
 
 import itertools
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from kvrl.kernels import gather_slots, key_redundancy, key_redundancy_update, window_attention
 from kvrl.policies import (GKV, H2O, POLICIES, RKV, Evicting, Full, HeadAllocation, KVPolicy, LearnedScorer,
@@ -566,6 +569,57 @@ def test_gkv_without_score_cache():
     torch.testing.assert_close(policy.score(stale)[0], scores)  # no smoothing with a stored F
     cached = GKV(budget=4, window=1, mix_lambda=lam, kernel_size=3)
     assert not torch.allclose(cached.score(stale)[0], cached.score(obs)[0])  # ... which G-KV does
+
+
+def gkv_snapkv_settings() -> list[str]:
+    """Every ``{policy: gkv, ...}`` eval setting the README, docs and recipes give with
+    redundancy off (``mix_lambda: 1.0``) and no score cache: G-KV's "SnapKV" recipe."""
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "recipes").rglob("*.yaml")]
+    found = []
+    for path in texts:
+        for text in re.findall(r"\{policy: gkv,[^}]*\}", path.read_text()):
+            setting = yaml.safe_load(text)
+            if setting.get("mix_lambda") == 1.0 and setting.get("score_cache") is False:
+                found.append(text)
+    return found
+
+
+def test_gkv_snapkv_setting_is_the_references_snapkv():
+    """The documented G-KV "SnapKV" line is the reference's SnapKV recipe (``--enable_pooling``
+    without redundancy or score cache: ``max_pool1d(S, 5, padding=2)`` of the unnormalised S,
+    as gkv.py's ``score_cache`` says), computed here from the formulas: softmax per query head
+    over all keys (the window included, causal), max over the group, window columns dropped,
+    mean over the window queries. Without ``kernel_size: 5`` the line keeps other tokens."""
+    settings = gkv_snapkv_settings()
+    assert settings, "no G-KV SnapKV setting found in README.md, docs/ or recipes/"
+    rng = np.random.default_rng(3)
+    h, g, n, w, d, scale = 2, 2, 24, 4, 8, 8 ** -0.5
+    keys, queries = rng.standard_normal((h, n, d)), 2 * rng.standard_normal((h * g, w, d))
+    causal = np.arange(n)[None, :] <= np.arange(n - w, n)[:, None]  # [w, n]
+    want = []
+    for kv in range(h):
+        probs = [[softmax(row) for row in np.where(causal, queries[kv * g + j] @ keys[kv].T * scale, -np.inf)]
+                 for j in range(g)]
+        s = np.max(probs, axis=0)[:, :n - w].mean(0)
+        want.append([s[max(0, i - 2):i + 3].max() for i in range(n - w)])
+    want = np.array(want)
+    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32)[None], values=torch.zeros(1, h, n, d),
+                      queries=torch.tensor(queries, dtype=torch.float32)[None],
+                      key_pos=torch.arange(n).expand(1, h, n), query_pos=torch.arange(n - w, n)[None],
+                      state=None, layer=0, scaling=scale)
+    budget = 12
+    best = -np.sort(-want, axis=1)[:, :budget - w]  # max pooling ties neighbours: compare kept scores
+    for text in settings:
+        kwargs = {k: v for k, v in yaml.safe_load(text).items() if k != "policy"}
+        policy = make_policy("gkv", budget=budget, window=w, **kwargs)
+        scores = policy.score(obs)[0][0, :, :n - w].numpy()
+        np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-7, err_msg=text)
+        keep = policy.select(obs, policy.score(obs)[0]).keep[0]
+        kept = [sorted(set(keep[kv].tolist()) - set(range(n - w, n))) for kv in range(h)]
+        np.testing.assert_array_equal([-np.sort(-want[kv, kept[kv]]) for kv in range(h)], best, err_msg=text)
+    unpooled = GKV(budget=budget, window=w, score_cache=False, mix_lambda=1.0)
+    assert not np.allclose(unpooled.score(obs)[0][0, :, :n - w].numpy(), want)  # the line without kernel_size
 
 
 def test_gkv_without_normalisation():

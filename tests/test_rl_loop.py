@@ -49,6 +49,17 @@ class DigitsEnv(TextEnv):
         return Task(id=f"digits-{int(rng.integers(2**62)):x}", prompt=t["prompt"], answer=t["answer"])
 
 
+def nothing(task, completion):
+    return 0.0
+
+
+class NoSignalEnv(DigitsEnv):
+    """Every completion gets reward 0: no group has any spread."""
+
+    def __init__(self, **ignored):
+        TextEnv.__init__(self, rewards=[Reward(nothing, 1.0, "nothing")])
+
+
 def scoring_process(task, completion):
     return 0.0, {"pid": os.getpid()}
 
@@ -837,3 +848,18 @@ def test_a_full_disk_during_a_checkpoint_names_the_file(random_model, tmp_path, 
     monkeypatch.setattr(learner, "export", full)
     with pytest.raises(OSError, match=rf"no space left on device while writing {weights}: free space there"):
         learner.save(str(folder))
+
+
+def test_a_run_whose_groups_never_differ_warns_that_it_learns_nothing(random_model, tmp_path, capsys):
+    """Before: a run whose every group had one reward (advantages all 0) trained silently to the end."""
+    from kvrl.workers.controller import ZERO_SPREAD_STEPS
+
+    records, _ = train(config(tmp_path, random_model, f"env.id={__name__}:NoSignalEnv",
+                              f"trainer.steps={ZERO_SPREAD_STEPS + 1}"))
+    assert all(r["zero_std_groups"] == 1.0 and r["adv_abs_mean"] == 0.0 for r in records)
+    err = capsys.readouterr().err
+    assert err.count("kvrl: warning:") == 1, err  # once, not at every step after
+    assert (f"kvrl: warning: for {ZERO_SPREAD_STEPS} steps in a row (to step {ZERO_SPREAD_STEPS}) every group of "
+            "rl.group_size=4 samples got one reward for all its samples (zero_std_groups 1.0, reward_mean 0.000): the "
+            "advantages are all 0 and the run is learning nothing") in err, err
+    assert "the model solves none of the tasks: make them easier" in err and "check_env(env, tokenizer=...)" in err

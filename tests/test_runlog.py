@@ -213,3 +213,24 @@ def test_a_process_set_up_for_kvrl_prints_no_numpy_subnormal_warning():
             "setup_process(0)\nprint(np.finfo(np.float32), np.finfo(np.float64), np.finfo(np.float16))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]  # a warning is an error here
+
+
+@pytest.mark.parametrize("steps, average", [(2, None), (5, None), (7, 3)])
+def test_the_reward_picture_draws_its_moving_average_only_with_two_points(tmp_path, monkeypatch, steps, average):
+    """Before: a 2-step run's reward.png had a "2-step moving average" legend entry and no line to see."""
+    import matplotlib.figure
+
+    from kvrl.runlog import plot_rewards
+
+    figures, save = [], matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    records = [{"step": s + 1, "reward_mean": 0.1 * s, "reward_std": 0.2, "samples": 16} for s in range(steps)]
+    plot_rewards(records, tmp_path / "reward.png", "run")
+    ax = figures[0].axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    lines = {line.get_label(): len(line.get_xdata()) for line in ax.get_lines()}
+    if average is None:
+        assert not any("moving average" in label for label in labels), labels
+    else:
+        assert "5-step moving average" in labels and lines["5-step moving average"] == average
+    assert (tmp_path / "reward.png").stat().st_size > 1000

@@ -53,13 +53,15 @@ print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_ma
 
 
 def write_data(path: Path, mb: int) -> int:
-    """GSM8K-like rows of ~1 KB until the file holds ``mb`` MB; returns the row count."""
-    filler = " ".join(["three", "plus", "four", "is", "seven", "and"] * 28)
+    """GSM8K-like rows of ~1 KB until the file holds ``mb`` MB; returns the row count. In the tiny
+    reasoner's words (single letters, digits, punctuation): a run refuses a task its tokenizer cannot read."""
+    filler = " ".join(["a", "b", "\\boxed{", "3", "}", "Z"] * 48)
     rows, size = 0, 0
     with open(path, "w") as f:
         while size < mb * 1024**2:
-            line = json.dumps({"id": f"row-{rows}", "question": f"{rows % 97} apples and {rows % 89} more. {filler}",
-                               "answer": f"{rows % 97} + {rows % 89}\n#### {rows % 97 + rows % 89}"}) + "\n"
+            a, b = rows % 10, rows % 7
+            line = json.dumps({"id": f"row-{rows}", "question": f"{a} ; {b} = ? {filler}",
+                               "answer": f"{a} ; {b}\n#### {(a + b) % 10}"}) + "\n"
             f.write(line)
             size, rows = size + len(line), rows + 1
     return rows

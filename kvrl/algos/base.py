@@ -115,6 +115,9 @@ class Algorithm:
     # (kvrl.section.register_section), whose keys and rules then apply; None = none. A registered
     # algorithm's section is its rl.algo name (kvrl.algos.ALGOS)
     section: str | None = None
+    # its loss reads the rewards (through the advantages): a run whose every group has one reward for
+    # all its samples learns nothing (the controller warns); False for a loss that ignores them
+    learns_from_rewards: bool = True
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -37,6 +37,8 @@ class Distill(RLSparse):
     """Distill (G-KV, arXiv 2512.00504, Appendix C): G-KV rollouts and traces as RL-Sparse; the loss is
     T²·KL(full-cache teacher ‖ sparse student) over the generated tokens' [V] distributions."""
 
+    learns_from_rewards = False  # the loss is the teacher's, whatever the rewards
+
     def __init__(self, cfg):
         super().__init__(cfg)  # the G-KV rollout policy; the rules (rl.kl_coef=0 too) are distill_config.py's
         self.T = cfg.distill.temperature

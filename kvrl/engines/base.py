@@ -21,6 +21,7 @@ import torch
 
 from kvrl.cache import EvictionTrace
 from kvrl.envs.chat import Chat, encode_prompts
+from kvrl.envs.check import unreadable
 from kvrl.policies.regime import Evicting
 
 
@@ -132,8 +133,9 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
 
 
 def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = None, chunk: int = 256) -> int:
-    """Refuse a data set with a prompt the model cannot hold, naming the row (``file:line``
-    of a loaded data set) before a run starts rather than when a rollout reaches it.
+    """Refuse a data set with a prompt the model cannot hold, or a prompt or answer its tokenizer
+    cannot read (:func:`kvrl.envs.check.unreadable`), naming the row (``file:line`` of a loaded data
+    set, else the task id) before a run starts rather than when a rollout reaches it.
     Returns the longest prompt's length in tokens (rendered by ``chat`` as the engines do).
 
     ``chunk`` rows at a time: the whole data set's tokens at once made the driver of a 200 MB
@@ -141,10 +143,17 @@ def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = N
     longest = 0
     for start in range(0, len(tasks), chunk):
         part = tasks[start:start + chunk]
-        for task, ids in zip(part, encode_prompts(tokenizer, [t.prompt for t in part], chat)):
+        answers = [t.answer or "" for t in part]
+        answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"] if any(answers) else [[]] * len(part)
+        for task, ids, answer in zip(part, encode_prompts(tokenizer, [t.prompt for t in part], chat), answer_ids):
+            where = task.meta.get("source", f"task {task.id!r}")
             if positions is not None and len(ids) >= positions:
-                raise ValueError(f"{task.meta.get('source', task.id)}: the prompt has {len(ids)} tokens, the model "
+                raise ValueError(f"{where}: the prompt has {len(ids)} tokens, the model "
                                  f"holds {positions} positions; drop or shorten that row")
+            why = unreadable(tokenizer, ids, task.prompt, "prompt") or unreadable(tokenizer, answer, task.answer,
+                                                                                  "answer")
+            if why is not None:
+                raise ValueError(f"{where}: {why}")
             longest = max(longest, len(ids))
     return longest
 

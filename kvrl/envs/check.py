@@ -4,6 +4,7 @@ Run it once on a new subclass, in a test or before a long run::
 
     from kvrl.envs import check_env
     check_env(MyEnv())                          # text env
+    check_env(MyEnv(), tokenizer=tok)           # ... whose tasks the model behind `tok` can read
     check_env(MyTraceEnv(), action_fn=my_policy)  # trace env: action_fn(obs, rng) -> action
 
 It raises :class:`EnvCheckError` naming the first broken rule and how to fix it. It
@@ -22,6 +23,11 @@ import numpy as np
 from kvrl.envs.base import Env, Task, TextEnv
 
 JUNK_COMPLETION = "I am not sure. Maybe the answer is banana."
+# A text is unreadable when at least this share of its tokens are the tokenizer's unknown (or pad) id.
+# A subword tokenizer with byte fallback (every hub reasoner's) yields none; a word-level one (the tiny
+# reasoners') turns each word outside its vocabulary into one. Half the words gone leaves a task no model
+# can solve, while a rare symbol in a real data set costs a token and should not stop a run.
+UNREADABLE_SHARE = 0.5
 
 
 class EnvCheckError(Exception):
@@ -33,6 +39,7 @@ def check_env(
     seed: int = 0,
     n: int = 4,
     action_fn: Callable[[Any, np.random.Generator], Any] | None = None,
+    tokenizer=None,
 ) -> None:
     """Validate ``env`` against the contract in :mod:`kvrl.envs.base`.
 
@@ -46,6 +53,9 @@ def check_env(
         How many consecutive observations are compared in the determinism and resume checks.
     action_fn : callable, optional
         Trace envs only: ``action_fn(obs, rng) -> action``; defaults to ``env.sample_action``.
+    tokenizer : transformers tokenizer, optional
+        Text envs: the model's. The first ``n`` tasks' prompts and answers must be readable by it
+        (:func:`unreadable`), as a run checks its tasks before it starts.
     """
     name = type(env).__name__
     if not isinstance(env, Env):
@@ -54,7 +64,12 @@ def check_env(
         raise EnvCheckError(f"{name}.kind is {env.kind!r}; set the class attribute kind = 'text' or 'trace'")
     if env.kind == "text":  # malformed tasks first: they would also fail the checks below
         for i, obs in enumerate(_stream(env, seed, n)):
-            _check_task(obs, f"reset(seed={seed})" if i == 0 else "reset()")
+            where = f"reset(seed={seed})" if i == 0 else "reset()"
+            _check_task(obs, where)
+            for what, text in (("prompt", obs.prompt), ("answer", obs.answer)) if tokenizer is not None else ():
+                why = unreadable(tokenizer, tokenizer(text)["input_ids"], text, what) if text else None
+                if why is not None:
+                    raise EnvCheckError(f"{where}: task {obs.id!r}: {why}")
     _check_determinism(env, seed, n)
     if env.kind == "text":
         _check_text(env, seed, n)
@@ -250,6 +265,24 @@ def _episode(env: Env, seed: int, action_fn: Callable, max_steps: int) -> list[f
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+def unreadable(tokenizer, ids: list[int], text: str, what: str) -> str | None:
+    """Why ``text`` (the task's ``what``: prompt or answer), tokenised by ``tokenizer`` as ``ids``,
+    is unreadable: at least :data:`UNREADABLE_SHARE` of its tokens (special ones aside) are the
+    unknown or pad id. None when it is readable."""
+    lost = {tokenizer.unk_token_id, tokenizer.pad_token_id} - {None}
+    special = set(tokenizer.all_special_ids) - lost
+    words = [i for i in ids if i not in special]
+    n = sum(i in lost for i in words)
+    if not words or n < UNREADABLE_SHARE * len(words):
+        return None
+    shown = " ".join(tokenizer.convert_ids_to_tokens(ids[:16])) + (" ..." if len(ids) > 16 else "")
+    names = "/".join(sorted({tokenizer.convert_ids_to_tokens(i) for i in lost}))
+    return (f"{n} of the {len(words)} tokens of its {what} {_short(text, 60)} are {names}, which the model's "
+            f"tokenizer puts for what it does not know (it reads: {shown}); the model cannot read this task: write "
+            "it in words the tokenizer knows (a word-level one, as the tiny reasoners', knows only its vocabulary), "
+            "or use a model whose tokenizer reads it")
 
 
 def is_finite_float(x: Any) -> bool:

@@ -3,7 +3,8 @@
 Contract:
 
 * :class:`PolicySpec` names one line of the comparison (``eval.policies`` /
-  ``eval.settings``) and builds its cache regime at a budget: ``full``, any zoo member,
+  ``eval.settings``) and builds its cache regime at a budget: ``full``, any zoo member, a
+  :class:`~kvrl.policies.KVPolicy` of the user's own (``policy: pkg.module:Class``),
   ``window`` (sink + recent on every head), ``learned`` (a ForesightKV scorer loaded from
   a run directory), ``heads`` (RLKV's head reallocation from an RLKV run's gates, at
   its ``sparsities`` instead of budgets). A token-policy line runs in G-KV's ratio mode
@@ -27,6 +28,7 @@ Contract:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +38,7 @@ import torch
 
 from kvrl.envs.chat import after_thinking
 from kvrl.envs.verify import extract_boxed
-from kvrl.policies import POLICIES, Full, Static, Window, make_policy
+from kvrl.policies import POLICIES, Full, Static, Window, make_policy, policy_class
 from kvrl.policies.heads import GATES_FILE, head_allocation
 from kvrl.runlog import SUMS, damage
 
@@ -47,8 +49,9 @@ LOOP_WINDOW, LOOP_N, LOOP_DISTINCT = 120, 4, 12
 
 @dataclass
 class PolicySpec:
-    """One policy line: ``name`` (its label), ``kind`` (a :data:`KINDS` entry) and its own
-    keyword arguments (a zoo member's, e.g. ``alpha``; ``run`` for learned / heads;
+    """One policy line: ``name`` (its label), ``kind`` (a :data:`KINDS` entry, or a dotted path
+    ``pkg.module:Class`` to a KVPolicy) and its own keyword arguments (a token policy's, e.g.
+    ``alpha``; ``run`` for learned / heads;
     ``sparsities`` for heads)."""
 
     name: str
@@ -59,9 +62,15 @@ class PolicySpec:
     def of(cls, name: str, settings: dict) -> PolicySpec:
         own = dict(settings.get(name, {}))
         kind = own.pop("policy", name)
-        if kind not in KINDS:
+        if ":" in str(kind):  # a KVPolicy of the user's own, by path: imported and type-checked here
+            try:
+                policy_class(kind)
+            except (ImportError, AttributeError, SyntaxError, ValueError) as err:
+                raise ValueError(f"eval.settings.{name}.policy={kind!r} cannot be used ({' '.join(str(err).split())}); "
+                                 "set it to an importable pkg.module:Class of your own KVPolicy") from err
+        elif kind not in KINDS:
             raise ValueError(f"eval policy {name!r} is {kind!r}, which is none of {', '.join(KINDS)}; set "
-                             f"eval.settings.{name}.policy to one of them")
+                             f"eval.settings.{name}.policy to one of them or to a pkg.module:Class of your own")
         return cls(name, kind, own)
 
     @property
@@ -107,8 +116,11 @@ class PolicySpec:
         return policy
 
     def artefact(self) -> Path | None:
-        """The file a learned or heads line loads (its scorer, its gates), which its samples depend on;
-        None for the other lines."""
+        """The file a line's samples depend on beyond its settings: a learned or heads line's scorer or
+        gates, a policy of the user's own its source file (edited, it is another policy); None for
+        the zoo's lines."""
+        if ":" in self.kind:
+            return Path(inspect.getsourcefile(policy_class(self.kind)))
         if self.kind == "learned":
             return self._scorer()
         if self.kind == "heads":

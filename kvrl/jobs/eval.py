@@ -18,13 +18,13 @@ Writes to ``output_dir``: ``samples.jsonl`` (one line per sample: policy, point,
 index, completion, reward, info, error mode, KV usage — the checkpoint: a rerun skips every
 sample already there, an interrupted one continues where it stopped), ``settings.json``
 (what the samples depend on, by digest: see below), ``rows.jsonl`` (one
-line per (policy, point), :func:`kvrl.eval.suite.summarise`), ``accuracy.png`` (accuracy
-against the measured peak KV tokens per sequence, each point labelled with its nominal budget,
-full cache as a reference line), ``error_modes.png`` (stacked bars; repetition marked not
+line per (policy, point), :func:`kvrl.eval.suite.summarise`), ``accuracy.png`` (accuracy with
+its 95 % Wilson interval against the measured peak KV tokens per sequence, each point labelled
+with its nominal budget, full cache as a reference line), ``error_modes.png`` (stacked bars; repetition marked not
 applicable where outputs are shorter than its rule's window), ``retention.png`` (for one sample
 of every line: which key positions each KV head of layer 0 still holds at each decoding step)
-and ``report.md`` gathering them, with the evaluated model files, scorers and gates by
-checksum. Decode tokens/s leave out each line's first call, an untimed warm-up sequence (a
+and ``report.md`` gathering them, with what each column is, the evaluated model files, scorers,
+gates and policies of the user's own by checksum, and the kvrl commit. Decode tokens/s leave out each line's first call, an untimed warm-up sequence (a
 first call pays one-time costs: native builds, first dispatches).
 
 A sample depends on more than (policy, point, task, sample index): every sample line records
@@ -51,6 +51,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 from tqdm import tqdm
 
+import kvrl
 from kvrl.engines import make_engine
 from kvrl.engines.base import Sampling, check_prompts
 from kvrl.envs import make
@@ -264,7 +265,7 @@ def main(cfg) -> dict:
         raise ConfigError(f"eval.budgets gives {budgets[0]} tokens, not more than kv.sink + kv.window = "
                           f"{cfg.kv.sink + cfg.kv.window}; raise the budget or lower kv.sink / kv.window")
 
-    # ---- every policy at every point, one progress line each
+    # ---- every policy at every point, one progress line each (report.md's glossary says what they are)
     rows = []
     for spec in specs:
         for point in spec.points(budgets):
@@ -273,10 +274,10 @@ def main(cfg) -> dict:
                    **summarise(run(spec, point), ev.pass_k)}
             if not loops_apply(cfg.sampling.max_new_tokens):
                 row["mode/repetition"] = None  # no output can hold the rule's window: not 0 %, not applicable
+            if not rows:
+                print(console_line(row, header=True))
             rows.append(row)
-            extra = "".join(f"  {k[5:]} {v:.3f}" for k, v in row.items() if k.startswith("info/"))
-            print(f"{row['policy']:<12}{row['point']:>8}  acc {row['accuracy']:.3f} ± {row['accuracy_se']:.3f}{extra}  "
-                  f"len {row['gen_tokens']:.1f}  kv {row['kv_retention']:.0%}  {row['decode_tokens_per_s']:.0f} tok/s")
+            print(console_line(row))
     with atomic(out / "rows.jsonl") as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -300,32 +301,66 @@ def main(cfg) -> dict:
     if shown:
         with disk_full_names(out / "retention.png"):
             plot_retention(shown, out / "retention.png")
-    evaluated = {"model": (weights, files), "artefacts": artefacts}
-    write_report(cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated)
+    evaluated = {"model": (weights, files), "artefacts": artefacts, "kvrl": kvrl_commit()}
+    # what the environment's own metrics are: the first sentence of each reward function's docstring
+    notes = {r.name: " ".join((r.fn.__doc__ or "").replace("``", "`").split()).split(". ")[0].rstrip(".")
+             or "its reward function has no docstring" for r in getattr(env, "rewards", [])}
+    write_report(cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated,
+                 notes=notes)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}
+
+
+def console_line(row: dict, header: bool = False) -> str:
+    """One row of the console table (or, with ``header``, its header): the line, its budget, accuracy with
+    its 95 % Wilson interval over the tasks, the environment's own metrics, mean generated tokens, KV
+    retention and decode tokens/s."""
+    metrics = [k for k in row if k.startswith("info/")]
+    if header:
+        return (f"{'policy':<12}{'budget':>8}  {'accuracy [95 % CI]':<19}" + "".join(f"  {k[5:]:>9}" for k in metrics)
+                + f"  {'gen len':>7}  {'KV kept':>7}  {'tokens/s':>8}")
+    lo, hi = wilson(row["accuracy"], row["tasks"])
+    return (f"{row['policy']:<12}{row['point']:>8}  {row['accuracy']:.3f} [{lo:.2f}, {hi:.2f}] "
+            + "".join(f"  {row[k]:>9.3f}" for k in metrics)
+            + f"  {row['gen_tokens']:>7.1f}  {row['kv_retention']:>7.0%}  {row['decode_tokens_per_s']:>8.0f}")
 
 
 def plot_accuracy(rows: list[dict], path: Path, title: str) -> None:
     """Accuracy against one measured quantity for every line, the peak KV tokens a sequence
     held (token budgets, ratio budgets and RLKV sparsities alike), each point labelled with
-    its nominal budget."""
+    its nominal budget, with its 95 % Wilson interval over the tasks (as report.md gives it;
+    a line at 16/16 still has one, [0.81, 1]). The full cache is a dashed line over its
+    interval's band. Lines are drawn a few points apart sideways, so that lines at the same
+    budget (one budget: every line) do not hide each other."""
+    from matplotlib.transforms import ScaledTranslation
+
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name in dict.fromkeys(r["policy"] for r in rows):
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    names = list(dict.fromkeys(r["policy"] for r in rows if r["kind"] != "full"))
+    for r in rows:
+        if r["kind"] == "full":
+            lo, hi = wilson(r["accuracy"], r["tasks"])
+            ax.axhline(r["accuracy"], color="k", ls="--", lw=1, label=f"full cache (peak {r['peak_kv_tokens']:.0f})")
+            ax.axhspan(lo, hi, color="k", alpha=0.08, lw=0)
+    for i, name in enumerate(names):
         line = [r for r in rows if r["policy"] == name]
-        if line[0]["kind"] == "full":
-            ax.axhline(line[0]["accuracy"], color="k", ls="--", lw=1,
-                       label=f"full cache (peak {line[0]['peak_kv_tokens']:.0f})")
-            continue
-        x = [r["peak_kv_tokens"] for r in line]
-        bars = ax.errorbar(x, [r["accuracy"] for r in line], yerr=[r["accuracy_se"] for r in line], marker="o",
-                           capsize=2, label=name)
+        shift = ScaledTranslation((i - (len(names) - 1) / 2) * 5 / 72, 0, fig.dpi_scale_trans)  # 5 points apart
+        x, y = [r["peak_kv_tokens"] for r in line], [r["accuracy"] for r in line]
+        ci = [wilson(r["accuracy"], r["tasks"]) for r in line]
+        bars = ax.errorbar(x, y, yerr=[[a - lo for a, (lo, _) in zip(y, ci)], [hi - a for a, (_, hi) in zip(y, ci)]],
+                           marker="o", capsize=2, label=name, transform=ax.transData + shift)
+        ax.update_datalim([(xi, v) for xi, (lo, hi) in zip(x, ci) for v in (lo, hi)])  # a shifted artist is not
         for r, xi in zip(line, x):
-            ax.annotate(r["point"], (xi, r["accuracy"]), textcoords="offset points", xytext=(3, 3), fontsize=6,
-                        color=bars[0].get_color())
+            ax.annotate(r["point"], (xi, r["accuracy"]), textcoords="offset points", xytext=(3 + (i - (len(names) - 1)
+                        / 2) * 5, 3), fontsize=6, color=bars[0].get_color())
+    ax.autoscale_view()
+    ax.margins(x=0.08)
+    tasks = sorted({r["tasks"] for r in rows})
     ax.set(xlabel="peak KV tokens per sequence (measured; labels: nominal budget)", ylabel="accuracy (pass@1)",
            title=title)
+    ax.text(0.0, -0.2, f"bars and band: 95 % Wilson interval over {', '.join(map(str, tasks))} tasks; lines drawn "
+            "5 points apart sideways so that equal budgets stay visible", transform=ax.transAxes, fontsize=6,
+            va="top")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -448,8 +483,29 @@ PROPERTY_TEXT = {
 }
 
 
+def kvrl_commit() -> str:
+    """The git commit of the kvrl that runs (``+ uncommitted changes`` when its checkout has any), or
+    ``unknown`` when kvrl is not a git checkout (an installed wheel; a repository kvrl merely sits in,
+    such as a project's venv, is not kvrl's)."""
+    import subprocess
+
+    here = Path(kvrl.__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(here), *args], capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() / "kvrl" != here:
+            return "unknown (kvrl is not a git checkout of its own)"
+        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):  # no git, or not a repository
+        return "unknown (kvrl is not a git checkout)"
+    return commit + (" + uncommitted changes" if dirty else "")
+
+
 def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str, retention: bool,
-                 props: dict | None = None, evaluated: dict | None = None) -> None:
+                 props: dict | None = None, evaluated: dict | None = None, notes: dict | None = None) -> None:
     ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
     metrics = [k for k in rows[0] if k.startswith("info/")]
     head = ["policy", "budget", "accuracy [95 % CI]", *[f"pass@{k}" for k in ks], *[k[5:] for k in metrics],
@@ -487,14 +543,26 @@ def write_report(cfg, rows: list[dict], mean_len: float, out: Path, weights: str
              if loops_apply(cfg.sampling.max_new_tokens) else
              f"not applicable (n/a) here: outputs of at most {cfg.sampling.max_new_tokens} tokens cannot hold the "
              f"rule's {LOOP_WINDOW} words")
-    lines += [f"Error modes (kvrl/eval/suite.py): correct = reward > 0; repetition = {loops}; no_answer = no "
-              "\\boxed{} after the thinking block; wrong = otherwise. Peak KV: the most tokens a sequence held at "
-              "once (mean over layers and KV heads), the accuracy picture's x axis. Tokens/s: decoding only, each "
-              "line's untimed warm-up sequence left out."]
+    lines += ["## What the columns are", "",
+              f"- accuracy: the share of samples with reward > 0 (pass@1), with its 95 % Wilson score interval over "
+              f"the {rows[0]['tasks']} tasks (the accuracy picture's bars).",
+              *(["- pass@k: the unbiased estimate (Chen et al. 2021) that one of k samples of a task is right."]
+                if ks else []),
+              *[f"- {k[5:]} (the environment's own metric, mean over samples): "
+                f"{(notes or {}).get(k[5:], 'reported by its reward functions')}." for k in metrics],
+              "- gen tokens: generated tokens per sample (mean); truncated: the share cut at "
+              f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}.",
+              f"- error modes (kvrl/eval/suite.py): correct = reward > 0; repetition = {loops}; no_answer = no "
+              "\\boxed{} after the thinking block; wrong = otherwise.",
+              "- KV retention: the share of the sequence so far still in the cache, averaged over decoding steps, "
+              "layers and KV heads (100 % = the full cache).",
+              "- peak KV: the most tokens a sequence held at once (mean over layers and KV heads), the accuracy "
+              "picture's x axis.",
+              "- tokens/s: decoding only, each line's untimed warm-up sequence left out."]
     if evaluated is not None:
         folder, files = evaluated["model"]
-        lines += ["", "## What was evaluated (SHA-256)", "", f"- model `{cfg.model.path}` from `{folder}`"
-                  + ("" if files else " (a hub id: files not hashed)")]
+        lines += ["", "## What was evaluated (SHA-256)", "", f"- kvrl {kvrl.__version__}, commit {evaluated['kvrl']}",
+                  f"- model `{cfg.model.path}` from `{folder}`" + ("" if files else " (a hub id: files not hashed)")]
         lines += [f"  - `{name}` {sha}" for name, sha in files.items()]
         lines += [f"- line `{name}`: `{path}` {sha or '(a folder)'}" for name, (path, sha) in
                   evaluated["artefacts"].items()]

@@ -16,6 +16,7 @@ from kvrl.section import POLICY_NAMES, checked, cli_value, register_section
 @dataclass
 class EvalConfig:
     # job=eval's lines: zoo names (full streaming h2o snapkv rkv gkv learned), window, or eval.settings entries
+    # (a policy of your own: eval.settings.NAME.policy=pkg.module:Class)
     policies: List[str] = checked([n for n in POLICY_NAMES if n != "learned"], lambda v: len(v) > 0,
                                   "must name at least one policy")
     # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}};
@@ -36,10 +37,24 @@ def problems(cfg) -> list[str]:
     eval.settings entry holds only the keys that kind reads (a typo would be ignored: the papers' line
     would run at kv's settings)."""
     from kvrl.eval.suite import KINDS
-    from kvrl.policies import POLICIES
+    from kvrl.policies import POLICIES, policy_class
     from kvrl.policies.heads import head_allocation
 
     ev, found = cfg.eval, []
+    if cfg.kv.policy != "full" or cfg.kv.kwargs:  # the kv section's defaults: eval's lines are eval.policies
+        policy, own = cfg.kv.policy, cfg.kv.kwargs
+        given = " ".join([*([f"kv.policy={policy}"] if policy != "full" else []),
+                          *(f"kv.kwargs.{k}={cli_value(v)}" for k, v in own.items())])
+        name = policy.rpartition(":")[2].lower() if ":" in policy else policy
+        line = [*([f"eval.policies={cli_value([*ev.policies, name])}"] if name not in ev.policies else []),
+                *([f"eval.settings.{name}.policy={policy}"] if ":" in policy else []),
+                *(f"eval.settings.{name}.{k}={cli_value(v)}" for k, v in own.items())]
+        found.append(f"{given} would be ignored: job={cfg.job} runs the lines of eval.policies "
+                     f"({cli_value(ev.policies)}), each at every eval.budgets; drop it"
+                     + (" and give a line its arguments as eval.settings.NAME.ARG=VALUE" if policy == "full" else
+                        f" and compare the policy as a line: {' '.join(line)}" if line else
+                        f" (eval.policies already runs {name})"))
+    classes = {}  # the policies of the user's own, by path: imported and type-checked before anything runs
     if cfg.kv.budget > 0:
         found.append(f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
                      f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
@@ -64,25 +79,36 @@ def problems(cfg) -> list[str]:
             found.append(f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
                          f"kv.budget_ratio is set; drop {name} from eval.policies, or give the ratio to the "
                          "token-policy lines only (eval.settings.NAME.budget_ratio)")
-        if kind not in KINDS:
+        if ":" in str(kind):
+            try:
+                classes[kind] = policy_class(kind)
+            except (ImportError, AttributeError, SyntaxError, ValueError) as err:
+                found.append(f"eval.settings.{name}.policy={kind!r} cannot be used ({' '.join(str(err).split())}); "
+                             "set it to a zoo name or an importable pkg.module:Class of your own KVPolicy")
+        elif kind not in KINDS:
             near = difflib.get_close_matches(str(kind), KINDS, n=1)
-            found.append(f"eval.policies entry {name!r} is {kind!r}, not one of {', '.join(KINDS)} and no "
-                         f"eval.settings.{name}.policy says which; "
-                         + (f"set it to {near[0]}" if near else f"add eval.settings.{name}.policy=KIND"))
+            which = (f"eval.settings.{name}.policy={kind!r} is neither one of {', '.join(KINDS)} nor"
+                     if "policy" in ev.settings.get(name, {}) else
+                     f"eval.policies entry {name!r} is not one of {', '.join(KINDS)}, and no eval.settings.{name}"
+                     ".policy names one or")
+            found.append(f"{which} a pkg.module:Class of your own KVPolicy; "
+                         + (f"set eval.settings.{name}.policy={near[0]}" if near else
+                            f"set eval.settings.{name}.policy to one of them or to pkg.module:Class"))
         elif kind in ("learned", "heads") and "run" not in ev.settings.get(name, {}):
             found.append(f"eval.policies entry {name!r} is a {kind} line, which loads what a run trained, but "
                          f"eval.settings.{name}.run is not set; set eval.settings.{name}.run=<output_dir of that run>")
     for name, own in ev.settings.items():
         kind = own.get("policy", name)
-        if kind not in KINDS:
+        if kind not in KINDS and kind not in classes:
             continue  # named above when the line is evaluated
         # what kvrl.eval.suite.PolicySpec reads: a token policy's constructor arguments but its budget (the
         # sweep's point), which replace kv's for its line; a heads line's run, sparsities and window
         if kind == "heads":
             keys = ("policy", "run", "sparsities", *(p.name for p in inspect.signature(head_allocation).parameters
                                                      .values() if p.kind is p.KEYWORD_ONLY))
-        elif kind in POLICIES:
-            keys = ("policy", *(p for p in inspect.signature(POLICIES[kind]).parameters if p != "budget"),
+        elif kind in POLICIES or kind in classes:
+            keys = ("policy", *(p for p in inspect.signature(classes.get(kind) or POLICIES[kind]).parameters
+                                if p != "budget"),
                     *(("run",) if kind == "learned" else ()))
         else:
             keys = ("policy",)  # full, window: kv's settings only

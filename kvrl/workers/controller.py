@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,11 @@ from kvrl.workers.learner import Learner
 from kvrl.workers.rollout import RolloutWorker
 
 PROBE = 256  # tasks drawn from a procedural environment to estimate its longest prompt
+# Steps in a row in which every group's rewards are all equal (zero_std_groups 1.0) before the run warns
+# that it learns nothing: group-normalised advantages are then all 0. Five, because a model with any
+# signal rarely gets there by chance: a task solved 5 % of the time fails all 8 samples of a group with
+# p = 0.66, all 4 groups of a tiny step with p = 0.19, five such steps in a row with p = 2.5e-4.
+ZERO_SPREAD_STEPS = 5
 TIMINGS = ("rollout_s", "learn_s", "step_s", "gen_tokens_per_s")  # metrics that vary between identical runs
 
 
@@ -169,6 +175,7 @@ class Controller:
         self.inline, self.own_ray = w.address == INLINE, False
         self.workers, self.learners = [], []
         self.step = 0  # updates done
+        self.flat_in_row = 0  # steps in a row whose every group had one reward (warn_if_learning_nothing)
         self.version = 0  # policy version of the learners' weights (= updates applied)
         self.samples_total = 0
         self.skipped_in_row = 0  # updates skipped for a non-finite loss or gradient norm, up to this step
@@ -200,8 +207,9 @@ class Controller:
             raise
 
     def check_prompts_fit(self) -> None:
-        """Before Ray starts, from the prompts themselves: a data set's row no rollout could serve fails by
-        file:line, and (where the rollouts evict with kv.*) a kv.budget no sequence outgrows is refused. A data
+        """Before Ray starts, from the tasks themselves: a data set's row no rollout could serve, or a task
+        whose prompt or answer the model's tokenizer cannot read, fails by file:line (a procedural task by
+        its id), and (where the rollouts evict with kv.*) a kv.budget no sequence outgrows is refused. A data
         set is read whole; a procedural environment by `PROBE` tasks drawn aside (its stream is untouched), so
         its longest prompt is an estimate and its max_model_len is left to the model."""
         from transformers import AutoConfig, AutoTokenizer
@@ -210,7 +218,7 @@ class Controller:
         data = getattr(self.env, "data", None)
         section = SECTIONS.get(type(self.algo).section or cfg.rl.algo)  # a registered algorithm's: its name
         evicts = section is not None and "kv" in section.uses  # its rollouts evict with kv.*
-        if not data and not (evicts and cfg.kv.budget and hasattr(self.env, "sample_task")):
+        if not data and not hasattr(self.env, "sample_task"):
             return
         path = resolve_path(cfg.model.path)
         positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
@@ -219,8 +227,8 @@ class Controller:
         try:
             longest = check_prompts(tasks, AutoTokenizer.from_pretrained(path), cfg.model.max_model_len or positions,
                                     Chat.of(cfg.env))
-        except ValueError as err:  # a row too long: the user's data, not a bug of ours
-            raise ConfigError(str(err)) from None
+        except ValueError as err:  # a row too long or unreadable: the user's data, not a bug of ours
+            raise ConfigError(f"env.id={cfg.env.id}: {err}") from None
         end = longest + cfg.sampling.max_new_tokens
         if data and not cfg.model.max_model_len:  # the engines size their KV checks for what this data needs
             cfg.model.max_model_len = min(end, positions) if positions else end
@@ -314,6 +322,7 @@ class Controller:
                         f"raise trainer.max_nonfinite_steps to tolerate more in a row; {self.resume_hint()}")
             else:
                 self.skipped_in_row = 0
+            self.warn_if_learning_nothing(record)
             if self.step == steps or (cfg.rl.checkpoint_every and self.step % cfg.rl.checkpoint_every == 0):
                 self.checkpoint(pending)
             bar.update(1)
@@ -321,6 +330,27 @@ class Controller:
         bar.close()
         self.finish()
         return record
+
+    def warn_if_learning_nothing(self, record: dict) -> None:
+        """Once per run: after `ZERO_SPREAD_STEPS` steps in a row whose every group got one reward for all
+        its samples, say on stderr that the advantages are all 0 and what to try (an algorithm whose loss
+        does not read the rewards, `Algorithm.learns_from_rewards` False, learns regardless)."""
+        if not type(self.algo).learns_from_rewards:
+            return
+        self.flat_in_row = self.flat_in_row + 1 if record["zero_std_groups"] == 1.0 else 0
+        if self.flat_in_row != ZERO_SPREAD_STEPS:
+            return
+        cfg, reward = self.cfg, record["reward_mean"]
+        tqdm.write(
+            f"kvrl: warning: for {ZERO_SPREAD_STEPS} steps in a row (to step {self.step}) every group of "
+            f"rl.group_size={cfg.rl.group_size} samples got one reward for all its samples (zero_std_groups 1.0, "
+            f"reward_mean {reward:.3f}): the advantages are all 0 and the run is learning nothing. Read a few "
+            "completions against their tasks (check_env(env, tokenizer=...) checks the model can read them); "
+            + ("the tasks are too easy for this model: make them harder" if reward > 0 else
+               "the model solves none of the tasks: make them easier, give partial credit (a reward with a "
+               "weight below 1), or start from a model that solves some")
+            + f"; more samples per group (rl.group_size) or a higher sampling.temperature={cfg.sampling.temperature:g} "
+            "spread the rewards", file=sys.stderr)
 
     # ---- 1-2. tasks and rollouts ---------------------------------------------------------------
 
