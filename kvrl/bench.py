@@ -68,8 +68,11 @@ class Runs:
 
 def spread(values: list[float], digits: int = 4) -> dict:
     """{"mean", "min", "max"} of repeated measurements, rounded to ``digits``."""
-    return {"mean": round(statistics.mean(values), digits), "min": round(min(values), digits),
-            "max": round(max(values), digits)}
+    return {
+        "mean": round(statistics.mean(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }
 
 
 def interleaved(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Runs]:
@@ -148,8 +151,9 @@ def recipe_policy(name: str, config, kv):
     """Policy ``name`` at a recipe's ``kv`` section (budget, interval, window, sink, kwargs)."""
     from kvrl.policies import make_policy
 
-    return make_policy(name, config, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink,
-                       **kv.kwargs)
+    return make_policy(
+        name, config, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink, **kv.kwargs
+    )
 
 
 def synthetic_death(layers: int, heads: int, T: int, sink: int = 4, recent: int = 16, seed: int = 0) -> torch.Tensor:
@@ -163,8 +167,9 @@ def synthetic_death(layers: int, heads: int, T: int, sink: int = 4, recent: int 
     return death.masked_fill(k < sink, NEVER).clamp(max=NEVER).int()
 
 
-def _dense_mask_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, dense_masks=None,
-                          **kwargs):
+def _dense_mask_attention(
+    module, query, key, value, attention_mask, *, scaling, dropout=0.0, dense_masks=None, **kwargs
+):
     groups = query.shape[1] // key.shape[1]
     mask = dense_masks[module.layer_idx].repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)

@@ -92,8 +92,8 @@ class EvictionTrace:
     def for_sequence(self, b: int) -> EvictionTrace:
         """Sequence b alone, trimmed to its length: [layers, 1, H_kv, lengths[b]]."""
         n = int(self.lengths[b])
-        lp = None if self.logprob is None else self.logprob[:, :, b:b + 1]
-        return EvictionTrace.from_death(self.full()[:, b:b + 1, :, :n], self.lengths[b:b + 1], lp)
+        lp = None if self.logprob is None else self.logprob[:, :, b : b + 1]
+        return EvictionTrace.from_death(self.full()[:, b : b + 1, :, :n], self.lengths[b : b + 1], lp)
 
     def retention(self) -> Tensor:
         """[layers, B, H_kv] float: the fraction of causal (query, key) pairs of each
@@ -110,8 +110,9 @@ class EvictionTrace:
         positions ``key_pos [B, S]`` (-1 = padding). ``flex`` (default: on CUDA) uses a
         flex-attention BlockMask instead of dense per-layer masks."""
         if int(key_pos.max()) >= self.death.shape[-1]:
-            raise ValueError(f"the trace covers {self.death.shape[-1]} positions, the sequences need "
-                             f"{int(key_pos.max()) + 1}")
+            raise ValueError(
+                f"the trace covers {self.death.shape[-1]} positions, the sequences need {int(key_pos.max()) + 1}"
+            )
         return Replay(self.full().to(key_pos.device), key_pos, flex=key_pos.is_cuda if flex is None else flex)
 
     def save(self, path: str | Path) -> None:
@@ -144,9 +145,11 @@ class KVLayer(DynamicLayer):
     def update(self, key_states: Tensor, value_states: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Append new keys/values [B, H, Q, D] at true positions pos [B, Q]."""
         if pos is None:
-            raise ValueError("a KVCache forward needs the true positions of its tokens: call cache.begin(positions, "
-                             "generated) before model(...), or run model.generate(..., past_key_values=cache) "
-                             "inside `with kvrl.cache.generating(model):`")
+            raise ValueError(
+                "a KVCache forward needs the true positions of its tokens: call cache.begin(positions, "
+                "generated) before model(...), or run model.generate(..., past_key_values=cache) "
+                "inside `with kvrl.cache.generating(model):`"
+            )
         keys, values = super().update(key_states, value_states)
         new = pos[:, None, :].expand(-1, key_states.shape[1], -1)
         self.key_pos = new if self.key_pos is None else torch.cat([self.key_pos, new], -1)
@@ -161,7 +164,7 @@ class KVLayer(DynamicLayer):
             return
         if self.queries is not None:
             query, pos = torch.cat([self.queries, query], 2), torch.cat([self.query_pos, pos], 1)
-        self.queries, self.query_pos = query[:, :, -self.observe:], pos[:, -self.observe:]
+        self.queries, self.query_pos = query[:, :, -self.observe :], pos[:, -self.observe :]
 
     def compact(self, keep: Tensor, state: Tensor | None) -> None:
         """Keep slots keep [B, H, K] of every per-token tensor (state: the policy's new one)."""
@@ -196,8 +199,18 @@ class KVCache(Cache):
         For sampled evictions.
     """
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, regime=None, *,
-                 sample: bool = False, generator: torch.Generator | None = None, device=None):
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        length: int,
+        regime=None,
+        *,
+        sample: bool = False,
+        generator: torch.Generator | None = None,
+        device=None,
+    ):
         regime = as_regime(regime)
         policy = regime.policy if isinstance(regime, Evicting) else None
         state, observe = (policy.state_size, policy.observe) if policy is not None else (0, 0)
@@ -221,8 +234,7 @@ class KVCache(Cache):
     def for_model(cls, model, batch: int, length: int, regime=None, **kwargs) -> KVCache:
         """A cache of ``model``'s geometry (its config's layers and KV heads) on its device."""
         cfg = model.config
-        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, regime, device=model.device,
-                   **kwargs)
+        return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, length, regime, device=model.device, **kwargs)
 
     def begin(self, pos: Tensor, generated: int) -> None:
         """Announce the next forward: true positions pos [B, Q] (−1 = padding) of its
@@ -232,7 +244,8 @@ class KVCache(Cache):
         # One schedule for the batch, due when the shortest row (the smallest budget) is
         # over; rows within their own budget then keep everything (apply).
         self.evict_now = self.policy is not None and should_evict(
-            generated, self.get_seq_length() + pos.shape[1], self.policy, int(pos.amax(-1).min()) + 1)
+            generated, self.get_seq_length() + pos.shape[1], self.policy, int(pos.amax(-1).min()) + 1
+        )
         if self.evict_now and self.sample:
             self.logprobs.append(torch.zeros(len(self.layers), *self.death.shape[1:3], device=pos.device))
 
@@ -251,8 +264,9 @@ class KVCache(Cache):
     def observation(self, layer_idx: int, scaling: float) -> Observation:
         """What the policy sees of layer ``layer_idx`` now (after this step's forward)."""
         layer = self.layers[layer_idx]
-        return Observation(layer.keys, layer.values, layer.queries, layer.key_pos, layer.query_pos,
-                           layer.state, layer_idx, scaling)
+        return Observation(
+            layer.keys, layer.values, layer.queries, layer.key_pos, layer.query_pos, layer.state, layer_idx, scaling
+        )
 
     def apply(self, layer_idx: int, keep: Tensor, state: Tensor | None, count: Tensor | None = None) -> None:
         """Keep slots keep [B, H, K] of layer ``layer_idx`` (state: the policy's updated
@@ -287,8 +301,9 @@ class KVCache(Cache):
         return EvictionTrace.from_death(self.death, lengths, logprob)
 
 
-def evict_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0,
-                    kvrl_cache: KVCache | None = None, **kwargs):
+def evict_attention(
+    module, query, key, value, attention_mask, *, scaling, dropout=0.0, kvrl_cache: KVCache | None = None, **kwargs
+):
     """transformers attention function ``"kvrl_evict"``: attend over the compacting cache,
     then evict if this forward is an eviction step.
 
@@ -305,8 +320,17 @@ def evict_attention(module, query, key, value, attention_mask, *, scaling, dropo
     layer = cache.layers[idx]
     if cache.mixed is not None:
         m = cache.mixed
-        out = mixed_gate_attention(query, key, value, cache.step_pos.clamp(min=0), layer.key_pos, m.gates[idx],
-                                   sink=m.sink, recent=m.recent, scaling=scaling)
+        out = mixed_gate_attention(
+            query,
+            key,
+            value,
+            cache.step_pos.clamp(min=0),
+            layer.key_pos,
+            m.gates[idx],
+            sink=m.sink,
+            recent=m.recent,
+            scaling=scaling,
+        )
         return out.transpose(1, 2).contiguous(), None
     layer.observe_queries(query, cache.step_pos)
     if cache.static:
@@ -318,8 +342,13 @@ def evict_attention(module, query, key, value, attention_mask, *, scaling, dropo
     # Padding queries see nothing; give them their whole row so softmax stays finite.
     allowed = allowed | ~allowed.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed.repeat_interleave(query.shape[1] // key.shape[1], dim=1),
-        scale=scaling, enable_gqa=True)
+        query,
+        key,
+        value,
+        attn_mask=allowed.repeat_interleave(query.shape[1] // key.shape[1], dim=1),
+        scale=scaling,
+        enable_gqa=True,
+    )
     if cache.evict_now:
         cache.evict(idx, scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -359,8 +388,10 @@ def generating(model):
             pos = positions.expand(rows, -1)
         else:
             # the cache's length is not the next position once it has evicted
-            raise ValueError("a forward on a KVCache needs the true positions of its tokens: pass a 2-D "
-                             "attention_mask or position_ids")
+            raise ValueError(
+                "a forward on a KVCache needs the true positions of its tokens: pass a 2-D "
+                "attention_mask or position_ids"
+            )
         cache.begin(pos, generated=cache.forwards)
         return args, {**kwargs, "kvrl_cache": cache}
 

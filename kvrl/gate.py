@@ -37,8 +37,10 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 # (ok, rule); the fix is the constructor's default
 ENV_ARG_RULES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     "kvrl.envs.math:MathEnv": {
-        "timeout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
-                    "must be > 0 seconds (at 0 every answer's check times out and scores 0)"),
+        "timeout": (
+            lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+            "must be > 0 seconds (at 0 every answer's check times out and scores 0)",
+        ),
     },
 }
 
@@ -47,7 +49,8 @@ INPUT_FILES: dict[str, dict[str, str]] = {
     "kvrl.envs.math:MathEnv": {"path": "its problems from it (a .jsonl or .parquet file)"},
     "kvrl.data.self_distill:SelfDistilledEnv": {
         "path": "the task set job=self_distill writes to its output_dir/tasks.jsonl (run that step first: python "
-                "-m kvrl.run recipe=RECIPE job=self_distill output_dir=DIR writes DIR/tasks.jsonl)"},
+        "-m kvrl.run recipe=RECIPE job=self_distill output_dir=DIR writes DIR/tasks.jsonl)"
+    },
 }
 
 
@@ -55,9 +58,11 @@ def model_problems(path: str) -> list[str]:
     """model.path: a shipped model ("tiny", "tiny-multihop"), a folder with a config.json, the output_dir of a run that trained model
     weights (:func:`kvrl.runlog.trained_model`, without reading them), a known architecture, or a
     hub id org/name."""
-    fix = ("pass a local folder with a config.json (save_pretrained writes one), the output_dir of an RL run "
-           f"(the weights it trained), a hub id such as Qwen/Qwen3-4B, or set model.path=tiny (shipped: "
-           f"{' | '.join(SHIPPED)})")
+    fix = (
+        "pass a local folder with a config.json (save_pretrained writes one), the output_dir of an RL run "
+        f"(the weights it trained), a hub id such as Qwen/Qwen3-4B, or set model.path=tiny (shipped: "
+        f"{' | '.join(SHIPPED)})"
+    )
     if path in SHIPPED or path in json.loads(ARCHITECTURES.read_text()):
         return []
     local = Path(path).expanduser()
@@ -121,20 +126,28 @@ def env_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> lis
         namespace = env_id.partition("/")[0]
         if ID_PATTERN.match(env_id) and not any(i.startswith(namespace + "/") for i in registered()):
             # a namespace nothing registered: a typo among kvrl's ids is not the likely fix
-            return [f"{id_key}={env_id!r} is not registered: nothing importable named {namespace!r} registers it, "
-                    f"and no installed package declares it under the entry-point group {ENTRY_POINTS!r}; put the "
-                    f"package {namespace!r} on PYTHONPATH (a Ray job: launch/ray_submit.sh --py-module "
-                    f"path/to/{namespace}) with kvrl.envs.register({env_id!r}, 'pkg.module:Class') in its "
-                    f"__init__, or set {id_key}=pkg.module:Class"]
+            return [
+                f"{id_key}={env_id!r} is not registered: nothing importable named {namespace!r} registers it, "
+                f"and no installed package declares it under the entry-point group {ENTRY_POINTS!r}; put the "
+                f"package {namespace!r} on PYTHONPATH (a Ray job: launch/ray_submit.sh --py-module "
+                f"path/to/{namespace}) with kvrl.envs.register({env_id!r}, 'pkg.module:Class') in its "
+                f"__init__, or set {id_key}=pkg.module:Class"
+            ]
         near = near or registered()[:1]
-        return [f"{id_key}={env_id!r} is neither a registered environment ({', '.join(registered())}) nor a "
-                f"dotted path pkg.module:Class; set {id_key}={near[0]}"]
+        return [
+            f"{id_key}={env_id!r} is neither a registered environment ({', '.join(registered())}) nor a "
+            f"dotted path pkg.module:Class; set {id_key}={near[0]}"
+        ]
     except TypeError as err:  # imported, but not an environment class: nothing of it is called
-        return [f"{id_key}={env_id!r} cannot be used: {err}; set {id_key} to a registered id or a pkg.module:Class "
-                "of your own environment"]
+        return [
+            f"{id_key}={env_id!r} cannot be used: {err}; set {id_key} to a registered id or a pkg.module:Class "
+            "of your own environment"
+        ]
     except (ImportError, AttributeError, ValueError) as err:
-        return [f"{id_key}={env_id!r} cannot be imported ({' '.join(str(err).split())}); set {id_key} to a "
-                "registered id or an importable pkg.module:Class"]
+        return [
+            f"{id_key}={env_id!r} cannot be imported ({' '.join(str(err).split())}); set {id_key} to a "
+            "registered id or an importable pkg.module:Class"
+        ]
     return argument_problems(factory, defaults, kwargs_key, kwargs)
 
 
@@ -149,8 +162,10 @@ def policy_problems(policy: str, kwargs: dict) -> list[str]:
     try:
         cls = policy_class(policy)
     except (ImportError, ValueError) as err:
-        return [f"kv.policy={policy!r} cannot be used ({' '.join(str(err).split())}); set kv.policy to a policy "
-                "name (gkv, h2o, snapkv, ...) or an importable pkg.module:Class of your own KVPolicy"]
+        return [
+            f"kv.policy={policy!r} cannot be used ({' '.join(str(err).split())}); set kv.policy to a policy "
+            "name (gkv, h2o, snapkv, ...) or an importable pkg.module:Class of your own KVPolicy"
+        ]
     from_kv = {"budget": 0, "interval": 0, "window": 0, "sink": 0, "budget_ratio": None}  # given by kv.*
     return argument_problems(cls, from_kv, "kv.kwargs", kwargs)
 
@@ -163,8 +178,11 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # no signature to read: the constructor will say
         return []
-    named = {p: v for p, v in params.items()
-             if v.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    named = {
+        p: v
+        for p, v in params.items()
+        if v.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     listing = f"its arguments: {', '.join(named) or '(none)'}"
     problems = []
     if not any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values()):
@@ -207,23 +225,31 @@ def run_problems(cfg) -> list[str]:
         for name in cfg.eval.policies:
             run = cfg.eval.settings.get(name, {}).get("run")
             if run is not None and not Path(str(run)).expanduser().exists():
-                problems.append(f"eval.settings.{name}.run={run!r}: no such file or folder; set "
-                                f"eval.settings.{name}.run to the output_dir of the run that trained the line (or "
-                                "the file it wrote: a scorer.safetensors, RLKV's gates)")
+                problems.append(
+                    f"eval.settings.{name}.run={run!r}: no such file or folder; set "
+                    f"eval.settings.{name}.run to the output_dir of the run that trained the line (or "
+                    "the file it wrote: a scorer.safetensors, RLKV's gates)"
+                )
     out = Path(cfg.output_dir).expanduser()
     above = next(p for p in (out, *out.parents) if p.exists())  # what the run's mkdir would meet first
     if not above.is_dir():  # nothing of the run could be written, nor is a lock or a checkpoint there to read
-        problems.append(f"output_dir={cfg.output_dir}: {above} is a file, not a folder, so the run cannot write its "
-                        "output there; set output_dir=<a folder> (a new one is made)")
+        problems.append(
+            f"output_dir={cfg.output_dir}: {above} is a file, not a folder, so the run cannot write its "
+            "output there; set output_dir=<a folder> (a new one is made)"
+        )
     if job.ray:  # the controller's RunLog opens them (kvrl.runlog); the metrics file has every value anyway
         for key, package in (("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")):
             if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
-                problems.append(f"{key}=true needs the {package} package, which is not installed here: pip install "
-                                f"{package}, or set {key}=false (metrics.jsonl has every value)")
+                problems.append(
+                    f"{key}=true needs the {package} package, which is not installed here: pip install "
+                    f"{package}, or set {key}=false (metrics.jsonl has every value)"
+                )
     holder = lock_holder(out) if above.is_dir() else None
     if holder is not None:  # kvrl.runlog.OutputLock would refuse it once the job (and Ray) started
-        problems.append(f"output_dir={cfg.output_dir} is in use by another run ({holder}): wait for it to end, or "
-                        "set output_dir=<another folder>")
+        problems.append(
+            f"output_dir={cfg.output_dir} is in use by another run ({holder}): wait for it to end, or "
+            "set output_dir=<another folder>"
+        )
     if job.resumes and above.is_dir():
         problems += resume_problems(cfg)
     if "model" in job.sections:
@@ -246,8 +272,9 @@ def input_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> l
         path = given.get(key)
         if path is not None and not Path(str(path)).expanduser().is_file():
             found = "a folder, not a file" if Path(str(path)).expanduser().is_dir() else "no such file"
-            problems.append(f"{kwargs_key}.{key}={str(path)!r}: {found}; {name} reads {what}; set "
-                            f"{kwargs_key}.{key}=<the file>")
+            problems.append(
+                f"{kwargs_key}.{key}={str(path)!r}: {found}; {name} reads {what}; set {kwargs_key}.{key}=<the file>"
+            )
     return problems
 
 
@@ -269,9 +296,12 @@ def resume_problems(cfg) -> list[str]:
     changed = resume_changes(saved, json.loads(json.dumps(flatten(cfg))), resumable, cfg.resume, path)
     if not changed:
         return []
-    return [f"output_dir={cfg.output_dir} holds a run whose settings differ from this one's (checkpoint {path}):\n  "
-            + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to continue it, or start afresh: set "
-            "output_dir=<another folder> (or resume=never to overwrite this one)"]
+    return [
+        f"output_dir={cfg.output_dir} holds a run whose settings differ from this one's (checkpoint {path}):\n  "
+        + "\n  ".join(changed)
+        + "\nrerun with the checkpoint's settings to continue it, or start afresh: set "
+        "output_dir=<another folder> (or resume=never to overwrite this one)"
+    ]
 
 
 def hub_problems(path: str) -> list[str]:
@@ -289,8 +319,9 @@ def hub_problems(path: str) -> list[str]:
     if isinstance(try_to_load_from_cache(path, "config.json"), str):
         return []
     where = f"model.path={path} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
-    fix = (f"download it where there is a network (huggingface-cli download {path} --local-dir DIR) and set "
-           "model.path=DIR")
+    fix = (
+        f"download it where there is a network (huggingface-cli download {path} --local-dir DIR) and set model.path=DIR"
+    )
     if constants.HF_HUB_OFFLINE:
         return [f"{where} and HF_HUB_OFFLINE is set; {fix} (or unset HF_HUB_OFFLINE)"]
     answer = ["no answer in 5 s"]
@@ -331,16 +362,24 @@ def machine_problems(cfg, ray: bool) -> list[str]:
                 f"the local Ray has {have} ({'workers.num_cpus' if w.num_cpus else 'the cores of this machine'}); "
                 f"set workers.rollout_cpus={int(w.rollout_cpus * scale * 100) / 100:g} workers.learner_cpus="
                 f"{int(w.learner_cpus * scale * 100) / 100:g} (fractions share a core), lower workers.rollout, or "
-                "run on a cluster (workers.address=HOST:PORT)")
+                "run on a cluster (workers.address=HOST:PORT)"
+            )
     if local_ray:
         problems += host_memory_problems(cfg)
-    if w.engine == "vllm" and cfg.model.dtype == "bfloat16" and not cfg.device.startswith("cuda") and (local_ray or not ray):
+    if (
+        w.engine == "vllm"
+        and cfg.model.dtype == "bfloat16"
+        and not cfg.device.startswith("cuda")
+        and (local_ray or not ray)
+    ):
         import torch
 
         if torch.cpu._is_amx_tile_supported():  # vLLM's CPU attention then picks its AMX cache layout
-            problems.append("model.dtype=bfloat16 with workers.engine=vllm on this CPU makes vLLM store its KV cache in "
-                            "the AMX layout, which kvrl's eviction cannot read; set model.dtype=float32 (or "
-                            "workers.engine=hf)")
+            problems.append(
+                "model.dtype=bfloat16 with workers.engine=vllm on this CPU makes vLLM store its KV cache in "
+                "the AMX layout, which kvrl's eviction cannot read; set model.dtype=float32 (or "
+                "workers.engine=hf)"
+            )
     gpus = w.rollout * w.rollout_gpus + w.learners * w.learner_gpus if local_ray else 0
     here = cfg.device.startswith("cuda") and not (ray and not local_ray)  # this process or its local actors
     if here or gpus:
@@ -349,15 +388,20 @@ def machine_problems(cfg, ray: bool) -> list[str]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = cfg.device.partition(":")[2]
         if here and count == 0:
-            problems.append(f"device={cfg.device} but CUDA is not available here (torch {torch.__version__}); "
-                            "set device=cpu")
+            problems.append(
+                f"device={cfg.device} but CUDA is not available here (torch {torch.__version__}); set device=cpu"
+            )
         elif here and index.isdigit() and int(index) >= count:
-            problems.append(f"device={cfg.device} but this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1}); "
-                            "set device=cuda:0")
+            problems.append(
+                f"device={cfg.device} but this machine has {count} GPU(s) (cuda:0 to cuda:{count - 1}); "
+                "set device=cuda:0"
+            )
         if gpus > count:
-            problems.append(f"the Ray actors reserve {gpus:g} GPUs (workers.rollout_gpus, workers.learner_gpus), "
-                            f"this machine has {count}; set workers.rollout_gpus=0 workers.learner_gpus=0 "
-                            "device=cpu, or run on a cluster (workers.address=HOST:PORT)")
+            problems.append(
+                f"the Ray actors reserve {gpus:g} GPUs (workers.rollout_gpus, workers.learner_gpus), "
+                f"this machine has {count}; set workers.rollout_gpus=0 workers.learner_gpus=0 "
+                "device=cpu, or run on a cluster (workers.address=HOST:PORT)"
+            )
     return problems
 
 
@@ -369,8 +413,11 @@ def host_memory_problems(cfg) -> list[str]:
     from kvrl.plan import memory, model_config, plan, size
 
     w = cfg.workers
-    on_host = {a: n for a, n, gpus in (("rollout", w.rollout, w.rollout_gpus), ("learner", w.learners, w.learner_gpus))
-               if not gpus}
+    on_host = {
+        a: n
+        for a, n, gpus in (("rollout", w.rollout, w.rollout_gpus), ("learner", w.learners, w.learner_gpus))
+        if not gpus
+    }
     if not on_host:  # every actor on a GPU: the plan (a tokenizer, the environment's tasks) is not needed
         return []
     p = plan(cfg)
@@ -380,7 +427,9 @@ def host_memory_problems(cfg) -> list[str]:
     if need <= have:
         return []
     parts = ", ".join(f"{n} {a} x ~{size(peaks[a])}" for a, n in on_host.items())
-    return [f"the local Ray's CPU actors need ~{size(need)} ({parts}, by the dry-run plan's estimate), this machine "
-            f"has {size(have)}: lower sampling.batch_size (sequences a rollout actor holds at once), trainer.batch_size "
-            "or set trainer.micro_batch_tokens (the learner's share held for backward), or run on a cluster "
-            "(workers.address=HOST:PORT); python -m kvrl.run ... dry_run=true shows the estimate"]
+    return [
+        f"the local Ray's CPU actors need ~{size(need)} ({parts}, by the dry-run plan's estimate), this machine "
+        f"has {size(have)}: lower sampling.batch_size (sequences a rollout actor holds at once), trainer.batch_size "
+        "or set trainer.micro_batch_tokens (the learner's share held for backward), or run on a cluster "
+        "(workers.address=HOST:PORT); python -m kvrl.run ... dry_run=true shows the estimate"
+    ]

@@ -57,9 +57,11 @@ def model_config(path: str):
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:
-        raise ConfigError(f"model.path={path!r} is neither a local model folder nor a known architecture "
-                         f"({', '.join(k for k in known if not k.startswith('_'))}) and could not be fetched "
-                         f"({err.__class__.__name__}); pass a local folder with a config.json") from None
+        raise ConfigError(
+            f"model.path={path!r} is neither a local model folder nor a known architecture "
+            f"({', '.join(k for k in known if not k.startswith('_'))}) and could not be fetched "
+            f"({err.__class__.__name__}); pass a local folder with a config.json"
+        ) from None
 
 
 def kv_bytes_per_token(config, dtype: str) -> int:
@@ -118,15 +120,25 @@ def plan(cfg) -> dict:
     # job=foresight runs stage 1 (Golden Eviction, SFT) in the driver process, on a GPU of its own
     driver_gpus = 1 if cfg.job == "foresight" and str(cfg.device).startswith("cuda") else 0
     return {
-        "model": cfg.model.path, "params": params, "weights_bytes": params * width,
-        "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
-        "kv_bytes_per_token": per_token, "prompt_tokens": prompt, "tokens_per_sequence": T, "kept_tokens_per_sequence": kept,
-        "kv_full_bytes_per_sequence": per_token * T, "kv_kept_bytes_per_sequence": per_token * kept,
+        "model": cfg.model.path,
+        "params": params,
+        "weights_bytes": params * width,
+        "layers": config.num_hidden_layers,
+        "kv_heads": config.num_key_value_heads,
+        "kv_bytes_per_token": per_token,
+        "prompt_tokens": prompt,
+        "tokens_per_sequence": T,
+        "kept_tokens_per_sequence": kept,
+        "kv_full_bytes_per_sequence": per_token * T,
+        "kv_kept_bytes_per_sequence": per_token * kept,
         "kv_full_bytes_per_batch": per_token * T * cfg.sampling.batch_size,
         "kv_kept_bytes_per_batch": per_token * kept * cfg.sampling.batch_size,
-        "rollout_actors": w.rollout, "learner_actors": w.learners,
+        "rollout_actors": w.rollout,
+        "learner_actors": w.learners,
         "cpus": w.rollout * w.rollout_cpus + w.learners * w.learner_cpus,
-        "actor_gpus": actor_gpus, "driver_gpus": driver_gpus, "gpus": actor_gpus + driver_gpus,
+        "actor_gpus": actor_gpus,
+        "driver_gpus": driver_gpus,
+        "gpus": actor_gpus + driver_gpus,
     }
 
 
@@ -193,8 +205,13 @@ def memory(cfg, config, p: dict) -> dict[str, dict[str, float]]:
         activations = tokens * (L * H * width + per_layer)
     else:
         activations = tokens * L * per_layer
-    learner = {"weights": copies * p["weights_bytes"], "gradients": grads, "optimizer": optimizer,
-               "activations": activations, "logits": logits}
+    learner = {
+        "weights": copies * p["weights_bytes"],
+        "gradients": grads,
+        "optimizer": optimizer,
+        "activations": activations,
+        "logits": logits,
+    }
     if algo == "rlkv":  # the micro-batch's sequences, each at the longest length
         T = p["tokens_per_sequence"]
         learner["attention masks"] = mixed_mask_bytes(max(1, tokens // T), T, L, width, tr.gradient_checkpointing)
@@ -219,26 +236,36 @@ def trace_memory(cfg, config, p: dict) -> dict[str, float]:
     if w.engine == "hf":
         kv = p["kv_full_bytes_per_batch"]
     elif w.kv_cache_gib:
-        kv = w.kv_cache_gib * 2 ** 30
+        kv = w.kv_cache_gib * 2**30
     elif w.rollout_gpus:
-        kv = VLLM_GPU_SHARE * w.gpu_gib * 2 ** 30 - p["weights_bytes"]
+        kv = VLLM_GPU_SHARE * w.gpu_gib * 2**30 - p["weights_bytes"]
     else:
-        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2 ** 30
+        kv = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1)) * 2**30
     rows = min(cfg.sampling.batch_size, max(1, SCORE_TOKENS // T))
     H = config.hidden_size
     forward = rows * T * ((6 * H + 4 * config.intermediate_size) * width + H * width)
     logits = 3 * 4 * min(rows * cfg.sampling.max_new_tokens, LOGIT_CHUNK) * config.vocab_size
-    return {"weights": p["weights_bytes"], "kv cache": kv,
-            "scoring weights": p["weights_bytes"] if w.engine == "vllm" else 0, "scoring forward": forward + logits}
+    return {
+        "weights": p["weights_bytes"],
+        "kv cache": kv,
+        "scoring weights": p["weights_bytes"] if w.engine == "vllm" else 0,
+        "scoring forward": forward + logits,
+    }
 
 
 def dry_run(cfg) -> dict:
     p = plan(cfg)
     w, tr = cfg.workers, cfg.trainer
-    budget = (f"budget {cfg.kv.budget}" if cfg.kv.budget_ratio is None else
-              f"budget max({cfg.kv.budget}, {cfg.kv.budget_ratio:g} x {p['tokens_per_sequence']} tokens)")
-    kept = (f"kv.policy={cfg.kv.policy} ({budget} + interval {cfg.kv.interval})"
-            if p["kept_tokens_per_sequence"] < p["tokens_per_sequence"] else "kept (no eviction)")
+    budget = (
+        f"budget {cfg.kv.budget}"
+        if cfg.kv.budget_ratio is None
+        else f"budget max({cfg.kv.budget}, {cfg.kv.budget_ratio:g} x {p['tokens_per_sequence']} tokens)"
+    )
+    kept = (
+        f"kv.policy={cfg.kv.policy} ({budget} + interval {cfg.kv.interval})"
+        if p["kept_tokens_per_sequence"] < p["tokens_per_sequence"]
+        else "kept (no eviction)"
+    )
     if cfg.job == "rlkv":
         r = cfg.rlkv
         kept = f"deployed at rlkv.sparsity={r.sparsity:g} (sink {r.eval_sink} + recent {r.eval_recent})"
@@ -247,8 +274,12 @@ def dry_run(cfg) -> dict:
         f"model      {p['model']}: {p['params'] / 1e6:,.1f} M parameters, {size(p['weights_bytes'])} in "
         f"{cfg.model.dtype}; {p['layers']} layers x {p['kv_heads']} KV heads",
         f"KV cache   {size(p['kv_bytes_per_token'])} per token; a {p['tokens_per_sequence']}-token sequence ("
-        + (f"prompt ~{p['prompt_tokens']} + " if p["prompt_tokens"] is not None else "prompt not counted: no local "
-           "tokenizer or environment data; ") + f"{cfg.sampling.max_new_tokens} new): full "
+        + (
+            f"prompt ~{p['prompt_tokens']} + "
+            if p["prompt_tokens"] is not None
+            else "prompt not counted: no local tokenizer or environment data; "
+        )
+        + f"{cfg.sampling.max_new_tokens} new): full "
         f"{size(p['kv_full_bytes_per_sequence'])}, {kept} {size(p['kv_kept_bytes_per_sequence'])} "
         f"({p['kept_tokens_per_sequence'] / p['tokens_per_sequence']:.0%})",
         f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "
@@ -259,37 +290,50 @@ def dry_run(cfg) -> dict:
         fs = cfg.foresight
         shards = -(-fs.traces // fs.shard_size) + -(-fs.heldout // fs.shard_size)
         engines = w.engine + (" + hf scoring" if w.engine == "vllm" else "")
-        lines.append(f"traces     {min(w.rollout, shards)} rollout actors ({engines}, {w.rollout_cpus:g} CPU + "
-                     f"{w.rollout_gpus:g} GPU each), stopped once the data is written: {fs.traces} train + "
-                     f"{fs.heldout} held-out traces in {shards} shards, a batch of {cfg.sampling.batch_size} "
-                     "prompts per actor at a time")
+        lines.append(
+            f"traces     {min(w.rollout, shards)} rollout actors ({engines}, {w.rollout_cpus:g} CPU + "
+            f"{w.rollout_gpus:g} GPU each), stopped once the data is written: {fs.traces} train + "
+            f"{fs.heldout} held-out traces in {shards} shards, a batch of {cfg.sampling.batch_size} "
+            "prompts per actor at a time"
+        )
     if JOBS[cfg.job].ray and cfg.job != "foresight_traces":  # the RL loop's actors
         engine = w.engine
         if cfg.job == "foresight":
             from kvrl.algos.foresight import ForesightRL
 
             engine = ForesightRL.rollout_engine
-            lines.append(f"stage 1    Golden Eviction and SFT in this process, on {cfg.device}; stage 2 "
-                         "(eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors")
+            lines.append(
+                f"stage 1    Golden Eviction and SFT in this process, on {cfg.device}; stage 2 "
+                "(eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors"
+            )
         lines += [
             f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
             f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
-            f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): " + (
-                "objects in this process, one after another (workers.address=inline)" if w.address == INLINE else
-                f"the Ray cluster needs {p['cpus']:g} CPUs and {p['actor_gpus']:g} GPUs"
-                + (f", plus {p['driver_gpus']} GPU for stage 1 in this process: {p['gpus']:g} GPUs in all"
-                   if p["driver_gpus"] else "")),
+            f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): "
+            + (
+                "objects in this process, one after another (workers.address=inline)"
+                if w.address == INLINE
+                else f"the Ray cluster needs {p['cpus']:g} CPUs and {p['actor_gpus']:g} GPUs"
+                + (
+                    f", plus {p['driver_gpus']} GPU for stage 1 in this process: {p['gpus']:g} GPUs in all"
+                    if p["driver_gpus"]
+                    else ""
+                )
+            ),
             f"steps      {tr.steps} x {tr.batch_size} samples ({tr.batch_size // cfg.rl.group_size} tasks x "
             f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
             f"new tokens each",
         ]
     if JOBS[cfg.job].ray:
-        fixes = {"learner": "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing"
-                            "=true, or more learners with workers.backend=deepspeed",
-                 "rollout": "lower sampling.batch_size or kv.budget",
-                 "trace actor": "set workers.kv_cache_gib (vLLM's cache: it then runs fewer sequences at once) so that "
-                                "the HF scorer fits beside it" if w.engine == "vllm" else
-                                "lower sampling.batch_size or set workers.engine=vllm"}
+        fixes = {
+            "learner": "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing"
+            "=true, or more learners with workers.backend=deepspeed",
+            "rollout": "lower sampling.batch_size or kv.budget",
+            "trace actor": "set workers.kv_cache_gib (vLLM's cache: it then runs fewer sequences at once) so that "
+            "the HF scorer fits beside it"
+            if w.engine == "vllm"
+            else "lower sampling.batch_size or set workers.engine=vllm",
+        }
         config = model_config(cfg.model.path)
         p["memory"] = {} if cfg.job == "foresight_traces" else memory(cfg, config, p)
         if traces:
@@ -297,19 +341,26 @@ def dry_run(cfg) -> dict:
         for k, (actor, parts) in enumerate(p["memory"].items()):
             total = sum(parts.values())
             gpus = w.learner_gpus if actor == "learner" else w.rollout_gpus
-            fit = (f" of the {w.gpu_gib:g} GiB GPU (workers.gpu_gib)" if gpus else " (no GPU: host memory)")
-            lines.append(f"{'memory' if k == 0 else '':<10} {actor} peak ~{size(total)}{fit}: "
-                         + " + ".join(f"{name} {size(v)}" for name, v in parts.items() if v))
-            if gpus and total > w.gpu_gib * 2 ** 30:
+            fit = f" of the {w.gpu_gib:g} GiB GPU (workers.gpu_gib)" if gpus else " (no GPU: host memory)"
+            lines.append(
+                f"{'memory' if k == 0 else '':<10} {actor} peak ~{size(total)}{fit}: "
+                + " + ".join(f"{name} {size(v)}" for name, v in parts.items() if v)
+            )
+            if gpus and total > w.gpu_gib * 2**30:
                 lines.append(f"WARNING    the {actor} does not fit: {fixes[actor]}")
     elif cfg.job == "eval":
         ev = cfg.eval
-        lines.append(f"eval       {len(ev.policies)} policies ({', '.join(ev.policies)}) x budgets "
-                     f"{', '.join(f'{b:g}' for b in ev.budgets)}; {cfg.env.num_eval_tasks} tasks x {ev.samples} samples "
-                     f"of up to {cfg.sampling.max_new_tokens} new tokens each, on {w.engine} ({cfg.device})"
-                     + "".join(f"; KV per sequence at {b:g} tokens: "
-                               f"{size(p['kv_bytes_per_token'] * min(b + cfg.kv.interval, p['tokens_per_sequence']))}"
-                               for b in ev.budgets if b > 1))
+        lines.append(
+            f"eval       {len(ev.policies)} policies ({', '.join(ev.policies)}) x budgets "
+            f"{', '.join(f'{b:g}' for b in ev.budgets)}; {cfg.env.num_eval_tasks} tasks x {ev.samples} samples "
+            f"of up to {cfg.sampling.max_new_tokens} new tokens each, on {w.engine} ({cfg.device})"
+            + "".join(
+                f"; KV per sequence at {b:g} tokens: "
+                f"{size(p['kv_bytes_per_token'] * min(b + cfg.kv.interval, p['tokens_per_sequence']))}"
+                for b in ev.budgets
+                if b > 1
+            )
+        )
     else:
         lines.append(f"process    one, on {cfg.device}; {tr.steps} steps of {tr.batch_size}")
     print("\n".join(lines))
@@ -324,18 +375,24 @@ def allocation_problems(p: dict, cfg, nodes: int, gpus_per_node: int | None, cpu
     if gpus_per_node is not None:
         for actor, gpus in (("rollout", w.rollout_gpus), ("learner", w.learner_gpus)):
             if gpus > gpus_per_node:
-                problems.append(f"a {actor} actor needs {gpus:g} GPUs (workers.{actor}_gpus) and a node has "
-                                f"{gpus_per_node}: lower workers.{actor}_gpus or ask for --gpus-per-node={gpus:g}")
+                problems.append(
+                    f"a {actor} actor needs {gpus:g} GPUs (workers.{actor}_gpus) and a node has "
+                    f"{gpus_per_node}: lower workers.{actor}_gpus or ask for --gpus-per-node={gpus:g}"
+                )
         if p["gpus"] > nodes * gpus_per_node:
             driver = f" + {p['driver_gpus']} for stage 1 in the driver" if p["driver_gpus"] else ""
-            problems.append(f"the recipe's actors need {p['gpus']:g} GPUs ({w.rollout} rollout x {w.rollout_gpus:g} + "
-                            f"{w.learners} learners x {w.learner_gpus:g}{driver}) and the allocation has {nodes} nodes x "
-                            f"{gpus_per_node} = {nodes * gpus_per_node}: lower workers.rollout / workers.learners or "
-                            f"ask for --nodes={-(-p['gpus'] // gpus_per_node):g}")
+            problems.append(
+                f"the recipe's actors need {p['gpus']:g} GPUs ({w.rollout} rollout x {w.rollout_gpus:g} + "
+                f"{w.learners} learners x {w.learner_gpus:g}{driver}) and the allocation has {nodes} nodes x "
+                f"{gpus_per_node} = {nodes * gpus_per_node}: lower workers.rollout / workers.learners or "
+                f"ask for --nodes={-(-p['gpus'] // gpus_per_node):g}"
+            )
     if cpus_per_node is not None and p["cpus"] > nodes * cpus_per_node:
-        problems.append(f"the recipe's actors need {p['cpus']:g} CPUs and the allocation has {nodes} nodes x "
-                        f"{cpus_per_node} = {nodes * cpus_per_node}: lower workers.rollout_cpus / "
-                        "workers.learner_cpus or ask for more nodes")
+        problems.append(
+            f"the recipe's actors need {p['cpus']:g} CPUs and the allocation has {nodes} nodes x "
+            f"{cpus_per_node} = {nodes * cpus_per_node}: lower workers.rollout_cpus / "
+            "workers.learner_cpus or ask for more nodes"
+        )
     return problems
 
 
@@ -350,7 +407,9 @@ def idle_gpus(p: dict, cfg, nodes: int, gpus_per_node: int | None) -> str | None
     if idle <= 0 or not w.rollout_gpus:
         return None
     more = int(idle // w.rollout_gpus)
-    return (f"the recipe uses {p['gpus']:g} of the allocation's {nodes * gpus_per_node} GPUs; {idle:g} stay idle: "
-            f"scale it to the allocation with workers.rollout={w.rollout + more} (each rollout actor takes "
-            f"workers.rollout_gpus={w.rollout_gpus:g}), or more workers.learners, or ask "
-            "Slurm for fewer GPUs (docs/cluster.md)")
+    return (
+        f"the recipe uses {p['gpus']:g} of the allocation's {nodes * gpus_per_node} GPUs; {idle:g} stay idle: "
+        f"scale it to the allocation with workers.rollout={w.rollout + more} (each rollout actor takes "
+        f"workers.rollout_gpus={w.rollout_gpus:g}), or more workers.learners, or ask "
+        "Slurm for fewer GPUs (docs/cluster.md)"
+    )

@@ -100,8 +100,11 @@ def disk_full_names(path: str | Path) -> Iterator[None]:
             raise
         where = next(p for p in Path(path).absolute().parents if p.exists())
         free = shutil.disk_usage(where).free / 2**20
-        raise OSError(errno.ENOSPC, f"writing {path} failed (torch.save: {str(err).splitlines()[0]}), which is how "
-                                    f"it reports a full disk ({free:.0f} MiB free on {where} now): {fix}") from err
+        raise OSError(
+            errno.ENOSPC,
+            f"writing {path} failed (torch.save: {str(err).splitlines()[0]}), which is how "
+            f"it reports a full disk ({free:.0f} MiB free on {where} now): {fix}",
+        ) from err
 
 
 def write_json(path: str | Path, obj) -> None:
@@ -231,29 +234,43 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
             continue
         bad = unsealed(folder / "model")
         if bad is None:
-            return folder / "model", (f"its newest complete checkpoint's model {folder / 'model'} (no final model: "
-                                      f"{final}: {why})")
+            return folder / "model", (
+                f"its newest complete checkpoint's model {folder / 'model'} (no final model: {final}: {why})"
+            )
         if (folder / "model").is_dir():
             print(f"kvrl: warning: skipping checkpoint {folder}: {bad}", file=sys.stderr)
     # no weights: say what the run is, from its files and its checkpoints' config (ForesightKV's under rl/)
-    saved = next((json.loads(f.read_text()) for r in (root, run / "rl" / "checkpoints")
-                  for f in sorted(r.glob("step_*/config.json"), reverse=True)), {})
+    saved = next(
+        (
+            json.loads(f.read_text())
+            for r in (root, run / "rl" / "checkpoints")
+            for f in sorted(r.glob("step_*/config.json"), reverse=True)
+        ),
+        {},
+    )
     base = f"model.path={saved['model.path']}" if "model.path" in saved else "model.path=<the model it trained on>"
     if (run / "gates.safetensors").is_file() or saved.get("job") == "rlkv":
-        raise ValueError(f"{run} is an RLKV run: it trained per-head gates, not model weights. Its gates are a cache "
-                         f"policy of job=eval: set {base} and eval.settings.NAME='{{policy: heads, run: {run}}}' "
-                         "with NAME in eval.policies")
-    if saved.get("job") == "foresight" or any((run / p).is_file() for p in (
-            "scorer.safetensors", "rl/scorer.safetensors", "sft/scorer.safetensors")):
-        raise ValueError(f"{run} is a ForesightKV run: it trained an eviction scorer, not model weights. Its scorer "
-                         f"is a cache policy of job=eval: set {base} and eval.settings.NAME='{{policy: learned, run: "
-                         f"{run}}}' with NAME in eval.policies")
+        raise ValueError(
+            f"{run} is an RLKV run: it trained per-head gates, not model weights. Its gates are a cache "
+            f"policy of job=eval: set {base} and eval.settings.NAME='{{policy: heads, run: {run}}}' "
+            "with NAME in eval.policies"
+        )
+    if saved.get("job") == "foresight" or any(
+        (run / p).is_file() for p in ("scorer.safetensors", "rl/scorer.safetensors", "sft/scorer.safetensors")
+    ):
+        raise ValueError(
+            f"{run} is a ForesightKV run: it trained an eviction scorer, not model weights. Its scorer "
+            f"is a cache policy of job=eval: set {base} and eval.settings.NAME='{{policy: learned, run: "
+            f"{run}}}' with NAME in eval.policies"
+        )
     if not (final.is_dir() or folders or (run / "metrics.jsonl").is_file()):
         return None
     whole = f"; a folder you know to be whole loads as model.path={final}" if final.is_dir() else ""
-    raise ValueError(f"{run} holds no trained model yet: {final}: {why}, and no complete checkpoint holds a sealed "
-                     f"model/ folder (an RL job writes one at every rl.checkpoint_every steps and at its end); wait "
-                     f"for one, or finish the run (rerun it with output_dir={run}: resume=auto continues it){whole}")
+    raise ValueError(
+        f"{run} holds no trained model yet: {final}: {why}, and no complete checkpoint holds a sealed "
+        f"model/ folder (an RL job writes one at every rl.checkpoint_every steps and at its end); wait "
+        f"for one, or finish the run (rerun it with output_dir={run}: resume=auto continues it){whole}"
+    )
 
 
 def flatten(cfg, prefix: str = "") -> dict:
@@ -299,9 +316,14 @@ def resume_changes(saved: dict, now: dict, resumable: tuple[str, ...], resume: s
     line = f"output_dir: {before!r} -> {after!r}"
     if Path(before).expanduser().resolve() == Path(after).expanduser().resolve():
         return [c for c in changed if c != line]
-    return [c if c != line else f"{line} (this folder holds a run written as output_dir={before}: copied or moved "
-            f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint into this "
-            "output_dir)" for c in changed]
+    return [
+        c
+        if c != line
+        else f"{line} (this folder holds a run written as output_dir={before}: copied or moved "
+        f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint into this "
+        "output_dir)"
+        for c in changed
+    ]
 
 
 class OutputLock:
@@ -317,8 +339,10 @@ class OutputLock:
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise RuntimeError(f"output_dir {out} is in use by another run ({holder}): wait for it to end, or give "
-                               "this run its own output_dir=...") from None
+            raise RuntimeError(
+                f"output_dir {out} is in use by another run ({holder}): wait for it to end, or give "
+                "this run its own output_dir=..."
+            ) from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -352,8 +376,16 @@ class RunLog:
     previous run of the same ``output_dir`` wrote (call :meth:`trim` after resuming).
     """
 
-    def __init__(self, out: str | Path, *, fresh: bool, tensorboard: bool = False, wandb: bool = False,
-                 name: str = "", config: dict | None = None):
+    def __init__(
+        self,
+        out: str | Path,
+        *,
+        fresh: bool,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        name: str = "",
+        config: dict | None = None,
+    ):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.path = self.out / "metrics.jsonl"
@@ -411,8 +443,10 @@ def tensorboard_writer(path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError("logging.tensorboard=true needs the tensorboard package: `pip install tensorboard`, "
-                          "or set logging.tensorboard=false (metrics.jsonl has every value)") from None
+        raise ImportError(
+            "logging.tensorboard=true needs the tensorboard package: `pip install tensorboard`, "
+            "or set logging.tensorboard=false (metrics.jsonl has every value)"
+        ) from None
     return SummaryWriter(str(path))
 
 
@@ -422,8 +456,10 @@ def wandb_run(out: Path, name: str, config: dict | None, fresh: bool):
     try:
         import wandb
     except ImportError:
-        raise ImportError("logging.wandb=true needs the wandb package: `pip install wandb`, or set "
-                          "logging.wandb=false (metrics.jsonl has every value)") from None
+        raise ImportError(
+            "logging.wandb=true needs the wandb package: `pip install wandb`, or set "
+            "logging.wandb=false (metrics.jsonl has every value)"
+        ) from None
     id_file = out / "wandb" / "run_id"
     if fresh or not id_file.exists():
         with atomic(id_file) as tmp:
@@ -441,8 +477,16 @@ def pyplot():
     return plt
 
 
-def plot_rewards(records: list[dict], path: Path, title: str, *, key: str = "reward_mean",
-                 std_key: str = "reward_std", count_key: str | None = "samples", ylabel: str = "reward") -> None:
+def plot_rewards(
+    records: list[dict],
+    path: Path,
+    title: str,
+    *,
+    key: str = "reward_mean",
+    std_key: str = "reward_std",
+    count_key: str | None = "samples",
+    ylabel: str = "reward",
+) -> None:
     """The reward curve: per-step mean ± standard error (or ± std without ``count_key``)
     and a 5-step moving average once it has two points (six steps: one point of a line draws
     nothing, and its legend entry would name a line that is not there)."""
@@ -453,11 +497,16 @@ def plot_rewards(records: list[dict], path: Path, title: str, *, key: str = "rew
     window = 5
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, mean, marker="o", ms=3, lw=0.8, label=f"{ylabel}, mean over the step's samples")
-    ax.fill_between(steps, mean - spread, mean + spread, alpha=0.2,
-                    label="± standard error" if count_key else "± standard deviation")
+    ax.fill_between(
+        steps,
+        mean - spread,
+        mean + spread,
+        alpha=0.2,
+        label="± standard error" if count_key else "± standard deviation",
+    )
     if len(mean) > window:
         smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
-        ax.plot(steps[window - 1:], smooth, lw=2, label=f"{window}-step moving average")
+        ax.plot(steps[window - 1 :], smooth, lw=2, label=f"{window}-step moving average")
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)

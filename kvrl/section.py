@@ -33,8 +33,15 @@ class ConfigError(ValueError):
 POLICY_NAMES = ("full", "streaming", "h2o", "snapkv", "rkv", "gkv", "learned")
 
 
-def checked(default: Any, ok: Callable[[Any], bool] | None = None, rule: str = "", *, ge: float | None = None,
-            names: tuple[str, ...] = (), kwargs: str = "") -> Any:
+def checked(
+    default: Any,
+    ok: Callable[[Any], bool] | None = None,
+    rule: str = "",
+    *,
+    ge: float | None = None,
+    names: tuple[str, ...] = (),
+    kwargs: str = "",
+) -> Any:
     """A schema field whose value must pass `ok` (None: any value), else `validate` reports "KEY RULE (got
     VALUE); set KEY=DEFAULT", or the nearest of `names` to the value when one is near (a mistyped name).
     `ge=LOW` is short for `v >= LOW` with the rule "must be >= LOW". `kwargs=FIELD`: the value names what
@@ -69,8 +76,13 @@ class Section:
 SECTIONS: dict[str, Section] = {}
 
 
-def register_section(name: str, schema: Optional[type] = None,
-                     problems: Optional[Callable[[Any], list[str]]] = None, *, uses: tuple[str, ...] = ()) -> None:
+def register_section(
+    name: str,
+    schema: Optional[type] = None,
+    problems: Optional[Callable[[Any], list[str]]] = None,
+    *,
+    uses: tuple[str, ...] = (),
+) -> None:
     """Declare the keys (`schema`) and rules (`problems`) of the algorithm or job section `name`."""
     if schema is not None and not is_dataclass(schema):
         raise TypeError(f"section {name!r}: schema must be a dataclass, got {schema!r}")

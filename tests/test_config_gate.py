@@ -22,146 +22,412 @@ MANY = 2 * CORES + 2  # rollout actors at 0.5 CPU each that no machine of CORES 
 
 # (id, arguments, recipes folder: None = the repository's | "tmp" = the one the fixture writes, what stderr says)
 CASES = [
-    ("lr_inf", ["recipe=tiny_rl_full", "trainer.lr=inf"],
-     None, ["trainer.lr must be a finite number (got inf); set trainer.lr=0.003"]),
-    ("temperature_inf", ["recipe=tiny_rl_full", "sampling.temperature=inf"],
-     None, ["sampling.temperature must be a finite number (got inf); set sampling.temperature=1.0"]),
-    ("eps_high_inf", ["recipe=tiny_rl_full", "rl.eps_high=inf"],
-     None, ["rl.eps_high must be a finite number (got inf); set rl.eps_high=0.2"]),
-    ("niceness_over_19", ["recipe=tiny_rl_full", "workers.niceness=20"],
-     None, ["workers.niceness must be 0..19 (0 = the driver's priority) (got 20); set workers.niceness=0"]),
+    (
+        "lr_inf",
+        ["recipe=tiny_rl_full", "trainer.lr=inf"],
+        None,
+        ["trainer.lr must be a finite number (got inf); set trainer.lr=0.003"],
+    ),
+    (
+        "temperature_inf",
+        ["recipe=tiny_rl_full", "sampling.temperature=inf"],
+        None,
+        ["sampling.temperature must be a finite number (got inf); set sampling.temperature=1.0"],
+    ),
+    (
+        "eps_high_inf",
+        ["recipe=tiny_rl_full", "rl.eps_high=inf"],
+        None,
+        ["rl.eps_high must be a finite number (got inf); set rl.eps_high=0.2"],
+    ),
+    (
+        "niceness_over_19",
+        ["recipe=tiny_rl_full", "workers.niceness=20"],
+        None,
+        ["workers.niceness must be 0..19 (0 = the driver's priority) (got 20); set workers.niceness=0"],
+    ),
     ("seed_negative", ["recipe=tiny_rl_full", "seed=-1"], None, ["seed must be in [0, 2**32) (got -1); set seed=0"]),
-    ("window_over_budget", ["recipe=tiny_gkv_sparse", "kv.window=80"],
-     None, ["kv.budget must be >= kv.window + kv.sink + 1 = 85 (got 76)", "set kv.budget=85"]),
-    ("sink_over_budget_foresight", ["recipe=tiny_foresight", "kv.sink=60"],
-     None, ["kv.budget must be >= kv.window + kv.sink + 1 = 69 (got 48)"]),
-    ("budget_zero", ["recipe=tiny_gkv_distill", "kv.budget=0"],
-     None, ["kv.budget=0 keeps every token, but job=rl rl.algo=distill evicts with kv.policy=gkv", "set kv.budget=64"]),
-    ("eval_ignores_budget", ["recipe=tiny_eval", "kv.budget=64"],
-     None, ["kv.budget=64 would be ignored: job=eval evaluates the budgets of eval.budgets",
-            "set kv.budget=0"]),
-    ("model_path_malformed", ["recipe=tiny_rl_full", "model.path=/no/such/model"],
-     None, ["model.path='/no/such/model' is neither a folder here nor a hub id",
-            "pass a local folder with a config.json"]),
-    ("model_path_no_config", ["recipe=tiny_rl_full", "model.path={tmp}"],
-     None, ["is a folder without a config.json", "set model.path=tiny"]),
+    (
+        "window_over_budget",
+        ["recipe=tiny_gkv_sparse", "kv.window=80"],
+        None,
+        ["kv.budget must be >= kv.window + kv.sink + 1 = 85 (got 76)", "set kv.budget=85"],
+    ),
+    (
+        "sink_over_budget_foresight",
+        ["recipe=tiny_foresight", "kv.sink=60"],
+        None,
+        ["kv.budget must be >= kv.window + kv.sink + 1 = 69 (got 48)"],
+    ),
+    (
+        "budget_zero",
+        ["recipe=tiny_gkv_distill", "kv.budget=0"],
+        None,
+        ["kv.budget=0 keeps every token, but job=rl rl.algo=distill evicts with kv.policy=gkv", "set kv.budget=64"],
+    ),
+    (
+        "eval_ignores_budget",
+        ["recipe=tiny_eval", "kv.budget=64"],
+        None,
+        ["kv.budget=64 would be ignored: job=eval evaluates the budgets of eval.budgets", "set kv.budget=0"],
+    ),
+    (
+        "model_path_malformed",
+        ["recipe=tiny_rl_full", "model.path=/no/such/model"],
+        None,
+        ["model.path='/no/such/model' is neither a folder here nor a hub id", "pass a local folder with a config.json"],
+    ),
+    (
+        "model_path_no_config",
+        ["recipe=tiny_rl_full", "model.path={tmp}"],
+        None,
+        ["is a folder without a config.json", "set model.path=tiny"],
+    ),
     ("cuda_missing", ["recipe=tiny_pretrain", "device=cuda:99"], None, ["device=cuda:99 but", "set device="]),
-    ("cpus_num_cpus", ["recipe=tiny_rl_full", "workers.num_cpus=1"],
-     None, ["the Ray actors reserve 1.5 CPUs (workers.rollout=2 x workers.rollout_cpus=0.5 + workers.learners=1",
-            "the local Ray has 1 (workers.num_cpus)", "set workers.rollout_cpus=0.33"]),
-    ("cpus_machine", ["recipe=tiny_rl_full", f"workers.rollout={MANY}", f"trainer.batch_size={8 * MANY}"],
-     None, [f"the Ray actors reserve {MANY * 0.5 + 0.5:g} CPUs",
-            f"the local Ray has {CORES} (the cores of this machine)"]),
-    ("interpolation_open", ["recipe=tiny_rl_full", "run_name=${oops"],
-     None, ["command line: run_name is malformed: an interpolation is ${other.key}, closed by a brace (got '${oops')"]),
-    ("interpolation_unknown", ["recipe=tiny_rl_full", "run_name=${nope}"],
-     None, ["cannot resolve run_name: Interpolation key 'nope' not found"]),
-    ("list_open", ["recipe=tiny_eval", "eval.budgets=[0.25,"],
-     None, ["command line: eval.budgets is malformed: a list", "set e.g. eval.budgets=[0.25,0.5]"]),
-    ("mapping_open", ["recipe=tiny_rl_full", "env.kwargs={a:"],
-     None, ["command line: env.kwargs is malformed: a mapping is {name: value, ...}"]),
+    (
+        "cpus_num_cpus",
+        ["recipe=tiny_rl_full", "workers.num_cpus=1"],
+        None,
+        [
+            "the Ray actors reserve 1.5 CPUs (workers.rollout=2 x workers.rollout_cpus=0.5 + workers.learners=1",
+            "the local Ray has 1 (workers.num_cpus)",
+            "set workers.rollout_cpus=0.33",
+        ],
+    ),
+    (
+        "cpus_machine",
+        ["recipe=tiny_rl_full", f"workers.rollout={MANY}", f"trainer.batch_size={8 * MANY}"],
+        None,
+        [f"the Ray actors reserve {MANY * 0.5 + 0.5:g} CPUs", f"the local Ray has {CORES} (the cores of this machine)"],
+    ),
+    (
+        "interpolation_open",
+        ["recipe=tiny_rl_full", "run_name=${oops"],
+        None,
+        ["command line: run_name is malformed: an interpolation is ${other.key}, closed by a brace (got '${oops')"],
+    ),
+    (
+        "interpolation_unknown",
+        ["recipe=tiny_rl_full", "run_name=${nope}"],
+        None,
+        ["cannot resolve run_name: Interpolation key 'nope' not found"],
+    ),
+    (
+        "list_open",
+        ["recipe=tiny_eval", "eval.budgets=[0.25,"],
+        None,
+        ["command line: eval.budgets is malformed: a list", "set e.g. eval.budgets=[0.25,0.5]"],
+    ),
+    (
+        "mapping_open",
+        ["recipe=tiny_rl_full", "env.kwargs={a:"],
+        None,
+        ["command line: env.kwargs is malformed: a mapping is {name: value, ...}"],
+    ),
     ("recipe_not_utf8", ["recipe=latin1"], "tmp", ["latin1.yaml: not UTF-8 (byte 0xe9 at offset 5, line 1)"]),
-    ("env_kwarg_typo", ["recipe=tiny_rl_full", "env.kwargs.n_digts=3"],
-     None, ["env.kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean env.kwargs.n_digits?); "
-            "its arguments: n_digits"]),
-    ("source_kwarg_typo", ["recipe=tiny_self_distill", "self_distill.source_kwargs.n_digts=3"],
-     None, ["self_distill.source_kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean "
-            "self_distill.source_kwargs.n_digits?)"]),
-    ("policy_unknown", ["recipe=tiny_gkv_sparse", "kv.policy=snapkb"],
-     None, ["kv.policy must be one of full, streaming", "(got 'snapkb'); set kv.policy=snapkv"]),
-    ("env_unknown", ["recipe=tiny_rl_full", "env.id=kvrl/mth-v0"],
-     None, ["env.id='kvrl/mth-v0' is neither a registered environment", "set env.id=kvrl/math-v0"]),
-    ("math_timeout_zero", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.timeout=0"],
-     None, ["env.kwargs.timeout must be > 0 seconds", "(got 0); set env.kwargs.timeout=5.0"]),
-    ("type_hint_recipe_value", ["recipe=tiny_rl_full", "trainer.steps=abc"],
-     None, ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=40"]),
-    ("type_hint_valid_for_rl", ["recipe=bare_rl", "trainer.steps=abc"],
-     "tmp", ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=20"]),
-    ("top_p_rl", ["recipe=tiny_rl_full", "sampling.top_p=0.95"],
-     None, ["sampling.top_p=0.95: a rollout records each token's logprob in the renormalised nucleus",
-            "the learner scores the token under the whole softmax", "set sampling.top_p=1.0"]),
-    ("top_p_range", ["recipe=tiny_eval", "sampling.top_p=0"],
-     None, ["sampling.top_p must be in (0, 1] (1 = no nucleus cut) (got 0.0); set sampling.top_p=1.0"]),
+    (
+        "env_kwarg_typo",
+        ["recipe=tiny_rl_full", "env.kwargs.n_digts=3"],
+        None,
+        [
+            "env.kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean env.kwargs.n_digits?); "
+            "its arguments: n_digits"
+        ],
+    ),
+    (
+        "source_kwarg_typo",
+        ["recipe=tiny_self_distill", "self_distill.source_kwargs.n_digts=3"],
+        None,
+        [
+            "self_distill.source_kwargs.n_digts is not an argument of kvrl.envs.counts:CountsEnv (did you mean "
+            "self_distill.source_kwargs.n_digits?)"
+        ],
+    ),
+    (
+        "policy_unknown",
+        ["recipe=tiny_gkv_sparse", "kv.policy=snapkb"],
+        None,
+        ["kv.policy must be one of full, streaming", "(got 'snapkb'); set kv.policy=snapkv"],
+    ),
+    (
+        "env_unknown",
+        ["recipe=tiny_rl_full", "env.id=kvrl/mth-v0"],
+        None,
+        ["env.id='kvrl/mth-v0' is neither a registered environment", "set env.id=kvrl/math-v0"],
+    ),
+    (
+        "math_timeout_zero",
+        ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.timeout=0"],
+        None,
+        ["env.kwargs.timeout must be > 0 seconds", "(got 0); set env.kwargs.timeout=5.0"],
+    ),
+    (
+        "type_hint_recipe_value",
+        ["recipe=tiny_rl_full", "trainer.steps=abc"],
+        None,
+        ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=40"],
+    ),
+    (
+        "type_hint_valid_for_rl",
+        ["recipe=bare_rl", "trainer.steps=abc"],
+        "tmp",
+        ["trainer.steps expects int, got 'abc'; set e.g. trainer.steps=20"],
+    ),
+    (
+        "top_p_rl",
+        ["recipe=tiny_rl_full", "sampling.top_p=0.95"],
+        None,
+        [
+            "sampling.top_p=0.95: a rollout records each token's logprob in the renormalised nucleus",
+            "the learner scores the token under the whole softmax",
+            "set sampling.top_p=1.0",
+        ],
+    ),
+    (
+        "top_p_range",
+        ["recipe=tiny_eval", "sampling.top_p=0"],
+        None,
+        ["sampling.top_p must be in (0, 1] (1 = no nucleus cut) (got 0.0); set sampling.top_p=1.0"],
+    ),
     ("unknown_recipe", ["recipe=tiny_rl_ful"], None, ["did you mean recipe=tiny_rl_full?", "available recipes: "]),
-    ("algo_path_unimportable", ["recipe=tiny_rl_full", "rl.algo=my_lab.algos:RLFul"],
-     None, ["rl.algo='my_lab.algos:RLFul' cannot be imported (No module named 'my_lab'); set rl.algo=rl_full",
-            "launch/ray_submit.sh --py-module path/to/pkg"]),
-    ("eval_setting_typo", ["recipe=tiny_eval", "eval.settings.rlkv.recnt=16"],
-     None, ["eval.settings.rlkv.recnt is not a setting of a line of kind heads (got 16); set "
-            "eval.settings.rlkv.recent=16; its settings: policy, run, sparsities, sink, recent"]),
-    ("eval_setting_policy_argument_typo", ["recipe=tiny_eval", "eval.settings.gkv.alpah=0.8"],
-     None, ["eval.settings.gkv.alpah is not a setting of a line of kind gkv (got 0.8); set eval.settings.gkv.alpha=0.8"]),
-    ("eval_setting_a_window_ignores", ["recipe=tiny_eval", "eval.settings.window.sink=2"],
-     None, ["eval.settings.window.sink is not a setting of a line of kind window (got 2); drop it"]),
-    ("eval_setting_budget", ["recipe=tiny_eval", "eval.settings.rkv.budget=64"],
-     None, ["eval.settings.rkv.budget is not a setting of a line of kind rkv (got 64); drop it (every line runs at "
-            "eval.budgets=[0.25,0.5,0.75])"]),
-    ("budget_over_positions", ["recipe=tiny_gkv_sparse", "kv.budget=2000"],
-     None, ["kv.budget=2000 never evicts: a sequence holds at most 1024 tokens (the max_position_embeddings of "
-            "model.path=tiny)", "set kv.budget=512 (below 1024)"]),
-    ("budget_over_max_model_len", ["recipe=tiny_foresight", "kv.budget=300", "model.max_model_len=256"],
-     None, ["kv.budget=300 never evicts: a sequence holds at most 256 tokens (model.max_model_len)",
-            "set kv.budget=128"]),
-    ("eval_budget_over_positions", ["recipe=tiny_eval", "eval.budgets=[0.5,64,1024]"],
-     None, ["eval.budgets 1024 never evict: a sequence holds at most 1024 tokens (the max_position_embeddings of "
-            "model.path=tiny)", "set eval.budgets=[0.5,64]"]),
+    (
+        "algo_path_unimportable",
+        ["recipe=tiny_rl_full", "rl.algo=my_lab.algos:RLFul"],
+        None,
+        [
+            "rl.algo='my_lab.algos:RLFul' cannot be imported (No module named 'my_lab'); set rl.algo=rl_full",
+            "launch/ray_submit.sh --py-module path/to/pkg",
+        ],
+    ),
+    (
+        "eval_setting_typo",
+        ["recipe=tiny_eval", "eval.settings.rlkv.recnt=16"],
+        None,
+        [
+            "eval.settings.rlkv.recnt is not a setting of a line of kind heads (got 16); set "
+            "eval.settings.rlkv.recent=16; its settings: policy, run, sparsities, sink, recent"
+        ],
+    ),
+    (
+        "eval_setting_policy_argument_typo",
+        ["recipe=tiny_eval", "eval.settings.gkv.alpah=0.8"],
+        None,
+        ["eval.settings.gkv.alpah is not a setting of a line of kind gkv (got 0.8); set eval.settings.gkv.alpha=0.8"],
+    ),
+    (
+        "eval_setting_a_window_ignores",
+        ["recipe=tiny_eval", "eval.settings.window.sink=2"],
+        None,
+        ["eval.settings.window.sink is not a setting of a line of kind window (got 2); drop it"],
+    ),
+    (
+        "eval_setting_budget",
+        ["recipe=tiny_eval", "eval.settings.rkv.budget=64"],
+        None,
+        [
+            "eval.settings.rkv.budget is not a setting of a line of kind rkv (got 64); drop it (every line runs at "
+            "eval.budgets=[0.25,0.5,0.75])"
+        ],
+    ),
+    (
+        "budget_over_positions",
+        ["recipe=tiny_gkv_sparse", "kv.budget=2000"],
+        None,
+        [
+            "kv.budget=2000 never evicts: a sequence holds at most 1024 tokens (the max_position_embeddings of "
+            "model.path=tiny)",
+            "set kv.budget=512 (below 1024)",
+        ],
+    ),
+    (
+        "budget_over_max_model_len",
+        ["recipe=tiny_foresight", "kv.budget=300", "model.max_model_len=256"],
+        None,
+        ["kv.budget=300 never evicts: a sequence holds at most 256 tokens (model.max_model_len)", "set kv.budget=128"],
+    ),
+    (
+        "eval_budget_over_positions",
+        ["recipe=tiny_eval", "eval.budgets=[0.5,64,1024]"],
+        None,
+        [
+            "eval.budgets 1024 never evict: a sequence holds at most 1024 tokens (the max_position_embeddings of "
+            "model.path=tiny)",
+            "set eval.budgets=[0.5,64]",
+        ],
+    ),
     # what a run here needs (kvrl.gate.run_problems: never for dry_run / print_config, which plan for another machine)
-    ("env_data_file_missing", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path=/no/such/aime.jsonl"],
-     None, ["env.kwargs.path='/no/such/aime.jsonl': no such file; kvrl.envs.math:MathEnv reads its problems",
-            "set env.kwargs.path=<the file>"]),
-    ("env_data_file_a_folder", ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path={tmp}"],
-     None, ["env.kwargs.path=", "a folder, not a file", "set env.kwargs.path=<the file>"]),
-    ("self_distilled_tasks_missing", ["recipe=tiny_rl_full", "env.id=kvrl.data.self_distill:SelfDistilledEnv",
-                                      "env.kwargs.path=/no/such/tasks.jsonl"],
-     None, ["env.kwargs.path='/no/such/tasks.jsonl': no such file", "the task set job=self_distill writes",
-            "run that step first"]),
-    ("self_distill_source_missing", ["recipe=tiny_self_distill", "self_distill.source=kvrl/math-v0",
-                                     "self_distill.source_kwargs.path=/no/such/deepscaler.jsonl"],
-     None, ["self_distill.source_kwargs.path='/no/such/deepscaler.jsonl': no such file",
-            "set self_distill.source_kwargs.path=<the file>"]),
-    ("eval_run_missing", ["recipe=tiny_eval", "eval.settings.foresight.run=/no/such/run"],
-     None, ["eval.settings.foresight.run='/no/such/run': no such file or folder; set eval.settings.foresight.run to "
-            "the output_dir of the run that trained the line"]),
-    ("output_dir_in_use", ["recipe=tiny_rl_full", "output_dir={locked}"],
-     None, ["is in use by another run (pid ", "set output_dir=<another folder>"]),
-    ("resume_with_changed_settings", ["recipe=tiny_rl_full", "output_dir={run}", "trainer.lr=0.001"],
-     None, ["holds a run whose settings differ from this one's (checkpoint ", "step_000002",
-            "trainer.lr: 0.0003 -> 0.001", "set output_dir=<another folder> (or resume=never to overwrite this one)"]),
-    ("hub_model_offline", ["recipe=tiny_rl_full", "model.path=kvrl-test/no-such-model"],
-     None, ["model.path=kvrl-test/no-such-model is not in the local Hugging Face cache", "HF_HUB_OFFLINE is set",
-            "set model.path=DIR"]),
-    ("eval_learned_without_run", ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
-     None, ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"]),
+    (
+        "env_data_file_missing",
+        ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path=/no/such/aime.jsonl"],
+        None,
+        [
+            "env.kwargs.path='/no/such/aime.jsonl': no such file; kvrl.envs.math:MathEnv reads its problems",
+            "set env.kwargs.path=<the file>",
+        ],
+    ),
+    (
+        "env_data_file_a_folder",
+        ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path={tmp}"],
+        None,
+        ["env.kwargs.path=", "a folder, not a file", "set env.kwargs.path=<the file>"],
+    ),
+    (
+        "self_distilled_tasks_missing",
+        [
+            "recipe=tiny_rl_full",
+            "env.id=kvrl.data.self_distill:SelfDistilledEnv",
+            "env.kwargs.path=/no/such/tasks.jsonl",
+        ],
+        None,
+        [
+            "env.kwargs.path='/no/such/tasks.jsonl': no such file",
+            "the task set job=self_distill writes",
+            "run that step first",
+        ],
+    ),
+    (
+        "self_distill_source_missing",
+        [
+            "recipe=tiny_self_distill",
+            "self_distill.source=kvrl/math-v0",
+            "self_distill.source_kwargs.path=/no/such/deepscaler.jsonl",
+        ],
+        None,
+        [
+            "self_distill.source_kwargs.path='/no/such/deepscaler.jsonl': no such file",
+            "set self_distill.source_kwargs.path=<the file>",
+        ],
+    ),
+    (
+        "eval_run_missing",
+        ["recipe=tiny_eval", "eval.settings.foresight.run=/no/such/run"],
+        None,
+        [
+            "eval.settings.foresight.run='/no/such/run': no such file or folder; set eval.settings.foresight.run to "
+            "the output_dir of the run that trained the line"
+        ],
+    ),
+    (
+        "output_dir_in_use",
+        ["recipe=tiny_rl_full", "output_dir={locked}"],
+        None,
+        ["is in use by another run (pid ", "set output_dir=<another folder>"],
+    ),
+    (
+        "resume_with_changed_settings",
+        ["recipe=tiny_rl_full", "output_dir={run}", "trainer.lr=0.001"],
+        None,
+        [
+            "holds a run whose settings differ from this one's (checkpoint ",
+            "step_000002",
+            "trainer.lr: 0.0003 -> 0.001",
+            "set output_dir=<another folder> (or resume=never to overwrite this one)",
+        ],
+    ),
+    (
+        "hub_model_offline",
+        ["recipe=tiny_rl_full", "model.path=kvrl-test/no-such-model"],
+        None,
+        [
+            "model.path=kvrl-test/no-such-model is not in the local Hugging Face cache",
+            "HF_HUB_OFFLINE is set",
+            "set model.path=DIR",
+        ],
+    ),
+    (
+        "eval_learned_without_run",
+        ["recipe=tiny_eval", "eval.policies=[full,fs]", "eval.settings.fs={policy: learned}"],
+        None,
+        ["eval.settings.fs.run is not set; set eval.settings.fs.run=<output_dir of that run>"],
+    ),
     # what used to be a traceback once the job had started
-    ("group_size_zero", ["recipe=tiny_rl_full", "rl.group_size=0"],
-     None, ["rl.group_size must be >= 2 (got 0); set rl.group_size=8"]),
-    ("lr_absurd", ["recipe=tiny_rl_full", "trainer.lr=1e39"],
-     None, ["trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step) (got 1e+39); "
-            "set trainer.lr=0.003"]),
-    ("device_unknown", ["recipe=tiny_rl_full", "device=foo"],
-     None, ["device must be cpu, cuda or cuda:N (got 'foo'); set device=cpu"]),
-    ("address_unknown", ["recipe=tiny_rl_full", "workers.address=foo"],
-     None, ["workers.address must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, inline, HOST:PORT or "
-            "ray://HOST:PORT (got 'foo')"]),
-    ("output_dir_a_file", ["recipe=tiny_rl_full", "output_dir={file}"],
-     None, ["output_dir={file}: {file} is a file, not a folder", "set output_dir=<a folder>"]),
-    ("output_dir_under_a_file", ["recipe=tiny_eval", "output_dir={file}/run"],
-     None, ["output_dir={file}/run: {file} is a file, not a folder"]),
-    ("eval_sparsity_over_one", ["recipe=tiny_eval", "eval.settings.rlkv.sparsities=[1.5]"],
-     None, ["eval.settings.rlkv.sparsities must be a list of fractions in [0, 1] (the share of KV heads compressed; "
-            "got [1.5]); set eval.settings.rlkv.sparsities=[0.5]"]),
-    ("eval_alpha_nan", ["recipe=tiny_eval", "eval.settings.gkv.alpha=.nan"],
-     None, ["eval.settings.gkv.alpha must be a finite number (got nan)"]),
-    ("eval_alpha_over_one", ["recipe=tiny_eval", "eval.settings.gkv.alpha=1.5"],
-     None, ["eval.settings.gkv: gkv refuses its settings: alpha=1.5: must be in [0, 1]",
-            "set eval.settings.gkv.alpha=0.8"]),
-    ("eval_setting_mistyped", ["recipe=tiny_eval", "eval.settings.gkv.mix_lambda=abc"],
-     None, ["eval.settings.gkv.mix_lambda expects float, got 'abc'; set eval.settings.gkv.mix_lambda=0.5"]),
-    ("env_weight_nan", ["recipe=tiny_rl_full", "env.kwargs.overlong_penalty=.nan"],
-     None, ["env.kwargs.overlong_penalty must be a finite number (got nan); set env.kwargs.overlong_penalty=0.0"]),
-    ("eval_pass_k_over_samples", ["recipe=tiny_eval", "eval.pass_k=[1,5]"],
-     None, ["eval.pass_k=[1,5] asks for pass@5 but eval.samples=1 draws fewer samples per task; set eval.samples=5 "
-            "(or eval.pass_k=[1])"]),
+    (
+        "group_size_zero",
+        ["recipe=tiny_rl_full", "rl.group_size=0"],
+        None,
+        ["rl.group_size must be >= 2 (got 0); set rl.group_size=8"],
+    ),
+    (
+        "lr_absurd",
+        ["recipe=tiny_rl_full", "trainer.lr=1e39"],
+        None,
+        [
+            "trainer.lr must be in (0, 1] (Adam moves each weight by about lr per step) (got 1e+39); "
+            "set trainer.lr=0.003"
+        ],
+    ),
+    (
+        "device_unknown",
+        ["recipe=tiny_rl_full", "device=foo"],
+        None,
+        ["device must be cpu, cuda or cuda:N (got 'foo'); set device=cpu"],
+    ),
+    (
+        "address_unknown",
+        ["recipe=tiny_rl_full", "workers.address=foo"],
+        None,
+        [
+            "workers.address must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, inline, HOST:PORT or "
+            "ray://HOST:PORT (got 'foo')"
+        ],
+    ),
+    (
+        "output_dir_a_file",
+        ["recipe=tiny_rl_full", "output_dir={file}"],
+        None,
+        ["output_dir={file}: {file} is a file, not a folder", "set output_dir=<a folder>"],
+    ),
+    (
+        "output_dir_under_a_file",
+        ["recipe=tiny_eval", "output_dir={file}/run"],
+        None,
+        ["output_dir={file}/run: {file} is a file, not a folder"],
+    ),
+    (
+        "eval_sparsity_over_one",
+        ["recipe=tiny_eval", "eval.settings.rlkv.sparsities=[1.5]"],
+        None,
+        [
+            "eval.settings.rlkv.sparsities must be a list of fractions in [0, 1] (the share of KV heads compressed; "
+            "got [1.5]); set eval.settings.rlkv.sparsities=[0.5]"
+        ],
+    ),
+    (
+        "eval_alpha_nan",
+        ["recipe=tiny_eval", "eval.settings.gkv.alpha=.nan"],
+        None,
+        ["eval.settings.gkv.alpha must be a finite number (got nan)"],
+    ),
+    (
+        "eval_alpha_over_one",
+        ["recipe=tiny_eval", "eval.settings.gkv.alpha=1.5"],
+        None,
+        [
+            "eval.settings.gkv: gkv refuses its settings: alpha=1.5: must be in [0, 1]",
+            "set eval.settings.gkv.alpha=0.8",
+        ],
+    ),
+    (
+        "eval_setting_mistyped",
+        ["recipe=tiny_eval", "eval.settings.gkv.mix_lambda=abc"],
+        None,
+        ["eval.settings.gkv.mix_lambda expects float, got 'abc'; set eval.settings.gkv.mix_lambda=0.5"],
+    ),
+    (
+        "env_weight_nan",
+        ["recipe=tiny_rl_full", "env.kwargs.overlong_penalty=.nan"],
+        None,
+        ["env.kwargs.overlong_penalty must be a finite number (got nan); set env.kwargs.overlong_penalty=0.0"],
+    ),
+    (
+        "eval_pass_k_over_samples",
+        ["recipe=tiny_eval", "eval.pass_k=[1,5]"],
+        None,
+        [
+            "eval.pass_k=[1,5] asks for pass@5 but eval.samples=1 draws fewer samples per task; set eval.samples=5 "
+            "(or eval.pass_k=[1])"
+        ],
+    ),
 ]
 
 SCRIPT = r"""
@@ -200,8 +466,12 @@ def earlier_run(out: Path, *args: str) -> None:
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_recipes, tmp_path_factory) -> dict:
-    folders = {"{tmp}": tmp_path_factory.mktemp("not_a_model"), "{locked}": tmp_path_factory.mktemp("locked"),
-               "{run}": tmp_path_factory.mktemp("run"), "{file}": tmp_path_factory.mktemp("file") / "a_file"}
+    folders = {
+        "{tmp}": tmp_path_factory.mktemp("not_a_model"),
+        "{locked}": tmp_path_factory.mktemp("locked"),
+        "{run}": tmp_path_factory.mktemp("run"),
+        "{file}": tmp_path_factory.mktemp("file") / "a_file",
+    }
     earlier_run(folders["{run}"])
     folders["{file}"].write_text("not a folder")
     cases, fresh = [], tmp_path_factory.mktemp("out")
@@ -212,12 +482,21 @@ def outcomes(tmp_recipes, tmp_path_factory) -> dict:
             argv.append(f"output_dir={fresh / id_}")
         cases.append({"id": id_, "argv": argv, "recipes": str(tmp_recipes) if recipes == "tmp" else None})
     # offline: a hub id is refused without asking the network (test_an_unreachable_hub_is_refused asks one)
-    env = {**{k: v for k, v in os.environ.items() if k not in ("KVRL_RECIPES_DIR", "RAY_ADDRESS")},
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("KVRL_RECIPES_DIR", "RAY_ADDRESS")},
+        "HF_HUB_OFFLINE": "1",
+    }
     lock = OutputLock(folders["{locked}"])  # a live run's, held by this process while the cases run
     try:
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], input=json.dumps(cases), cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT],
+            input=json.dumps(cases),
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         lock.release()
     assert proc.returncode == 0, proc.stderr
@@ -237,18 +516,23 @@ def test_each_case_exits_2_before_ray_with_the_fix(outcomes, case, expected):
 
 # --- what the gate lets through ---
 
+
 def test_every_recipe_passes_the_gate_without_ray():
-    script = ("import sys; from kvrl.config import available_recipes, load_config\n"
-              "for name in available_recipes(): load_config([f'recipe={name}'])\n"
-              "assert 'ray' not in sys.modules\n")
+    script = (
+        "import sys; from kvrl.config import available_recipes, load_config\n"
+        "for name in available_recipes(): load_config([f'recipe={name}'])\n"
+        "assert 'ray' not in sys.modules\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "KVRL_RECIPES_DIR"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
 
 
-@pytest.mark.parametrize("path", ["tiny", "Qwen/Qwen3-4B", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
-                                  "my-org/my.model_2"])
+@pytest.mark.parametrize(
+    "path", ["tiny", "Qwen/Qwen3-4B", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "my-org/my.model_2"]
+)
 def test_model_paths_that_can_work(path):
     assert model_problems(path) == []
 
@@ -279,7 +563,12 @@ def test_a_resume_may_change_what_config_resumable_names(tmp_path, monkeypatch):
 def test_inputs_are_checked_for_a_run_here_only(tmp_path, monkeypatch):
     """dry_run plans for another machine, where the data is: a missing data file is no error there."""
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    args = ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path=/no/such/aime.jsonl", f"output_dir={tmp_path}"]
+    args = [
+        "recipe=tiny_rl_full",
+        "env.id=kvrl/math-v0",
+        "env.kwargs.path=/no/such/aime.jsonl",
+        f"output_dir={tmp_path}",
+    ]
     assert main([*args, "dry_run=true"]) == 0
     assert main([*args, "print_config=true"]) == 0
 
@@ -306,6 +595,7 @@ def test_run_directories_as_model_path(tmp_path):
     """The output_dir of a run that saved model weights passes; an RLKV or ForesightKV run is
     refused with the eval policy to use instead and its base model; a run without a sealed
     model yet says so. Nothing is read but names (kvrl.runlog.trained_model, verify=False)."""
+
     def checkpoint(run, step, config, model=False):
         folder = run / "checkpoints" / f"step_{step:06d}"
         (folder / "model").mkdir(parents=True) if model else folder.mkdir(parents=True)
@@ -351,15 +641,18 @@ def test_readme_example_math_env_on_an_rl_recipe(tmp_path, monkeypatch):
     assert len(env.tasks(3)) == 3
 
 
-@pytest.mark.parametrize("args, kwargs", [
-    ([], {"n_digits": 24}),  # the recipe's
-    (["env.kwargs.n_digits=8"], {"n_digits": 8}),  # one key merges
-    (["env.kwargs={}"], {}),  # a mapping given whole replaces the recipe's: {} clears it
-    (["env.kwargs={n_digits: 8}"], {"n_digits": 8}),
-    (["env.id=kvrl/counts-v0"], {"n_digits": 24}),  # the same environment keeps its arguments
-    (["env.id=kvrl/chains-v0"], {}),  # another environment drops them
-    (["env.id=kvrl/chains-v0", "env.kwargs.min_depth=2"], {"min_depth": 2}),
-])
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ([], {"n_digits": 24}),  # the recipe's
+        (["env.kwargs.n_digits=8"], {"n_digits": 8}),  # one key merges
+        (["env.kwargs={}"], {}),  # a mapping given whole replaces the recipe's: {} clears it
+        (["env.kwargs={n_digits: 8}"], {"n_digits": 8}),
+        (["env.id=kvrl/counts-v0"], {"n_digits": 24}),  # the same environment keeps its arguments
+        (["env.id=kvrl/chains-v0"], {}),  # another environment drops them
+        (["env.id=kvrl/chains-v0", "env.kwargs.min_depth=2"], {"min_depth": 2}),
+    ],
+)
 def test_the_command_line_owns_the_kwargs_of_what_it_changes(monkeypatch, args, kwargs):
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
     assert load_config(["recipe=tiny_rl_full", *args]).env.kwargs == kwargs
@@ -378,8 +671,10 @@ def test_help_lists_a_broken_recipe_with_a_note(tmp_recipes, monkeypatch, capsys
 def test_env_arguments_a_class_takes_through_kwargs_are_not_second_guessed():
     assert env_problems("env.id", "kvrl.data.self_distill:SelfDistilledEnv", "env.kwargs", {"path": "x"}) == []
     missing = env_problems("env.id", "kvrl.data.self_distill:SelfDistilledEnv", "env.kwargs", {})
-    assert missing == ["env.kwargs.path is required by kvrl.data.self_distill:SelfDistilledEnv (its arguments: "
-                       "path, env, env_kwargs); set env.kwargs.path=..."]
+    assert missing == [
+        "env.kwargs.path is required by kvrl.data.self_distill:SelfDistilledEnv (its arguments: "
+        "path, env, env_kwargs); set env.kwargs.path=..."
+    ]
     assert "cannot be imported" in env_problems("env.id", "no_such_pkg.envs:Env", "env.kwargs", {})[0]
 
 
@@ -389,8 +684,9 @@ def test_a_type_hint_is_valid_for_the_job(monkeypatch):
         load_config(["recipe=tiny_rl_full", "sampling.temperature=hot"])
 
 
-@pytest.mark.parametrize("amx, dtype, refused", [(True, "bfloat16", True), (True, "float32", False),
-                                                 (False, "bfloat16", False)])
+@pytest.mark.parametrize(
+    "amx, dtype, refused", [(True, "bfloat16", True), (True, "float32", False), (False, "bfloat16", False)]
+)
 def test_vllm_bf16_on_an_amx_cpu_is_refused_before_the_engine_starts(monkeypatch, amx, dtype, refused):
     """vLLM's CPU attention stores a bf16 cache in its AMX layout where the CPU has AMX; kvrl's
     eviction cannot read that layout, so the gate refuses the combination with the fix."""
@@ -399,15 +695,19 @@ def test_vllm_bf16_on_an_amx_cpu_is_refused_before_the_engine_starts(monkeypatch
     from kvrl.gate import machine_problems
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    cfg = load_config(["recipe=tiny_rl_full", "workers.engine=vllm", "sampling.temperature=1.0", f"model.dtype={dtype}"])
+    cfg = load_config(
+        ["recipe=tiny_rl_full", "workers.engine=vllm", "sampling.temperature=1.0", f"model.dtype={dtype}"]
+    )
     problems = [p for p in machine_problems(cfg, ray=True) if "AMX" in p]
     assert bool(problems) == refused
     if refused:
         assert "set model.dtype=float32" in problems[0]
 
 
-@pytest.mark.parametrize("override, refused", [([], False), (["sampling.batch_size=1000000000"], True),
-                                               (["trainer.batch_size=1000000000000"], True)])
+@pytest.mark.parametrize(
+    "override, refused",
+    [([], False), (["sampling.batch_size=1000000000"], True), (["trainer.batch_size=1000000000000"], True)],
+)
 def test_sizes_this_machine_cannot_hold_are_refused_before_any_actor_starts(monkeypatch, override, refused):
     """sampling.batch_size=10**9 used to dry-run to a 217,437 GiB KV estimate and start; a huge
     trainer.batch_size climbed in memory until killed. The gate compares the plan's estimate of
@@ -448,17 +748,22 @@ def test_a_budget_no_sequence_outgrows_is_refused_at_run_start(tmp_path, monkeyp
     argv = ["recipe=tiny_gkv_sparse", f"output_dir={out}", "kv.budget=500"]
     if data:  # three short problems: the recipe's own budget (76) outlasts every sequence
         path = tmp_path / "problems.jsonl"
-        path.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n"
-                                for i in range(3)))
+        path.write_text(
+            "".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n" for i in range(3))
+        )
         # the bare question: the tiny reasoner's tokenizer reads no English instruction
         argv = argv[:2] + ["env.id=kvrl/math-v0", f"env.kwargs.path={path}", "env.kwargs.template='{question}'"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     budget = 76 if data else 500
-    whence = ("the longest prompt of env.id=kvrl/math-v0's data set" if data else
-              "the longest of 256 prompts drawn from env.id=kvrl/counts-v0")
-    assert err.startswith(f"kvrl: error: the run cannot start: kv.budget={budget} never evicts: a sequence holds at "
-                          "most "), err
+    whence = (
+        "the longest prompt of env.id=kvrl/math-v0's data set"
+        if data
+        else "the longest of 256 prompts drawn from env.id=kvrl/counts-v0"
+    )
+    assert err.startswith(
+        f"kvrl: error: the run cannot start: kv.budget={budget} never evicts: a sequence holds at most "
+    ), err
     assert whence in err and "sampling.max_new_tokens=64" in err and "rl.algo=rl_sparse" in err, err
     limit = int(err.split("holds at most ")[1].split()[0])
     assert limit < budget + 1 and f"set kv.budget={max(13, limit // 2)} (below {limit})" in err, err
@@ -468,20 +773,43 @@ def test_a_budget_no_sequence_outgrows_is_refused_at_run_start(tmp_path, monkeyp
 def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
     path = tmp_path / "problems.jsonl"
-    path.write_text(json.dumps({"question": "1 + 1 = ?", "answer": "2"}) + "\n"
-                    + json.dumps({"question": " ".join(["3"] * 40), "answer": "3"}) + "\n")
-    assert main(["recipe=tiny_rl_full", "env.id=kvrl/math-v0", f"env.kwargs.path={path}", "model.max_model_len=32",
-                 "env.kwargs.template='{question}'", f"output_dir={tmp_path / 'run'}"]) == 2
+    path.write_text(
+        json.dumps({"question": "1 + 1 = ?", "answer": "2"})
+        + "\n"
+        + json.dumps({"question": " ".join(["3"] * 40), "answer": "3"})
+        + "\n"
+    )
+    assert (
+        main(
+            [
+                "recipe=tiny_rl_full",
+                "env.id=kvrl/math-v0",
+                f"env.kwargs.path={path}",
+                "model.max_model_len=32",
+                "env.kwargs.template='{question}'",
+                f"output_dir={tmp_path / 'run'}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
     assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("argv", [
-    ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}", "dry_run=true"],
-    ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}"],
-    ["recipe=tiny_self_distill", "self_distill.source=os:system", "self_distill.source_kwargs.command=touch {marker}"],
-], ids=["env_dry_run", "env_run", "self_distill_source"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}", "dry_run=true"],
+        ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}"],
+        [
+            "recipe=tiny_self_distill",
+            "self_distill.source=os:system",
+            "self_distill.source_kwargs.command=touch {marker}",
+        ],
+    ],
+    ids=["env_dry_run", "env_run", "self_distill_source"],
+)
 def test_an_env_path_to_anything_but_an_env_class_is_refused_before_it_is_called(tmp_path, monkeypatch, capsys, argv):
     """env.id=os:system with env.kwargs.command: the gate read the signature, found `command`, passed it, and the
     dry run's plan called os.system. A dotted path must name an Env class, refused before anything is called."""
@@ -493,8 +821,10 @@ def test_an_env_path_to_anything_but_an_env_class_is_refused_before_it_is_called
     assert main(argv) == 2
     err = capsys.readouterr().err
     key = "self_distill.source" if "source" in argv[1] else "env.id"
-    assert f"{key}='os:system' cannot be used: 'os:system' is a builtin_function_or_method, not a kvrl.envs.Env " \
-           "class" in err, err
+    assert (
+        f"{key}='os:system' cannot be used: 'os:system' is a builtin_function_or_method, not a kvrl.envs.Env "
+        "class" in err
+    ), err
     assert "Traceback" not in err and not marker.exists() and not (tmp_path / "run").exists()
     with pytest.raises(TypeError, match="not a kvrl.envs.Env class"):
         make("os:system", command=f"touch {marker}")
@@ -520,8 +850,10 @@ def test_a_logger_that_is_not_installed_is_refused_before_the_run_starts(tmp_pat
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
     monkeypatch.setitem(sys.modules, package, None)  # what an interpreter without the package finds
     cfg = load_config(["recipe=tiny_rl_full", f"{key}=true", f"output_dir={tmp_path / 'run'}"])
-    assert f"{key}=true needs the {package} package, which is not installed here: pip install {package}, or set " \
-           f"{key}=false" in "\n".join(run_problems(cfg))
+    assert (
+        f"{key}=true needs the {package} package, which is not installed here: pip install {package}, or set "
+        f"{key}=false" in "\n".join(run_problems(cfg))
+    )
     cfg = load_config(["recipe=tiny_rl_full", f"{key}=false", f"output_dir={tmp_path / 'run'}"])
     assert package not in "\n".join(run_problems(cfg))
 
@@ -533,9 +865,17 @@ def test_a_run_folder_reached_through_a_symlink_or_copied_continues_as_documente
     import shutil
 
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    args = ["recipe=tiny_pretrain", "trainer.batch_size=2", "trainer.log_every=1", "pretrain.eval_tasks=1",
-            "pretrain.checkpoint_every=1", "pretrain.layers=1", "pretrain.hidden=32", "pretrain.kv_heads=1",
-            "pretrain.intermediate=32"]
+    args = [
+        "recipe=tiny_pretrain",
+        "trainer.batch_size=2",
+        "trainer.log_every=1",
+        "pretrain.eval_tasks=1",
+        "pretrain.checkpoint_every=1",
+        "pretrain.layers=1",
+        "pretrain.hidden=32",
+        "pretrain.kv_heads=1",
+        "pretrain.intermediate=32",
+    ]
     real = tmp_path / "real"
     assert main([*args, f"output_dir={real}", "trainer.steps=2"]) == 0  # step_000001 (the last step: model/ only)
     copy = Path(shutil.copytree(real, tmp_path / "copy", symlinks=True))
@@ -548,8 +888,10 @@ def test_a_run_folder_reached_through_a_symlink_or_copied_continues_as_documente
     assert main([*args, f"output_dir={copy}", "trainer.steps=4"]) == 2
     err = capsys.readouterr().err
     checkpoint = copy / "checkpoints" / "step_000001"
-    assert f"output_dir: '{real}' -> '{copy}' (this folder holds a run written as output_dir={real}: copied or moved " \
-           f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint" in err, err
+    assert (
+        f"output_dir: '{real}' -> '{copy}' (this folder holds a run written as output_dir={real}: copied or moved "
+        f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint" in err
+    ), err
     assert main([*args, f"output_dir={copy}", "trainer.steps=4", f"resume={checkpoint}"]) == 0
     assert "resumed from" in capsys.readouterr().out and (copy / "checkpoints" / "step_000003").is_dir()
     assert {p: p.read_bytes() for p in real.rglob("*") if p.is_file()} == before  # the original is untouched

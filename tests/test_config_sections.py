@@ -31,8 +31,10 @@ class ToyConfig:
 
 def toy_problems(cfg) -> list[str]:
     if cfg.toy.rounds > cfg.trainer.steps:
-        return [f"toy.rounds ({cfg.toy.rounds}) must be <= trainer.steps ({cfg.trainer.steps}): a round is a "
-                f"step's; set toy.rounds={cfg.trainer.steps}"]
+        return [
+            f"toy.rounds ({cfg.toy.rounds}) must be <= trainer.steps ({cfg.trainer.steps}): a round is a "
+            f"step's; set toy.rounds={cfg.trainer.steps}"
+        ]
     return []
 
 
@@ -160,14 +162,20 @@ def test_an_algorithm_by_path_brings_its_section(boost, capsys):
     assert "trainer.batch_size (12) must be a multiple of rl.group_size (8)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("algo, message", [
-    ("my_algos:Bost", "rl.algo='my_algos:Bost' cannot be imported (module 'my_algos' has no attribute 'Bost'"),
-    ("no_such_pkg.algos:RLFul", "rl.algo='no_such_pkg.algos:RLFul' cannot be imported (No module named "
-                                "'no_such_pkg'); set rl.algo=rl_full (registered: rl_full,"),
-    ("my_algos:NotAnAlgorithm", "rl.algo='my_algos:NotAnAlgorithm' is not a subclass of kvrl.algos.base.Algorithm"),
-    ("my_algos:Unregistered", "rl.algo=my_algos:Unregistered names section 'nowhere', which nothing registered"),
-    ("rl_ful", "unknown rl.algo 'rl_ful'; set rl.algo=rl_full"),
-])
+@pytest.mark.parametrize(
+    "algo, message",
+    [
+        ("my_algos:Bost", "rl.algo='my_algos:Bost' cannot be imported (module 'my_algos' has no attribute 'Bost'"),
+        (
+            "no_such_pkg.algos:RLFul",
+            "rl.algo='no_such_pkg.algos:RLFul' cannot be imported (No module named "
+            "'no_such_pkg'); set rl.algo=rl_full (registered: rl_full,",
+        ),
+        ("my_algos:NotAnAlgorithm", "rl.algo='my_algos:NotAnAlgorithm' is not a subclass of kvrl.algos.base.Algorithm"),
+        ("my_algos:Unregistered", "rl.algo=my_algos:Unregistered names section 'nowhere', which nothing registered"),
+        ("rl_ful", "unknown rl.algo 'rl_ful'; set rl.algo=rl_full"),
+    ],
+)
 def test_a_bad_algorithm_names_the_fix(boost, capsys, algo, message):
     assert main(["recipe=tiny_rl_full", f"rl.algo={algo}"]) == 2
     err = capsys.readouterr().err
@@ -175,8 +183,10 @@ def test_a_bad_algorithm_names_the_fix(boost, capsys, algo, message):
 
 
 def test_a_registered_algorithm_runs_under_its_job_only():
-    with pytest.raises(ConfigError, match=re.escape("job=rl runs rl.algo=rl_full | rl_sparse | distill, not "
-                                                    "rl.algo=rlkv; set job=rlkv")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("job=rl runs rl.algo=rl_full | rl_sparse | distill, not rl.algo=rlkv; set job=rlkv"),
+    ):
         load_config(["recipe=tiny_rl_full", "rl.algo=rlkv"])
     with pytest.raises(ConfigError, match="not rl.algo=foresight; set job=foresight"):
         load_config(["recipe=tiny_rl_full", "rl.algo=foresight"])
@@ -211,13 +221,18 @@ def test_kv_policy_takes_a_class_by_path():
     assert type(make_policy(f"{__name__}:Oldest", budget=32)) is Oldest
 
 
-@pytest.mark.parametrize("args, message", [
-    ([f"kv.policy={__name__}:Oldst"], f"kv.policy='{__name__}:Oldst' cannot be used"),
-    (["kv.policy=no_such_module:Oldest"], "No module named 'no_such_module'"),
-    ([f"kv.policy={__name__}:NotAPolicy"], "is not a KVPolicy subclass"),
-    ([f"kv.policy={__name__}:Oldest", "kv.kwargs.newset=true"],
-     f"kv.kwargs.newset is not an argument of {__name__}:Oldest (did you mean kv.kwargs.newest?)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([f"kv.policy={__name__}:Oldst"], f"kv.policy='{__name__}:Oldst' cannot be used"),
+        (["kv.policy=no_such_module:Oldest"], "No module named 'no_such_module'"),
+        ([f"kv.policy={__name__}:NotAPolicy"], "is not a KVPolicy subclass"),
+        (
+            [f"kv.policy={__name__}:Oldest", "kv.kwargs.newset=true"],
+            f"kv.kwargs.newset is not an argument of {__name__}:Oldest (did you mean kv.kwargs.newest?)",
+        ),
+    ],
+)
 def test_a_bad_policy_path_names_the_fix(capsys, args, message):
     assert main(["recipe=tiny_gkv_sparse", *args]) == 2
     err = capsys.readouterr().err

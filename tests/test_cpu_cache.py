@@ -21,7 +21,7 @@ def cache(dtype, nb=40, h=3, bs=4, d=8, seed=0):
 
 def tables(rows, width, nb, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randperm(nb - 1, generator=g)[:rows * width].view(rows, width).int() + 1  # block 0: vLLM's null
+    return torch.randperm(nb - 1, generator=g)[: rows * width].view(rows, width).int() + 1  # block 0: vLLM's null
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -70,7 +70,7 @@ def test_compact_matches_reference(dtype, ratio):
     # blocks past each row's count, and blocks in no table, are untouched
     written = torch.zeros(kv.shape[0], dtype=torch.bool)
     for r in range(rows):
-        written[blocks[r, :-(-int(lens[r]) // bs)].long()] = True
+        written[blocks[r, : -(-int(lens[r]) // bs)].long()] = True
     assert torch.equal(got[~written], before[~written])
 
 

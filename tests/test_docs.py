@@ -43,9 +43,17 @@ def test_every_benchmark_is_in_a_group_and_in_the_index():
 
 def test_every_benchmark_the_repository_names_exists():
     """A moved or removed script leaves no stale path in the README, docs, recipes, code or tests."""
-    texts = [ROOT / "README.md", *DOCS.rglob("*.md"), *BENCHMARKS.rglob("*.md"), *BENCHMARKS.rglob("*.py"),
-             *(ROOT / "recipes").rglob("*.yaml"), *(ROOT / "kvrl").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
-    named = {(m, p.relative_to(ROOT).as_posix()) for p in texts
-             for m in re.findall(r"benchmarks/[\w/]+\.py", p.read_text())}
+    texts = [
+        ROOT / "README.md",
+        *DOCS.rglob("*.md"),
+        *BENCHMARKS.rglob("*.md"),
+        *BENCHMARKS.rglob("*.py"),
+        *(ROOT / "recipes").rglob("*.yaml"),
+        *(ROOT / "kvrl").rglob("*.py"),
+        *(ROOT / "tests").rglob("*.py"),
+    ]
+    named = {
+        (m, p.relative_to(ROOT).as_posix()) for p in texts for m in re.findall(r"benchmarks/[\w/]+\.py", p.read_text())
+    }
     gone = sorted((m, where) for m, where in named if not (ROOT / m).is_file())
     assert not gone, f"(path, where it is named) of benchmarks that do not exist: {gone}"

@@ -101,8 +101,11 @@ def test_a_reward_that_is_no_finite_number_is_an_error_naming_env_function_and_t
     """NaN and inf would be trained on and checkpointed; "0.5" would pass float() unnoticed."""
     env = TextEnv(rewards=[Reward(exact, 1.0, "exact"), Reward(lambda task, completion: returned, 0.5, "judge")])
     env.id = "my/env-v0"
-    with pytest.raises(ValueError, match=r"environment my/env-v0: reward function 'judge' returned .* for task "
-                                         r"'add-1-2'; a reward must be a finite number"):
+    with pytest.raises(
+        ValueError,
+        match=r"environment my/env-v0: reward function 'judge' returned .* for task "
+        r"'add-1-2'; a reward must be a finite number",
+    ):
         env.score(Task(id="add-1-2", prompt="1 + 2?", answer="3"), "\\boxed{3}")
 
 
@@ -112,8 +115,11 @@ def test_rewards_whose_sum_overflows_and_a_nan_weight_are_errors_naming_the_task
     huge = [Reward(lambda task, completion: 1e308, 1.0, "a"), Reward(lambda task, completion: 1e308, 1.0, "b")]
     env = TextEnv(rewards=huge)
     env.id = "my/env-v0"
-    with pytest.raises(ValueError, match=r"environment my/env-v0: the rewards of task 'add-1-2' sum to inf \(1 x a "
-                                         r"1e\+308, 1 x b 1e\+308\); a reward must be a finite number"):
+    with pytest.raises(
+        ValueError,
+        match=r"environment my/env-v0: the rewards of task 'add-1-2' sum to inf \(1 x a "
+        r"1e\+308, 1 x b 1e\+308\); a reward must be a finite number",
+    ):
         env.score(Task(id="add-1-2", prompt="1 + 2?", answer="3"), "\\boxed{3}")
     for weight in (float("nan"), float("inf"), "1", True):
         with pytest.raises(ValueError, match=r"reward 'exact': weight .* must be a finite number; set it to 1.0"):
@@ -161,8 +167,11 @@ def test_resume_refuses_a_data_set_changed_since_the_state_was_saved(change):
     fresh = _dataset_env(2 if change == "shrunk" else 6)
     if change == "edited":
         fresh.data[5] = Task(id="t5", prompt="p5 edited", answer="5")
-    with pytest.raises(ValueError, match="data set differs from the one this state was saved with .* restore the "
-                                         "data file the run started with, or start a new run"):
+    with pytest.raises(
+        ValueError,
+        match="data set differs from the one this state was saved with .* restore the "
+        "data file the run started with, or start a new run",
+    ):
         fresh.load_state_dict(state)
     same = _dataset_env(6)
     same.load_state_dict(state)  # the unchanged data resumes
@@ -292,12 +301,15 @@ def test_builtin_entry_points_are_lazy():
     assert "'kvrl/chains-v0'" in out and "'kvrl/math-v0'" in out and out.strip().endswith("False")
 
 
-@pytest.mark.parametrize("completion, answer", [
-    ("Let me think. 3+4=7 so \\boxed{6}? no.</think>The answer is \\boxed{7}.", "The answer is \\boxed{7}."),
-    ("<think>maybe \\boxed{6}</think>\n\\boxed{7}", "\n\\boxed{7}"),
-    ("<think>maybe \\boxed{6} and then I was cut off", ""),
-    ("no thinking block: \\boxed{7}", "no thinking block: \\boxed{7}"),
-])
+@pytest.mark.parametrize(
+    "completion, answer",
+    [
+        ("Let me think. 3+4=7 so \\boxed{6}? no.</think>The answer is \\boxed{7}.", "The answer is \\boxed{7}."),
+        ("<think>maybe \\boxed{6}</think>\n\\boxed{7}", "\n\\boxed{7}"),
+        ("<think>maybe \\boxed{6} and then I was cut off", ""),
+        ("no thinking block: \\boxed{7}", "no thinking block: \\boxed{7}"),
+    ],
+)
 def test_answers_are_read_after_the_thinking_block(completion, answer):
     from kvrl.envs.chat import after_thinking
     from kvrl.envs.math import MathEnv
@@ -357,8 +369,11 @@ class SumEnv(TextEnv):
 
     def sample_task(self, rng):
         xs = rng.integers(10, 100, size=self.n).tolist()
-        return Task(id="sum-" + "-".join(map(str, xs)),
-                    prompt=" + ".join(map(str, xs)) + " = ?\nPut the final answer in \\boxed{}.", answer=str(sum(xs)))
+        return Task(
+            id="sum-" + "-".join(map(str, xs)),
+            prompt=" + ".join(map(str, xs)) + " = ?\nPut the final answer in \\boxed{}.",
+            answer=str(sum(xs)),
+        )
 
 
 class TinyAnswerEnv(AddEnv):
@@ -376,10 +391,13 @@ def test_check_env_refuses_a_task_the_tokenizer_cannot_read():
 
     tok = build_tokenizer()
     check_env(SumEnv())  # the contract holds: the tokenizer is what is wrong for it
-    with pytest.raises(EnvCheckError, match=r"reset\(seed=0\): task 'sum-\d+-\d+-\d+': 11 of the 13 tokens of its "
-                                            r"prompt '\d+ \+ \d+ .*' are <pad>, which the model's tokenizer puts for "
-                                            r"what it does not know \(it reads: <bos> <pad> <pad> <pad> <pad> <pad> = "
-                                            r"\? <pad>"):
+    with pytest.raises(
+        EnvCheckError,
+        match=r"reset\(seed=0\): task 'sum-\d+-\d+-\d+': 11 of the 13 tokens of its "
+        r"prompt '\d+ \+ \d+ .*' are <pad>, which the model's tokenizer puts for "
+        r"what it does not know \(it reads: <bos> <pad> <pad> <pad> <pad> <pad> = "
+        r"\? <pad>",
+    ):
         check_env(SumEnv(), tokenizer=tok)
     with pytest.raises(EnvCheckError, match=r"task 'pair-\d-\d': 1 of the 1 tokens of its answer '\d+' are <pad>"):
         check_env(TinyAnswerEnv(), tokenizer=tok)

@@ -12,9 +12,28 @@ from kvrl.eval.suite import PolicySpec, error_mode, kv_usage, pass_at_k, repeats
 from kvrl.models import shrunk
 from kvrl.run import main
 
-ROW_FIELDS = {"policy", "kind", "point", "budget", "budget_ratio", "accuracy", "accuracy_se", "tasks", "samples",
-              "pass@1", "pass@2", "gen_tokens", "truncated", "mode/correct", "mode/wrong", "mode/no_answer",
-              "mode/repetition", "kv_retention", "peak_kv_tokens", "decode_tokens_per_s"}
+ROW_FIELDS = {
+    "policy",
+    "kind",
+    "point",
+    "budget",
+    "budget_ratio",
+    "accuracy",
+    "accuracy_se",
+    "tasks",
+    "samples",
+    "pass@1",
+    "pass@2",
+    "gen_tokens",
+    "truncated",
+    "mode/correct",
+    "mode/wrong",
+    "mode/no_answer",
+    "mode/repetition",
+    "kv_retention",
+    "peak_kv_tokens",
+    "decode_tokens_per_s",
+}
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +41,41 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval")
     model = shrunk.build("qwen3", root / "qwen3")
     data = root / "gsm.jsonl"
-    data.write_text("".join(json.dumps({"question": f"Tom has {a} apples and buys {b} more. How many now?",
-                                        "answer": f"He has {a} + {b}.\n#### {a + b}"}) + "\n"
-                            for a, b in [(3, 4), (12, 7), (5, 5), (21, 13), (8, 1)]))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "question": f"Tom has {a} apples and buys {b} more. How many now?",
+                    "answer": f"He has {a} + {b}.\n#### {a + b}",
+                }
+            )
+            + "\n"
+            for a, b in [(3, 4), (12, 7), (5, 5), (21, 13), (8, 1)]
+        )
+    )
     return model, data
 
 
 def args(setup, out, *extra):
     model, data = setup
-    return ["recipe=tiny_eval", f"model.path={model}", "env.id=kvrl/math-v0", f"env.kwargs={{path: {data}}}",
-            "env.num_eval_tasks=5", "eval.policies=[full,streaming,gkv]", "eval.budgets=[40]", "eval.samples=2",
-            "eval.pass_k=[1,2]", "sampling.max_new_tokens=32", "sampling.temperature=0", "kv.interval=8",
-            "kv.window=4", "kv.sink=2", f"output_dir={out}", *extra]
+    return [
+        "recipe=tiny_eval",
+        f"model.path={model}",
+        "env.id=kvrl/math-v0",
+        f"env.kwargs={{path: {data}}}",
+        "env.num_eval_tasks=5",
+        "eval.policies=[full,streaming,gkv]",
+        "eval.budgets=[40]",
+        "eval.samples=2",
+        "eval.pass_k=[1,2]",
+        "sampling.max_new_tokens=32",
+        "sampling.temperature=0",
+        "kv.interval=8",
+        "kv.window=4",
+        "kv.sink=2",
+        f"output_dir={out}",
+        *extra,
+    ]
 
 
 def read(path):
@@ -49,12 +91,18 @@ def refused(capsys, pattern: str) -> bool:
 
 
 def test_rows_samples_pictures_and_report(setup, tmp_path, capsys):
-    ratio = ["eval.policies=[full,streaming,gkv,gkv_ratio]",
-             "eval.settings={gkv_ratio: {policy: gkv, budget_ratio: 0.75}}"]
+    ratio = [
+        "eval.policies=[full,streaming,gkv,gkv_ratio]",
+        "eval.settings={gkv_ratio: {policy: gkv, budget_ratio: 0.75}}",
+    ]
     assert main(args(setup, tmp_path, *ratio)) == 0
     rows = read(tmp_path / "rows.jsonl")
-    assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("streaming", "40"), ("gkv", "40"),
-                                                         ("gkv_ratio", "40")]
+    assert [(r["policy"], r["point"]) for r in rows] == [
+        ("full", "-"),
+        ("streaming", "40"),
+        ("gkv", "40"),
+        ("gkv_ratio", "40"),
+    ]
     for r in rows:
         assert ROW_FIELDS <= r.keys(), ROW_FIELDS - r.keys()
         assert r["tasks"] == 5 and r["samples"] == 10
@@ -96,8 +144,11 @@ def test_retention_shows_every_evicting_line_and_accuracy_one_x_quantity(setup, 
 
         calls = []
         orig = matplotlib.axes.Axes.errorbar
-        monkeypatch.setattr(matplotlib.axes.Axes, "errorbar", lambda self, x, y, *a, **k: calls.append(list(x))
-                            or orig(self, x, y, *a, **k))
+        monkeypatch.setattr(
+            matplotlib.axes.Axes,
+            "errorbar",
+            lambda self, x, y, *a, **k: calls.append(list(x)) or orig(self, x, y, *a, **k),
+        )
         real(rows, path, title)
         points.extend(calls)
 
@@ -105,8 +156,9 @@ def test_retention_shows_every_evicting_line_and_accuracy_one_x_quantity(setup, 
     assert main(args(setup, tmp_path, "eval.policies=[full,window,streaming,gkv]", "eval.budgets=[24,40]")) == 0
     assert shown == ["window at 40", "streaming at 40", "gkv at 40"]
     rows = read(tmp_path / "rows.jsonl")
-    assert points == [[r["peak_kv_tokens"] for r in rows if r["policy"] == name]
-                      for name in ("window", "streaming", "gkv")]
+    assert points == [
+        [r["peak_kv_tokens"] for r in rows if r["policy"] == name] for name in ("window", "streaming", "gkv")
+    ]
 
 
 def test_throughput_leaves_out_a_warm_up_call_per_line(setup, tmp_path, monkeypatch, capsys):
@@ -116,8 +168,9 @@ def test_throughput_leaves_out_a_warm_up_call_per_line(setup, tmp_path, monkeypa
 
     calls = []
     real = HFEngine.generate
-    monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts))
-                        or real(self, prompts, *a, **k))
+    monkeypatch.setattr(
+        HFEngine, "generate", lambda self, prompts, *a, **k: calls.append(len(prompts)) or real(self, prompts, *a, **k)
+    )
     assert main(args(setup, tmp_path, "sampling.batch_size=4")) == 0
     # 3 lines (full, streaming, gkv), each: 1 warm-up prompt, then 10 samples in batches of 4
     assert calls == [1, 4, 4, 2] * 3
@@ -139,12 +192,17 @@ def test_an_interrupted_evaluation_resumes_without_regenerating(setup, tmp_path,
     (out / "samples.jsonl").write_text("\n".join(lines[:13]) + "\n" + lines[13][:40])
     generated = []
     real = HFEngine.generate
-    monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: generated.append(len(prompts))
-                        or real(self, prompts, *a, **k))
+    monkeypatch.setattr(
+        HFEngine,
+        "generate",
+        lambda self, prompts, *a, **k: generated.append(len(prompts)) or real(self, prompts, *a, **k),
+    )
     assert main(args(setup, out, *sampled)) == 0
     assert sum(generated) == 18 + 2  # and one warm-up prompt for each of the 2 lines that generate
-    strip = lambda rows: sorted((json.dumps({k: v for k, v in r.items() if k != "seconds"}, sort_keys=True)  # noqa: E731
-                                 for r in rows))
+
+    def strip(rows):
+        return sorted(json.dumps({k: v for k, v in r.items() if k != "seconds"}, sort_keys=True) for r in rows)
+
     assert strip(read(out / "samples.jsonl")) == strip(whole)
     generated.clear()
     assert main(args(setup, out, *sampled)) == 0
@@ -198,8 +256,9 @@ def test_a_line_sets_its_own_window_and_sink():
     assert (gkv.window, gkv.sink, gkv.budget) == (16, 0, 512)
 
 
-def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_differs(setup, tmp_path, monkeypatch,
-                                                                                     capsys):
+def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_differs(
+    setup, tmp_path, monkeypatch, capsys
+):
     """Samples are keyed by what determines them. Before: a rerun at another temperature, or with
     other weights at the same path, reused the old samples silently. The refusal is a config error:
     exit 2, the message, no traceback."""
@@ -212,9 +271,12 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
     assert main(args(setup, out, "eval.policies=[full]")) == 0
     capsys.readouterr()
     assert main(args(setup, out, "eval.policies=[full]", "sampling.temperature=1.0")) == 2
-    assert refused(capsys, r"(?s)holds samples of line full from another setting than this evaluation's:\n  "
-                           r"sampling.temperature: 0.0 -> 1.0\nrerun with those settings to reuse them, or give this "
-                           r"evaluation its own output_dir=")
+    assert refused(
+        capsys,
+        r"(?s)holds samples of line full from another setting than this evaluation's:\n  "
+        r"sampling.temperature: 0.0 -> 1.0\nrerun with those settings to reuse them, or give this "
+        r"evaluation its own output_dir=",
+    )
     flipped = shutil.copytree(model, tmp_path / "flipped")
     weights = bytearray((flipped / "model.safetensors").read_bytes())
     weights[-3] ^= 0x40
@@ -223,8 +285,11 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
     assert refused(capsys, r"model.files.model.safetensors: '[0-9a-f]{64}' -> '[0-9a-f]{64}'")
     generated = []
     real = HFEngine.generate
-    monkeypatch.setattr(HFEngine, "generate", lambda self, prompts, *a, **k: generated.append(len(prompts))
-                        or real(self, prompts, *a, **k))
+    monkeypatch.setattr(
+        HFEngine,
+        "generate",
+        lambda self, prompts, *a, **k: generated.append(len(prompts)) or real(self, prompts, *a, **k),
+    )
     same = shutil.copytree(model, tmp_path / "same")  # the same weights elsewhere: the same samples
     assert main(args(setup, out, "eval.policies=[full]", f"model.path={same}")) == 0
     assert generated == []
@@ -235,11 +300,17 @@ def test_a_rerun_with_other_settings_or_another_model_is_refused_with_what_diffe
 def test_duplicate_task_ids_are_an_error_naming_the_rows(setup, tmp_path, capsys):
     """Before: 20 rows sharing one id were reported as 1 task."""
     data = tmp_path / "dup.jsonl"
-    data.write_text("".join(json.dumps({"id": "same", "question": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n"
-                            for a in range(20)))
+    data.write_text(
+        "".join(
+            json.dumps({"id": "same", "question": f"What is {a} + 1?", "answer": str(a + 1)}) + "\n" for a in range(20)
+        )
+    )
     assert main(args(setup, tmp_path / "out", f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=20")) == 2
-    assert refused(capsys, r"kvrl/math-v0: task ids must be unique, but 1 are shared: 'same' by .*dup.jsonl:1, "
-                           r".*dup.jsonl:2, .*dup.jsonl:5 \.\.\. \(20 tasks\); give every task its own id")
+    assert refused(
+        capsys,
+        r"kvrl/math-v0: task ids must be unique, but 1 are shared: 'same' by .*dup.jsonl:1, "
+        r".*dup.jsonl:2, .*dup.jsonl:5 \.\.\. \(20 tasks\); give every task its own id",
+    )
 
 
 def test_a_task_whose_content_changed_is_refused(setup, tmp_path, capsys):
@@ -261,8 +332,11 @@ def test_a_value_read_from_the_environment_is_never_written_nor_shown(setup, tmp
     the reference."""
     _, data = setup
     out = tmp_path / "out"
-    secret = ["env.system_prompt=${oc.env:KVRL_TEST_SECRET}", "env.kwargs.path=${oc.env:KVRL_TEST_DATA}",
-              "eval.policies=[full]"]
+    secret = [
+        "env.system_prompt=${oc.env:KVRL_TEST_SECRET}",
+        "env.kwargs.path=${oc.env:KVRL_TEST_DATA}",
+        "eval.policies=[full]",
+    ]
     monkeypatch.setenv("KVRL_TEST_SECRET", "first-secret-7f3a")
     monkeypatch.setenv("KVRL_TEST_DATA", str(data))
     assert main(args(setup, out, *secret)) == 0
@@ -287,26 +361,48 @@ def test_a_sample_written_twice_is_refused_naming_both_lines(setup, tmp_path, ca
     path.write_text("".join(lines + lines[2:3]))
     capsys.readouterr()
     assert main(args(setup, out, "eval.policies=[full]")) == 2
-    assert refused(capsys, rf"{path}:{len(lines) + 1} holds the sample of {path}:3 again \(policy full, point -, "
-                           r"task '.*', sample \d\): the file was edited or joined with another; delete line "
-                           rf"{len(lines) + 1}")
+    assert refused(
+        capsys,
+        rf"{path}:{len(lines) + 1} holds the sample of {path}:3 again \(policy full, point -, "
+        r"task '.*', sample \d\): the file was edited or joined with another; delete line "
+        rf"{len(lines) + 1}",
+    )
     assert len(path.read_text().splitlines()) == len(lines) + 1  # nothing rewritten
 
 
-@pytest.mark.parametrize("row, message", [
-    ('{"question": "What is \\ud800 + 1?", "answer": "2"}',
-     r"bad.jsonl:2: the question holds a lone surrogate '\\ud800' at character 9 .*; fix the escape or drop the row"),
-    (json.dumps({"question": " ".join(["apples"] * 60), "answer": "3"}),
-     r"bad.jsonl:2: the prompt has \d+ tokens, the model holds 48 positions; drop or shorten that row"),
-], ids=["lone_surrogate", "overlong"])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (
+            '{"question": "What is \\ud800 + 1?", "answer": "2"}',
+            r"bad.jsonl:2: the question holds a lone surrogate '\\ud800' at character 9 .*; fix the escape or drop the row",
+        ),
+        (
+            json.dumps({"question": " ".join(["apples"] * 60), "answer": "3"}),
+            r"bad.jsonl:2: the prompt has \d+ tokens, the model holds 48 positions; drop or shorten that row",
+        ),
+    ],
+    ids=["lone_surrogate", "overlong"],
+)
 def test_a_row_the_model_cannot_take_is_refused_by_file_and_line(setup, tmp_path, capsys, row, message):
     """A lone surrogate ended in a tokenizer TypeError naming no row; an overlong prompt said "prompt 1 has
     2002 tokens" (an index in a batch) with exit 1, where RL names file:line with exit 2."""
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"question": "What is 1 + 1?", "answer": "2"}) + "\n" + row + "\n")
     out = tmp_path / "out"
-    assert main(args(setup, out, f"env.kwargs={{path: {data}}}", "env.num_eval_tasks=2", "eval.policies=[full]",
-                     "model.max_model_len=48")) == 2
+    assert (
+        main(
+            args(
+                setup,
+                out,
+                f"env.kwargs={{path: {data}}}",
+                "env.num_eval_tasks=2",
+                "eval.policies=[full]",
+                "model.max_model_len=48",
+            )
+        )
+        == 2
+    )
     assert refused(capsys, message)
     assert not (out / "samples.jsonl").exists()
 
@@ -331,8 +427,15 @@ def test_a_full_disk_names_the_file_eval_was_writing(setup, tmp_path, monkeypatc
         def write(self, text):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "open", lambda self, mode="r", *a, **k: Full(real(self, mode, *a, **k))
-                        if self.name == "samples.jsonl" and "a" in mode else real(self, mode, *a, **k))
+    monkeypatch.setattr(
+        Path,
+        "open",
+        lambda self, mode="r", *a, **k: (
+            Full(real(self, mode, *a, **k))
+            if self.name == "samples.jsonl" and "a" in mode
+            else real(self, mode, *a, **k)
+        ),
+    )
     out = tmp_path / "out"
     with pytest.raises(OSError, match=rf"no space left on device while writing {out / 'samples.jsonl'}: free space"):
         main(args(setup, out, "eval.policies=[full]"))
@@ -377,8 +480,11 @@ def test_a_policy_of_your_own_is_a_line(setup, tmp_path, own_policy, capsys):
     from kvrl.runlog import sha256_of
 
     out = tmp_path / "out"
-    line = ["eval.policies=[full,snapkv,knorm]", "eval.settings.knorm.policy=evalpol.policies:KNorm",
-            "eval.settings.knorm.window=2"]
+    line = [
+        "eval.policies=[full,snapkv,knorm]",
+        "eval.settings.knorm.policy=evalpol.policies:KNorm",
+        "eval.settings.knorm.window=2",
+    ]
     assert main(args(setup, out, *line)) == 0
     rows = {r["policy"]: r for r in read(out / "rows.jsonl")}
     assert rows.keys() == {"full", "snapkv", "knorm"}
@@ -388,34 +494,55 @@ def test_a_policy_of_your_own_is_a_line(setup, tmp_path, own_policy, capsys):
     assert "| knorm | 40 |" in report and f"`{own_policy}` {sha256_of(own_policy)}" in report
     # the policy's source is part of its line's setting: an edited policy's samples are not the old ones
     own_policy.write_text(KNORM.replace("return -obs", "return obs"))
-    with pytest.raises(ValueError, match=r"holds samples of line knorm from another setting(?s:.*)"
-                                         r"eval.settings.knorm.artefact_sha256: '[0-9a-f]{64}' -> '[0-9a-f]{64}'"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds samples of line knorm from another setting(?s:.*)"
+        r"eval.settings.knorm.artefact_sha256: '[0-9a-f]{64}' -> '[0-9a-f]{64}'",
+    ):
         main(args(setup, out, *line))
 
 
-@pytest.mark.parametrize("extra, message", [
-    # before: exit 0, the zoo's rows only, the policy never ran
-    (["kv.policy=evalpol.policies:KNorm", "eval.policies=[full,snapkv]"],
-     "kv.policy=evalpol.policies:KNorm would be ignored: job=eval runs the lines of eval.policies ([full,snapkv]), "
-     "each at every eval.budgets; drop it and compare the policy as a line: eval.policies=[full,snapkv,knorm] "
-     "eval.settings.knorm.policy=evalpol.policies:KNorm"),
-    (["kv.policy=gkv", "kv.kwargs.alpha=0.9"],
-     "kv.policy=gkv kv.kwargs.alpha=0.9 would be ignored: job=eval runs the lines of eval.policies "
-     "([full,streaming,gkv]), each at every eval.budgets; drop it and compare the policy as a line: "
-     "eval.settings.gkv.alpha=0.9"),
-    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:NotAPolicy"],
-     "eval.settings.knorm.policy='evalpol.policies:NotAPolicy' cannot be used (KV policy "
-     "'evalpol.policies:NotAPolicy' is not a KVPolicy subclass)"),
-    (["eval.policies=[knorm]", "eval.settings.knorm.policy=os:system"],
-     "eval.settings.knorm.policy='os:system' cannot be used"),
-    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.nothere:KNorm"],
-     "eval.settings.knorm.policy='evalpol.nothere:KNorm' cannot be used (No module named 'evalpol.nothere')"),
-    (["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:KNorm", "eval.settings.knorm.windw=2"],
-     "eval.settings.knorm.windw is not a setting of a line of kind evalpol.policies:KNorm (got 2); set "
-     "eval.settings.knorm.window=2"),
-])
-def test_a_policy_eval_cannot_run_is_refused_before_anything_runs(setup, tmp_path, own_policy, capsys, extra,
-                                                                    message):
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        # before: exit 0, the zoo's rows only, the policy never ran
+        (
+            ["kv.policy=evalpol.policies:KNorm", "eval.policies=[full,snapkv]"],
+            "kv.policy=evalpol.policies:KNorm would be ignored: job=eval runs the lines of eval.policies ([full,snapkv]), "
+            "each at every eval.budgets; drop it and compare the policy as a line: eval.policies=[full,snapkv,knorm] "
+            "eval.settings.knorm.policy=evalpol.policies:KNorm",
+        ),
+        (
+            ["kv.policy=gkv", "kv.kwargs.alpha=0.9"],
+            "kv.policy=gkv kv.kwargs.alpha=0.9 would be ignored: job=eval runs the lines of eval.policies "
+            "([full,streaming,gkv]), each at every eval.budgets; drop it and compare the policy as a line: "
+            "eval.settings.gkv.alpha=0.9",
+        ),
+        (
+            ["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.policies:NotAPolicy"],
+            "eval.settings.knorm.policy='evalpol.policies:NotAPolicy' cannot be used (KV policy "
+            "'evalpol.policies:NotAPolicy' is not a KVPolicy subclass)",
+        ),
+        (
+            ["eval.policies=[knorm]", "eval.settings.knorm.policy=os:system"],
+            "eval.settings.knorm.policy='os:system' cannot be used",
+        ),
+        (
+            ["eval.policies=[knorm]", "eval.settings.knorm.policy=evalpol.nothere:KNorm"],
+            "eval.settings.knorm.policy='evalpol.nothere:KNorm' cannot be used (No module named 'evalpol.nothere')",
+        ),
+        (
+            [
+                "eval.policies=[knorm]",
+                "eval.settings.knorm.policy=evalpol.policies:KNorm",
+                "eval.settings.knorm.windw=2",
+            ],
+            "eval.settings.knorm.windw is not a setting of a line of kind evalpol.policies:KNorm (got 2); set "
+            "eval.settings.knorm.window=2",
+        ),
+    ],
+)
+def test_a_policy_eval_cannot_run_is_refused_before_anything_runs(setup, tmp_path, own_policy, capsys, extra, message):
     assert main(args(setup, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err
     assert message in err, err
@@ -439,9 +566,14 @@ def test_the_console_table_and_report_say_what_they_show(setup, tmp_path, capsys
         assert line.startswith(f"{row['policy']:<12}{row['point']:>8}  {row['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]")
     assert "±" not in out
     report = (tmp_path / "report.md").read_text()
-    assert "- accuracy: the share of samples with reward > 0 (pass@1), with its 95 % Wilson score interval over " \
-           "the 5 tasks" in report
-    assert "- has_boxed (the environment's own metric, mean over samples): 1.0 when the completion contains a complete `\\boxed{...}`." in report
+    assert (
+        "- accuracy: the share of samples with reward > 0 (pass@1), with its 95 % Wilson score interval over "
+        "the 5 tasks" in report
+    )
+    assert (
+        "- has_boxed (the environment's own metric, mean over samples): 1.0 when the completion contains a complete `\\boxed{...}`."
+        in report
+    )
     assert "- KV retention: the share of the sequence so far still in the cache" in report
     commit = re.search(r"- kvrl \d+\.\d+\.\d+, commit (\S+)", report).group(1)
     assert re.fullmatch(r"[0-9a-f]{40}|unknown", commit), commit
@@ -454,8 +586,9 @@ def test_the_kvrl_commit_is_unknown_outside_its_own_checkout(tmp_path, monkeypat
     from kvrl.jobs.eval import kvrl_commit
 
     here = kvrl_commit()
-    top = subprocess.run(["git", "-C", str(Path(kvrl.__file__).parent), "rev-parse", "HEAD"], capture_output=True,
-                         text=True)
+    top = subprocess.run(
+        ["git", "-C", str(Path(kvrl.__file__).parent), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
     if top.returncode == 0:  # a clone: its HEAD
         assert here.split()[0] == top.stdout.strip()
     (tmp_path / "plain" / "kvrl").mkdir(parents=True)  # an installed copy, no repository around it
@@ -476,17 +609,21 @@ def test_the_accuracy_picture_draws_95_percent_intervals_side_by_side(tmp_path, 
     from kvrl.jobs.eval import plot_accuracy
 
     figures, save = [], matplotlib.figure.Figure.savefig
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k)
+    )
     row = dict(point="40", accuracy_se=0.0, tasks=16, peak_kv_tokens=48.0)
-    rows = [dict(row, policy="full", kind="full", point="-", accuracy=1.0, peak_kv_tokens=90.0),
-            dict(row, policy="streaming", kind="streaming", accuracy=1.0),  # 16/16
-            dict(row, policy="gkv", kind="gkv", accuracy=0.5)]  # the same x
+    rows = [
+        dict(row, policy="full", kind="full", point="-", accuracy=1.0, peak_kv_tokens=90.0),
+        dict(row, policy="streaming", kind="streaming", accuracy=1.0),  # 16/16
+        dict(row, policy="gkv", kind="gkv", accuracy=0.5),
+    ]  # the same x
     plot_accuracy(rows, tmp_path / "accuracy.png", "one budget")
     ax = figures[0].axes[0]
     centres = []
     for container, accuracy in zip(ax.containers, (1.0, 0.5)):
         (bar,) = container.lines[2]
-        (low, high), = [sorted(seg[:, 1]) for seg in bar.get_segments()]
+        ((low, high),) = [sorted(seg[:, 1]) for seg in bar.get_segments()]
         assert (low, high) == pytest.approx(wilson(accuracy, 16))
         point = container.lines[0]
         centres.append(point.get_transform().transform(point.get_xydata())[0, 0])

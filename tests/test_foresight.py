@@ -85,8 +85,9 @@ def test_topk_multinomial_sampler_frequencies_match_logprob():
     policy = make_policy("learned", budget=4, interval=4, window=2, sink=1, group=1, head_dim=4, layers=1, kv_heads=1)
     n, rows = 8, 20000
     keep_scores = torch.tensor([0.0, 0.3, -0.8, 1.2, -0.1, 0.5, 0.0, 0.0])
-    draw = policy.act(key_positions(rows, n), keep_scores.expand(rows, 1, n), sample=True,
-                      generator=torch.Generator().manual_seed(0))
+    draw = policy.act(
+        key_positions(rows, n), keep_scores.expand(rows, 1, n), sample=True, generator=torch.Generator().manual_seed(0)
+    )
     assert (draw.drawn.sum(-1) == 4).all() and not draw.drawn[..., [0, 6, 7]].any()
     sets, counts = torch.unique(draw.drawn[:, 0], dim=0, return_counts=True)
     assert len(sets) == 5
@@ -98,8 +99,9 @@ def test_topk_multinomial_sampler_frequencies_match_logprob():
     policy.budget = 7
     n = 9
     keep_scores = torch.tensor([0.0, 2.0, -1.0, 0.5, -0.3, 3.0, 0.1, 0.0, 0.0])
-    draw = policy.act(key_positions(rows, n), keep_scores.expand(rows, 1, n), sample=True,
-                      generator=torch.Generator().manual_seed(1))
+    draw = policy.act(
+        key_positions(rows, n), keep_scores.expand(rows, 1, n), sample=True, generator=torch.Generator().manual_seed(1)
+    )
     assert not draw.drawn[..., [1, 5]].any()  # the two highest keep-scores are outside the pool
     sets, counts = torch.unique(draw.drawn[:, 0], dim=0, return_counts=True)
     assert len(sets) == 6  # C(4, 2)
@@ -144,8 +146,10 @@ def traces(tiny):
     out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens=64))
     with torch.no_grad():
         s = engine.score(out)
-    return [Trace(t.id, p + g, len(p), s.losses[i, :len(g)].tolist(), s.entropies[i, :len(g)].tolist())
-            for i, (t, p, g) in enumerate(zip(tasks, out.prompt_ids, out.tokens))]
+    return [
+        Trace(t.id, p + g, len(p), s.losses[i, : len(g)].tolist(), s.entropies[i, : len(g)].tolist())
+        for i, (t, p, g) in enumerate(zip(tasks, out.prompt_ids, out.tokens))
+    ]
 
 
 @pytest.mark.parametrize("name", ["streaming", "rkv", "learned"])
@@ -181,7 +185,7 @@ def test_hurt_penalty_hand_computed():
     full = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0])
     entropy = torch.tensor([0.1, 0.2, 0.3, 9.0, 0.4])  # token 3 is the high-entropy fifth
     penalty, hurt = hurt_penalty(loss, full, entropy, eta=1.5, low_entropy=0.8)
-    assert hurt == 2 and penalty == pytest.approx(2.0 ** 2 + 2.0 ** 2)  # tokens 1 and 2 (Δ = 2 > 1.5)
+    assert hurt == 2 and penalty == pytest.approx(2.0**2 + 2.0**2)  # tokens 1 and 2 (Δ = 2 > 1.5)
 
 
 def test_eviction_env_contract_and_reward(tiny, traces):
@@ -216,8 +220,9 @@ def test_sft_then_rl_stage(tiny, traces):
     """Stage 1 lowers the ranking loss; stage 2's first update is on-policy (ratio 1: the
     learner re-scores exactly the behaviour log-probabilities) and moves the scorer."""
     model, _ = tiny
-    cfg = load_config(["recipe=tiny_foresight", "foresight.sft_steps=40", "foresight.sft_batch_size=4",
-                       "trainer.log_every=1000"])
+    cfg = load_config(
+        ["recipe=tiny_foresight", "foresight.sft_steps=40", "foresight.sft_batch_size=4", "trainer.log_every=1000"]
+    )
     policy = fk.make_scorer(model, cfg.kv)
     data = [fk.golden_replay(model, t, policy) for t in traces]
     history = fj.train_sft(policy, data, cfg, log=lambda row: None)
@@ -252,17 +257,29 @@ def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkey
 
     monkeypatch.setattr(HFEngine, "generate", here)  # here only: the actors import kvrl.engines.hf afresh
     monkeypatch.setattr(HFEngine, "score", here)
-    args = ["recipe=tiny_foresight", "workers.engine=hf", "workers.rollout=2", "foresight.traces=8",
-            "foresight.heldout=4", "foresight.shard_size=4", "foresight.min_tokens=0", "sampling.batch_size=8",
-            "sampling.temperature=1.0"]  # sampled: the seeds must follow the shard
+    args = [
+        "recipe=tiny_foresight",
+        "workers.engine=hf",
+        "workers.rollout=2",
+        "foresight.traces=8",
+        "foresight.heldout=4",
+        "foresight.shard_size=4",
+        "foresight.min_tokens=0",
+        "sampling.batch_size=8",
+        "sampling.temperature=1.0",
+    ]  # sampled: the seeds must follow the shard
     cfg = load_config([*args, f"output_dir={tmp_path}"])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2, log_to_driver=False
+    )
     try:
         data.write_splits(cfg)  # round 1: actor 0 makes train/0, actor 1 train/1; round 2: actor 0 heldout/0
         files = sorted((tmp_path / "traces").rglob("shard-*.parquet"))
         assert [f.relative_to(tmp_path / "traces").as_posix() for f in files] == [
-            "heldout/shard-00000.parquet", "train/shard-00000.parquet", "train/shard-00001.parquet"]
+            "heldout/shard-00000.parquet",
+            "train/shard-00000.parquet",
+            "train/shard-00001.parquet",
+        ]
         first = {f: pq.read_table(f) for f in files}
         made = {f: f.stat().st_mtime_ns for f in files}
         lost = tmp_path / "traces" / "train" / "shard-00001.parquet"
@@ -286,9 +303,20 @@ def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkey
 def test_pipeline_job_runs_and_resumes(tmp_path, capsys):
     from kvrl.run import main
 
-    args = ["recipe=tiny_foresight", f"output_dir={tmp_path}", "workers.engine=hf", "foresight.traces=8",
-            "foresight.heldout=4", "foresight.shard_size=4", "foresight.sft_steps=5", "trainer.batch_size=8",
-            "rl.group_size=4", "trainer.log_every=2", "rl.checkpoint_every=1", "sampling.batch_size=8"]
+    args = [
+        "recipe=tiny_foresight",
+        f"output_dir={tmp_path}",
+        "workers.engine=hf",
+        "foresight.traces=8",
+        "foresight.heldout=4",
+        "foresight.shard_size=4",
+        "foresight.sft_steps=5",
+        "trainer.batch_size=8",
+        "rl.group_size=4",
+        "trainer.log_every=2",
+        "rl.checkpoint_every=1",
+        "sampling.batch_size=8",
+    ]
     assert main(args + ["trainer.steps=2"]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["loss_ratio"]) == {"golden", "foresight_sft", "foresight_rl", *fk.RULE_BASED}

@@ -77,9 +77,18 @@ T, PROMPT, INTERVAL = 150, 30, 16
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      initializer_range=0.1, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -95,7 +104,9 @@ def test_scores_equal_the_dense_blocks(model, ids, dtype, tol):
     against eager with a float64 softmax (eager's own softmax is float32)."""
     m = model.to(dtype)
     try:
-        blocks, starts = block_attention(m, ids, PROMPT, INTERVAL, "eager" if dtype == torch.float32 else "test_exact_eager")
+        blocks, starts = block_attention(
+            m, ids, PROMPT, INTERVAL, "eager" if dtype == torch.float32 else "test_exact_eager"
+        )
         att = record_attention(m, ids, PROMPT, INTERVAL, chunk=37)  # chunks that straddle blocks
     finally:
         model.float()
@@ -121,6 +132,7 @@ def test_the_forward_is_the_models(model, ids):
         eager = model(input_ids=ids[None]).logits
         model.set_attn_implementation("sdpa")
         from kvrl.policies.golden import FullAttention
+
         record_attention(model, ids, PROMPT, INTERVAL)  # registers kvrl_golden
         model.set_attn_implementation("kvrl_golden")
         try:
@@ -159,7 +171,15 @@ def test_refuses_what_it_does_not_record(model, ids):
         record_attention(model, ids, 0, INTERVAL)
     att = record_attention(model, ids, PROMPT, INTERVAL)
     policy = GoldenEviction(budget=24, interval=INTERVAL, window=4, attention=att)
-    obs = Observation(keys=torch.zeros(2, 2, 3, 16), values=None, queries=None, key_pos=torch.zeros(2, 2, 3).long(),
-                      query_pos=torch.zeros(2, 1).long(), state=None, layer=0, scaling=0.25)
+    obs = Observation(
+        keys=torch.zeros(2, 2, 3, 16),
+        values=None,
+        queries=None,
+        key_pos=torch.zeros(2, 2, 3).long(),
+        query_pos=torch.zeros(2, 1).long(),
+        state=None,
+        layer=0,
+        scaling=0.25,
+    )
     with pytest.raises(ValueError, match="one trace"):
         policy.score(obs)

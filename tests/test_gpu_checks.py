@@ -19,8 +19,21 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def results():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_checks.py"), "--device", "cpu",
-                          "--small", "--repeats", "1"], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu" / "gpu_checks.py"),
+            "--device",
+            "cpu",
+            "--small",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     return {line["setting"]: line for line in lines}

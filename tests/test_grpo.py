@@ -19,13 +19,25 @@ def test_group_advantages_by_hand():
     a = group_advantages(rewards, 4)
     s1 = math.sqrt(4 * 0.25 / 3)  # Bessel-corrected std of [1,0,0,1]
     s3 = math.sqrt((3 * 0.0625 + 0.5625) / 3)  # of [1,1,1,0]
-    want = [0.5 / (s1 + EPS), -0.5 / (s1 + EPS), -0.5 / (s1 + EPS), 0.5 / (s1 + EPS),
-            0, 0, 0, 0,  # zero-std group -> exactly 0
-            0.25 / (s3 + EPS), 0.25 / (s3 + EPS), 0.25 / (s3 + EPS), -0.75 / (s3 + EPS)]
+    want = [
+        0.5 / (s1 + EPS),
+        -0.5 / (s1 + EPS),
+        -0.5 / (s1 + EPS),
+        0.5 / (s1 + EPS),
+        0,
+        0,
+        0,
+        0,  # zero-std group -> exactly 0
+        0.25 / (s3 + EPS),
+        0.25 / (s3 + EPS),
+        0.25 / (s3 + EPS),
+        -0.75 / (s3 + EPS),
+    ]
     assert a.tolist() == pytest.approx(want, abs=1e-6)
     assert (a[4:8] == 0).all()
     assert group_advantages(rewards, 4, scale="none").tolist() == pytest.approx(
-        [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, 0.25, 0.25, 0.25, -0.75])
+        [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, 0.25, 0.25, 0.25, -0.75]
+    )
     # ties that are not exact zeros in float arithmetic still give exactly 0
     assert (group_advantages(torch.full((3,), 0.1), 3) == 0).all()
 
@@ -93,6 +105,7 @@ def test_kl_term_by_hand():
 
 # ---- TRL's own loss ----------------------------------------------------------------------
 
+
 class _Accelerator:
     """The parts of accelerate's Accelerator that GRPOTrainer._compute_loss touches, for one process."""
 
@@ -115,18 +128,32 @@ def trl_loss(loss_type, logp, old, adv, mask, ref=None, beta=0.0, eps_low=0.2, e
     "dapo": Σ over tokens / num_items_in_batch)."""
     B, T = logp.shape
     trainer = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=_Accelerator(), loss_type=loss_type,
-        beta=beta, epsilon_low=eps_low, epsilon_high=eps_high, importance_sampling_level="token",
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, use_vllm=False,
-        vllm_importance_sampling_correction=False, _entropy_bonus_enabled=False, aux_loss_enabled=False,
-        current_gradient_accumulation_steps=1, _metrics={"train": defaultdict(list)},
+        model=SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        loss_type=loss_type,
+        beta=beta,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        importance_sampling_level="token",
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        vllm_importance_sampling_correction=False,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        current_gradient_accumulation_steps=1,
+        _metrics={"train": defaultdict(list)},
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
     )
     inputs = {
-        "prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-        "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask.long(),
-        "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum(),
+        "prompt_ids": torch.zeros(B, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(B, T, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "num_items_in_batch": mask.sum(),
     }
     if ref is not None:
         inputs["ref_per_token_logps"] = ref
@@ -147,8 +174,9 @@ def test_loss_equals_trl(loss_type, aggregation, beta):
     adv = group_advantages(torch.tensor([1.0, 0, 0, 1, 1, 0]), 3)
     ours_lp = logp0.clone().requires_grad_()
     theirs_lp = logp0.clone().requires_grad_()
-    ours, m = grpo_loss(ours_lp, old, adv, mask, eps_low=0.2, eps_high=0.28, ref_logprobs=ref, beta=beta,
-                        aggregation=aggregation)
+    ours, m = grpo_loss(
+        ours_lp, old, adv, mask, eps_low=0.2, eps_high=0.28, ref_logprobs=ref, beta=beta, aggregation=aggregation
+    )
     theirs, tm = trl_loss(loss_type, theirs_lp, old, adv, mask, ref=ref if beta else None, beta=beta)
     assert torch.allclose(ours, theirs, atol=1e-6), (ours.item(), theirs.item())
     ours.backward()

@@ -16,7 +16,6 @@ from kvrl.policies import POLICIES, HeadAllocation, Mixed, Static, Window, make_
 BUDGET, INTERVAL, WINDOW, SINK, NEW = 24, 4, 4, 2, 28
 
 
-
 def prompts(n, seed=0):
     """Chains prompts of 16-40 tokens; the first has more than BUDGET tokens."""
     rng = np.random.default_rng(seed)
@@ -31,8 +30,9 @@ def policies(model):
     out = {name: make_policy(name, cfg, **common) for name in POLICIES}
     gates = torch.rand(cfg.num_hidden_layers, cfg.num_key_value_heads, generator=torch.Generator().manual_seed(0))
     for s in (0.25, 0.75):
-        out[f"heads{s}"] = HeadAllocation(gates=gates, sparsity=s, layers=cfg.num_hidden_layers,
-                                          kv_heads=cfg.num_key_value_heads, sink=SINK, recent=8)
+        out[f"heads{s}"] = HeadAllocation(
+            gates=gates, sparsity=s, layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, sink=SINK, recent=8
+        )
     return out
 
 
@@ -47,12 +47,13 @@ def test_unlimited_budget_equals_transformers_generate(engine):
     assert len(set(enc["attention_mask"].sum(-1).tolist())) > 1, "prompts of different lengths"
     model.set_attn_implementation("sdpa")
     try:
-        ref = model.generate(**enc, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:]
+        ref = model.generate(
+            **enc, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )[:, enc["input_ids"].shape[1] :]
     finally:
         model.set_attn_implementation("kvrl_replay")
     eos = tok.eos_token_id  # generate() pads after EOS; the engine keeps EOS and stops there
-    assert out.tokens == [row[:row.index(eos) + 1] if eos in row else row for row in ref.tolist()]
+    assert out.tokens == [row[: row.index(eos) + 1] if eos in row else row for row in ref.tolist()]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -69,7 +70,7 @@ def test_score_replays_generate_for_every_policy(engine, temperature):
             full = engine.score(out, temperature=max(temperature, 1.0))
         behaviour = torch.zeros_like(scores.logprobs)
         for b, lp in enumerate(out.logprobs):
-            behaviour[b, :len(lp)] = torch.tensor(lp)
+            behaviour[b, : len(lp)] = torch.tensor(lp)
         assert scores.mask.sum() == sum(len(t) for t in out.tokens) > 0
         worst[name] = float((scores.logprobs - behaviour).abs().max())
         # the eviction really bites: full attention scores the same tokens differently
@@ -95,8 +96,9 @@ def test_replay_is_exact_in_float64(name):
     env = make("kvrl/counts-v0")
     env.reset(seed=5)
     policy = make_policy(name, model.config, budget=76, interval=16, window=8, sink=4)
-    out = engine.generate([t.prompt for t in env.tasks(24)], Sampling(max_new_tokens=64, temperature=2.0, seed=1),
-                          policy=policy)
+    out = engine.generate(
+        [t.prompt for t in env.tasks(24)], Sampling(max_new_tokens=64, temperature=2.0, seed=1), policy=policy
+    )
     death = out.traces.full()
     assert (death < NEVER).any()  # it evicted
     late = EvictionTrace.from_death(torch.where(death < NEVER, death + 1, death), out.traces.lengths)
@@ -105,8 +107,12 @@ def test_replay_is_exact_in_float64(name):
         with torch.no_grad():
             scores = engine.score(out, trace=trace, temperature=2.0)
         assert scores.logprobs.dtype == torch.float64
-        diffs.append(max(float((scores.logprobs[b, :len(lp)] - torch.tensor(lp, dtype=torch.float64)).abs().max())
-                         for b, lp in enumerate(out.logprobs)))
+        diffs.append(
+            max(
+                float((scores.logprobs[b, : len(lp)] - torch.tensor(lp, dtype=torch.float64)).abs().max())
+                for b, lp in enumerate(out.logprobs)
+            )
+        )
     print(f"float64 replay: {diffs[0]:.1e}")
     # float64 rounding of two computation orders; float32 noise (≥ 1e-8 at these logprobs) fails it
     assert diffs[0] <= 1e-12, diffs
@@ -155,10 +161,11 @@ def test_sampled_evictions_record_their_logprobs(engine):
     with torch.no_grad():
         scores = engine.score(out, trace=out.traces)
     for b, row in enumerate(out.logprobs):
-        torch.testing.assert_close(scores.logprobs[b, :len(row)], torch.tensor(row), atol=1e-5, rtol=0)
+        torch.testing.assert_close(scores.logprobs[b, : len(row)], torch.tensor(row), atol=1e-5, rtol=0)
     # a different eviction seed draws different actions
-    other = engine.generate(batch, Sampling(max_new_tokens=NEW, temperature=1.0, seed=5, sample_evictions=True),
-                            policy=policy)
+    other = engine.generate(
+        batch, Sampling(max_new_tokens=NEW, temperature=1.0, seed=5, sample_evictions=True), policy=policy
+    )
     assert not torch.equal(other.traces.death, out.traces.death)
 
 
@@ -221,7 +228,7 @@ def test_generate_under_mixed_gates(engine):
     with torch.no_grad():
         scores = engine.score(out, policy=mixed)
     for b, row in enumerate(out.logprobs):
-        torch.testing.assert_close(scores.logprobs[b, :len(row)], torch.tensor(row), atol=1e-5, rtol=0)
+        torch.testing.assert_close(scores.logprobs[b, : len(row)], torch.tensor(row), atol=1e-5, rtol=0)
 
 
 def test_requests_the_engine_cannot_serve_are_refused(engine):
@@ -235,8 +242,11 @@ def test_requests_the_engine_cannot_serve_are_refused(engine):
     with pytest.raises(ValueError, match=f"prompt 1 has {limit + 1} tokens, the model holds {limit} positions"):
         engine.generate(["3 ; ?", " ".join(["3"] * limit)], Sampling(max_new_tokens=4))
     with pytest.warns(UserWarning, match="will never evict"):
-        engine.generate(["3 ; 4 ; ?"], Sampling(max_new_tokens=4),
-                        policy=make_policy("streaming", budget=500, interval=4, window=2, sink=1))
+        engine.generate(
+            ["3 ; 4 ; ?"],
+            Sampling(max_new_tokens=4),
+            policy=make_policy("streaming", budget=500, interval=4, window=2, sink=1),
+        )
 
 
 def test_prompts_given_as_token_ids_decode_as_their_texts(engine):
@@ -289,8 +299,15 @@ def generate_with_transformers(model, tok, batch, policy, new, **kwargs):
     P = enc["input_ids"].shape[1]
     cache = KVCache.for_model(model, len(batch), P + new, policy)
     with generating(model):
-        out = model.generate(**enc, past_key_values=cache, max_new_tokens=new, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, return_dict_in_generate=True, **kwargs)
+        out = model.generate(
+            **enc,
+            past_key_values=cache,
+            max_new_tokens=new,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
     return out.sequences[:, P:], out, cache, enc["attention_mask"].sum(-1)
 
 
@@ -300,7 +317,7 @@ def test_model_generate_under_a_policy_gives_the_engines_tokens_and_trace(reason
     ref = engine.generate(batch, Sampling(max_new_tokens=40), policy=policy)
     gen, _, cache, prompt_lens = generate_with_transformers(model, tok, batch, policy, 40, do_sample=False)
     eos = tok.eos_token_id  # generate() pads after EOS; the engine keeps EOS and stops there
-    assert [row[:row.index(eos) + 1] if eos in row else row for row in gen.tolist()] == ref.tokens
+    assert [row[: row.index(eos) + 1] if eos in row else row for row in gen.tolist()] == ref.tokens
     assert model.config._attn_implementation == "kvrl_replay", "generating() restores the attention"
     with generating(model):  # an engine that drives the cache itself is left alone
         assert engine.generate(batch, Sampling(max_new_tokens=40), policy=policy).tokens == ref.tokens
@@ -318,11 +335,12 @@ def test_sampled_model_generate_is_replayed_by_its_trace(reasoner):
     gives the logprobs of the logits generate sampled from."""
     model, tok, batch, policy = reasoner
     torch.manual_seed(0)
-    gen, out, cache, prompt_lens = generate_with_transformers(model, tok, batch, policy, 40, do_sample=True,
-                                                             temperature=1.0, top_k=0, top_p=1.0,
-                                                             output_logits=True)
-    n_gen = torch.tensor([row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
-                          for row in gen.tolist()])
+    gen, out, cache, prompt_lens = generate_with_transformers(
+        model, tok, batch, policy, 40, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, output_logits=True
+    )
+    n_gen = torch.tensor(
+        [row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row) for row in gen.tolist()]
+    )
     trace = cache.trace(prompt_lens + n_gen)
     assert (trace.full() != NEVER).any(), "the policy evicted"
     enc = tok(batch)["input_ids"]
@@ -331,7 +349,7 @@ def test_sampled_model_generate_is_replayed_by_its_trace(reasoner):
         scores = HFEngine(model, tok).score(sequences, [len(p) for p in enc], trace=trace)
     logp = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).gather(-1, gen[..., None]).squeeze(-1)
     mask = torch.arange(gen.shape[1]) < n_gen[:, None]
-    assert torch.allclose(scores.logprobs[mask], logp[:, :scores.logprobs.shape[1]][mask], atol=1e-4)
+    assert torch.allclose(scores.logprobs[mask], logp[:, : scores.logprobs.shape[1]][mask], atol=1e-4)
 
 
 def test_a_kvcache_forward_without_positions_names_the_fix(reasoner):

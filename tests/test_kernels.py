@@ -6,8 +6,14 @@ import zlib
 import pytest
 import torch
 
-from kvrl.kernels import (attention_received, gather_slots, key_redundancy, key_redundancy_update, pool_slots,
-                          window_attention)
+from kvrl.kernels import (
+    attention_received,
+    gather_slots,
+    key_redundancy,
+    key_redundancy_update,
+    pool_slots,
+    window_attention,
+)
 from kvrl.kernels.cpu import native
 from kvrl.kernels.reference import scores as reference
 
@@ -24,12 +30,17 @@ def naive_window_attention(queries, keys, key_pos, query_pos, scaling, gqa, orde
         for h in range(h_):
             for w in range(w_):
                 qp = int(query_pos[b, w])
-                seen = [n for n in range(n_) if 0 <= key_pos[b, h, n] <= qp and qp >= 0
-                        and not (candidates_only and key_pos[b, h, n] >= first)]
+                seen = [
+                    n
+                    for n in range(n_)
+                    if 0 <= key_pos[b, h, n] <= qp and qp >= 0 and not (candidates_only and key_pos[b, h, n] >= first)
+                ]
                 if not seen:
                     continue
-                logits = {g: {n: float(queries[b, h * g_ + g, w].double() @ keys[b, h, n].double()) * scaling
-                              for n in seen} for g in range(g_)}
+                logits = {
+                    g: {n: float(queries[b, h * g_ + g, w].double() @ keys[b, h, n].double()) * scaling for n in seen}
+                    for g in range(g_)
+                }
                 if order == "softmax_then_pool":
                     probs = {}
                     for g in range(g_):
@@ -58,8 +69,9 @@ def test_window_attention_matches_loop(gqa, order, candidates_only):
     key_pos[0, 0] = torch.tensor([0, 2, 3, 5, 6, 7, 8, 9, 10])  # a compacted head: gaps
     query_pos = torch.tensor([[8, 9, 10], [-1, 7, 8]])  # row 1: a padding query (short prompt)
     key_pos[0, 1] = torch.tensor([0, 1, 4, 5, 6, 7, 8, 9, 10])
-    got = window_attention(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order,
-                           candidates_only=candidates_only)
+    got = window_attention(
+        queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order, candidates_only=candidates_only
+    )
     want = naive_window_attention(queries, keys, key_pos, query_pos, 0.5, gqa, order, candidates_only)
     assert got.shape == (b, h, w, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
@@ -80,11 +92,11 @@ def test_window_attention_at_an_eviction(gqa, order):
     want = naive_window_attention(queries, keys, key_pos, query_pos, 0.5, gqa, order, False)
     got = window_attention(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    assert (got[..., 0, n - w + 1:] == 0).all()  # the first query does not see the later ones
+    assert (got[..., 0, n - w + 1 :] == 0).all()  # the first query does not see the later ones
     keys.requires_grad_()
     graded = window_attention(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order)
     torch.testing.assert_close(graded.detach(), got)
-    graded[..., :n - w].sum().backward()
+    graded[..., : n - w].sum().backward()
     assert keys.grad is not None and keys.grad.isfinite().all() and keys.grad.abs().sum() > 0
 
 
@@ -110,8 +122,9 @@ def test_attention_received_matches_loop(gqa, order, candidates_only, use_native
     key_pos[0, 0] = torch.tensor([0, 2, 3, *range(5, 23)])  # a compacted head: gaps
     query_pos = torch.tensor([[18, 19, 20, 21, 22], [-1, 16, 18, 19, 20], [-1, -1, -1, -1, -1]])
     key_pos[0, 1, -1] = 24  # a slot no query sees
-    got = attention_received(queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order,
-                             candidates_only=candidates_only)
+    got = attention_received(
+        queries, keys, key_pos, query_pos, 0.5, gqa=gqa, order=order, candidates_only=candidates_only
+    )
     want = naive_window_attention(queries, keys, key_pos, query_pos, 0.5, gqa, order, candidates_only).sum(2)
     assert got.shape == (b, h, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
@@ -125,7 +138,7 @@ def test_native_attention_received_refuses_positions_beyond_32_bits():
         pytest.skip("the native CPU ops did not build here")
     logits, key_pos = torch.zeros(1, 1, 1, 3), torch.arange(3).view(1, 1, 3)
     with pytest.raises(RuntimeError, match="below 2"):
-        native.ops().attention_received(logits, key_pos, torch.tensor([[2 ** 31]]), 1, True, False, False)
+        native.ops().attention_received(logits, key_pos, torch.tensor([[2**31]]), 1, True, False, False)
     assert native.ops().attention_received(logits, key_pos, torch.tensor([[2]]), 1, True, False, False).sum() == 1
 
 
@@ -248,8 +261,9 @@ def redundancy_case(name):
             valid[i // h, i % h, :pad] = False
     elif name == "bf16":
         centres = torch.randn(b, h, 5, d, generator=gen)
-        keys = (centres[:, :, torch.randint(0, 5, (n,), generator=gen)]
-                + 0.5 * torch.randn(b, h, n, d, generator=gen)).bfloat16()
+        keys = (
+            centres[:, :, torch.randint(0, 5, (n,), generator=gen)] + 0.5 * torch.randn(b, h, n, d, generator=gen)
+        ).bfloat16()
     return keys, valid
 
 
@@ -389,7 +403,7 @@ def test_pool_slots_skips_invalid_slots(mode, use_native, kernel, monkeypatch):
         for h in range(3):
             ok = [n for n in range(9) if valid[b, h, n]]
             for i, n in enumerate(ok):  # neighbours are the adjacent *valid* slots
-                near = [float(x[b, h, m]) for m in ok[max(0, i - pad):i + pad + 1]]
+                near = [float(x[b, h, m]) for m in ok[max(0, i - pad) : i + pad + 1]]
                 want = max(near) if mode == "max" else sum(near) / kernel  # zero padding counts
                 assert got[b, h, n].item() == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert (got[~valid] == 0).all()
@@ -465,7 +479,12 @@ def test_a_stale_build_lock_is_removed_not_waited_on(tmp_path):
     shutil.copytree(built, root / name)  # already built: the child only re-checks, it does not compile
     (root / name / "lock").touch()
     code = "from kvrl.kernels.cpu import native; assert native.ops() is not None"
-    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)},
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "stale build lock" in res.stderr and not (root / name / "lock").exists()

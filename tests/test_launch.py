@@ -19,8 +19,14 @@ SBATCH = REPO / "launch" / "slurm" / "kvrl.sbatch"
 
 
 def run(*args, env=None, timeout=60):
-    return subprocess.run([str(a) for a in args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [str(a) for a in args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def free_port() -> int:
@@ -41,8 +47,14 @@ def test_runtime_env_leaves_out_venv_git_and_outputs():
 
 
 def test_sbatch_dry_run_prints_head_workers_and_submit():
-    proc = run("bash", SBATCH, "tiny_rl_full", "trainer.steps=5",
-               env={"DRY_RUN": "1", "KVRL_NODES": "gpu01 gpu02 gpu03", "SLURM_JOB_NODELIST": ""}, timeout=300)
+    proc = run(
+        "bash",
+        SBATCH,
+        "tiny_rl_full",
+        "trainer.steps=5",
+        env={"DRY_RUN": "1", "KVRL_NODES": "gpu01 gpu02 gpu03", "SLURM_JOB_NODELIST": ""},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     head = [line for line in lines if line.startswith("head:")]
@@ -65,18 +77,32 @@ def test_sbatch_log_folder_ships_with_the_clone():
     assert tracked == ["outputs/.gitkeep"]
 
 
-@pytest.mark.parametrize("allocation, fix", [
-    ({"KVRL_NODES": "a", "KVRL_GPUS_PER_NODE": "1"}, "need 2 GPUs (1 rollout x 1 + 1 learners x 1) and the allocation "
-                                                     "has 1 nodes x 1 = 1: lower workers.rollout / workers.learners or "
-                                                     "ask for --nodes=2"),
-    ({"KVRL_NODES": "a b", "KVRL_GPUS_PER_NODE": "1"}, None),
-    ({"KVRL_NODES": "a b", "KVRL_GPUS_PER_NODE": "1", "EXTRA": "workers.learner_gpus=2"},
-     "a learner actor needs 2 GPUs (workers.learner_gpus) and a node has 1"),
-])
+@pytest.mark.parametrize(
+    "allocation, fix",
+    [
+        (
+            {"KVRL_NODES": "a", "KVRL_GPUS_PER_NODE": "1"},
+            "need 2 GPUs (1 rollout x 1 + 1 learners x 1) and the allocation "
+            "has 1 nodes x 1 = 1: lower workers.rollout / workers.learners or "
+            "ask for --nodes=2",
+        ),
+        ({"KVRL_NODES": "a b", "KVRL_GPUS_PER_NODE": "1"}, None),
+        (
+            {"KVRL_NODES": "a b", "KVRL_GPUS_PER_NODE": "1", "EXTRA": "workers.learner_gpus=2"},
+            "a learner actor needs 2 GPUs (workers.learner_gpus) and a node has 1",
+        ),
+    ],
+)
 def test_sbatch_checks_the_recipes_actors_against_the_allocation(allocation, fix):
     extra = [allocation.pop("EXTRA")] if "EXTRA" in allocation else []
-    proc = run("bash", SBATCH, "rlkv_r1_llama_8b", *extra, env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", **allocation},
-               timeout=300)  # a dry run that fits ends with kvrl's plan (torch's import)
+    proc = run(
+        "bash",
+        SBATCH,
+        "rlkv_r1_llama_8b",
+        *extra,
+        env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", **allocation},
+        timeout=300,
+    )  # a dry run that fits ends with kvrl's plan (torch's import)
     if fix is None:
         assert proc.returncode == 0, proc.stderr
     else:
@@ -87,13 +113,27 @@ def test_sbatch_checks_the_recipes_actors_against_the_allocation(allocation, fix
 def test_launcher_options_reach_the_jobs_runtime_env(tmp_path, user_package):
     extra = tmp_path / "extra.yaml"
     extra.write_text("env_vars: {HF_HOME: /data/hf}\npip: [sympy]\n")
-    proc = run(SUBMIT, "--py-module", user_package / "kvtasks", "--env-var", "WANDB_MODE=offline",
-               "--runtime-env", extra, "tiny_rl_full", "env.id=kvtasks/partial-counts-v0", env={"DRY_RUN": "1"})
+    proc = run(
+        SUBMIT,
+        "--py-module",
+        user_package / "kvtasks",
+        "--env-var",
+        "WANDB_MODE=offline",
+        "--runtime-env",
+        extra,
+        "tiny_rl_full",
+        "env.id=kvtasks/partial-counts-v0",
+        env={"DRY_RUN": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     env = yaml.safe_load("\n".join(line[8:] for line in proc.stdout.splitlines() if line.startswith("env:")))
     assert env["py_modules"] == [str(user_package / "kvtasks")] and env["pip"] == ["sympy"]
-    assert env["env_vars"] == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HOME": "/data/hf",
-                               "WANDB_MODE": "offline"}
+    assert env["env_vars"] == {
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HOME": "/data/hf",
+        "WANDB_MODE": "offline",
+    }
     assert env["working_dir"] == "." and ".venv" in env["excludes"]
     bad = run(SUBMIT, "--py-mod", "x", "tiny_rl_full", env={"DRY_RUN": "1"})
     assert bad.returncode == 2 and "the options are --py-module DIR" in bad.stderr
@@ -106,8 +146,16 @@ def test_a_port_another_process_holds_is_named_before_a_head_starts():
         held.bind(("0.0.0.0", 0))
         held.listen()
         port = held.getsockname()[1]
-        proc = run(SUBMIT, "tiny_rl_full", env={"RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port()),
-                                                "RAY_DASHBOARD_AGENT_PORT": str(port)}, timeout=60)
+        proc = run(
+            SUBMIT,
+            "tiny_rl_full",
+            env={
+                "RAY_PORT": str(free_port()),
+                "RAY_DASHBOARD_PORT": str(free_port()),
+                "RAY_DASHBOARD_AGENT_PORT": str(port),
+            },
+            timeout=60,
+        )
     assert proc.returncode == 1
     assert f"port {port} (RAY_DASHBOARD_AGENT_PORT) is held by another process" in proc.stderr
     assert "set RAY_DASHBOARD_AGENT_PORT=<a free port>" in proc.stderr
@@ -150,11 +198,22 @@ def test_a_users_registered_environment_locally_and_as_a_ray_job(tmp_path, rando
     submits 1 step, stops the head. The user's metric in metrics.jsonl shows its class ran."""
     user = ["env.id=kvtasks/partial-counts-v0", "sampling.max_new_tokens=8"]
     local = tmp_path / "local"
-    proc = run(REPO / ".venv" / "bin" / "python", "-m", "kvrl.run", "recipe=tiny_rl_full", f"model.path={random_model}",
-               f"output_dir={local}", *ONE_STEP, *user, "workers.rollout=1", "workers.num_cpus=2",
-               "workers.engine=vllm", "sampling.temperature=2.0",
-               env={"PYTHONPATH": os.pathsep.join(filter(None, [str(user_package), os.environ.get("PYTHONPATH")]))},
-               timeout=600)
+    proc = run(
+        REPO / ".venv" / "bin" / "python",
+        "-m",
+        "kvrl.run",
+        "recipe=tiny_rl_full",
+        f"model.path={random_model}",
+        f"output_dir={local}",
+        *ONE_STEP,
+        *user,
+        "workers.rollout=1",
+        "workers.num_cpus=2",
+        "workers.engine=vllm",
+        "sampling.temperature=2.0",
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(user_package), os.environ.get("PYTHONPATH")]))},
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "env/user_words" in json.loads((local / "metrics.jsonl").read_text().splitlines()[0])
     # quiet by default: kvrl's lines and progress bars only; vLLM's, Ray's and DeepSpeed's stay in the logs it names
@@ -163,13 +222,25 @@ def test_a_users_registered_environment_locally_and_as_a_ray_job(tmp_path, rando
     for noise in ("(RolloutWorker pid=", "(Learner pid=", "INFO ", "WARNING", "Failed to load weights", "Traceback"):
         assert noise not in console, (noise, console[-3000:])
     out = tmp_path / "out"
-    proc = run(SUBMIT, "--py-module", user_package / "kvtasks", "tiny_rl_full", f"model.path={random_model}",
-               f"output_dir={out}", *ONE_STEP, *user,
-               env={"RAY_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port()), "RAY_NUM_CPUS": "2",
-                    # the job agent's default port may still be held by the previous test's head, whose
-                    # agent then cannot start: the job is accepted and never runs (CI hung here 600 s)
-                    "RAY_DASHBOARD_AGENT_PORT": str(free_port())},
-               timeout=600)  # a guard, not a measurement: a loaded machine is slow
+    proc = run(
+        SUBMIT,
+        "--py-module",
+        user_package / "kvtasks",
+        "tiny_rl_full",
+        f"model.path={random_model}",
+        f"output_dir={out}",
+        *ONE_STEP,
+        *user,
+        env={
+            "RAY_PORT": str(free_port()),
+            "RAY_DASHBOARD_PORT": str(free_port()),
+            "RAY_NUM_CPUS": "2",
+            # the job agent's default port may still be held by the previous test's head, whose
+            # agent then cannot start: the job is accepted and never runs (CI hung here 600 s)
+            "RAY_DASHBOARD_AGENT_PORT": str(free_port()),
+        },
+        timeout=600,
+    )  # a guard, not a measurement: a loaded machine is slow
     check_one_step_job(proc, out)
     assert "env/user_words" in json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
 
@@ -180,18 +251,32 @@ def test_sbatch_on_one_node_with_a_stand_in_srun(tmp_path, random_model):
     srun runs its command here and scontrol names one node."""
     shims = tmp_path / "bin"
     shims.mkdir()
-    (shims / "srun").write_text('#!/usr/bin/env bash\n'
-                                'while [[ $# -gt 0 && $1 == -* ]]; do case $1 in -w) shift 2;; *) shift;; esac; done\n'
-                                'exec "$@"\n')
+    (shims / "srun").write_text(
+        "#!/usr/bin/env bash\n"
+        "while [[ $# -gt 0 && $1 == -* ]]; do case $1 in -w) shift 2;; *) shift;; esac; done\n"
+        'exec "$@"\n'
+    )
     (shims / "scontrol").write_text("#!/usr/bin/env bash\necho localhost\n")
     for shim in shims.iterdir():
         shim.chmod(0o755)
     out = tmp_path / "out"
-    proc = run("bash", SBATCH, "tiny_rl_full", f"model.path={random_model}", f"output_dir={out}", *ONE_STEP,
-               env={"PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "localhost",
-                    "SLURM_CPUS_ON_NODE": "2", "RAY_PORT": str(free_port()),
-                    "RAY_DASHBOARD_PORT": str(free_port()), "RAY_DASHBOARD_AGENT_PORT": str(free_port())},
-               timeout=600)
+    proc = run(
+        "bash",
+        SBATCH,
+        "tiny_rl_full",
+        f"model.path={random_model}",
+        f"output_dir={out}",
+        *ONE_STEP,
+        env={
+            "PATH": f"{shims}:{os.environ['PATH']}",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_CPUS_ON_NODE": "2",
+            "RAY_PORT": str(free_port()),
+            "RAY_DASHBOARD_PORT": str(free_port()),
+            "RAY_DASHBOARD_AGENT_PORT": str(free_port()),
+        },
+        timeout=600,
+    )
     assert "all 1 nodes joined" in proc.stdout
     check_one_step_job(proc, out)
 
@@ -199,9 +284,21 @@ def test_sbatch_on_one_node_with_a_stand_in_srun(tmp_path, random_model):
 def test_sbatch_dry_run_from_elsewhere_writes_nothing_into_the_checkout_and_prints_kvrls_plan(tmp_path):
     """Before: outputs/.runtime_env_dry.yaml appeared in the checkout and the plan was Slurm's only."""
     before = sorted(p.name for p in (REPO / "outputs").iterdir())
-    proc = subprocess.run(["bash", str(SBATCH), "rlkv_r1_llama_8b"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a",
-                                            "KVRL_REPO": str(REPO), "TMPDIR": str(tmp_path)})
+    proc = subprocess.run(
+        ["bash", str(SBATCH), "rlkv_r1_llama_8b"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "DRY_RUN": "1",
+            "SLURM_JOB_NODELIST": "",
+            "KVRL_NODES": "a",
+            "KVRL_REPO": str(REPO),
+            "TMPDIR": str(tmp_path),
+        },
+    )
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (REPO / "outputs").iterdir()) == before
     assert list(tmp_path.iterdir()) == []  # the runtime env's temporary file is gone too
@@ -211,11 +308,24 @@ def test_sbatch_dry_run_from_elsewhere_writes_nothing_into_the_checkout_and_prin
 
 def test_sbatch_warns_of_idle_gpus_with_the_recipe_scaled_to_them():
     """Before: a 2-GPU recipe on one 8-GPU node passed silently with 6 GPUs idle."""
-    proc = run("bash", SBATCH, "rlkv_r1_llama_8b", env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a",
-                                                        "KVRL_GPUS_PER_NODE": "8"}, timeout=300)
+    proc = run(
+        "bash",
+        SBATCH,
+        "rlkv_r1_llama_8b",
+        env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a", "KVRL_GPUS_PER_NODE": "8"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert ("allocation: warning: the recipe uses 2 of the allocation's 8 GPUs; 6 stay idle: scale it to the "
-            "allocation with workers.rollout=7 (each rollout actor takes workers.rollout_gpus=1)") in proc.stderr
-    full = run("bash", SBATCH, "rlkv_r1_llama_8b", "workers.rollout=7",
-               env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a", "KVRL_GPUS_PER_NODE": "8"}, timeout=300)
+    assert (
+        "allocation: warning: the recipe uses 2 of the allocation's 8 GPUs; 6 stay idle: scale it to the "
+        "allocation with workers.rollout=7 (each rollout actor takes workers.rollout_gpus=1)"
+    ) in proc.stderr
+    full = run(
+        "bash",
+        SBATCH,
+        "rlkv_r1_llama_8b",
+        "workers.rollout=7",
+        env={"DRY_RUN": "1", "SLURM_JOB_NODELIST": "", "KVRL_NODES": "a", "KVRL_GPUS_PER_NODE": "8"},
+        timeout=300,
+    )
     assert full.returncode == 0 and "warning" not in full.stderr, full.stderr

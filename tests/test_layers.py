@@ -37,8 +37,11 @@ def imports(path: Path) -> list[tuple[int, str]]:
 def test_the_table_names_every_component():
     table = layers()
     assert table["kernels"] == 1 and table["run"] == max(table.values())
-    here = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()
-            if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
+    here = {
+        p.stem if p.is_file() else p.name
+        for p in ROOT.iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())
+    }
     assert here <= set(table), here - set(table)
 
 
@@ -51,8 +54,10 @@ def test_no_module_imports_a_higher_layer():
             continue
         for line, target in imports(path):
             if table[component(target)] > table[component(source)]:
-                wrong.append(f"{path.relative_to(ROOT.parent)}:{line} ({component(source)}, layer "
-                             f"{table[component(source)]}) imports {target} (layer {table[component(target)]})")
+                wrong.append(
+                    f"{path.relative_to(ROOT.parent)}:{line} ({component(source)}, layer "
+                    f"{table[component(source)]}) imports {target} (layer {table[component(target)]})"
+                )
     assert not wrong, "imports that run up the layers of kvrl/__init__.py:\n" + "\n".join(wrong)
 
 
@@ -78,11 +83,16 @@ def module_imports(path: Path, modules: set[str]) -> set[str]:
     while pending:
         node = pending.pop()
         if isinstance(node, (ast.If, ast.Try)):
-            pending += [*node.body, *node.orelse, *getattr(node, "finalbody", []),
-                        *(s for h in getattr(node, "handlers", []) for s in h.body)]
+            pending += [
+                *node.body,
+                *node.orelse,
+                *getattr(node, "finalbody", []),
+                *(s for h in getattr(node, "handlers", []) for s in h.body),
+            ]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                      for a in node.names}
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            }
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
     return found & modules
@@ -113,8 +123,10 @@ def test_no_import_circle():
 def test_the_check_catches_a_circle_through_type_checking(tmp_path):
     """heads.py imported runtime's plan types for its annotations while runtime imported heads."""
     a = tmp_path / "a.py"
-    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvrl.b import Plan\n"
-                 "def f():\n    from kvrl.c import g\n")
+    a.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvrl.b import Plan\n"
+        "def f():\n    from kvrl.c import g\n"
+    )
     assert module_imports(a, {"kvrl.b", "kvrl.c"}) == {"kvrl.b"}
     assert import_circles({"kvrl.a": {"kvrl.b"}, "kvrl.b": {"kvrl.a"}}) == [["kvrl.a", "kvrl.b", "kvrl.a"]]
 
@@ -131,16 +143,21 @@ def kernel_imports_outside(path: Path, part: str) -> list[tuple[int, str]]:
 def test_the_kernels_specification_stands_alone():
     """kvrl/kernels/reference is the specification: it imports nothing of the accelerators or of
     the dispatch; the CPU accelerator and the GPU kernels import the reference and themselves."""
-    wrong = [f"{path.relative_to(ROOT.parent)}:{line} imports {target}"
-             for part in KERNEL_PARTS for path in sorted((ROOT / "kernels" / part).rglob("*.py"))
-             for line, target in kernel_imports_outside(path, part)]
+    wrong = [
+        f"{path.relative_to(ROOT.parent)}:{line} imports {target}"
+        for part in KERNEL_PARTS
+        for path in sorted((ROOT / "kernels" / part).rglob("*.py"))
+        for line, target in kernel_imports_outside(path, part)
+    ]
     assert not wrong, "kernel imports across parts:\n" + "\n".join(wrong)
 
 
 def test_the_kernels_check_catches_a_reference_importing_the_accelerator(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from kvrl.kernels.reference.scores import TORCH\nfrom kvrl.kernels import dispatch\n"
-                   "def f():\n    from kvrl.kernels.cpu import native\n")
+    bad.write_text(
+        "from kvrl.kernels.reference.scores import TORCH\nfrom kvrl.kernels import dispatch\n"
+        "def f():\n    from kvrl.kernels.cpu import native\n"
+    )
     assert kernel_imports_outside(bad, "reference") == [(2, "kvrl.kernels"), (4, "kvrl.kernels.cpu")]
     assert kernel_imports_outside(bad, "cpu") == [(2, "kvrl.kernels")]
 
@@ -166,14 +183,16 @@ def test_the_layer_comparison_sees_a_moved_component():
 
 # ---- import circles, counting the imports inside functions ------------------------------------
 
+
 def module_imports_anywhere(path: Path, modules: set[str]) -> set[str]:
     """As :func:`module_imports`, with the imports inside functions and classes too: a lazy import
     breaks a circle at load time, not the dependency."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                      for a in node.names}
+            found |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            }
         elif isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
     return found & modules
@@ -181,15 +200,16 @@ def module_imports_anywhere(path: Path, modules: set[str]) -> set[str]:
 
 # The one circle left: two jobs' config rules ask kvrl.gate (cache_limit, env_problems) from inside a
 # function, while kvrl.gate and kvrl.plan read the table of jobs. Empty this when it goes.
-KNOWN = {frozenset({"kvrl.gate", "kvrl.jobs", "kvrl.jobs.eval_config", "kvrl.jobs.self_distill_config",
-                    "kvrl.plan"})}
+KNOWN = {frozenset({"kvrl.gate", "kvrl.jobs", "kvrl.jobs.eval_config", "kvrl.jobs.self_distill_config", "kvrl.plan"})}
 
 
 def test_no_import_circle_counting_imports_inside_functions():
     paths = {module_name(p): p for p in ROOT.rglob("*.py")}
     graph = {name: module_imports_anywhere(path, set(paths)) for name, path in paths.items()}
     circles = [c for c in import_circles(graph) if not any(set(c) <= known for known in KNOWN)]
-    assert not circles, "import circles through imports inside functions:\n" + "\n".join(" -> ".join(c) for c in circles)
+    assert not circles, "import circles through imports inside functions:\n" + "\n".join(
+        " -> ".join(c) for c in circles
+    )
 
 
 def test_the_check_counts_an_import_inside_a_function(tmp_path):

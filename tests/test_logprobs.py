@@ -46,8 +46,9 @@ def test_values_and_gradients_equal_dense(dtype, tol, temperature, bias):
 
 def test_gradcheck_float64():
     h, w, b, t = inputs(5, 3, 7, torch.float64, bias=True)
-    assert torch.autograd.gradcheck(lambda h, w, b: token_logprobs(h, w, t, temperature=0.8, chunk=2, bias=b),
-                                    (h, w, b))
+    assert torch.autograd.gradcheck(
+        lambda h, w, b: token_logprobs(h, w, t, temperature=0.8, chunk=2, bias=b), (h, w, b)
+    )
     assert torch.autograd.gradcheck(lambda h, w: token_logprobs(h, w, t, chunk=3, entropies=False)[0], (h, w))
     assert torch.autograd.gradcheck(lambda h: token_logprobs(h, w.detach(), t, chunk=4)[1], (h,))
 
@@ -75,8 +76,11 @@ def test_score_equals_the_dense_path(engine):
     """HFEngine.score (chunked head) against its dense path (distributions=True) on a padded
     batch replaying an eviction trace: same logprobs, losses, entropies and mask, and the
     same parameter gradients of a GRPO-like loss."""
-    batch = ["a = 3 . b = a + 1 . c = b + 2 . d = c + 1 . e = d + 4 . what is e ?", "x = 1 . y = x + 2 . y ?",
-             "p = 2 . q = p + 2 . r = q + 3 . r ?"]
+    batch = [
+        "a = 3 . b = a + 1 . c = b + 2 . d = c + 1 . e = d + 4 . what is e ?",
+        "x = 1 . y = x + 2 . y ?",
+        "p = 2 . q = p + 2 . r = q + 3 . r ?",
+    ]
     policy = make_policy("rkv", engine.model.config, budget=12, interval=4, window=4, sink=2)
     out = engine.generate(batch, Sampling(max_new_tokens=20, temperature=1.0, seed=3), policy=policy)
     for temperature in (1.0, 0.7):

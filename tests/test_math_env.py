@@ -32,17 +32,33 @@ def test_fixture_passes_check_env():
 
 LAYOUTS = {
     "generic": ([{"id": "g1", "question": "1+1?", "answer": "2"}], "g1", "1+1?", "2"),
-    "gsm8k": (
-        [{"question": "Eggs?", "answer": "16 - 3 - 4 = 9\n9 * 2 = 18\n#### 1,018"}], "gsm8k-0", "Eggs?", "1018"
-    ),
+    "gsm8k": ([{"question": "Eggs?", "answer": "16 - 3 - 4 = 9\n9 * 2 = 18\n#### 1,018"}], "gsm8k-0", "Eggs?", "1018"),
     "math500": (
-        [{"problem": "Half?", "solution": "It is $\\boxed{\\frac{1}{2}}$.", "answer": "\\frac{1}{2}",
-          "unique_id": "test/algebra/1.json", "level": 2}],
-        "test/algebra/1.json", "Half?", "\\frac{1}{2}",
+        [
+            {
+                "problem": "Half?",
+                "solution": "It is $\\boxed{\\frac{1}{2}}$.",
+                "answer": "\\frac{1}{2}",
+                "unique_id": "test/algebra/1.json",
+                "level": 2,
+            }
+        ],
+        "test/algebra/1.json",
+        "Half?",
+        "\\frac{1}{2}",
     ),
-    "math_solution_only": ([{"problem": "Half?", "solution": "So $\\boxed{\\frac{1}{2}}$."}], "math_solution_only-0",
-                           "Half?", "\\frac{1}{2}"),
-    "aime": ([{"ID": "2024-I-1", "Problem": "Find x.", "Answer": 204, "Solution": "..."}], "2024-I-1", "Find x.", "204"),
+    "math_solution_only": (
+        [{"problem": "Half?", "solution": "So $\\boxed{\\frac{1}{2}}$."}],
+        "math_solution_only-0",
+        "Half?",
+        "\\frac{1}{2}",
+    ),
+    "aime": (
+        [{"ID": "2024-I-1", "Problem": "Find x.", "Answer": 204, "Solution": "..."}],
+        "2024-I-1",
+        "Find x.",
+        "204",
+    ),
     "deepscaler": ([{"problem": "Sum?", "answer": "7", "solution": "3+4=\\boxed{7}"}], "deepscaler-0", "Sum?", "7"),
 }
 
@@ -72,8 +88,10 @@ def test_default_prompt():
 @pytest.mark.parametrize(
     "rows, match",
     [
-        ([{"question": "a", "answer": "1"}, "", '{"question": "b", "answer": 2', {"question": "c", "answer": "3"}],
-         r"bad\.jsonl:3: invalid JSON"),
+        (
+            [{"question": "a", "answer": "1"}, "", '{"question": "b", "answer": 2', {"question": "c", "answer": "3"}],
+            r"bad\.jsonl:3: invalid JSON",
+        ),
         ([{"question": "a", "answer": "1"}, {"question": "b"}], r"bad\.jsonl:2: missing answer field.*'answer'"),
         ([{"text": "a", "answer": "1"}], r"bad\.jsonl:1: missing question field.*'question'.*'problem'"),
         ([{"problem": "a", "solution": "no box here"}], r"bad\.jsonl:1: missing answer field and no \\boxed"),
@@ -96,8 +114,9 @@ def test_missing_file_and_bad_template(tmp_path):
 @pytest.mark.parametrize("answer", [[1, 2], {"a": 1}, True, float("nan")], ids=["list", "dict", "bool", "nan"])
 def test_a_non_text_answer_is_refused_with_file_line(tmp_path, answer):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"question": "a", "answer": "1"}) + "\n" + json.dumps({"question": "b", "answer": answer})
-                    + "\n")
+    path.write_text(
+        json.dumps({"question": "a", "answer": "1"}) + "\n" + json.dumps({"question": "b", "answer": answer}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: the answer is .*it must be text or a number"):
         MathEnv(path)
 
@@ -107,7 +126,9 @@ def test_encodings_directories_and_timeouts(tmp_path):
     bom.write_bytes("\ufeff".encode() + json.dumps({"question": "q", "answer": 7}).encode() + b"\n")
     assert MathEnv(bom).tasks(1)[0].answer == "7"  # a byte-order mark is fine; a number is an answer
     latin = tmp_path / "latin.jsonl"
-    latin.write_bytes(json.dumps({"question": "a", "answer": "1"}).encode() + b"\n" + b'{"question": "caf\xe9", "answer": "1"}\n')
+    latin.write_bytes(
+        json.dumps({"question": "a", "answer": "1"}).encode() + b"\n" + b'{"question": "caf\xe9", "answer": "1"}\n'
+    )
     with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8 \(byte 0xe9 at column 18\)"):
         MathEnv(latin)
     with pytest.raises(IsADirectoryError, match="is a directory"):
@@ -267,8 +288,10 @@ def test_the_prompt_check_tokenises_a_chunk_at_a_time(tmp_path):
         def __getattr__(self, name):
             return getattr(tok, name)
 
-    env = MathEnv(_jsonl(tmp_path / "rows.jsonl", [{"question": f"{i} ; 4", "answer": "1"} for i in range(600)]),
-                  template="{question}")
+    env = MathEnv(
+        _jsonl(tmp_path / "rows.jsonl", [{"question": f"{i} ; 4", "answer": "1"} for i in range(600)]),
+        template="{question}",
+    )
     assert check_prompts(env.data, Counting(), 32) == check_prompts(env.data[:5], tok, 32)
     assert sum(batches) == 2 * 600 and max(batches) <= 256  # prompts and answers, never every row's at once
 

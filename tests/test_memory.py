@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-MiB = 2 ** 20
+MiB = 2**20
 LOGPROB_SIZES = (2048, 4096, 8192)  # tokens N, vocab 32K
 GOLDEN_SIZES = (2048, 4096, 8192)  # trace length T
 
@@ -78,11 +78,14 @@ def logprob_peaks(full: bool) -> dict:
             else:
                 lp, ent = token_logprobs(h, w, t, chunk=1024)
             (lp.sum() + 0.1 * ent.sum()).backward()
+
         return peak(step)
 
     run(256, False), run(256, True)  # warm-up
-    return {"new": {N: run(N, False) for N in LOGPROB_SIZES},
-            "dense": {N: run(N, True) for N in (LOGPROB_SIZES if full else LOGPROB_SIZES[:1])}}
+    return {
+        "new": {N: run(N, False) for N in LOGPROB_SIZES},
+        "dense": {N: run(N, True) for N in (LOGPROB_SIZES if full else LOGPROB_SIZES[:1])},
+    }
 
 
 def golden_peaks(full: bool) -> dict:
@@ -95,9 +98,17 @@ def golden_peaks(full: bool) -> dict:
     from kvrl.policies.golden import GoldenEviction, record_attention
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=max(GOLDEN_SIZES), attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=max(GOLDEN_SIZES),
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(cfg).eval()
     interval, budget = 128, 512
 
@@ -108,19 +119,22 @@ def golden_peaks(full: bool) -> dict:
 
         def step():
             kv = dict(budget=budget, interval=interval, window=8)
-            obs = type("Obs", (), dict(key_pos=pos, query_pos=torch.tensor([[e - 1]]), layer=1,
-                                       keys=torch.empty(0)))
+            obs = type("Obs", (), dict(key_pos=pos, query_pos=torch.tensor([[e - 1]]), layer=1, keys=torch.empty(0)))
             if dense:
                 from test_golden import DenseGolden
+
                 blocks, starts = block_attention(model, ids, 64, interval)
                 DenseGolden(**kv, blocks=blocks, starts=starts).score(obs)
             else:
                 GoldenEviction(**kv, attention=record_attention(model, ids, 64, interval)).score(obs)
+
         return peak(step)
 
     run(1024, False), run(1024, True)  # warm-up
-    return {"new": {T: run(T, False) for T in GOLDEN_SIZES},
-            "dense": {T: run(T, True) for T in (GOLDEN_SIZES if full else GOLDEN_SIZES[:2])}}
+    return {
+        "new": {T: run(T, False) for T in GOLDEN_SIZES},
+        "dense": {T: run(T, True) for T in (GOLDEN_SIZES if full else GOLDEN_SIZES[:2])},
+    }
 
 
 def measure(what: str, full: bool = False) -> dict:
@@ -145,8 +159,12 @@ def peaks() -> dict:
     (one core each). glibc backs its mmapped blocks with huge pages there (fewer page
     faults: about twice as fast, same peaks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-    procs = {what: subprocess.Popen([sys.executable, __file__, what], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, env=env) for what in ("logprobs", "golden")}
+    procs = {
+        what: subprocess.Popen(
+            [sys.executable, __file__, what], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for what in ("logprobs", "golden")
+    }
     out = {}
     for what, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=300)
@@ -156,8 +174,10 @@ def peaks() -> dict:
     return out
 
 
-needs_linux = pytest.mark.skipif(not (sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")),
-                                 reason="peak RSS is measured with /proc/self/clear_refs (Linux)")
+needs_linux = pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and os.path.exists("/proc/self/clear_refs")),
+    reason="peak RSS is measured with /proc/self/clear_refs (Linux)",
+)
 
 
 @needs_linux
@@ -189,5 +209,10 @@ def test_golden_memory_is_linear_and_far_below_dense(peaks):
 
 if __name__ == "__main__":
     which = [w for w in ("logprobs", "golden") if w in sys.argv] or ["logprobs", "golden"]
-    print(json.dumps({w: measure(w, full="--full" in sys.argv) for w in which} if len(which) > 1
-                     else measure(which[0], full="--full" in sys.argv)))
+    print(
+        json.dumps(
+            {w: measure(w, full="--full" in sys.argv) for w in which}
+            if len(which) > 1
+            else measure(which[0], full="--full" in sys.argv)
+        )
+    )

@@ -33,14 +33,14 @@ def test_multihop_task_is_consistent():
             value[lhs] = int(rhs) if rhs.isdigit() else (value[rhs] + 1) % 10
             seen.add(lhs)
         words = t["completion"].split()
-        assert words[-len(t["queries"]) - 2:] == ["\\boxed{", *[str(value[q]) for q in t["queries"]], "}"]
+        assert words[-len(t["queries"]) - 2 :] == ["\\boxed{", *[str(value[q]) for q in t["queries"]], "}"]
         assert t["answer"] == " ".join(str(value[q]) for q in t["queries"])
         i = 0
         for q, chain in zip(t["queries"], t["chains"]):
             assert chain[0] == q and defs[chain[-1]].isdigit()
             down = [w for n in chain for w in (n, defs[n], ";")]
             up = [w for n in reversed(chain) for w in (n, "=", str(value[n]), ";")]
-            assert words[i:i + len(down) + len(up)] == down + up
+            assert words[i : i + len(down) + len(up)] == down + up
             i += len(down) + len(up)
         assert t["prompt"].endswith("? " + " ".join(t["queries"]) + " :")
 
@@ -73,8 +73,9 @@ def test_curriculum_grows_to_the_spec_and_every_size_draws():
 
 
 def test_multihop_env_contract_and_rewards():
-    env = make("kvrl/multihop-v0", min_statements=12, max_statements=16, min_queries=2, max_queries=3,
-               min_depth=2, max_depth=4)
+    env = make(
+        "kvrl/multihop-v0", min_statements=12, max_statements=16, min_queries=2, max_queries=3, min_depth=2, max_depth=4
+    )
     check_env(env)
     env.reset(seed=0)
     task = env.tasks(1)[0]
@@ -98,11 +99,24 @@ def test_the_shipped_multihop_reasoner_solves_its_task():
     assert np.mean([correct(t, text) for t, text in zip(tasks, out.texts)]) >= 0.95
 
 
-SHRUNK = ["recipe=tiny_multihop_pretrain", "trainer.steps=30", "trainer.batch_size=8", "trainer.warmup_steps=5",
-          "trainer.log_every=5", "pretrain.checkpoint_every=10", "pretrain.eval_tasks=2", "pretrain.layers=2",
-          "pretrain.hidden=64", "pretrain.intermediate=128", "env.kwargs.min_statements=10",
-          "env.kwargs.max_statements=12", "env.kwargs.min_queries=1", "env.kwargs.max_queries=2",
-          "env.kwargs.min_depth=2", "env.kwargs.max_depth=3"]
+SHRUNK = [
+    "recipe=tiny_multihop_pretrain",
+    "trainer.steps=30",
+    "trainer.batch_size=8",
+    "trainer.warmup_steps=5",
+    "trainer.log_every=5",
+    "pretrain.checkpoint_every=10",
+    "pretrain.eval_tasks=2",
+    "pretrain.layers=2",
+    "pretrain.hidden=64",
+    "pretrain.intermediate=128",
+    "env.kwargs.min_statements=10",
+    "env.kwargs.max_statements=12",
+    "env.kwargs.min_queries=1",
+    "env.kwargs.max_queries=2",
+    "env.kwargs.min_depth=2",
+    "env.kwargs.max_depth=3",
+]
 
 
 def test_multihop_pretraining_moves_its_loss_and_resumes_exactly(tmp_path, monkeypatch):
@@ -170,8 +184,18 @@ def test_multihop_eval_report_has_the_properties_and_the_papers_orderings(tmp_pa
     orderings beside this run's (no ordering is asserted: that is what the run measures)."""
     from kvrl.run import main
 
-    assert main(["recipe=tiny_multihop_eval", "env.num_eval_tasks=4", "eval.policies=[streaming,snapkv]",
-                 "eval.budgets=[0.5]", f"output_dir={tmp_path}"]) == 0
+    assert (
+        main(
+            [
+                "recipe=tiny_multihop_eval",
+                "env.num_eval_tasks=4",
+                "eval.policies=[streaming,snapkv]",
+                "eval.budgets=[0.5]",
+                f"output_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     report = (tmp_path / "report.md").read_text()
     props = json.loads((tmp_path / "properties.json").read_text())
     assert props["tasks"] == 4 and props["cot_share"] > 0.6
@@ -196,11 +220,24 @@ def test_both_engines_give_the_multihop_zoo_the_same_answers(tmp_path):
     rows = {}
     for engine in ("hf", "vllm"):
         out = tmp_path / engine
-        assert main(["recipe=tiny_multihop_eval", "env.num_eval_tasks=4", "eval.policies=[h2o,snapkv,rkv,gkv]",
-                     "eval.budgets=[0.5]", "eval.properties=false", f"workers.engine={engine}",
-                     f"output_dir={out}"]) == 0
-        rows[engine] = {(s["policy"], s["task"]): (s["reward"], s["completion"])
-                        for s in map(json.loads, (out / "samples.jsonl").read_text().splitlines())}
+        assert (
+            main(
+                [
+                    "recipe=tiny_multihop_eval",
+                    "env.num_eval_tasks=4",
+                    "eval.policies=[h2o,snapkv,rkv,gkv]",
+                    "eval.budgets=[0.5]",
+                    "eval.properties=false",
+                    f"workers.engine={engine}",
+                    f"output_dir={out}",
+                ]
+            )
+            == 0
+        )
+        rows[engine] = {
+            (s["policy"], s["task"]): (s["reward"], s["completion"])
+            for s in map(json.loads, (out / "samples.jsonl").read_text().splitlines())
+        }
     hf, vllm = rows["hf"], rows["vllm"]
     assert hf.keys() == vllm.keys() and all(hf[k][0] == vllm[k][0] for k in hf)
     assert sum(hf[k][1] == vllm[k][1] for k in hf) >= len(hf) - 1
@@ -216,7 +253,11 @@ def test_oracle_need_counts_the_tokens_of_the_trace():
     env.reset(seed=5)
     for t in env.tasks(20):
         peak, n = oracle_need(t.meta)
-        assert n == len(tok(t.prompt)["input_ids"]) + len(tok(t.meta["completion"], add_special_tokens=False)
-                                                            ["input_ids"]) + 1
+        assert (
+            n
+            == len(tok(t.prompt)["input_ids"])
+            + len(tok(t.meta["completion"], add_special_tokens=False)["input_ids"])
+            + 1
+        )
         used = {v for chain in t.meta["chains"] for v in chain}
         assert 3 * len(used) < peak < n

@@ -26,8 +26,14 @@ from kvrl.envs import make
 from kvrl.models.tiny import load_model
 
 # tasks of the pretraining curriculum's middle sizes (~130-token sequences), under a budget that evicts
-SMALL_TASKS = ["env.kwargs.min_statements=12", "env.kwargs.max_statements=16", "env.kwargs.min_queries=2",
-               "env.kwargs.max_queries=3", "env.kwargs.min_depth=2", "env.kwargs.max_depth=4"]
+SMALL_TASKS = [
+    "env.kwargs.min_statements=12",
+    "env.kwargs.max_statements=16",
+    "env.kwargs.min_queries=2",
+    "env.kwargs.max_queries=3",
+    "env.kwargs.min_depth=2",
+    "env.kwargs.max_depth=4",
+]
 SHRUNK = [*SMALL_TASKS, "kv.budget=48", "sampling.max_new_tokens=200"]
 
 
@@ -63,9 +69,11 @@ def test_partial_credit_gives_groups_under_gkv_a_signal(engine):
     env.reset(seed=7001)  # the validation stream
     tasks = env.tasks(8)
     algo = RLSparse(cfg)
-    out = engine.generate([t.prompt for t in tasks for _ in range(4)],
-                          Sampling(cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature, seed=1),
-                          policy=algo.rollout_policy(engine.model))
+    out = engine.generate(
+        [t.prompt for t in tasks for _ in range(4)],
+        Sampling(cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature, seed=1),
+        policy=algo.rollout_policy(engine.model),
+    )
     scored = [env.score(tasks[i // 4], text) for i, text in enumerate(out.texts)]
     partial = np.array([r for r, _ in scored]).reshape(8, 4)
     exact = np.array([info["correct"] for _, info in scored]).reshape(8, 4)
@@ -79,19 +87,33 @@ def multihop_batch(engine, cfg, algo, n_tasks=4, group=4, seed=0):
     env = make(cfg.env.id, **cfg.env.kwargs)
     env.reset(seed=seed)
     tasks = env.tasks(n_tasks)
-    out = engine.generate([t.prompt for t in tasks for _ in range(group)],
-                          Sampling(cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature, seed=seed),
-                          policy=algo.rollout_policy(engine.model))
+    out = engine.generate(
+        [t.prompt for t in tasks for _ in range(group)],
+        Sampling(cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature, seed=seed),
+        policy=algo.rollout_policy(engine.model),
+    )
     rewards = torch.tensor([env.score(tasks[b // group], out.texts[b])[0] for b in range(len(out.texts))])
     adv = group_advantages(rewards, group)
-    samples = [Sample(id=str(b), prompt_ids=out.prompt_ids[b], tokens=out.tokens[b], logprobs=out.logprobs[b],
-                      finish_reason=out.finish_reasons[b], text=out.texts[b], version=0, trace=out.trace(b),
-                      advantage=float(adv[b])) for b in range(len(out.texts))]
+    samples = [
+        Sample(
+            id=str(b),
+            prompt_ids=out.prompt_ids[b],
+            tokens=out.tokens[b],
+            logprobs=out.logprobs[b],
+            finish_reason=out.finish_reasons[b],
+            text=out.texts[b],
+            version=0,
+            trace=out.trace(b),
+            advantage=float(adv[b]),
+        )
+        for b in range(len(out.texts))
+    ]
     return collate(samples, sum(len(s.tokens) for s in samples), engine.device)
 
 
-@pytest.mark.parametrize("recipe, algo_cls, key", [("tiny_multihop_sparse", RLSparse, "loss"),
-                                                   ("tiny_multihop_distill", Distill, "kl")])
+@pytest.mark.parametrize(
+    "recipe, algo_cls, key", [("tiny_multihop_sparse", RLSparse, "loss"), ("tiny_multihop_distill", Distill, "kl")]
+)
 def test_multihop_recipes_move_their_loss(engine, recipe, algo_cls, key):
     """A few Adam steps at the recipe's learning rate on one batch the shipped reasoner rolled
     out under the recipe's G-KV cache (shrunk): RL-Sparse's clipped surrogate loss falls,
@@ -127,9 +149,22 @@ def test_multihop_sparse_recipe_runs_with_a_signal(tmp_path):
     from kvrl.jobs.rl import main as train
 
     out = tmp_path / "run"
-    train(load_config(["recipe=tiny_multihop_sparse", *SHRUNK, "trainer.steps=2", "trainer.batch_size=32",
-                       "sampling.batch_size=32", f"output_dir={out}", "workers.address=inline", "workers.rollout=1",
-                       "workers.learners=1", "workers.backend=ddp"]))
+    train(
+        load_config(
+            [
+                "recipe=tiny_multihop_sparse",
+                *SHRUNK,
+                "trainer.steps=2",
+                "trainer.batch_size=32",
+                "sampling.batch_size=32",
+                f"output_dir={out}",
+                "workers.address=inline",
+                "workers.rollout=1",
+                "workers.learners=1",
+                "workers.backend=ddp",
+            ]
+        )
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:

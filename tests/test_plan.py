@@ -9,9 +9,17 @@ from kvrl.run import main
 
 def test_kv_memory_of_a_known_architecture_without_weights():
     # rl.algo=rl_sparse: rl_full's rule (kv.policy=full) is the config gate's
-    cfg_args = ["recipe=tiny_rl_full", "rl.algo=rl_sparse", "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
-                "model.dtype=bfloat16", "kv.policy=gkv", "kv.budget=2048", "kv.interval=128",
-                "sampling.max_new_tokens=8192", "sampling.batch_size=16"]
+    cfg_args = [
+        "recipe=tiny_rl_full",
+        "rl.algo=rl_sparse",
+        "model.path=deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+        "model.dtype=bfloat16",
+        "kv.policy=gkv",
+        "kv.budget=2048",
+        "kv.interval=128",
+        "sampling.max_new_tokens=8192",
+        "sampling.batch_size=16",
+    ]
     p = plan(load_config(cfg_args))
     assert p["params"] == 8_030_261_248  # Llama-3.1-8B, counted on the meta device
     assert p["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, bf16
@@ -35,8 +43,16 @@ def test_unknown_model_says_what_to_pass(capsys, monkeypatch, tmp_path):
     assert "pass a local folder with a config.json" in capsys.readouterr().err
 
 
-CLUSTER = ["rlkv_r1_llama_8b", "rlkv_r1_qwen_7b", "rlkv_qwen3_4b_thinking", "gkv_r1_qwen_7b", "gkv_r1_llama_8b",
-           "foresight_qwen3_4b", "foresight_qwen3_1_7b", "foresight_r1_qwen_7b"]
+CLUSTER = [
+    "rlkv_r1_llama_8b",
+    "rlkv_r1_qwen_7b",
+    "rlkv_qwen3_4b_thinking",
+    "gkv_r1_qwen_7b",
+    "gkv_r1_llama_8b",
+    "foresight_qwen3_4b",
+    "foresight_qwen3_1_7b",
+    "foresight_r1_qwen_7b",
+]
 
 
 @pytest.mark.parametrize("recipe", CLUSTER)
@@ -47,16 +63,17 @@ def test_every_cluster_recipe_fits_80_gb_gpus(recipe, capsys):
     out = capsys.readouterr().out
     assert "rollout peak" in out and "learner peak" in out and "WARNING" not in out, out
     for actor, parts in p["memory"].items():
-        assert parts["weights"] <= sum(parts.values()) < 80 * 2 ** 30, (actor, parts)
+        assert parts["weights"] <= sum(parts.values()) < 80 * 2**30, (actor, parts)
 
 
 def test_a_learner_that_would_not_fit_is_warned_with_the_fix(capsys):
     """G-KV's learner share (32 samples x ~4K tokens) in one pass keeps ~665 GB of activations."""
     from kvrl.plan import dry_run
 
-    p = dry_run(load_config(["recipe=gkv_r1_qwen_7b", "trainer.micro_batch_tokens=0",
-                             "trainer.gradient_checkpointing=false"]))
-    assert p["memory"]["learner"]["activations"] > 500 * 2 ** 30
+    p = dry_run(
+        load_config(["recipe=gkv_r1_qwen_7b", "trainer.micro_batch_tokens=0", "trainer.gradient_checkpointing=false"])
+    )
+    assert p["memory"]["learner"]["activations"] > 500 * 2**30
     assert "WARNING    the learner does not fit: set trainer.micro_batch_tokens" in capsys.readouterr().out
 
 
@@ -138,21 +155,37 @@ def test_the_rlkv_learners_plan_counts_its_attention_masks(tmp_path):
 
     rows, seq = 2, 1024
     path = shrunk.build("r1-llama", tmp_path / "model")
-    cfg = load_config(["recipe=tiny_rlkv", f"model.path={path}", "model.dtype=float32", f"trainer.batch_size={rows}",
-                       "rl.group_size=2", "trainer.micro_batch_tokens=0", "trainer.gradient_checkpointing=false"])
+    cfg = load_config(
+        [
+            "recipe=tiny_rlkv",
+            f"model.path={path}",
+            "model.dtype=float32",
+            f"trainer.batch_size={rows}",
+            "rl.group_size=2",
+            "trainer.micro_batch_tokens=0",
+            "trainer.gradient_checkpointing=false",
+        ]
+    )
     p = plan(cfg)
     p["tokens_per_sequence"] = seq  # the measured sequences' length, whatever the environment's prompts
     parts = memory(cfg, model_config(cfg.model.path), p)["learner"]
-    assert parts["gradients"] < 2 ** 10 and parts["optimizer"] < 2 ** 10  # 4 gates
+    assert parts["gradients"] < 2**10 and parts["optimizer"] < 2**10  # 4 gates
     planned = parts["activations"] + parts["logits"] + parts["attention masks"]
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-    res = subprocess.run([sys.executable, "-c", LEARNER_PEAK, str(path), str(rows), str(seq)], capture_output=True,
-                         text=True, timeout=600, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", LEARNER_PEAK, str(path), str(rows), str(seq)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     measured = json.loads(res.stdout.strip().splitlines()[-1])["peak"]
-    print(f"RLKV learner at {rows} x {seq}: planned {planned / 2 ** 20:.1f} MiB "
-          f"(masks {parts['attention masks'] / 2 ** 20:.1f}), measured {measured / 2 ** 20:.1f} MiB")
+    print(
+        f"RLKV learner at {rows} x {seq}: planned {planned / 2**20:.1f} MiB "
+        f"(masks {parts['attention masks'] / 2**20:.1f}), measured {measured / 2**20:.1f} MiB"
+    )
     assert abs(planned / measured - 1) <= 0.15, (planned, measured)
     assert planned - parts["attention masks"] < 0.85 * measured  # the term a plan without masks misses
 
@@ -163,8 +196,10 @@ def test_foresight_counts_the_gpu_its_stage_1_runs_on(capsys):
 
     p = dry_run(load_config(["recipe=foresight_qwen3_4b"]))
     assert (p["actor_gpus"], p["driver_gpus"], p["gpus"]) == (3, 1, 4)
-    assert ("the Ray cluster needs 12 CPUs and 3 GPUs, plus 1 GPU for stage 1 in this process: 4 GPUs in all"
-            in capsys.readouterr().out)
+    assert (
+        "the Ray cluster needs 12 CPUs and 3 GPUs, plus 1 GPU for stage 1 in this process: 4 GPUs in all"
+        in capsys.readouterr().out
+    )
     cfg = load_config(["recipe=foresight_qwen3_4b"])
     assert allocation_problems(p, cfg, 1, 4, None) == []
     (problem,) = allocation_problems(p, cfg, 1, 3, None)

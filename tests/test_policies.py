@@ -15,9 +15,27 @@ import torch
 import yaml
 
 from kvrl.kernels import gather_slots, key_redundancy, key_redundancy_update, window_attention
-from kvrl.policies import (GKV, H2O, POLICIES, RKV, Evicting, Full, HeadAllocation, KVPolicy, LearnedScorer,
-                           Mixed, Observation, Static, StreamingLLM, Window, as_regime, checksum, make_policy,
-                           plackett_luce_logprob, should_evict)
+from kvrl.policies import (
+    GKV,
+    H2O,
+    POLICIES,
+    RKV,
+    Evicting,
+    Full,
+    HeadAllocation,
+    KVPolicy,
+    LearnedScorer,
+    Mixed,
+    Observation,
+    Static,
+    StreamingLLM,
+    Window,
+    as_regime,
+    checksum,
+    make_policy,
+    plackett_luce_logprob,
+    should_evict,
+)
 
 B, H, G, D, N, T = 3, 2, 2, 8, 28, 40  # cache of N slots; the newest token is at position T-1
 INVALID = ([], [0, 1, 2], [0, 1, 2, 3, 4, 12])  # per row: padding, and a hole mid-cache in row 2
@@ -70,19 +88,26 @@ def make_obs(policy: KVPolicy, seed: int = 0, invalid=INVALID) -> Observation:
     if policy.state_size:
         state = torch.rand(B, H, N, policy.state_size, generator=gen)
         state[:, :, -w:] = float("nan")  # tokens decoded since the last eviction
-    return Observation(keys=keys, values=torch.randn(B, H, N, D, generator=gen),
-                       queries=2 * torch.randn(B, H * G, w, D, generator=gen), key_pos=key_pos,
-                       query_pos=torch.arange(T - w, T).expand(B, w), state=state, layer=1,
-                       scaling=D ** -0.5)
+    return Observation(
+        keys=keys,
+        values=torch.randn(B, H, N, D, generator=gen),
+        queries=2 * torch.randn(B, H * G, w, D, generator=gen),
+        key_pos=key_pos,
+        query_pos=torch.arange(T - w, T).expand(B, w),
+        state=state,
+        layer=1,
+        scaling=D**-0.5,
+    )
 
 
 def protected_slots(policy, key_pos_row):
     """Slots of the first `sink` and last `window` valid positions of one (b, h) row."""
     valid = [n for n in range(key_pos_row.shape[0]) if key_pos_row[n] >= 0]
-    return set(valid[:policy.sink]) | set(valid[len(valid) - policy.window:])
+    return set(valid[: policy.sink]) | set(valid[len(valid) - policy.window :])
 
 
 # --- the contract, on every policy ---
+
 
 def test_scores_and_state_shapes(policy):
     obs = make_obs(policy)
@@ -164,10 +189,15 @@ def test_batch_independence(policy):
     for b in range(B):
         slots = [n for n in range(N) if n not in INVALID[b]]
         alone = Observation(
-            keys=obs.keys[b:b + 1, :, slots], values=obs.values[b:b + 1, :, slots],
-            queries=obs.queries[b:b + 1], key_pos=obs.key_pos[b:b + 1, :, slots],
-            query_pos=obs.query_pos[b:b + 1], layer=obs.layer, scaling=obs.scaling,
-            state=None if obs.state is None else obs.state[b:b + 1, :, slots])
+            keys=obs.keys[b : b + 1, :, slots],
+            values=obs.values[b : b + 1, :, slots],
+            queries=obs.queries[b : b + 1],
+            key_pos=obs.key_pos[b : b + 1, :, slots],
+            query_pos=obs.query_pos[b : b + 1],
+            layer=obs.layer,
+            scaling=obs.scaling,
+            state=None if obs.state is None else obs.state[b : b + 1, :, slots],
+        )
         s1, st1 = policy.score(alone)
         torch.testing.assert_close(s1[0], scores[b, :, slots], rtol=1e-5, atol=1e-6)
         if state is not None:
@@ -194,9 +224,15 @@ def test_ragged_rows_with_padded_queries_and_own_generators(policy):
     sampled = policy.select(obs, scores, sample=True, generator=[torch.Generator().manual_seed(b) for b in range(B)])
     for b, (n, m) in enumerate(zip(ends, missing)):
         alone = Observation(
-            keys=obs.keys[b:b + 1, :, :n], values=obs.values[b:b + 1, :, :n], queries=obs.queries[b:b + 1, :, m:],
-            key_pos=obs.key_pos[b:b + 1, :, :n], query_pos=obs.query_pos[b:b + 1, m:], layer=obs.layer,
-            scaling=obs.scaling, state=None if obs.state is None else obs.state[b:b + 1, :, :n])
+            keys=obs.keys[b : b + 1, :, :n],
+            values=obs.values[b : b + 1, :, :n],
+            queries=obs.queries[b : b + 1, :, m:],
+            key_pos=obs.key_pos[b : b + 1, :, :n],
+            query_pos=obs.query_pos[b : b + 1, m:],
+            layer=obs.layer,
+            scaling=obs.scaling,
+            state=None if obs.state is None else obs.state[b : b + 1, :, :n],
+        )
         s1, _ = policy.score(alone)
         torch.testing.assert_close(s1[0], scores[b, :, :n], rtol=1e-5, atol=1e-6)
         assert torch.equal(policy.select(alone, s1).keep[0], keep[b])
@@ -259,6 +295,7 @@ def test_learned_scorer_logprob_has_gradients():
 
 # --- hand-computed cases ---
 
+
 def softmax(x):
     e = np.exp(x - x.max())
     return e / e.sum()
@@ -295,10 +332,16 @@ def test_gkv_global_score_two_steps(mode):
     # step 1: prompt positions 0..4, query at 4; no state -> F = S in every mode
     k1 = np.array([[1, 0], [0, 1], [1, 1], [-1, 0], [0.5, 0.5]])
     s1 = local_score(k1, qh, 4)
-    obs1 = Observation(keys=torch.tensor(k1, dtype=torch.float32).view(1, 1, 5, 2), values=torch.zeros(1, 1, 5, 2),
-                       queries=torch.tensor(qh, dtype=torch.float32).view(1, 2, 1, 2),
-                       key_pos=torch.arange(5).view(1, 1, 5), query_pos=torch.tensor([[4]]),
-                       state=None, layer=0, scaling=scale)
+    obs1 = Observation(
+        keys=torch.tensor(k1, dtype=torch.float32).view(1, 1, 5, 2),
+        values=torch.zeros(1, 1, 5, 2),
+        queries=torch.tensor(qh, dtype=torch.float32).view(1, 2, 1, 2),
+        key_pos=torch.arange(5).view(1, 1, 5),
+        query_pos=torch.tensor([[4]]),
+        state=None,
+        layer=0,
+        scaling=scale,
+    )
     score1, state1 = policy.score(obs1)
     np.testing.assert_allclose(score1[0, 0, :4].numpy(), s1, rtol=1e-6)
     np.testing.assert_allclose(state1[0, 0, :4, 0].numpy(), s1, rtol=1e-6)
@@ -312,10 +355,16 @@ def test_gkv_global_score_two_steps(mode):
     k2 = np.concatenate([k1[top2 + [4]], k_new])
     q2 = qh[::-1].copy()
     state2 = torch.cat([gather_slots(state1, keep), torch.full((1, 1, 2, 1), float("nan"))], 2)
-    obs2 = Observation(keys=torch.tensor(k2, dtype=torch.float32).view(1, 1, 5, 2), values=torch.zeros(1, 1, 5, 2),
-                       queries=torch.tensor(q2, dtype=torch.float32).view(1, 2, 1, 2),
-                       key_pos=torch.tensor([top2 + [4, 5, 6]]).view(1, 1, 5), query_pos=torch.tensor([[6]]),
-                       state=state2, layer=0, scaling=scale)
+    obs2 = Observation(
+        keys=torch.tensor(k2, dtype=torch.float32).view(1, 1, 5, 2),
+        values=torch.zeros(1, 1, 5, 2),
+        queries=torch.tensor(q2, dtype=torch.float32).view(1, 2, 1, 2),
+        key_pos=torch.tensor([top2 + [4, 5, 6]]).view(1, 1, 5),
+        query_pos=torch.tensor([[6]]),
+        state=state2,
+        layer=0,
+        scaling=scale,
+    )
     s2 = local_score(k2, q2, 4)
     old = np.array([s1[top2[0]], s1[top2[1]], np.nan, np.nan])  # positions 4, 5: no F yet
     if mode == "max":
@@ -345,8 +394,7 @@ def duplicate_keys():
 
 def test_redundancy_most_recent_duplicate_exemption():
     keys, valid, red = duplicate_keys()
-    got = key_redundancy(torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
-                         torch.tensor(valid).view(1, 1, 7))
+    got = key_redundancy(torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), torch.tensor(valid).view(1, 1, 7))
     np.testing.assert_allclose(got[0, 0].numpy(), red, rtol=1e-5, atol=1e-7)
     assert got[0, 0, 0] > got[0, 0, 2] > got[0, 0, 5]  # the oldest copy is the most redundant
 
@@ -356,9 +404,16 @@ def test_redundancy_term_in_scores(cls):
     """mix_lambda = 0 leaves only the redundancy: R-KV uses it raw, G-KV ÷ its max."""
     keys, valid, red = duplicate_keys()
     key_pos = torch.tensor([0, 1, 2, -1, 3, 4, 5]).view(1, 1, 7)
-    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), values=torch.zeros(1, 1, 7, 4),
-                      queries=torch.ones(1, 1, 1, 4), key_pos=key_pos, query_pos=torch.tensor([[5]]),
-                      state=None, layer=0, scaling=0.5)
+    obs = Observation(
+        keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
+        values=torch.zeros(1, 1, 7, 4),
+        queries=torch.ones(1, 1, 1, 4),
+        key_pos=key_pos,
+        query_pos=torch.tensor([[5]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     scores, _ = cls(budget=3, window=1, mix_lambda=0.0).score(obs)
     candidates = [0, 1, 2, 4, 5]  # valid slots except the window (slot 6)
     want = -red if cls is RKV else -red / red[candidates].max()
@@ -404,8 +459,12 @@ def test_redundancy_retain_direction_and_threshold(threshold, direction):
     rowsum = cos.sum(1)
     np.testing.assert_allclose(rowsum, ROWSUMS[threshold, direction], atol=1e-12)
     red = softmax(rowsum / 7)
-    got = key_redundancy(torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
-                         torch.ones(1, 1, 7, dtype=torch.bool), threshold, retain_direction=direction)
+    got = key_redundancy(
+        torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
+        torch.ones(1, 1, 7, dtype=torch.bool),
+        threshold,
+        retain_direction=direction,
+    )
     np.testing.assert_allclose(got[0, 0].numpy(), red, rtol=1e-5, atol=1e-7)
     if threshold == 0.5:  # which copy of e0 survives (is least redundant)
         survivor, oldest_penalised = (5, 1) if direction == "last" else (1, 5)
@@ -424,21 +483,35 @@ def test_redundancy_three_copies():
     keys[[30, 45]] = keys[10].clone()
     keys, valid = keys.view(1, 1, n, n), torch.ones(1, 1, n, dtype=torch.bool)
     copies = [10, 30, 45]
-    for direction, pairs, rowsums in [("last", {10: 45, 30: 45, 45: 30}, [2, 1, 0]),
-                                      ("first_vllm", {10: 30, 30: 10, 45: 10}, [0, 1, 2])]:
-        red, pick = key_redundancy_update(keys, torch.arange(n).view(1, 1, n), torch.full((1, 1, n), float("nan")),
-                                          retain_direction=direction)
+    for direction, pairs, rowsums in [
+        ("last", {10: 45, 30: 45, 45: 30}, [2, 1, 0]),
+        ("first_vllm", {10: 30, 30: 10, 45: 10}, [0, 1, 2]),
+    ]:
+        red, pick = key_redundancy_update(
+            keys, torch.arange(n).view(1, 1, n), torch.full((1, 1, n), float("nan")), retain_direction=direction
+        )
         assert {m: int(pick[0, 0, m]) for m in copies} == pairs  # each column's zeroed row
         assert (pick[0, 0, [m for m in range(n) if m not in copies]] == -1).all()
         # every non-copy slot has row sum 0: log(red_m / red_0) · N is slot m's row sum
-        np.testing.assert_allclose((red[0, 0].log() - red[0, 0, 0].log()).numpy() * n,
-                                   [rowsums[copies.index(m)] if m in copies else 0 for m in range(n)], atol=1e-4)
+        np.testing.assert_allclose(
+            (red[0, 0].log() - red[0, 0, 0].log()).numpy() * n,
+            [rowsums[copies.index(m)] if m in copies else 0 for m in range(n)],
+            atol=1e-4,
+        )
         torch.testing.assert_close(key_redundancy(keys, valid, retain_direction=direction), red)
-    obs = Observation(keys=keys, values=keys, queries=torch.ones(1, 1, 1, n), key_pos=torch.arange(n).view(1, 1, n),
-                      query_pos=torch.tensor([[n - 1]]), state=None, layer=0, scaling=0.5)
+    obs = Observation(
+        keys=keys,
+        values=keys,
+        queries=torch.ones(1, 1, 1, n),
+        key_pos=torch.arange(n).view(1, 1, n),
+        query_pos=torch.tensor([[n - 1]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     want = softmax(np.array([2.0 if m == 10 else 1.0 if m == 30 else 0.0 for m in range(n)]) / n)
     scores, _ = GKV(budget=8, window=1, mix_lambda=0.0).score(obs)  # -R ÷ max over the candidates
-    np.testing.assert_allclose(scores[0, 0, :n - 1].numpy(), -want[:n - 1] / want[:n - 1].max(), rtol=1e-5)
+    np.testing.assert_allclose(scores[0, 0, : n - 1].numpy(), -want[: n - 1] / want[: n - 1].max(), rtol=1e-5)
 
 
 # R-KV's cal_similarity by hand, on keys k0 = k1 = e0, k2 = 0.3 e0 + e2, k3 = e1, k4 = e0 + e1
@@ -470,8 +543,16 @@ def test_rkv_retain_directions_by_hand(direction, fallback):
     want = softmax(np.array(HAND_COLSUMS[direction, fallback]) / 5)
     got = key_redundancy(keys, torch.ones(1, 1, 5, dtype=torch.bool), retain_direction=direction, fallback=fallback)
     np.testing.assert_allclose(got[0, 0].numpy(), want, rtol=1e-5)
-    obs = Observation(keys=keys, values=keys, queries=torch.ones(1, 1, 1, 3), key_pos=torch.arange(5).view(1, 1, 5),
-                      query_pos=torch.tensor([[4]]), state=None, layer=0, scaling=0.5)
+    obs = Observation(
+        keys=keys,
+        values=keys,
+        queries=torch.ones(1, 1, 1, 3),
+        key_pos=torch.arange(5).view(1, 1, 5),
+        query_pos=torch.tensor([[4]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     scores, _ = RKV(budget=3, window=1, mix_lambda=0.0, retain_direction=direction, fallback=fallback).score(obs)
     np.testing.assert_allclose(scores[0, 0, :4].numpy(), -want[:4], rtol=1e-5)
 
@@ -508,8 +589,16 @@ def test_rkv_token0_fallback(threshold):
     assert change > 0.006  # the old claim's bound
     assert change == pytest.approx(0.0155 if threshold == 0.5 else 0.236, abs=0.001)
     torch.testing.assert_close(plain[1:] / plain[1:].sum(), quirk[1:] / quirk[1:].sum())  # only token 0 moves
-    obs = Observation(keys=keys, values=keys, queries=queries, key_pos=torch.arange(n).view(1, 1, n),
-                      query_pos=torch.arange(n - w, n).view(1, w), state=None, layer=0, scaling=d ** -0.5)
+    obs = Observation(
+        keys=keys,
+        values=keys,
+        queries=queries,
+        key_pos=torch.arange(n).view(1, 1, n),
+        query_pos=torch.arange(n - w, n).view(1, w),
+        state=None,
+        layer=0,
+        scaling=d**-0.5,
+    )
     kept = []
     for fallback in (False, True):
         policy = RKV(budget=16, window=w, threshold=threshold, fallback=fallback)
@@ -519,9 +608,16 @@ def test_rkv_token0_fallback(threshold):
 
 def copies_obs():
     keys, _ = copies_keys()
-    return Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), values=torch.zeros(1, 1, 7, 4),
-                       queries=torch.ones(1, 1, 1, 4), key_pos=torch.arange(7).view(1, 1, 7),
-                       query_pos=torch.tensor([[6]]), state=None, layer=0, scaling=0.5)
+    return Observation(
+        keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
+        values=torch.zeros(1, 1, 7, 4),
+        queries=torch.ones(1, 1, 1, 4),
+        key_pos=torch.arange(7).view(1, 1, 7),
+        query_pos=torch.tensor([[6]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
 
 
 @pytest.mark.parametrize("threshold,direction", sorted(ZEROED))
@@ -540,12 +636,21 @@ def test_gkv_without_score_cache():
     """score_cache=False (the reference without --enable_score_cache, its "R-KV" recipe):
     λ·maxpool(S) − (1−λ)·R with S and R unnormalised and no smoothing; the state is ignored."""
     lam, scale = 0.1, 0.5
-    keys = np.array([[1.0, 0, 0, 0], [0.6, 0.8, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0.6, 0.8, 0],
-                     [0, 0, 0, 1], [0.5, 0.5, 0.5, 0.5]])
+    keys = np.array(
+        [
+            [1.0, 0, 0, 0],
+            [0.6, 0.8, 0, 0],
+            [0, 1, 0, 0],
+            [0, 0, 1, 0],
+            [0, 0.6, 0.8, 0],
+            [0, 0, 0, 1],
+            [0.5, 0.5, 0.5, 0.5],
+        ]
+    )
     queries = np.array([[[1.0, 0.5, -0.5, 0.0]], [[-0.5, 1.0, 0.0, 0.5]]])  # [Hq = 2, W = 1, D]
     # S: softmax per query head over all 7 keys, max over the 2 heads, the window slot 6 dropped
     s = np.max([softmax(keys @ q[0] * scale) for q in queries], axis=0)[:6]
-    pooled = np.array([s[max(0, i - 1):i + 2].max() for i in range(6)])  # max_pool1d(3) over candidates
+    pooled = np.array([s[max(0, i - 1) : i + 2].max() for i in range(6)])  # max_pool1d(3) over candidates
     cos = (keys / np.linalg.norm(keys, axis=1, keepdims=True)) @ (keys / np.linalg.norm(keys, axis=1, keepdims=True)).T
     np.fill_diagonal(cos, 0.0)
     # Near-duplicates (cos > 0.5): (0, 1) 0.6, (1, 2) 0.8, (1, 6) 0.7, (2, 4) 0.6, (3, 4) 0.8,
@@ -557,10 +662,16 @@ def test_gkv_without_score_cache():
     red = softmax(cos.sum(1) / 7)[:6]
     want = lam * pooled - (1 - lam) * red
     policy = GKV(budget=4, window=1, mix_lambda=lam, kernel_size=3, score_cache=False)
-    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4), values=torch.zeros(1, 1, 7, 4),
-                      queries=torch.tensor(queries, dtype=torch.float32).view(1, 2, 1, 4),
-                      key_pos=torch.arange(7).view(1, 1, 7), query_pos=torch.tensor([[6]]),
-                      state=None, layer=0, scaling=scale)
+    obs = Observation(
+        keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, 7, 4),
+        values=torch.zeros(1, 1, 7, 4),
+        queries=torch.tensor(queries, dtype=torch.float32).view(1, 2, 1, 4),
+        key_pos=torch.arange(7).view(1, 1, 7),
+        query_pos=torch.tensor([[6]]),
+        state=None,
+        layer=0,
+        scaling=scale,
+    )
     scores, state = policy.score(obs)
     np.testing.assert_allclose(scores[0, 0, :6].numpy(), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(state[0, 0, :6, 0].numpy(), s, rtol=1e-5)  # F = S, unnormalised
@@ -594,32 +705,40 @@ def test_gkv_snapkv_setting_is_the_references_snapkv():
     settings = gkv_snapkv_settings()
     assert settings, "no G-KV SnapKV setting found in README.md, docs/ or recipes/"
     rng = np.random.default_rng(3)
-    h, g, n, w, d, scale = 2, 2, 24, 4, 8, 8 ** -0.5
+    h, g, n, w, d, scale = 2, 2, 24, 4, 8, 8**-0.5
     keys, queries = rng.standard_normal((h, n, d)), 2 * rng.standard_normal((h * g, w, d))
     causal = np.arange(n)[None, :] <= np.arange(n - w, n)[:, None]  # [w, n]
     want = []
     for kv in range(h):
-        probs = [[softmax(row) for row in np.where(causal, queries[kv * g + j] @ keys[kv].T * scale, -np.inf)]
-                 for j in range(g)]
-        s = np.max(probs, axis=0)[:, :n - w].mean(0)
-        want.append([s[max(0, i - 2):i + 3].max() for i in range(n - w)])
+        probs = [
+            [softmax(row) for row in np.where(causal, queries[kv * g + j] @ keys[kv].T * scale, -np.inf)]
+            for j in range(g)
+        ]
+        s = np.max(probs, axis=0)[:, : n - w].mean(0)
+        want.append([s[max(0, i - 2) : i + 3].max() for i in range(n - w)])
     want = np.array(want)
-    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32)[None], values=torch.zeros(1, h, n, d),
-                      queries=torch.tensor(queries, dtype=torch.float32)[None],
-                      key_pos=torch.arange(n).expand(1, h, n), query_pos=torch.arange(n - w, n)[None],
-                      state=None, layer=0, scaling=scale)
+    obs = Observation(
+        keys=torch.tensor(keys, dtype=torch.float32)[None],
+        values=torch.zeros(1, h, n, d),
+        queries=torch.tensor(queries, dtype=torch.float32)[None],
+        key_pos=torch.arange(n).expand(1, h, n),
+        query_pos=torch.arange(n - w, n)[None],
+        state=None,
+        layer=0,
+        scaling=scale,
+    )
     budget = 12
-    best = -np.sort(-want, axis=1)[:, :budget - w]  # max pooling ties neighbours: compare kept scores
+    best = -np.sort(-want, axis=1)[:, : budget - w]  # max pooling ties neighbours: compare kept scores
     for text in settings:
         kwargs = {k: v for k, v in yaml.safe_load(text).items() if k != "policy"}
         policy = make_policy("gkv", budget=budget, window=w, **kwargs)
-        scores = policy.score(obs)[0][0, :, :n - w].numpy()
+        scores = policy.score(obs)[0][0, :, : n - w].numpy()
         np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-7, err_msg=text)
         keep = policy.select(obs, policy.score(obs)[0]).keep[0]
         kept = [sorted(set(keep[kv].tolist()) - set(range(n - w, n))) for kv in range(h)]
         np.testing.assert_array_equal([-np.sort(-want[kv, kept[kv]]) for kv in range(h)], best, err_msg=text)
     unpooled = GKV(budget=budget, window=w, score_cache=False, mix_lambda=1.0)
-    assert not np.allclose(unpooled.score(obs)[0][0, :, :n - w].numpy(), want)  # the line without kernel_size
+    assert not np.allclose(unpooled.score(obs)[0][0, :, : n - w].numpy(), want)  # the line without kernel_size
 
 
 def test_gkv_without_normalisation():
@@ -646,15 +765,21 @@ def test_rkv_importance():
     rng = np.random.default_rng(0)
     n, w, d = 12, 2, 4
     keys, queries = rng.standard_normal((n, d)), rng.standard_normal((2, w, d))
-    logits = np.max(queries @ keys[:n - w].T * 0.5, axis=0)  # [w, candidates]
+    logits = np.max(queries @ keys[: n - w].T * 0.5, axis=0)  # [w, candidates]
     attn = np.mean([softmax(row) for row in logits], axis=0)
-    pooled = np.array([attn[max(0, i - 3):i + 4].max() for i in range(n - w)])
-    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, n, d), values=torch.zeros(1, 1, n, d),
-                      queries=torch.tensor(queries, dtype=torch.float32).view(1, 2, w, d),
-                      key_pos=torch.arange(n).view(1, 1, n), query_pos=torch.arange(n - w, n).view(1, w),
-                      state=None, layer=0, scaling=0.5)
+    pooled = np.array([attn[max(0, i - 3) : i + 4].max() for i in range(n - w)])
+    obs = Observation(
+        keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, n, d),
+        values=torch.zeros(1, 1, n, d),
+        queries=torch.tensor(queries, dtype=torch.float32).view(1, 2, w, d),
+        key_pos=torch.arange(n).view(1, 1, n),
+        query_pos=torch.arange(n - w, n).view(1, w),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     scores, _ = RKV(budget=6, window=w, mix_lambda=1.0).score(obs)
-    np.testing.assert_allclose(scores[0, 0, :n - w].numpy(), pooled, rtol=1e-5)
+    np.testing.assert_allclose(scores[0, 0, : n - w].numpy(), pooled, rtol=1e-5)
 
 
 def test_h2o_accumulates_across_two_evictions():
@@ -665,11 +790,16 @@ def test_h2o_accumulates_across_two_evictions():
 
     def observation(pos, state, q_from):
         qpos = np.arange(q_from, q_from + interval)
-        return Observation(keys=torch.tensor(keys[pos], dtype=torch.float32).view(1, 1, -1, d),
-                           values=torch.zeros(1, 1, len(pos), d),
-                           queries=torch.tensor(queries[:, qpos], dtype=torch.float32).view(1, g, interval, d),
-                           key_pos=torch.tensor(pos).view(1, 1, -1), query_pos=torch.tensor(qpos).view(1, -1),
-                           state=state, layer=0, scaling=d ** -0.5)
+        return Observation(
+            keys=torch.tensor(keys[pos], dtype=torch.float32).view(1, 1, -1, d),
+            values=torch.zeros(1, 1, len(pos), d),
+            queries=torch.tensor(queries[:, qpos], dtype=torch.float32).view(1, g, interval, d),
+            key_pos=torch.tensor(pos).view(1, 1, -1),
+            query_pos=torch.tensor(qpos).view(1, -1),
+            state=state,
+            layer=0,
+            scaling=d**-0.5,
+        )
 
     # eviction 1 right after prefill (generated = 0): the last `interval` prompt queries
     assert should_evict(0, prompt, policy, prompt)
@@ -690,14 +820,16 @@ def test_h2o_accumulates_across_two_evictions():
     for qp in range(prompt - interval, prompt + interval):
         cache = pos1 if qp < prompt else pos2
         seen = [p for p in cache if p <= qp]
-        probs = np.mean([softmax(keys[seen] @ queries[h, qp] * d ** -0.5) for h in range(g)], axis=0)
+        probs = np.mean([softmax(keys[seen] @ queries[h, qp] * d**-0.5) for h in range(g)], axis=0)
         for p, a in zip(seen, probs):
             acc[p] += a
     np.testing.assert_allclose(scores2[0, 0].numpy(), [acc[p] for p in pos2], rtol=1e-5)
 
 
-@pytest.mark.parametrize("feature,block", [("max", 0), ("min", 1), ("sum", 2), ("last16", 3), ("last8", 4),
-                                           ("last32", 5), ("cumsum", 6), ("decayed", 7)])
+@pytest.mark.parametrize(
+    "feature,block",
+    [("max", 0), ("min", 1), ("sum", 2), ("last16", 3), ("last8", 4), ("last32", 5), ("cumsum", 6), ("decayed", 7)],
+)
 def test_learned_scorer_features(feature, block):
     """ForesightKV's feature layout [k ‖ v ‖ 8 blocks of G]: wire one feature of query head
     g = 1 straight through the MLP (eviction = GELU(feature)) and compare with NumPy."""
@@ -715,15 +847,28 @@ def test_learned_scorer_features(feature, block):
     qpos = np.arange(n - w, n)
     attn = np.zeros((w, n))  # query head 1, causal softmax over the whole cache
     for i, qp in enumerate(qpos):
-        attn[i, :qp + 1] = softmax(keys[:qp + 1] @ queries[1, i] * 0.5)
+        attn[i, : qp + 1] = softmax(keys[: qp + 1] @ queries[1, i] * 0.5)
     old = np.nan_to_num(state)
-    want = {"max": attn.max(0), "min": attn.min(0), "sum": attn.sum(0), "last16": attn[-16:].sum(0),
-            "last8": attn[-8:].sum(0), "last32": attn[-32:].sum(0), "cumsum": old[:, 1] + attn.sum(0),
-            "decayed": 0.9 * old[:, g + 1] + attn.sum(0)}[feature]
-    obs = Observation(keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, n, d), values=torch.zeros(1, 1, n, d),
-                      queries=torch.tensor(queries, dtype=torch.float32).view(1, g, w, d),
-                      key_pos=torch.arange(n).view(1, 1, n), query_pos=torch.tensor(qpos).view(1, w),
-                      state=torch.tensor(state, dtype=torch.float32).view(1, 1, n, 2 * g), layer=0, scaling=0.5)
+    want = {
+        "max": attn.max(0),
+        "min": attn.min(0),
+        "sum": attn.sum(0),
+        "last16": attn[-16:].sum(0),
+        "last8": attn[-8:].sum(0),
+        "last32": attn[-32:].sum(0),
+        "cumsum": old[:, 1] + attn.sum(0),
+        "decayed": 0.9 * old[:, g + 1] + attn.sum(0),
+    }[feature]
+    obs = Observation(
+        keys=torch.tensor(keys, dtype=torch.float32).view(1, 1, n, d),
+        values=torch.zeros(1, 1, n, d),
+        queries=torch.tensor(queries, dtype=torch.float32).view(1, g, w, d),
+        key_pos=torch.arange(n).view(1, 1, n),
+        query_pos=torch.tensor(qpos).view(1, w),
+        state=torch.tensor(state, dtype=torch.float32).view(1, 1, n, 2 * g),
+        layer=0,
+        scaling=0.5,
+    )
     scores, new_state = policy.score(obs)
     gelu = 0.5 * want * (1 + np.vectorize(math.erf)(want / math.sqrt(2)))
     np.testing.assert_allclose(-scores[0, 0].detach().numpy(), gelu, rtol=1e-5, atol=1e-7)
@@ -734,9 +879,16 @@ def test_learned_scorer_features(feature, block):
 def test_streaming_keeps_sink_and_recent():
     policy = StreamingLLM(budget=8, sink=4, window=2)
     key_pos = torch.tensor([-1, -1] + list(range(18))).view(1, 1, 20)
-    obs = Observation(keys=torch.randn(1, 1, 20, 4), values=torch.randn(1, 1, 20, 4),
-                      queries=torch.randn(1, 1, 2, 4), key_pos=key_pos, query_pos=torch.tensor([[16, 17]]),
-                      state=None, layer=0, scaling=0.5)
+    obs = Observation(
+        keys=torch.randn(1, 1, 20, 4),
+        values=torch.randn(1, 1, 20, 4),
+        queries=torch.randn(1, 1, 2, 4),
+        key_pos=key_pos,
+        query_pos=torch.tensor([[16, 17]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     keep = policy.select(obs, policy.score(obs)[0]).keep
     assert key_pos[0, 0, keep[0, 0]].tolist() == [0, 1, 2, 3, 14, 15, 16, 17]
 
@@ -778,8 +930,25 @@ def test_ratio_mode_schedule_by_hand():
 
     policy = StreamingLLM(budget=6, interval=4, window=2, sink=1, budget_ratio=0.5)
     prompt = 10
-    want = {10: 6, 11: 7, 12: 8, 13: 9, 14: 7, 15: 8, 16: 9, 17: 10, 18: 9, 19: 10, 20: 11, 21: 12,
-            22: 11, 23: 12, 24: 13, 25: 14, 26: 13}
+    want = {
+        10: 6,
+        11: 7,
+        12: 8,
+        13: 9,
+        14: 7,
+        15: 8,
+        16: 9,
+        17: 10,
+        18: 9,
+        19: 10,
+        20: 11,
+        21: 12,
+        22: 11,
+        23: 12,
+        24: 13,
+        25: 14,
+        26: 13,
+    }
     n, got, cuts = prompt, {}, []
     for m in range(prompt, 27):  # the forward that brings the true length to m wrote one token (prefill: 10)
         if m > prompt:
@@ -787,9 +956,16 @@ def test_ratio_mode_schedule_by_hand():
         if should_evict(m - prompt, n, policy, m):
             key_pos = torch.arange(m - n, m)  # StreamingLLM keeps the newest: contiguous after a cut...
             key_pos[0] = 0  # ... but the sink
-            obs = Observation(keys=torch.randn(1, 1, n, 4), values=torch.randn(1, 1, n, 4),
-                              queries=torch.randn(1, 1, 2, 4), key_pos=key_pos.view(1, 1, n),
-                              query_pos=torch.tensor([[m - 2, m - 1]]), state=None, layer=0, scaling=0.5)
+            obs = Observation(
+                keys=torch.randn(1, 1, n, 4),
+                values=torch.randn(1, 1, n, 4),
+                queries=torch.randn(1, 1, 2, 4),
+                key_pos=key_pos.view(1, 1, n),
+                query_pos=torch.tensor([[m - 2, m - 1]]),
+                state=None,
+                layer=0,
+                scaling=0.5,
+            )
             sel = policy.select(obs, policy.score(obs)[0])
             assert sel.count.tolist() == [sel.keep.shape[-1]]
             cuts.append((m, key_pos[sel.keep[0, 0]].tolist()))
@@ -815,8 +991,9 @@ def test_schedule_of_many_rows_at_once(ratio):
     assert clen.tolist() == [cache_len_after(a, p, policy) for a, p in zip(m.tolist(), prompt.tolist())]
     due = should_evict(m - prompt, clen + 1, policy, m)
     assert due.dtype == torch.bool and due.any() and not due.all()
-    assert due.tolist() == [bool(should_evict(a - p, c + 1, policy, a))
-                            for a, p, c in zip(m.tolist(), prompt.tolist(), clen.tolist())]
+    assert due.tolist() == [
+        bool(should_evict(a - p, c + 1, policy, a)) for a, p, c in zip(m.tolist(), prompt.tolist(), clen.tolist())
+    ]
 
 
 def test_ratio_mode_rows_of_a_batch_keep_their_own_budget():
@@ -824,9 +1001,16 @@ def test_ratio_mode_rows_of_a_batch_keep_their_own_budget():
     keeps 6: its keep is filled up to K = 7 with a slot it does not keep."""
     policy = StreamingLLM(budget=6, window=2, sink=1, budget_ratio=0.5)
     key_pos = torch.stack([torch.arange(14), torch.tensor([-1] * 4 + list(range(10)))]).view(2, 1, 14)
-    obs = Observation(keys=torch.randn(2, 1, 14, 4), values=torch.randn(2, 1, 14, 4),
-                      queries=torch.randn(2, 1, 2, 4), key_pos=key_pos,
-                      query_pos=torch.tensor([[12, 13], [8, 9]]), state=None, layer=0, scaling=0.5)
+    obs = Observation(
+        keys=torch.randn(2, 1, 14, 4),
+        values=torch.randn(2, 1, 14, 4),
+        queries=torch.randn(2, 1, 2, 4),
+        key_pos=key_pos,
+        query_pos=torch.tensor([[12, 13], [8, 9]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     for sample in (False, True):
         sel = policy.select(obs, policy.score(obs)[0], sample=sample, generator=torch.Generator().manual_seed(0))
         assert sel.keep.shape == (2, 1, 7) and sel.count.tolist() == [7, 6]
@@ -849,15 +1033,30 @@ def test_gkv_ratio_budget_counts_each_rows_own_length():
     policy = GKV(budget=8, window=w, budget_ratio=0.5)
     key_pos = torch.stack([torch.arange(n), torch.tensor([-1] * 16 + list(range(24)))]).view(2, 1, n)
     g = torch.Generator().manual_seed(0)
-    obs = Observation(keys=torch.randn(2, 1, n, 8, generator=g), values=torch.randn(2, 1, n, 8, generator=g),
-                      queries=torch.randn(2, 2, w, 8, generator=g), key_pos=key_pos,
-                      query_pos=torch.tensor([[36, 37, 38, 39], [20, 21, 22, 23]]), state=None, layer=0, scaling=0.5)
+    obs = Observation(
+        keys=torch.randn(2, 1, n, 8, generator=g),
+        values=torch.randn(2, 1, n, 8, generator=g),
+        queries=torch.randn(2, 2, w, 8, generator=g),
+        key_pos=key_pos,
+        query_pos=torch.tensor([[36, 37, 38, 39], [20, 21, 22, 23]]),
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     sel = policy.select(obs, policy.score(obs)[0])
     assert sel.count.tolist() == [20, 12]  # G-KV: [20, 20]
     short = key_pos[1, 0, sel.keep[1, 0, :12]]
     assert (short >= 0).all() and short[-w:].tolist() == [20, 21, 22, 23]
-    alone = Observation(keys=obs.keys[1:, :, 16:], values=obs.values[1:, :, 16:], queries=obs.queries[1:],
-                        key_pos=key_pos[1:, :, 16:], query_pos=obs.query_pos[1:], state=None, layer=0, scaling=0.5)
+    alone = Observation(
+        keys=obs.keys[1:, :, 16:],
+        values=obs.values[1:, :, 16:],
+        queries=obs.queries[1:],
+        key_pos=key_pos[1:, :, 16:],
+        query_pos=obs.query_pos[1:],
+        state=None,
+        layer=0,
+        scaling=0.5,
+    )
     sel_alone = policy.select(alone, policy.score(alone)[0])
     assert sel_alone.count.tolist() == [12]
     assert alone.key_pos[0, 0, sel_alone.keep[0, 0]].tolist() == short.tolist()  # as if alone
@@ -940,19 +1139,22 @@ def test_window_is_sink_recent_on_every_head():
         Static(death).death(8, 2)
 
 
-@pytest.mark.parametrize("build,param", [
-    (lambda: H2O(budget=8, window=8), "budget"),
-    (lambda: GKV(budget=20, window=16, sink=4), "budget"),
-    (lambda: RKV(budget=64, interval=0), "interval"),
-    (lambda: GKV(budget=64, mode="median"), "mode"),
-    (lambda: GKV(budget=64, threshold=-0.1), "threshold"),
-    (lambda: RKV(budget=64, threshold=1.5), "threshold"),
-    (lambda: RKV(budget=64, retain_direction="middle"), "retain_direction"),
-    (lambda: make_policy("snapkv", budget=64, kernel_size=4), "kernel_size"),
-    (lambda: make_policy("learned", budget=200, group=0, head_dim=8, layers=1, kv_heads=1), "group"),
-    (lambda: HeadAllocation(gates=torch.ones(2, 4), sparsity=1.5, layers=2, kv_heads=4), "sparsity"),
-    (lambda: make_policy("lru", budget=64), "streaming, h2o, snapkv, rkv, gkv, learned"),
-])
+@pytest.mark.parametrize(
+    "build,param",
+    [
+        (lambda: H2O(budget=8, window=8), "budget"),
+        (lambda: GKV(budget=20, window=16, sink=4), "budget"),
+        (lambda: RKV(budget=64, interval=0), "interval"),
+        (lambda: GKV(budget=64, mode="median"), "mode"),
+        (lambda: GKV(budget=64, threshold=-0.1), "threshold"),
+        (lambda: RKV(budget=64, threshold=1.5), "threshold"),
+        (lambda: RKV(budget=64, retain_direction="middle"), "retain_direction"),
+        (lambda: make_policy("snapkv", budget=64, kernel_size=4), "kernel_size"),
+        (lambda: make_policy("learned", budget=200, group=0, head_dim=8, layers=1, kv_heads=1), "group"),
+        (lambda: HeadAllocation(gates=torch.ones(2, 4), sparsity=1.5, layers=2, kv_heads=4), "sparsity"),
+        (lambda: make_policy("lru", budget=64), "streaming, h2o, snapkv, rkv, gkv, learned"),
+    ],
+)
 def test_bad_parameters_name_the_parameter(build, param):
     with pytest.raises(ValueError, match=param):
         build()
@@ -979,9 +1181,16 @@ def test_plackett_luce_logprob_brute_force():
 
     rows = 4000
     policy = StreamingLLM(budget=4, sink=1, window=1)
-    obs = Observation(keys=torch.zeros(rows, 1, 6, 1), values=torch.zeros(rows, 1, 6, 1),
-                      queries=torch.zeros(rows, 1, 1, 1), key_pos=torch.arange(6).expand(rows, 1, 6),
-                      query_pos=torch.full((rows, 1), 5), state=None, layer=0, scaling=1.0)
+    obs = Observation(
+        keys=torch.zeros(rows, 1, 6, 1),
+        values=torch.zeros(rows, 1, 6, 1),
+        queries=torch.zeros(rows, 1, 1, 1),
+        key_pos=torch.arange(6).expand(rows, 1, 6),
+        query_pos=torch.full((rows, 1), 5),
+        state=None,
+        layer=0,
+        scaling=1.0,
+    )
     sel = policy.select(obs, scores.expand(rows, 1, 6), sample=True, generator=torch.Generator().manual_seed(0))
     drawn = [tuple(r) for r in sel.evicted[:, 0].tolist()]
     for pair, p in prob.items():

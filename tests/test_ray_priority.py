@@ -42,7 +42,6 @@ def test_a_joined_cluster_gets_the_niceness_through_the_job_runtime_env(monkeypa
     assert seen["address"] == "auto" and seen["runtime_env"] == {"env_vars": {"RAY_worker_niceness": "5"}}
 
 
-
 def test_niceness_never_stops_a_resume():
     """A priority changes no result: a checkpoint saved before the knob existed, or with
     another niceness, resumes."""

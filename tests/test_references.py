@@ -27,11 +27,18 @@ def forbidden(text: str) -> list[tuple[int, str, str]]:
 
 def sources() -> list[Path]:
     """The package, docs, recipes, tests, benchmarks, launchers and the project's own files."""
-    files = [ROOT / name for name in ("README.md", "CHANGELOG.md", "CONTRIBUTING.md", "setup.cfg",
-                                      "pyproject.toml", ".ci/run")]
-    for folder, patterns in {"kvrl": ("*.py", "*.json", "*.cpp"), "docs": ("*.md",), "recipes": ("*.yaml",),
-                             "tests": ("*.py",), "benchmarks": ("*.py", "*.md"),
-                             "launch": ("*.sh", "*.yaml", "*.sbatch")}.items():
+    files = [
+        ROOT / name
+        for name in ("README.md", "CHANGELOG.md", "CONTRIBUTING.md", "setup.cfg", "pyproject.toml", ".ci/run")
+    ]
+    for folder, patterns in {
+        "kvrl": ("*.py", "*.json", "*.cpp"),
+        "docs": ("*.md",),
+        "recipes": ("*.yaml",),
+        "tests": ("*.py",),
+        "benchmarks": ("*.py", "*.md"),
+        "launch": ("*.sh", "*.yaml", "*.sbatch"),
+    }.items():
         files += [p for pattern in patterns for p in (ROOT / folder).rglob(pattern)]
     return sorted(p for p in files if p.is_file() and p != Path(__file__).resolve())
 
@@ -41,15 +48,22 @@ def test_the_checker_finds_a_planted_reference():
     assert {what for _, what, _ in forbidden(planted)} == set(FORBIDDEN)
     assert [m for _, _, m in forbidden("x\nthe recipe of seed 004")] == ["seed 004"]
     # what a reader can follow stays allowed: paths, anchors, colours, commits, item lists
-    clean = ("kvrl/kernels/reference/mixed.py, docs/results.md#the-main-job, color='#1f77b4', "
-             "microsoft/G-KV@6db3b2e, seed 0, step #, [link](#anchor-2)")
+    clean = (
+        "kvrl/kernels/reference/mixed.py, docs/results.md#the-main-job, color='#1f77b4', "
+        "microsoft/G-KV@6db3b2e, seed 0, step #, [link](#anchor-2)"
+    )
     assert forbidden(clean) == []
 
 
 def test_no_reference_a_reader_cannot_follow():
-    hits = [f"{p.relative_to(ROOT)}:{line}: {what} ({match!r})"
-            for p in sources() for line, what, match in forbidden(p.read_text(errors="replace"))]
-    assert not hits, "references a user cannot follow (cite the paper or repository@commit instead):\n" + "\n".join(hits)
+    hits = [
+        f"{p.relative_to(ROOT)}:{line}: {what} ({match!r})"
+        for p in sources()
+        for line, what, match in forbidden(p.read_text(errors="replace"))
+    ]
+    assert not hits, "references a user cannot follow (cite the paper or repository@commit instead):\n" + "\n".join(
+        hits
+    )
 
 
 # ---- links ------------------------------------------------------------------------------------
@@ -90,8 +104,17 @@ def broken_links(page: Path) -> list[str]:
 
 
 def pages() -> list[Path]:
-    return [p for p in [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "CONTRIBUTING.md",
-                        ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.exists()]
+    return [
+        p
+        for p in [
+            ROOT / "README.md",
+            ROOT / "CHANGELOG.md",
+            ROOT / "CONTRIBUTING.md",
+            ROOT / "benchmarks" / "README.md",
+            *sorted((ROOT / "docs").glob("*.md")),
+        ]
+        if p.exists()
+    ]
 
 
 def test_every_link_of_the_readme_and_the_docs_resolves():
@@ -103,8 +126,10 @@ def test_every_link_of_the_readme_and_the_docs_resolves():
 def test_the_link_check_sees_a_broken_link(tmp_path):
     (tmp_path / "other.md").write_text("# Other page\n\n## The replay: memory, time\n")
     page = tmp_path / "page.md"
-    page.write_text("# Page\n[ok](other.md) [ok](other.md#the-replay-memory-time) [ok](#page) "
-                    "[ok](https://arxiv.org/abs/2512.00504)\n"
-                    "[gone](missing.md) [no anchor](other.md#nowhere) [bad](https://) \n"
-                    "```\n[in code](ignored.md)\n```\n")
+    page.write_text(
+        "# Page\n[ok](other.md) [ok](other.md#the-replay-memory-time) [ok](#page) "
+        "[ok](https://arxiv.org/abs/2512.00504)\n"
+        "[gone](missing.md) [no anchor](other.md#nowhere) [bad](https://) \n"
+        "```\n[in code](ignored.md)\n```\n"
+    )
     assert broken_links(page) == ["missing.md", "other.md#nowhere", "https://"]

@@ -106,9 +106,15 @@ class OverflowingRewardEnv(DigitsEnv):
 def ray_local(tmp_path_factory):
     # the rollout actors build this module's environments to score their samples: they must import it
     here = str(Path(__file__).parent)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}},
+    )
     yield
     ray.shutdown()
 
@@ -124,11 +130,24 @@ def random_model(tmp_path_factory):
 
 
 def config(out, model, *overrides):
-    return load_config([
-        "recipe=tiny_rl_full", f"model.path={model}", f"env.id={__name__}:DigitsEnv", f"output_dir={out}",
-        "sampling.max_new_tokens=12", "sampling.batch_size=8", f"trainer.steps={STEPS}", "trainer.batch_size=16",
-        "trainer.lr=1e-2", "rl.group_size=4", "rl.truncated=keep", "rl.checkpoint_every=0",
-        "workers.timeout_s=300", *overrides])
+    return load_config(
+        [
+            "recipe=tiny_rl_full",
+            f"model.path={model}",
+            f"env.id={__name__}:DigitsEnv",
+            f"output_dir={out}",
+            "sampling.max_new_tokens=12",
+            "sampling.batch_size=8",
+            f"trainer.steps={STEPS}",
+            "trainer.batch_size=16",
+            "trainer.lr=1e-2",
+            "rl.group_size=4",
+            "rl.truncated=keep",
+            "rl.checkpoint_every=0",
+            "workers.timeout_s=300",
+            *overrides,
+        ]
+    )
 
 
 def train(cfg, controller_cls=Controller, **kwargs):
@@ -173,8 +192,21 @@ def test_metrics_versions_and_learning(reference, random_model):
         assert r["staleness_max"] == 0 and r["samples"] == 16 and r["kv_retention"] == 1.0
         assert r["mismatch_max"] < 1e-5  # fp32 on CPU: rollout and learner logprobs agree
         assert r["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # on-policy: ratios are 1
-        for key in ("reward_mean", "reward_std", "env/digits", "adv_mean", "adv_std", "gen_tokens_per_s",
-                    "step_s", "loss", "grad_norm", "entropy", "clip_frac", "truncated", "restarts"):
+        for key in (
+            "reward_mean",
+            "reward_std",
+            "env/digits",
+            "adv_mean",
+            "adv_std",
+            "gen_tokens_per_s",
+            "step_s",
+            "loss",
+            "grad_norm",
+            "entropy",
+            "clip_frac",
+            "truncated",
+            "restarts",
+        ):
             assert np.isfinite(r[key]), key
     assert records[-1]["samples_total"] == 16 * STEPS
     rewards = [r["reward_mean"] for r in records]
@@ -202,8 +234,19 @@ def test_eval_takes_a_run_directory_as_its_model(reference, random_model, tmp_pa
     assert saved.keys() == trained.keys() and all(torch.equal(trained[k], v) for k, v in saved.items())
     base = load_model(random_model)[0].state_dict()
     assert any(not torch.equal(trained[k], base[k]) for k in base), "the base model's weights were loaded"
-    assert run_main(["recipe=tiny_eval", f"model.path={run}", "eval.policies=[full]", "env.num_eval_tasks=2",
-                     "sampling.max_new_tokens=8", f"output_dir={tmp_path / 'eval'}"]) == 0
+    assert (
+        run_main(
+            [
+                "recipe=tiny_eval",
+                f"model.path={run}",
+                "eval.policies=[full]",
+                "env.num_eval_tasks=2",
+                "sampling.max_new_tokens=8",
+                f"output_dir={tmp_path / 'eval'}",
+            ]
+        )
+        == 0
+    )
     assert f"Weights: {folder}." in (tmp_path / "eval" / "report.md").read_text()
 
 
@@ -270,10 +313,14 @@ def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
     assert len(seen) == 2 * 16 and set(seen) == workers and os.getpid() not in workers
 
 
-@pytest.mark.parametrize("env, error", [
-    ("NanRewardEnv", "reward function 'judge' returned nan \\(float\\) for task 'digits-"),
-    ("OverflowingRewardEnv", "the rewards of task 'digits-.*' sum to inf \\(1 x judge 1e\\+308, 1 x judge_again"),
-], ids=["nan", "sum_overflows"])
+@pytest.mark.parametrize(
+    "env, error",
+    [
+        ("NanRewardEnv", "reward function 'judge' returned nan \\(float\\) for task 'digits-"),
+        ("OverflowingRewardEnv", "the rewards of task 'digits-.*' sum to inf \\(1 x judge 1e\\+308, 1 x judge_again"),
+    ],
+    ids=["nan", "sum_overflows"],
+)
 def test_a_nan_reward_stops_the_run_before_any_update(random_model, tmp_path, env, error):
     """The rollout actor that scores it names the environment, the reward function and the task;
     nothing is trained, logged or checkpointed (before: step 1 trained on NaN, or on rewards finite one by one
@@ -295,8 +342,11 @@ class NanAdvantages(Controller):
 
 def test_non_finite_updates_are_skipped_and_stop_the_run_after_max_in_a_row(random_model, tmp_path, capsys):
     cfg = config(tmp_path, random_model, "trainer.steps=3", "rl.checkpoint_every=1", "trainer.max_nonfinite_steps=2")
-    with pytest.raises(FloatingPointError, match=r"2 updates in a row \(to step 2\) had a non-finite loss or "
-                                                 r"gradient norm(.|\n)*rerun the same command to continue it .*resume=auto"):
+    with pytest.raises(
+        FloatingPointError,
+        match=r"2 updates in a row \(to step 2\) had a non-finite loss or "
+        r"gradient norm(.|\n)*rerun the same command to continue it .*resume=auto",
+    ):
         train(cfg, NanAdvantages)
     assert "step 1: skipped the update" in capsys.readouterr().out
 
@@ -304,8 +354,10 @@ def test_non_finite_updates_are_skipped_and_stop_the_run_after_max_in_a_row(rand
         raise AssertionError(f"metrics.jsonl holds {name}: not standard JSON")
 
     rows = [json.loads(line, parse_constant=refuse) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["skipped"], r["loss"], r["grad_norm"]) for r in rows] == [(1, 1.0, None, None),
-                                                                                     (2, 1.0, None, None)]
+    assert [(r["step"], r["skipped"], r["loss"], r["grad_norm"]) for r in rows] == [
+        (1, 1.0, None, None),
+        (2, 1.0, None, None),
+    ]
     # step 1 was checkpointed with the untouched (finite) weights; the run stopped before step 2's
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_000001"]
     start = load_file(str(Path(random_model) / "model.safetensors"))
@@ -329,8 +381,19 @@ def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(ran
     out = HFEngine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=0))
 
     def samples(advantage):
-        return [Sample(f"0/{b}/0", out.prompt_ids[b], out.tokens[b], out.logprobs[b], out.finish_reasons[b],
-                       out.texts[b], 0, advantage=advantage) for b in range(4)]
+        return [
+            Sample(
+                f"0/{b}/0",
+                out.prompt_ids[b],
+                out.tokens[b],
+                out.logprobs[b],
+                out.finish_reasons[b],
+                out.texts[b],
+                0,
+                advantage=advantage,
+            )
+            for b in range(4)
+        ]
 
     before = {k: v.clone() for k, v in learner.engine.model.state_dict().items()}
     metrics = learner.step(samples(float("nan")), sum(len(t) for t in out.tokens))
@@ -357,9 +420,12 @@ def test_a_dead_learner_ends_the_run_saying_that_resume_continues_it(random_mode
 
     controller = Controller(config(tmp_path, random_model, "trainer.steps=2"), on_dispatch=kill)
     try:
-        with pytest.raises(RuntimeError, match=r"an actor of the run died after 1 steps \(.*\); the run stops: rerun the "
-                                               r"same command to continue it from its newest intact checkpoint in "
-                                               r".*checkpoints \(resume=auto") as info:
+        with pytest.raises(
+            RuntimeError,
+            match=r"an actor of the run died after 1 steps \(.*\); the run stops: rerun the "
+            r"same command to continue it from its newest intact checkpoint in "
+            r".*checkpoints \(resume=auto",
+        ) as info:
             controller.run()
     finally:
         controller.close()
@@ -436,8 +502,7 @@ def test_killed_rollout_actor_in_async_mode_repeats_the_uninterrupted_run(random
         if step in (2, 4):
             ray.kill(controller.workers[0], no_restart=False)
 
-    records, params = train(config(tmp_path / "killed", random_model, "rl.async_steps=1"),
-                            on_dispatch=kill_worker_0)
+    records, params = train(config(tmp_path / "killed", random_model, "rl.async_steps=1"), on_dispatch=kill_worker_0)
     assert [r.pop("restarts") for r in records] == [0, 1, 1, 2, 2, 2]
     same_metrics(records, [{k: v for k, v in r.items() if k != "restarts"} for r in ref_records])
     same_params(params, ref_params, atol=0.0, mean_atol=0.0)
@@ -459,9 +524,16 @@ def test_micro_batches_and_checkpointing_equal_the_whole_step(reference, random_
     the same run as the reference up to float32 summation order."""
     _, ref_records, ref_params = reference
     steps = STEPS if backend == "ddp" else 3
-    records, params = train(config(tmp_path, random_model, "trainer.micro_batch_tokens=64",
-                                   "trainer.gradient_checkpointing=true", f"workers.backend={backend}",
-                                   f"trainer.steps={steps}"))
+    records, params = train(
+        config(
+            tmp_path,
+            random_model,
+            "trainer.micro_batch_tokens=64",
+            "trainer.gradient_checkpointing=true",
+            f"workers.backend={backend}",
+            f"trainer.steps={steps}",
+        )
+    )
     assert all(r["micro_batches"] >= 4 for r in records) and ref_records[0]["micro_batches"] == 1
     same_metrics(records, ref_records[:steps], tol=1e-4, skip=("micro_batches",))
     if backend == "ddp":
@@ -486,8 +558,16 @@ def test_vllm_rollout_workers_get_every_update(reference, random_model, tmp_path
     pushed after each update are the ones vLLM generates with: behaviour logprobs equal the
     learner's recomputation (a stale or partial push would show up as a mismatch)."""
     pytest.importorskip("vllm")
-    records, params = train(config(tmp_path, random_model, "workers.engine=vllm", "trainer.steps=3",
-                                   "workers.rollout=1", "sampling.temperature=1.0"))
+    records, params = train(
+        config(
+            tmp_path,
+            random_model,
+            "workers.engine=vllm",
+            "trainer.steps=3",
+            "workers.rollout=1",
+            "sampling.temperature=1.0",
+        )
+    )
     assert [r["policy_version"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["mismatch_max"] < 1e-4 and r["ratio_max"] == pytest.approx(1.0, abs=1e-4), r
@@ -503,8 +583,15 @@ def test_inline_actors_repeat_the_ray_run_in_this_process(reference, random_mode
     records, params = train(config(tmp_path / "a", random_model, "workers.address=inline"))
     same_metrics(records, ref_records)
     same_params(params, ref_params)
-    controller = ScoredWhere(config(tmp_path / "b", random_model, "workers.address=inline",
-                                    f"env.id={__name__}:WhereScoredEnv", "trainer.steps=1"))
+    controller = ScoredWhere(
+        config(
+            tmp_path / "b",
+            random_model,
+            "workers.address=inline",
+            f"env.id={__name__}:WhereScoredEnv",
+            "trainer.steps=1",
+        )
+    )
     try:
         controller.run()
     finally:
@@ -516,8 +603,7 @@ def test_inline_one_step_ahead_generates_before_the_update(random_model, tmp_pat
     """rl.async_steps=1 inline: a call runs when it is made, so step t+1's samples are generated
     before step t's update, with the old weights (a call deferred to its get() would generate
     after it: staleness 0 and ratios of 1)."""
-    records, _ = train(config(tmp_path, random_model, "workers.address=inline", "rl.async_steps=1",
-                              "trainer.steps=3"))
+    records, _ = train(config(tmp_path, random_model, "workers.address=inline", "rl.async_steps=1", "trainer.steps=3"))
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
     assert max(r["ratio_max"] for r in records[1:]) > 1.0 + 1e-4
 
@@ -542,8 +628,9 @@ def test_inline_rollout_time_is_the_time_the_shards_took(random_model, tmp_path)
     (not the instant between dispatch and collection), so gen_tokens_per_s is the rate the
     workers generated at. Each of the 16 samples a step scores waits SLOW_S: the rollout
     takes at least 16 · SLOW_S."""
-    records, _ = train(config(tmp_path, random_model, "workers.address=inline", f"env.id={__name__}:SlowEnv",
-                              "trainer.steps=2"))
+    records, _ = train(
+        config(tmp_path, random_model, "workers.address=inline", f"env.id={__name__}:SlowEnv", "trainer.steps=2")
+    )
     for r in records:
         assert r["rollout_s"] >= 16 * SLOW_S, r
         assert r["gen_tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["rollout_s"])
@@ -612,8 +699,13 @@ def test_inline_actors_print_to_their_log_not_the_console(tmp_path):
     (the console is left to kvrl's own lines), as a Ray actor's goes to Ray's log files. In a
     child process: pytest's capture replaces the streams that the redirection works below."""
     log = tmp_path / "actors.log"
-    res = subprocess.run([sys.executable, "-c", NOISY, str(log)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = subprocess.run(
+        [sys.executable, "-c", NOISY, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "quiet" not in res.stdout + res.stderr and "kvrl line" in res.stdout
     assert "loud print start" in res.stdout and "loud fd2 start" in res.stderr, "without a log, the console"
@@ -676,8 +768,19 @@ def test_collated_traces_replay_the_rollouts(random_model):
     for call, new in enumerate((10, 16)):
         prompts = [make_chain_task(rng, ChainSpec(4, 8, 1, 3))["prompt"] for _ in range(3)]
         out = engine.generate(prompts, Sampling(max_new_tokens=new, temperature=1.0, seed=call), policy=policy)
-        samples += [Sample(f"{call}/{b}", out.prompt_ids[b], out.tokens[b], out.logprobs[b], out.finish_reasons[b],
-                           out.texts[b], 0, out.trace(b)) for b in range(3)]
+        samples += [
+            Sample(
+                f"{call}/{b}",
+                out.prompt_ids[b],
+                out.tokens[b],
+                out.logprobs[b],
+                out.finish_reasons[b],
+                out.texts[b],
+                0,
+                out.trace(b),
+            )
+            for b in range(3)
+        ]
     batch = collate(samples, 1.0, "cpu")
     assert batch.trace is not None and (batch.trace.retention() < 1).any()
     with torch.no_grad():
@@ -704,8 +807,19 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
     out = HFEngine(model, tok, stop_ids=[stop]).generate(prompts, Sampling(max_new_tokens=12))
     stopped = [b for b, r in enumerate(out.finish_reasons) if r == "stop"]
     assert stopped and all(out.tokens[b][-1] == stop for b in stopped)
-    samples = [Sample(f"0/{b}/0", out.prompt_ids[b], out.tokens[b], out.logprobs[b], out.finish_reasons[b],
-                      out.texts[b], 0, advantage=1.0) for b in range(4)]
+    samples = [
+        Sample(
+            f"0/{b}/0",
+            out.prompt_ids[b],
+            out.tokens[b],
+            out.logprobs[b],
+            out.finish_reasons[b],
+            out.texts[b],
+            0,
+            advantage=1.0,
+        )
+        for b in range(4)
+    ]
     algo = make_algo(config(tmp_path, random_model, "sampling.temperature=1.0"))  # greedy logprobs are at T=1
     model.train()
     engine = HFEngine(model, tok)
@@ -751,16 +865,31 @@ def test_rl_learns_to_stop(tmp_path):
     assert out.finish_reasons == ["stop"] * 16
     model.set_attn_implementation("sdpa")
     with torch.no_grad():  # the final hidden state where it stops, averaged: lower the stop logit along it
-        h = torch.stack([model(input_ids=torch.tensor([p + t]), output_hidden_states=True).hidden_states[-1][0, -2]
-                         for p, t in zip(out.prompt_ids, out.tokens)]).mean(0)
+        h = torch.stack(
+            [
+                model(input_ids=torch.tensor([p + t]), output_hidden_states=True).hidden_states[-1][0, -2]
+                for p, t in zip(out.prompt_ids, out.tokens)
+            ]
+        ).mean(0)
         model.lm_head.weight[tok.eos_token_id] -= 21.0 * h / h.norm() ** 2
     path = tmp_path / "rambler"
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    cfg = load_config(["recipe=tiny_rl_full", f"model.path={path}", f"output_dir={tmp_path / 'run'}",
-                       "env.kwargs.overlong_penalty=1.0", "sampling.temperature=1.0", "sampling.max_new_tokens=80",
-                       "trainer.steps=12", "trainer.batch_size=64", "rl.truncated=keep", "rl.checkpoint_every=0",
-                       "workers.timeout_s=300"])
+    cfg = load_config(
+        [
+            "recipe=tiny_rl_full",
+            f"model.path={path}",
+            f"output_dir={tmp_path / 'run'}",
+            "env.kwargs.overlong_penalty=1.0",
+            "sampling.temperature=1.0",
+            "sampling.max_new_tokens=80",
+            "trainer.steps=12",
+            "trainer.batch_size=64",
+            "rl.truncated=keep",
+            "rl.checkpoint_every=0",
+            "workers.timeout_s=300",
+        ]
+    )
     records, _ = train(cfg)
     first, last = records[:3], records[-3:]
     length = [np.mean([r["completion_len"] for r in part]) for part in (first, last)]
@@ -788,8 +917,19 @@ def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     assert len(params) == len(list(model.parameters())) and algo.ref.model is not model
     engine = HFEngine(model, tok)
     out = engine.generate(["1 ; 2 ; ?", "3 ; ?"], Sampling(max_new_tokens=6, temperature=1.0))
-    samples = [Sample(str(b), out.prompt_ids[b], out.tokens[b], out.logprobs[b], out.finish_reasons[b],
-                      out.texts[b], 0, advantage=1.0) for b in range(2)]
+    samples = [
+        Sample(
+            str(b),
+            out.prompt_ids[b],
+            out.tokens[b],
+            out.logprobs[b],
+            out.finish_reasons[b],
+            out.texts[b],
+            0,
+            advantage=1.0,
+        )
+        for b in range(2)
+    ]
     batch = collate(samples, 12.0, "cpu")
     _, _, metrics = algo.loss(engine, batch)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -854,12 +994,15 @@ def test_a_run_whose_groups_never_differ_warns_that_it_learns_nothing(random_mod
     """Before: a run whose every group had one reward (advantages all 0) trained silently to the end."""
     from kvrl.workers.controller import ZERO_SPREAD_STEPS
 
-    records, _ = train(config(tmp_path, random_model, f"env.id={__name__}:NoSignalEnv",
-                              f"trainer.steps={ZERO_SPREAD_STEPS + 1}"))
+    records, _ = train(
+        config(tmp_path, random_model, f"env.id={__name__}:NoSignalEnv", f"trainer.steps={ZERO_SPREAD_STEPS + 1}")
+    )
     assert all(r["zero_std_groups"] == 1.0 and r["adv_abs_mean"] == 0.0 for r in records)
     err = capsys.readouterr().err
     assert err.count("kvrl: warning:") == 1, err  # once, not at every step after
-    assert (f"kvrl: warning: for {ZERO_SPREAD_STEPS} steps in a row (to step {ZERO_SPREAD_STEPS}) every group of "
-            "rl.group_size=4 samples got one reward for all its samples (zero_std_groups 1.0, reward_mean 0.000): the "
-            "advantages are all 0 and the run is learning nothing") in err, err
+    assert (
+        f"kvrl: warning: for {ZERO_SPREAD_STEPS} steps in a row (to step {ZERO_SPREAD_STEPS}) every group of "
+        "rl.group_size=4 samples got one reward for all its samples (zero_std_groups 1.0, reward_mean 0.000): the "
+        "advantages are all 0 and the run is learning nothing"
+    ) in err, err
     assert "the model solves none of the tasks: make them easier" in err and "check_env(env, tokenizer=...)" in err

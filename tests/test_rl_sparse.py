@@ -38,11 +38,23 @@ def rollout_batch(engine, cfg, algo, n=4, seed=0):
     env = make(cfg.env.id, **cfg.env.kwargs)
     env.reset(seed=seed)
     prompts = [t.prompt for t in env.tasks(n)]
-    out = engine.generate(prompts, Sampling(40, temperature=cfg.sampling.temperature, seed=seed),
-                          policy=algo.rollout_policy(engine.model))
-    samples = [Sample(id=str(b), prompt_ids=out.prompt_ids[b], tokens=out.tokens[b], logprobs=out.logprobs[b],
-                      finish_reason=out.finish_reasons[b], text=out.texts[b], version=0, trace=out.trace(b),
-                      advantage=float(b % 2) - 0.5) for b in range(n)]
+    out = engine.generate(
+        prompts, Sampling(40, temperature=cfg.sampling.temperature, seed=seed), policy=algo.rollout_policy(engine.model)
+    )
+    samples = [
+        Sample(
+            id=str(b),
+            prompt_ids=out.prompt_ids[b],
+            tokens=out.tokens[b],
+            logprobs=out.logprobs[b],
+            finish_reason=out.finish_reasons[b],
+            text=out.texts[b],
+            version=0,
+            trace=out.trace(b),
+            advantage=float(b % 2) - 0.5,
+        )
+        for b in range(n)
+    ]
     return collate(samples, sum(len(s.tokens) for s in samples), engine.device)
 
 
@@ -92,12 +104,11 @@ def test_distill_loss_is_the_soft_target_kl(engine, T, policy):
     loss, scores, metrics = algo.loss(engine, batch)
     # reference: both distributions scored at T directly (no re-tempering), torch's KL
     with torch.no_grad():
-        student = engine.score(batch.sequences, batch.prompt_lens, trace=batch.trace, temperature=T,
-                               distributions=True)
+        student = engine.score(batch.sequences, batch.prompt_lens, trace=batch.trace, temperature=T, distributions=True)
         teacher = engine.score(batch.sequences, batch.prompt_lens, temperature=T, distributions=True)
     on = student.mask.bool()
     kl = F.kl_div(student.distributions[on], teacher.distributions[on], log_target=True, reduction="sum")
-    assert loss.item() == pytest.approx(T ** 2 * kl.item() / batch.num_items, rel=1e-4)
+    assert loss.item() == pytest.approx(T**2 * kl.item() / batch.num_items, rel=1e-4)
     assert loss.item() > 1e-4 and metrics["tokens"] == int(on.sum())
     # the same sequences seen with the full cache: the student is the teacher
     batch.trace.death.fill_(batch.trace.never)
@@ -127,13 +138,20 @@ def test_distill_steps_reduce_the_kl(engine, policy):
     assert kls[-1] < 0.7 * kls[0], kls
 
 
-@pytest.mark.parametrize("recipe, arg, fix", [
-    ("tiny_gkv_sparse", "kv.policy=full", "set kv.policy=gkv"),
-    ("tiny_gkv_sparse", "kv.budget=0", "set kv.budget=64"),
-    ("tiny_gkv_distill", "kv.policy=full", "distill trains under the eviction it is served with (G-KV's: gkv), "
-                                           "but kv.policy='full' keeps every token; set kv.policy=gkv"),
-    ("tiny_gkv_distill", "rl.kl_coef=0.1", "set rl.kl_coef=0"),
-])
+@pytest.mark.parametrize(
+    "recipe, arg, fix",
+    [
+        ("tiny_gkv_sparse", "kv.policy=full", "set kv.policy=gkv"),
+        ("tiny_gkv_sparse", "kv.budget=0", "set kv.budget=64"),
+        (
+            "tiny_gkv_distill",
+            "kv.policy=full",
+            "distill trains under the eviction it is served with (G-KV's: gkv), "
+            "but kv.policy='full' keeps every token; set kv.policy=gkv",
+        ),
+        ("tiny_gkv_distill", "rl.kl_coef=0.1", "set rl.kl_coef=0"),
+    ],
+)
 def test_bad_settings_name_the_fix(recipe, arg, fix):
     # the algorithms' rules are the config gate's (kvrl/algos/*_config.py), stated once
     with pytest.raises(ConfigError, match=re.escape(fix)):
@@ -142,8 +160,13 @@ def test_bad_settings_name_the_fix(recipe, arg, fix):
 
 @pytest.mark.parametrize("recipe", ["gkv_r1_qwen_7b", "gkv_r1_llama_8b", "tiny_gkv_sparse", "tiny_gkv_distill"])
 def test_recipes_pass_the_dry_run(recipe):
-    run = subprocess.run([sys.executable, "-m", "kvrl.run", f"recipe={recipe}", "dry_run=true"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvrl.run", f"recipe={recipe}", "dry_run=true"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "gkv" in run.stdout.split("KV cache")[1]  # the plan prices the G-KV cache
 
@@ -156,14 +179,31 @@ def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, tmp_path_factory):
 
     from kvrl.jobs.rl import main as train
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))  # short: socket paths <= 107 bytes
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )  # short: socket paths <= 107 bytes
     try:
         runs = {}
         for name, extra in {"zero2": [], "ddp": ["workers.learners=1", "workers.backend=ddp"]}.items():
             out = tmp_path / name
-            train(load_config(["recipe=tiny_gkv_sparse", "trainer.steps=2", "trainer.batch_size=32",
-                               "sampling.batch_size=16", f"output_dir={out}", "workers.timeout_s=300", *extra]))
+            train(
+                load_config(
+                    [
+                        "recipe=tiny_gkv_sparse",
+                        "trainer.steps=2",
+                        "trainer.batch_size=32",
+                        "sampling.batch_size=16",
+                        f"output_dir={out}",
+                        "workers.timeout_s=300",
+                        *extra,
+                    ]
+                )
+            )
             runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     finally:
         ray.shutdown()
@@ -187,9 +227,12 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
 
     model, tok = engine.model, engine.tokenizer
     cfg = model.config
-    policy = {"full": lambda: Full(), "window": lambda: Static(Window.of(cfg, 4, 24)),
-              "mixed": lambda: Mixed(torch.full((cfg.num_hidden_layers, cfg.num_key_value_heads), 0.5), 4, 24),
-              "gkv": lambda: RLSparse(load_config(["recipe=tiny_gkv_sparse", *SMALL])).rollout_policy(model)}[regime]()
+    policy = {
+        "full": lambda: Full(),
+        "window": lambda: Static(Window.of(cfg, 4, 24)),
+        "mixed": lambda: Mixed(torch.full((cfg.num_hidden_layers, cfg.num_key_value_heads), 0.5), 4, 24),
+        "gkv": lambda: RLSparse(load_config(["recipe=tiny_gkv_sparse", *SMALL])).rollout_policy(model),
+    }[regime]()
     env = make("kvrl/counts-v0")
     env.reset(seed=3)
     prompts = [t.prompt for t in env.tasks(6)]
@@ -199,9 +242,20 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
     out = HFEngine(model, tok, stop_ids=[stop]).generate(prompts, sampling, policy=policy)
     stopped = [b for b, r in enumerate(out.finish_reasons) if r == "stop"]
     assert stopped and all(out.tokens[b][-1] == stop for b in stopped)
-    samples = [Sample(str(b), out.prompt_ids[b], out.tokens[b], out.logprobs[b], out.finish_reasons[b], out.texts[b],
-                      0, trace=None if out.traces is None else out.trace(b), advantage=(b % 3) - 1.0)
-               for b in range(len(prompts))]
+    samples = [
+        Sample(
+            str(b),
+            out.prompt_ids[b],
+            out.tokens[b],
+            out.logprobs[b],
+            out.finish_reasons[b],
+            out.texts[b],
+            0,
+            trace=None if out.traces is None else out.trace(b),
+            advantage=(b % 3) - 1.0,
+        )
+        for b in range(len(prompts))
+    ]
     batch = collate(samples, sum(len(s.tokens) for s in samples), "cpu")
     scores = engine.score(batch.sequences, batch.prompt_lens, policy=policy, trace=batch.trace, temperature=1.0)
     logprobs = scores.logprobs.detach().requires_grad_(True)
@@ -228,11 +282,26 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
 
     from kvrl.jobs.rl import main as train
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
     try:
-        train(load_config(["recipe=tiny_gkv_sparse", "trainer.steps=10", f"output_dir={tmp_path}",
-                           "rl.checkpoint_every=0", "workers.timeout_s=300"]))
+        train(
+            load_config(
+                [
+                    "recipe=tiny_gkv_sparse",
+                    "trainer.steps=10",
+                    f"output_dir={tmp_path}",
+                    "rl.checkpoint_every=0",
+                    "workers.timeout_s=300",
+                ]
+            )
+        )
     finally:
         ray.shutdown()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -262,11 +331,24 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     from kvrl.models.tiny import load_model
     from kvrl.policies import make_policy
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
     try:
-        cfg = load_config(["recipe=tiny_gkv_distill", "trainer.steps=10", f"output_dir={tmp_path}",
-                           "rl.checkpoint_every=0", "workers.timeout_s=300"])
+        cfg = load_config(
+            [
+                "recipe=tiny_gkv_distill",
+                "trainer.steps=10",
+                f"output_dir={tmp_path}",
+                "rl.checkpoint_every=0",
+                "workers.timeout_s=300",
+            ]
+        )
         train(cfg)
     finally:
         ray.shutdown()
@@ -280,7 +362,14 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     acc = {}
     for name, path in (("untrained", "tiny"), ("distill", str(tmp_path / "model"))):
         model, tok = load_model(path)
-        policy = make_policy("gkv", model.config, budget=cfg.kv.budget, interval=cfg.kv.interval,
-                             window=cfg.kv.window, sink=cfg.kv.sink, **cfg.kv.kwargs)
+        policy = make_policy(
+            "gkv",
+            model.config,
+            budget=cfg.kv.budget,
+            interval=cfg.kv.interval,
+            window=cfg.kv.window,
+            sink=cfg.kv.sink,
+            **cfg.kv.kwargs,
+        )
         acc[name] = evaluate(HFEngine(model.eval(), tok), env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
     assert acc["distill"] >= acc["untrained"] - 0.1, acc

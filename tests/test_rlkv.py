@@ -73,8 +73,17 @@ def unpadded_reference(model, seq, prompt_len, mixed):
     try:
         cache, lps = DynamicCache(config=model.config), []
         for t in range(len(seq) - 1):
-            logits = model(input_ids=torch.tensor([[seq[t]]]), position_ids=torch.tensor([[t]]),
-                           past_key_values=cache, use_cache=True, kvrl_mixed=mixed).logits[0, -1].float()
+            logits = (
+                model(
+                    input_ids=torch.tensor([[seq[t]]]),
+                    position_ids=torch.tensor([[t]]),
+                    past_key_values=cache,
+                    use_cache=True,
+                    kvrl_mixed=mixed,
+                )
+                .logits[0, -1]
+                .float()
+            )
             if t + 1 >= prompt_len:
                 lps.append(logits.log_softmax(-1)[seq[t + 1]].item())
         return lps
@@ -89,8 +98,8 @@ def test_score_under_mixed_gates_matches_the_unpadded_decode(engine):
     scores = engine.score(seqs, plen, policy=mixed)
     for b, (s, p) in enumerate(zip(seqs, plen)):
         ref = torch.tensor(unpadded_reference(engine.model, s, p, mixed))
-        torch.testing.assert_close(scores.logprobs[b, :len(ref)], ref, atol=2e-5, rtol=0)
-        assert not scores.mask[b, len(ref):].any()
+        torch.testing.assert_close(scores.logprobs[b, : len(ref)], ref, atol=2e-5, rtol=0)
+        assert not scores.mask[b, len(ref) :].any()
 
 
 @torch.no_grad()
@@ -99,8 +108,12 @@ def test_mixed_gates_at_one_and_zero_are_full_and_sink_recent(engine):
     static pattern HeadAllocation deploys): one window definition for training and inference."""
     seqs, plen = sequences(engine, seed=2)
     full = engine.score(seqs, plen)
-    torch.testing.assert_close(engine.score(seqs, plen, policy=Mixed(torch.ones(4, 2), sink=3, recent=7)).logprobs,
-                               full.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        engine.score(seqs, plen, policy=Mixed(torch.ones(4, 2), sink=3, recent=7)).logprobs,
+        full.logprobs,
+        atol=1e-5,
+        rtol=0,
+    )
     window = HeadAllocation(gates=torch.zeros(4, 2), sparsity=1.0, layers=4, kv_heads=2, sink=3, recent=7)
     closed = engine.score(seqs, plen, policy=Mixed(torch.zeros(4, 2), sink=3, recent=7)).logprobs
     torch.testing.assert_close(closed, engine.score(seqs, plen, policy=window).logprobs, atol=1e-5, rtol=0)
@@ -133,12 +146,24 @@ def test_gradients_reach_only_the_gates(engine):
         p.requires_grad_(True)
     with torch.no_grad():
         algo.gates.copy_(torch.tensor([[1.3, 0.6], [-0.2, 0.4], [0.8, 0.1], [0.5, 0.9]]))
-    out = engine.generate(["3 1 4 1 5 ;", "9 2 6 ;", "5 3 5 8 9 7 ;", "2 ;"],
-                          Sampling(max_new_tokens=8, temperature=1.0, seed=3))
+    out = engine.generate(
+        ["3 1 4 1 5 ;", "9 2 6 ;", "5 3 5 8 9 7 ;", "2 ;"], Sampling(max_new_tokens=8, temperature=1.0, seed=3)
+    )
     rewards = [1.0, 0.0, 1.0, 1.0]
-    samples = [Sample(id=f"0/{b // 2}/{b % 2}", prompt_ids=out.prompt_ids[b], tokens=out.tokens[b],
-                      logprobs=out.logprobs[b], finish_reason=out.finish_reasons[b], text=out.texts[b], version=0,
-                      reward=r, advantage=a) for b, (r, a) in enumerate(zip(rewards, [0.7, -0.7, 0.0, 0.0]))]
+    samples = [
+        Sample(
+            id=f"0/{b // 2}/{b % 2}",
+            prompt_ids=out.prompt_ids[b],
+            tokens=out.tokens[b],
+            logprobs=out.logprobs[b],
+            finish_reason=out.finish_reasons[b],
+            text=out.texts[b],
+            version=0,
+            reward=r,
+            advantage=a,
+        )
+        for b, (r, a) in enumerate(zip(rewards, [0.7, -0.7, 0.0, 0.0]))
+    ]
     batch = collate(samples, sum(len(s.tokens) for s in samples), "cpu")
     loss, scores, metrics = algo.loss(engine, batch)
     # clamped to [0, 1] before the update, as the reference does
@@ -205,10 +230,11 @@ def test_export_roundtrip_and_ranking(tmp_path):
     assert order[:3] == [0, 1, 6]  # highest gates first; equal gates: the higher flat index first
     # sparsity s compresses exactly the last round(s·L·H) heads of the ranking
     for s in (0.25, 0.5, 0.75):
-        alloc = head_allocation(tmp_path, s, type("C", (), {"num_hidden_layers": 4, "num_key_value_heads": 2}),
-                                sink=4, recent=12)
+        alloc = head_allocation(
+            tmp_path, s, type("C", (), {"num_hidden_layers": 4, "num_key_value_heads": 2}), sink=4, recent=12
+        )
         n = int(s * 8 + 0.5)
-        assert sorted(alloc.compressed_mask().flatten().nonzero().flatten().tolist()) == sorted(order[8 - n:])
+        assert sorted(alloc.compressed_mask().flatten().nonzero().flatten().tolist()) == sorted(order[8 - n :])
     with pytest.raises(FileNotFoundError, match="an rlkv run's output_dir"):
         load_gates(tmp_path / "missing")
 
@@ -233,15 +259,23 @@ def test_self_distill_job_keeps_solved_tasks_that_the_rl_env_serves(tmp_path):
     counts task's reward."""
     from kvrl.jobs.self_distill import main
 
-    cfg = load_config(["recipe=tiny_self_distill", f"output_dir={tmp_path}", "workers.engine=hf",
-                       "self_distill.candidates=24", "sampling.batch_size=24"])
+    cfg = load_config(
+        [
+            "recipe=tiny_self_distill",
+            f"output_dir={tmp_path}",
+            "workers.engine=hf",
+            "self_distill.candidates=24",
+            "sampling.batch_size=24",
+        ]
+    )
     summary = main(cfg)
     rows = [json.loads(line) for line in (tmp_path / "tasks.jsonl").read_text().splitlines()]
     assert summary["kept"] == len(rows) > 0 and summary["candidates"] == 24
     edges = cfg.self_distill.edges
     assert all(edges[r["bucket"]] <= r["output_len"] < edges[r["bucket"] + 1] for r in rows)
-    assert [b["kept"] for b in summary["buckets"]] == [min(b["solved"], c) for b, c in
-                                                      zip(summary["buckets"], cfg.self_distill.counts)]
+    assert [b["kept"] for b in summary["buckets"]] == [
+        min(b["solved"], c) for b, c in zip(summary["buckets"], cfg.self_distill.counts)
+    ]
     env = SelfDistilledEnv(str(tmp_path / "tasks.jsonl"), env="kvrl/counts-v0")
     first, _ = env.reset(seed=0)  # an episode's task comes from the same cursor as tasks()
     tasks = [first] + env.tasks(len(rows) - 1)
@@ -254,8 +288,10 @@ def test_self_distilled_tasks_are_read_when_drawn(tmp_path):
     """The task set is read lazily, as a data file of kvrl/math-v0 is: the data set
     holds where each row is, not the rows; its digest is the one a list of its tasks gives (a
     resume of a run that read it eagerly still matches); a malformed row names file:line."""
-    rows = [{"id": f"t{i}", "prompt": f"{i} ; ?", "answer": str(i), "meta": {"digits": [i]}, "output_len": 3,
-             "bucket": 0} for i in range(5)]
+    rows = [
+        {"id": f"t{i}", "prompt": f"{i} ; ?", "answer": str(i), "meta": {"digits": [i]}, "output_len": 3, "bucket": 0}
+        for i in range(5)
+    ]
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = SelfDistilledEnv(str(path), env="kvrl/counts-v0")
@@ -278,8 +314,13 @@ def test_cluster_recipes_resolve_and_dry_run(recipe):
     assert (cfg.job, cfg.rl.algo, cfg.workers.engine) == ("rlkv", "rlkv", "vllm")
     assert (cfg.trainer.lr, cfg.rl.group_size, cfg.trainer.batch_size) == (1e-2, 4, 32 * 4)  # 32 queries x 4
     assert (cfg.rlkv.sink, cfg.rlkv.recent, cfg.rlkv.eval_sink, cfg.rlkv.eval_recent) == (128, 256, 16, 64)
-    run = subprocess.run([sys.executable, "-m", "kvrl.run", f"recipe={recipe}", "dry_run=true"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "kvrl.run", f"recipe={recipe}", "dry_run=true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert cfg.model.path in run.stdout and "KV cache" in run.stdout
 
@@ -304,11 +345,23 @@ def test_tiny_rlkv_loop_pushes_gates_and_exports(tmp_path, tmp_path_factory):
     pytest.importorskip("vllm")
     from kvrl.jobs.rlkv import main
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024**2,
-             log_to_driver=False, _temp_dir=str(tmp_path_factory.mktemp("ray")))  # short: Ray's socket paths
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=256 * 1024**2,
+        log_to_driver=False,
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )  # short: Ray's socket paths
     try:
-        cfg = rlkv_config(f"output_dir={tmp_path / 'run'}", "trainer.steps=3", "trainer.batch_size=16",
-                          "sampling.batch_size=16", "trainer.lr=0.2", "workers.timeout_s=300")
+        cfg = rlkv_config(
+            f"output_dir={tmp_path / 'run'}",
+            "trainer.steps=3",
+            "trainer.batch_size=16",
+            "sampling.batch_size=16",
+            "trainer.lr=0.2",
+            "workers.timeout_s=300",
+        )
         main(cfg)
     finally:
         ray.shutdown()
@@ -343,9 +396,18 @@ def test_eval_job_reallocates_heads_in_both_engines(tmp_path, capsys):
         export_gates(gates, tmp_path / name, sink=4, recent=12)
         for engine in ("hf", "vllm"):
             out = tmp_path / f"{name}-{engine}"
-            args = ["recipe=tiny_eval", "env.num_eval_tasks=16", "sampling.max_new_tokens=64", f"output_dir={out}",
-                    "eval.policies=[rlkv]", f"eval.settings.rlkv.run={tmp_path / name}", "eval.settings.rlkv.sink=4",
-                    "eval.settings.rlkv.recent=12", "eval.settings.rlkv.sparsities=[0.5]", f"workers.engine={engine}"]
+            args = [
+                "recipe=tiny_eval",
+                "env.num_eval_tasks=16",
+                "sampling.max_new_tokens=64",
+                f"output_dir={out}",
+                "eval.policies=[rlkv]",
+                f"eval.settings.rlkv.run={tmp_path / name}",
+                "eval.settings.rlkv.sink=4",
+                "eval.settings.rlkv.recent=12",
+                "eval.settings.rlkv.sparsities=[0.5]",
+                f"workers.engine={engine}",
+            ]
             assert main(args) == 0
             rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
             assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("rlkv", "s=0.5")]

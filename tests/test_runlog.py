@@ -9,8 +9,17 @@ import sys
 
 import pytest
 
-from kvrl.runlog import (OutputLock, RunLog, atomic, config_changes, damage, intact_checkpoint, mark_latest, seal,
-                         trained_model)
+from kvrl.runlog import (
+    OutputLock,
+    RunLog,
+    atomic,
+    config_changes,
+    damage,
+    intact_checkpoint,
+    mark_latest,
+    seal,
+    trained_model,
+)
 
 
 def test_metrics_trim_and_a_torn_last_line(tmp_path):
@@ -76,11 +85,16 @@ def test_a_full_disk_under_torch_save_names_the_file(failure, tmp_path, monkeypa
             pytest.skip("no /dev/full")
         writer = lambda obj, f, *a, **k: real(obj, "/dev/full", *a, **k)  # noqa: E731
     else:
+
         def writer(obj, f, *a, **k):
             raise RuntimeError("basic_ios::clear: iostream error")
+
     monkeypatch.setattr(torch, "save", writer)
-    with pytest.raises(OSError, match=r"writing .*learner\.pt failed \(torch\.save: .*\), which is how it reports "
-                                      r"a full disk \(\d+ MiB free on .*\): free space there .*resume=auto") as info:
+    with pytest.raises(
+        OSError,
+        match=r"writing .*learner\.pt failed \(torch\.save: .*\), which is how it reports "
+        r"a full disk \(\d+ MiB free on .*\): free space there .*resume=auto",
+    ) as info:
         save_torch({"w": torch.zeros(4096)}, tmp_path / "learner.pt")
     assert info.value.errno == errno.ENOSPC and list(tmp_path.iterdir()) == []
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
@@ -143,6 +157,7 @@ def test_unsealed_checkpoints_and_bad_pointers_are_skipped(tmp_path, capsys):
 def test_the_weights_a_run_trained(tmp_path, capsys):
     """The final model when sealed and whole; else the newest checkpoint whose model/ is (a
     damaged one skipped with a warning); a checkpoint that was not sealed does not count."""
+
     def model(folder, weights: bytes):
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(weights)
@@ -209,8 +224,10 @@ def test_wandb_offline_writes_a_local_run(tmp_path, monkeypatch):
 def test_a_process_set_up_for_kvrl_prints_no_numpy_subnormal_warning():
     """Flushing denormals made numpy warn "the smallest subnormal ... is zero" in
     every process that later asked for a float type's limits (pandas, matplotlib do)."""
-    code = ("import warnings, numpy as np\nwarnings.simplefilter('error')\nfrom kvrl.runlog import setup_process\n"
-            "setup_process(0)\nprint(np.finfo(np.float32), np.finfo(np.float64), np.finfo(np.float16))")
+    code = (
+        "import warnings, numpy as np\nwarnings.simplefilter('error')\nfrom kvrl.runlog import setup_process\n"
+        "setup_process(0)\nprint(np.finfo(np.float32), np.finfo(np.float64), np.finfo(np.float16))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]  # a warning is an error here
 
@@ -223,7 +240,9 @@ def test_the_reward_picture_draws_its_moving_average_only_with_two_points(tmp_pa
     from kvrl.runlog import plot_rewards
 
     figures, save = [], matplotlib.figure.Figure.savefig
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k))
+    monkeypatch.setattr(
+        matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig) or save(fig, *a, **k)
+    )
     records = [{"step": s + 1, "reward_mean": 0.1 * s, "reward_std": 0.2, "samples": 16} for s in range(steps)]
     plot_rewards(records, tmp_path / "reward.png", "run")
     ax = figures[0].axes[0]

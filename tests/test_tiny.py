@@ -56,7 +56,7 @@ def test_count_task_is_consistent():
     cot = t["completion"].split()
     assert t["prompt"].split()[1::2][:5] == [";"] * 5 and t["prompt"].endswith("?")
     assert [int(x) for x in cot[0:10:2]] == digits
-    assert [int(x) for x in cot[1:10:2]] == [sum(d >= 5 for d in digits[:i + 1]) % 10 for i in range(5)]
+    assert [int(x) for x in cot[1:10:2]] == [sum(d >= 5 for d in digits[: i + 1]) % 10 for i in range(5)]
     assert cot[10:] == ["\\boxed{", t["answer"], "}"] and t["answer"] == cot[9]
 
 
@@ -93,8 +93,9 @@ def test_engine_full_cache_equals_transformers_generate(random_model):
     model.set_attn_implementation("sdpa")
     enc = tok(prompts, return_tensors="pt", padding=True)
     assert len(set(enc["attention_mask"].sum(-1).tolist())) > 1, "prompts of different lengths"
-    ref = model.generate(**enc, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:]
+    ref = model.generate(
+        **enc, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )[:, enc["input_ids"].shape[1] :]
     assert out.tokens == ref.tolist()
     assert out.finish_reasons == ["length"] * 5
 
@@ -113,13 +114,16 @@ def test_decode_under_a_window_is_replayed_by_one_forward(random_model):
     fpos = torch.cat([pos, pos[:, -1:] + torch.arange(1, n_new + 1)], 1)
     with torch.no_grad():
         logits = model(input_ids=full, position_ids=fpos.clamp(min=0), kvrl_replay=Replay(death, fpos)).logits
-    logp = torch.log_softmax(logits[:, ids.shape[1] - 1:-1].float(), -1)
+    logp = torch.log_softmax(logits[:, ids.shape[1] - 1 : -1].float(), -1)
     replayed = logp.gather(-1, torch.tensor(out.tokens)[..., None]).squeeze(-1)
     torch.testing.assert_close(replayed, torch.tensor(out.logprobs), atol=1e-5, rtol=0)
     # and the window really bites: the full-cache forward disagrees
     with torch.no_grad():
-        dense = model(input_ids=full, position_ids=fpos.clamp(min=0),
-                      kvrl_replay=Replay(Static(Window.of(model.config, 2, 10**6)).death(T, len(prompts)), fpos)).logits
+        dense = model(
+            input_ids=full,
+            position_ids=fpos.clamp(min=0),
+            kvrl_replay=Replay(Static(Window.of(model.config, 2, 10**6)).death(T, len(prompts)), fpos),
+        ).logits
     assert (dense - logits).abs().max() > 1e-2
 
 
@@ -134,8 +138,7 @@ def test_shipped_tiny_reasoner_solves_its_tasks():
     tasks = env.tasks(32)
     full = evaluate(HFEngine(model, tok), env, tasks, 160)
     assert full["acc"] >= 0.9
-    small = evaluate(HFEngine(model, tok), env, tasks, 160,
-                     policy=Static(Window.of(model.config, 4, 40)))
+    small = evaluate(HFEngine(model, tok), env, tasks, 160, policy=Static(Window.of(model.config, 4, 40)))
     assert small["acc"] <= 0.5 * full["acc"], "a 44-token window cannot see the digits 48 tokens back"
 
 
@@ -144,8 +147,15 @@ def test_pretraining_loss_falls(tmp_path):
     from kvrl.config import load_config
     from kvrl.jobs.pretrain_tiny import main
 
-    shrunk = ["recipe=tiny_pretrain", "trainer.batch_size=8", "trainer.warmup_steps=5", "trainer.log_every=39",
-              "pretrain.eval_tasks=4", f"output_dir={tmp_path}", "resume=never"]
+    shrunk = [
+        "recipe=tiny_pretrain",
+        "trainer.batch_size=8",
+        "trainer.warmup_steps=5",
+        "trainer.log_every=39",
+        "pretrain.eval_tasks=4",
+        f"output_dir={tmp_path}",
+        "resume=never",
+    ]
     first = main(load_config([*shrunk, "trainer.steps=1"]))["loss"]
     last = main(load_config([*shrunk, "trainer.steps=40"]))["loss"]
     assert last < 0.7 * first
@@ -158,14 +168,30 @@ def test_eval_job_prints_the_budget_table(tmp_path, capsys):
     every line prints, and a quarter-length window loses what the full cache solves."""
     from kvrl.run import main
 
-    assert main(["recipe=tiny_eval", "env.num_eval_tasks=16", "eval.policies=[window,foresight,rlkv]",
-                 "eval.budgets=[0.25]", "eval.settings.rlkv.sparsities=[0.5]", f"output_dir={tmp_path}"]) == 0
+    assert (
+        main(
+            [
+                "recipe=tiny_eval",
+                "env.num_eval_tasks=16",
+                "eval.policies=[window,foresight,rlkv]",
+                "eval.budgets=[0.25]",
+                "eval.settings.rlkv.sparsities=[0.5]",
+                f"output_dir={tmp_path}",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert all(name in out for name in ("full", "window", "foresight", "rlkv"))
     import json
+
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    assert [(r["policy"], r["point"]) for r in rows] == [("full", "-"), ("window", "26"), ("foresight", "26"),
-                                                         ("rlkv", "s=0.5")]
+    assert [(r["policy"], r["point"]) for r in rows] == [
+        ("full", "-"),
+        ("window", "26"),
+        ("foresight", "26"),
+        ("rlkv", "s=0.5"),
+    ]
     assert rows[0]["accuracy"] > rows[1]["accuracy"]
     assert (tmp_path / "report.md").exists()
 
@@ -194,9 +220,12 @@ def test_a_flipped_byte_in_the_shipped_weights_is_refused(name, tmp_path, monkey
     monkeypatch.setitem(SHIPPED, name, (flipped_copy(folder, tmp_path, "model.safetensors"), recipe))
     resolve_path.cache_clear()  # once per process: forget the real folder
     try:
-        with pytest.raises(ValueError, match=rf"(?s)the shipped {name} reasoner is damaged: .*model.safetensors does "
-                                             r"not match its checksum in .*SHA256SUMS; restore it: reinstall kvrl.*"
-                                             rf"git checkout -- .*recipe={recipe}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"(?s)the shipped {name} reasoner is damaged: .*model.safetensors does "
+            r"not match its checksum in .*SHA256SUMS; restore it: reinstall kvrl.*"
+            rf"git checkout -- .*recipe={recipe}",
+        ):
             load_model(name)
     finally:
         resolve_path.cache_clear()
@@ -213,12 +242,18 @@ def test_a_flipped_byte_in_the_shipped_scorer_or_gates_is_refused(tmp_path):
     PolicySpec("foresight", "learned", {"run": str(shipped / "foresight_scorer.safetensors")}).regime(config, 32, kv)
     assert load_gates(shipped / "rlkv_gates.safetensors").shape == (4, 2)
     scorer = flipped_copy(shipped, tmp_path / "a", "foresight_scorer.safetensors") / "foresight_scorer.safetensors"
-    with pytest.raises(ValueError, match=r"(?s)the ForesightKV scorer .*foresight_scorer.safetensors is damaged: .*"
-                                         r"does not match its checksum in .*SHA256SUMS; restore the file"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)the ForesightKV scorer .*foresight_scorer.safetensors is damaged: .*"
+        r"does not match its checksum in .*SHA256SUMS; restore the file",
+    ):
         PolicySpec("foresight", "learned", {"run": str(scorer)}).regime(config, 32, kv)
     gates = flipped_copy(shipped, tmp_path / "b", "rlkv_gates.safetensors") / "rlkv_gates.safetensors"
-    with pytest.raises(ValueError, match=r"(?s)the RLKV gates .*rlkv_gates.safetensors are damaged: .*does not match "
-                                         r"its checksum in .*SHA256SUMS; restore the file"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)the RLKV gates .*rlkv_gates.safetensors are damaged: .*does not match "
+        r"its checksum in .*SHA256SUMS; restore the file",
+    ):
         load_gates(gates)
     with pytest.raises(ValueError, match="damaged"):
         PolicySpec("rlkv", "heads", {"run": str(gates)}).regime(config, 0.5, kv)
@@ -226,8 +261,9 @@ def test_a_flipped_byte_in_the_shipped_scorer_or_gates_is_refused(tmp_path):
 
 @pytest.mark.parametrize("where", ["copy", "model", "checkpoints/step_000002/model"])
 @pytest.mark.parametrize("recipe", ["tiny_eval", "tiny_rl_full"])
-def test_a_flipped_byte_in_a_sealed_model_folder_is_refused_before_the_job(where, recipe, tmp_path, monkeypatch,
-                                                                           capsys):
+def test_a_flipped_byte_in_a_sealed_model_folder_is_refused_before_the_job(
+    where, recipe, tmp_path, monkeypatch, capsys
+):
     """A copy of the shipped reasoner with its SHA256SUMS, a run's model/ or a checkpoint's model/, given as
     model.path with one byte flipped, trained and evaluated with exit 0: a sealed folder is checked first."""
     from kvrl.models import SHIPPED
@@ -243,8 +279,10 @@ def test_a_flipped_byte_in_a_sealed_model_folder_is_refused_before_the_job(where
     assert main([f"recipe={recipe}", f"model.path={folder}", f"output_dir={out}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvrl: error: the run cannot start: ") and "Traceback" not in err, err
-    assert f"model.path={folder} is damaged: {folder / 'model.safetensors'} does not match its checksum in " \
-           f"{folder / 'SHA256SUMS'}; copy the folder again" in err, err
+    assert (
+        f"model.path={folder} is damaged: {folder / 'model.safetensors'} does not match its checksum in "
+        f"{folder / 'SHA256SUMS'}; copy the folder again" in err
+    ), err
     assert not out.exists()
     with pytest.raises(ValueError, match="does not match its checksum"):  # Python callers: the same check
         load_model(str(folder))
@@ -268,18 +306,36 @@ def test_a_scorer_or_gates_that_are_not_finite_or_of_another_model_are_refused_n
     save_file({k: v.contiguous() for k, v in other.scorer.state_dict().items()}, str(tmp_path / "other.safetensors"))
     save_file({"gates": torch.full((4, 2), float("nan"))}, str(tmp_path / "nan_gates.safetensors"))
     save_file({"gates": torch.zeros(3, 3)}, str(tmp_path / "other_gates.safetensors"))
-    cases = {"nan_scorer": ("foresight", f"the ForesightKV scorer {tmp_path / 'nan_scorer.safetensors'} holds values "
-                                         f"that are not finite (in {name})"),
-             "other": ("foresight", f"the ForesightKV scorer {tmp_path / 'other.safetensors'} does not fit this model "
-                                    "(4 layers x 2 KV heads, head_dim 32, group 2): size mismatch for"),
-             "nan_gates": ("rlkv", f"the RLKV gates {tmp_path / 'nan_gates.safetensors'} hold 8 of 8 values that are "
-                                   "not finite"),
-             "other_gates": ("rlkv", f"the RLKV gates {tmp_path / 'other_gates.safetensors'} have shape (3, 3), but "
-                                     "the model has (layers, KV heads) = (4, 2)")}
+    cases = {
+        "nan_scorer": (
+            "foresight",
+            f"the ForesightKV scorer {tmp_path / 'nan_scorer.safetensors'} holds values "
+            f"that are not finite (in {name})",
+        ),
+        "other": (
+            "foresight",
+            f"the ForesightKV scorer {tmp_path / 'other.safetensors'} does not fit this model "
+            "(4 layers x 2 KV heads, head_dim 32, group 2): size mismatch for",
+        ),
+        "nan_gates": (
+            "rlkv",
+            f"the RLKV gates {tmp_path / 'nan_gates.safetensors'} hold 8 of 8 values that are not finite",
+        ),
+        "other_gates": (
+            "rlkv",
+            f"the RLKV gates {tmp_path / 'other_gates.safetensors'} have shape (3, 3), but "
+            "the model has (layers, KV heads) = (4, 2)",
+        ),
+    }
     for file, (line, message) in cases.items():
         out = tmp_path / f"out_{file}"
-        argv = ["recipe=tiny_eval", "env.num_eval_tasks=4", f"eval.policies=[{line}]",
-                f"eval.settings.{line}.run={tmp_path / file}.safetensors", f"output_dir={out}"]
+        argv = [
+            "recipe=tiny_eval",
+            "env.num_eval_tasks=4",
+            f"eval.policies=[{line}]",
+            f"eval.settings.{line}.run={tmp_path / file}.safetensors",
+            f"output_dir={out}",
+        ]
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert f"kvrl: error: the run cannot start: eval.settings.{line}: {message}" in err, err

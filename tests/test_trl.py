@@ -26,8 +26,16 @@ from transformers import LlamaForCausalLM, LlavaConfig  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from kvrl.envs import make  # noqa: E402
-from kvrl.integrations.trl import (MISMATCH, TRL_VERSION, KVGRPOTrainer, TRLChanged, _Replaying,  # noqa: E402
-                                   build_policy, check_trl_surface, refusals)
+from kvrl.integrations.trl import (
+    MISMATCH,
+    TRL_VERSION,
+    KVGRPOTrainer,
+    TRLChanged,
+    _Replaying,  # noqa: E402
+    build_policy,
+    check_trl_surface,
+    refusals,
+)
 from kvrl.models.tiny import build_tokenizer, tiny_config  # noqa: E402
 from kvrl.policies import GKV  # noqa: E402
 
@@ -50,13 +58,36 @@ def trainer(dtype=torch.float32, **overrides) -> KVGRPOTrainer:
     torch.manual_seed(0)
     cfg = tiny_config(TOK)
     cfg.initializer_range = 0.05  # peakier attention than the default: evictions change the logprobs
-    settings = dict(output_dir=str(ROOT / "outputs" / "test_trl"), per_device_train_batch_size=4, num_generations=4,
-                    max_completion_length=24, temperature=1.0, learning_rate=1e-2, max_steps=1, report_to=[],
-                    use_cpu=True, bf16=False, seed=0, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                    gradient_checkpointing=False, shuffle_dataset=False) | overrides
+    settings = (
+        dict(
+            output_dir=str(ROOT / "outputs" / "test_trl"),
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=24,
+            temperature=1.0,
+            learning_rate=1e-2,
+            max_steps=1,
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            gradient_checkpointing=False,
+            shuffle_dataset=False,
+        )
+        | overrides
+    )
     data = Dataset.from_list([{"prompt": t.prompt} for t in TASKS])
-    return KVGRPOTrainer(model=LlamaForCausalLM(cfg).to(dtype), reward_funcs=reward, args=GRPOConfig(**settings),
-                         train_dataset=data, processing_class=TOK, **KV)
+    return KVGRPOTrainer(
+        model=LlamaForCausalLM(cfg).to(dtype),
+        reward_funcs=reward,
+        args=GRPOConfig(**settings),
+        train_dataset=data,
+        processing_class=TOK,
+        **KV,
+    )
 
 
 def batch(tr: KVGRPOTrainer, prompts: int = 1) -> list[dict]:
@@ -156,7 +187,7 @@ def test_loss_forward_replays_exactly_in_float64():
             hidden = tr.model.model(input_ids=ids, attention_mask=mask).last_hidden_state
     finally:
         tr._kv_active = None
-    logp = torch.log_softmax(tr.model.lm_head(hidden[:, -C - 1:-1]) / tr.temperature, -1)
+    logp = torch.log_softmax(tr.model.lm_head(hidden[:, -C - 1 : -1]) / tr.temperature, -1)
     exact = logp.gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
     assert (exact - sampled).abs()[on].max() <= 1e-12
     assert (logprobs(tr, inputs) - sampled).abs()[on].max() <= 1e-5  # TRL's float32 head
@@ -177,19 +208,30 @@ def test_train_steps_with_num_iterations_2():
 
 
 # GRPOConfig's defaults of what refusals() reads
-DEFAULTS = dict(use_vllm=False, use_transformers_continuous_batching=False, top_k=0, min_p=None,
-                repetition_penalty=1.0, generation_kwargs=None, cache_implementation=None, parallelism_config=None,
-                top_p=1.0)
+DEFAULTS = dict(
+    use_vllm=False,
+    use_transformers_continuous_batching=False,
+    top_k=0,
+    min_p=None,
+    repetition_penalty=1.0,
+    generation_kwargs=None,
+    cache_implementation=None,
+    parallelism_config=None,
+    top_p=1.0,
+)
 
 
-@pytest.mark.parametrize("key, value, fix", [
-    ("use_vllm", True, "use_vllm=False"),
-    ("top_k", 5, "top_k=0"),
-    ("min_p", 0.1, "min_p=None"),
-    ("repetition_penalty", 1.1, "repetition_penalty=1.0"),
-    ("generation_kwargs", {"num_beams": 2}, "generation_kwargs=None"),
-    ("use_transformers_continuous_batching", True, "use_transformers_continuous_batching=False"),
-])
+@pytest.mark.parametrize(
+    "key, value, fix",
+    [
+        ("use_vllm", True, "use_vllm=False"),
+        ("top_k", 5, "top_k=0"),
+        ("min_p", 0.1, "min_p=None"),
+        ("repetition_penalty", 1.1, "repetition_penalty=1.0"),
+        ("generation_kwargs", {"num_beams": 2}, "generation_kwargs=None"),
+        ("use_transformers_continuous_batching", True, "use_transformers_continuous_batching=False"),
+    ],
+)
 def test_samplers_the_engine_cannot_replay_are_refused(key, value, fix):
     args = types.SimpleNamespace(**{**DEFAULTS, key: value})
     with pytest.raises(ValueError, match=f"cannot replay {key}=.*set {fix}"):
@@ -257,9 +299,12 @@ def test_the_signature_guard_names_what_trl_changed():
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, config=None):
             pass
 
-    with pytest.raises(TRLChanged, match=r"GRPOTrainer\._get_per_token_logps_and_entropies\(self, model, "
-                                         r"input_ids, attention_mask, logits_to_keep, config\) was .*"
-                                         rf"trl=={TRL_VERSION}"):
+    with pytest.raises(
+        TRLChanged,
+        match=r"GRPOTrainer\._get_per_token_logps_and_entropies\(self, model, "
+        r"input_ids, attention_mask, logits_to_keep, config\) was .*"
+        rf"trl=={TRL_VERSION}",
+    ):
         check_trl_surface(Moved)
 
     class Gone(GRPOTrainer):

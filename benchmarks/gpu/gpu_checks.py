@@ -73,12 +73,13 @@ def peaks(device: torch.device) -> dict:
 
 # ---------------------------------------------------------------- ops
 
+
 def paged_cache(r: int, n: int, h: int, d: int, bs: int, dtype, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's FlashAttention cache, logical [nb, H, bs, 2D] in its default LBNHC order, and a
     block table [R, n / bs] of shuffled blocks (block 0 unused, as vLLM's null block)."""
     nb = r * n // bs + 1
     kv = torch.randn(nb, bs, h, 2 * d, generator=gen).to(device, dtype).permute(0, 2, 1, 3)
-    table = (torch.randperm(nb - 1, generator=gen) + 1)[:r * n // bs].view(r, -1).int().to(device)
+    table = (torch.randperm(nb - 1, generator=gen) + 1)[: r * n // bs].view(r, -1).int().to(device)
     return kv, table
 
 
@@ -89,16 +90,23 @@ def observation(keys, values, policy, gen, device) -> Observation:
     r, h, n, d = keys.shape
     w = policy.observe
     history = 2 * n
-    old = torch.rand(r, h, history - w, generator=gen).argsort(-1)[..., :n - w].sort(-1).values
+    old = torch.rand(r, h, history - w, generator=gen).argsort(-1)[..., : n - w].sort(-1).values
     key_pos = torch.cat([old, torch.arange(history - w, history).expand(r, h, w)], -1).to(device)
     queries = torch.randn(r, 4 * h, w, d, generator=gen).to(device, keys.dtype)
     state = None
     if policy.state_size:
         state = torch.rand(r, h, n, policy.state_size, generator=gen).to(device)
-        state[:, :, -policy.interval:] = float("nan")
-    return Observation(keys=keys, values=values, queries=queries, key_pos=key_pos,
-                       query_pos=torch.arange(history - w, history, device=device).expand(r, w), state=state,
-                       layer=0, scaling=d ** -0.5)
+        state[:, :, -policy.interval :] = float("nan")
+    return Observation(
+        keys=keys,
+        values=values,
+        queries=queries,
+        key_pos=key_pos,
+        query_pos=torch.arange(history - w, history, device=device).expand(r, w),
+        state=state,
+        layer=0,
+        scaling=d**-0.5,
+    )
 
 
 def steady_state(policy, obs: Observation) -> Observation:
@@ -109,7 +117,7 @@ def steady_state(policy, obs: Observation) -> Observation:
     adds to its cosine block."""
     first = Observation(**{**vars(obs), "state": torch.full_like(obs.state, float("nan"))})
     _, state = policy.score(first)
-    state[:, :, -policy.interval:] = float("nan")
+    state[:, :, -policy.interval :] = float("nan")
     return Observation(**{**vars(obs), "state": state})
 
 
@@ -120,8 +128,16 @@ def ops(args, device) -> dict:
     gen = torch.Generator().manual_seed(0)
     kv, table = paged_cache(r, n, h, d, bs, dtype, device, gen)
     e = kv.element_size()
-    out = {"setting": "ops", "requests": r, "cache_tokens": n, "kv_heads": h, "head_dim": d, "dtype": str(dtype),
-           "peak": peaks(device), "policies": {}}
+    out = {
+        "setting": "ops",
+        "requests": r,
+        "cache_tokens": n,
+        "kv_heads": h,
+        "head_dim": d,
+        "dtype": str(dtype),
+        "peak": peaks(device),
+        "policies": {},
+    }
     read_s, (keys, values) = timed(lambda: flash_read(kv, table, n), args.repeats, device)
     read_bytes = 2 * 2 * r * h * n * d * e
     out["read"] = {"ms": round(read_s * 1e3, 3), "gbs": round(read_bytes / read_s / 1e9, 1)}
@@ -144,9 +160,14 @@ def ops(args, device) -> dict:
         compact_s, _ = timed(lambda: flash_compact(got, table, sel.keep, counts), args.repeats, device)
         want = got = None  # 2 GiB of copies on a GPU
         compact_bytes = 2 * 2 * r * h * sel.keep.shape[-1] * d * e
-        row.update({"score_ms": round(score_s * 1e3, 3), "select_ms": round(select_s * 1e3, 3),
-                    "compact_ms": round(compact_s * 1e3, 3),
-                    "compact_gbs": round(compact_bytes / compact_s / 1e9, 1)})
+        row.update(
+            {
+                "score_ms": round(score_s * 1e3, 3),
+                "select_ms": round(select_s * 1e3, 3),
+                "compact_ms": round(compact_s * 1e3, 3),
+                "compact_gbs": round(compact_bytes / compact_s / 1e9, 1),
+            }
+        )
         if name != "streaming":  # its score reads positions only
             row["score_gbs"] = round(r * h * n * d * e / score_s / 1e9, 1)
         total_s = read_s + score_s + select_s + compact_s
@@ -165,8 +186,12 @@ def ops(args, device) -> dict:
 
 # ---------------------------------------------------------------- replay
 
-QUESTIONS = ["What is 12 times 7?", "Solve 4y = 36 for y.", "Anna has 5 apples and gives Bob 2. How many are left?",
-             "What is the sum of 3, 5 and 7?"]
+QUESTIONS = [
+    "What is 12 times 7?",
+    "Solve 4y = 36 for y.",
+    "Anna has 5 apples and gives Bob 2. How many are left?",
+    "What is the sum of 3, 5 and 7?",
+]
 
 
 def replay(args, device) -> dict:
@@ -179,30 +204,47 @@ def replay(args, device) -> dict:
 
     dtype = torch.float32 if args.small else torch.bfloat16
     new = 48 if args.small else 512
-    schedule = dict(budget=24, interval=8, window=4, sink=2) if args.small else dict(budget=64, interval=16,
-                                                                                       window=8, sink=4)
+    schedule = (
+        dict(budget=24, interval=8, window=4, sink=2) if args.small else dict(budget=64, interval=16, window=8, sink=4)
+    )
     path = shrunk.build("qwen3", tempfile.mkdtemp())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     engine = HFEngine(model, AutoTokenizer.from_pretrained(path, padding_side="left"), chat=Chat())
-    out = {"setting": "replay", "model": "shrunk qwen3", "dtype": str(dtype), "new_tokens": new, **schedule,
-           "flex": device.type == "cuda", "regimes": {}}
+    out = {
+        "setting": "replay",
+        "model": "shrunk qwen3",
+        "dtype": str(dtype),
+        "new_tokens": new,
+        **schedule,
+        "flex": device.type == "cuda",
+        "regimes": {},
+    }
     for name in ["full", *POLICIES]:
         policy = Full() if name == "full" else make_policy(name, model.config, **schedule)
         if getattr(policy, "trainable", lambda: None)() is not None:  # the learned scorer is built on the CPU
             policy.trainable().to(device)
-        rollouts = engine.generate(QUESTIONS, Sampling(max_new_tokens=new, temperature=1.0, seed=1,
-                                                       ignore_eos=True), policy=policy)
+        rollouts = engine.generate(
+            QUESTIONS, Sampling(max_new_tokens=new, temperature=1.0, seed=1, ignore_eos=True), policy=policy
+        )
         with torch.no_grad():
             scores = engine.score(rollouts, trace=rollouts.traces, policy=policy)
-        gaps = torch.cat([(scores.logprobs[b, :len(lp)].float().cpu() - torch.tensor(lp)).abs()
-                          for b, lp in enumerate(rollouts.logprobs)])
+        gaps = torch.cat(
+            [
+                (scores.logprobs[b, : len(lp)].float().cpu() - torch.tensor(lp)).abs()
+                for b, lp in enumerate(rollouts.logprobs)
+            ]
+        )
         evicted = 0 if rollouts.traces is None else int((rollouts.traces.full() < NEVER).sum())
-        out["regimes"][name] = {"max_abs_dlogprob": float(gaps.max()), "mean_abs_dlogprob": float(gaps.mean()),
-                                "evicted_keys": evicted}
+        out["regimes"][name] = {
+            "max_abs_dlogprob": float(gaps.max()),
+            "mean_abs_dlogprob": float(gaps.mean()),
+            "evicted_keys": evicted,
+        }
     return out
 
 
 # ---------------------------------------------------------------- flex
+
 
 def flex(args, device) -> dict:
     from transformers import AutoModelForCausalLM
@@ -215,8 +257,13 @@ def flex(args, device) -> dict:
     path = shrunk.build("qwen3", tempfile.mkdtemp(), max_positions=max(lengths))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).train()
     cfg = model.config
-    out = {"setting": "flex", "model": "shrunk qwen3", "dtype": str(dtype), "layers": cfg.num_hidden_layers,
-           "lengths": {}}
+    out = {
+        "setting": "flex",
+        "model": "shrunk qwen3",
+        "dtype": str(dtype),
+        "layers": cfg.num_hidden_layers,
+        "lengths": {},
+    }
     dense_attention = register_dense_masks()
 
     backward = device.type == "cuda"  # flex_attention has no backward on a CPU
@@ -240,15 +287,17 @@ def flex(args, device) -> dict:
             return {"s": "oom"}, None
         row = {"s": round(s, 4)}
         if device.type == "cuda":
-            row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         return row, logits
 
     for t in lengths:
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (1, t), generator=gen).to(device)
         pos = torch.arange(t, device=device)[None]
-        trace = EvictionTrace.from_death(synthetic_death(cfg.num_hidden_layers, cfg.num_key_value_heads, t).to(device),
-                                         torch.tensor([t], device=device))
+        trace = EvictionTrace.from_death(
+            synthetic_death(cfg.num_hidden_layers, cfg.num_key_value_heads, t).to(device),
+            torch.tensor([t], device=device),
+        )
         model.set_attn_implementation("kvrl_replay")
         flex_row, flex_logits = measure(kvrl_replay=trace.replay(pos, flex=True))
         model.set_attn_implementation(dense_attention)
@@ -277,8 +326,10 @@ def main():
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and not args.small:
-        raise SystemExit("the full shapes need a GPU (64 × 4,096-token caches, 32K-token replays); "
-                         "pass --small for a smoke run on a CPU")
+        raise SystemExit(
+            "the full shapes need a GPU (64 × 4,096-token caches, 32K-token replays); "
+            "pass --small for a smoke run on a CPU"
+        )
     for setting in args.settings or ["ops", "replay", "flex"]:
         result = {"ops": ops, "replay": replay, "flex": flex}[setting](args, device)
         emit({"device": str(device), "torch": torch.__version__, **result})

@@ -6,6 +6,7 @@ one JSON line. The figures in docs/results.md are seed 0 at 1e-3 and at 3e-4:
     python benchmarks/learning/distill_lr.py 0.001 0 40 outputs/distill_lr
     python benchmarks/learning/distill_lr.py 0.0003 0 40 outputs/distill_lr
 """
+
 import json
 import sys
 from pathlib import Path
@@ -18,8 +19,17 @@ from kvrl.jobs.rl import main as train
 lr, seed, steps, out = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 root = Path(out) / f"lr{lr}_s{seed}"
 torch.set_num_threads(1)
-cfg = load_config(["recipe=tiny_gkv_distill", f"trainer.steps={steps}", f"trainer.lr={lr}", f"seed={seed}",
-                   f"output_dir={root}", "resume=auto", "rl.checkpoint_every=5"])
+cfg = load_config(
+    [
+        "recipe=tiny_gkv_distill",
+        f"trainer.steps={steps}",
+        f"trainer.lr={lr}",
+        f"seed={seed}",
+        f"output_dir={root}",
+        "resume=auto",
+        "rl.checkpoint_every=5",
+    ]
+)
 _, train_s, _ = timed(lambda: train(cfg))
 recs = [json.loads(l) for l in (root / "metrics.jsonl").read_text().splitlines()]
 kv = cfg.kv
@@ -33,6 +43,14 @@ for step, path in sorted(ckpts.items()):
     model, _, engine = reasoner(path)
     policy = recipe_policy("gkv", model.config, kv)
     acc[step] = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
-emit({"lr": lr, "seed": seed, "train_s": round(train_s), "acc_gkv_heldout": acc,
-      "correct": [round(r["env/correct"], 3) for r in recs], "kl": [round(r.get("kl", float("nan")), 4) for r in recs],
-      "truncated": [round(r["truncated"], 2) for r in recs]})
+emit(
+    {
+        "lr": lr,
+        "seed": seed,
+        "train_s": round(train_s),
+        "acc_gkv_heldout": acc,
+        "correct": [round(r["env/correct"], 3) for r in recs],
+        "kl": [round(r.get("kl", float("nan")), 4) for r in recs],
+        "truncated": [round(r["truncated"], 2) for r in recs],
+    }
+)

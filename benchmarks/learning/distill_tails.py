@@ -6,12 +6,14 @@
 Distill's sampled-accuracy decay at temperature 2: held-out accuracy under G-KV, greedy and
 sampled at T=2 (4 seeds), untrained vs Distill checkpoints; and the share of probability the
 model puts outside its top token at T=1 and T=2 under the full cache (its tails)."""
+
 import sys
 import numpy as np
 import torch
 from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling
+
 torch.set_num_threads(1)
 cfg = load_config(["recipe=tiny_gkv_distill"])
 kv = cfg.kv
@@ -24,7 +26,7 @@ for name in sys.argv[1:]:
     r = {}
     for T in (0.0, 2.0):
         accs = []
-        for seed in ([0] if T == 0 else [0, 1, 2, 3]):
+        for seed in [0] if T == 0 else [0, 1, 2, 3]:
             out = eng.generate([t.prompt for t in tasks], Sampling(64, temperature=T, seed=seed), policy=pol)
             accs.append(float(np.mean([env.score(t, x)[0] for t, x in zip(tasks, out.texts)])))
         r[f"acc_T{T:g}"] = float(np.mean(accs))

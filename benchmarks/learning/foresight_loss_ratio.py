@@ -55,7 +55,7 @@ def main():
     run = Path(args.run)
     model, tok, hf = reasoner("tiny")
     model.requires_grad_(False)
-    heldout = load_traces(run / "traces" / "heldout")[:args.traces]
+    heldout = load_traces(run / "traces" / "heldout")[: args.traces]
     weights = {"foresight_sft": run / "sft" / "scorer.safetensors", "foresight_rl": run / "rl" / "scorer.safetensors"}
 
     # -- loss ratios at every setting, all policies side by side
@@ -63,8 +63,11 @@ def main():
     ratios, excess = {}, {}
     for setting in args.settings.split(";"):
         budget, interval = map(int, setting.split(","))
-        policies = {"golden": "golden", **{k: scorer(model, p, budget, interval) for k, p in weights.items()},
-                    **{n: n for n in RULE_BASED}}
+        policies = {
+            "golden": "golden",
+            **{k: scorer(model, p, budget, interval) for k, p in weights.items()},
+            **{n: n for n in RULE_BASED},
+        }
         r = loss_ratios(model, heldout, policies, budget=budget, interval=interval, window=WINDOW, sink=SINK)
         # The greedy traces' full-cache loss is ~1e-8 nats per token, so a ratio's size says
         # little by itself; the loss each policy adds per token (nats) is the readable scale.
@@ -81,22 +84,35 @@ def main():
     env, tasks = draw_tasks("kvrl/counts-v0", args.tasks, args.seed)
     accuracy = {}
     kv = dict(budget=budget, interval=interval, window=WINDOW, sink=SINK)
-    policies = {"full": None, "foresight_rl": scorer(model, weights["foresight_rl"], budget, interval),
-                **{n: make_policy(n, model.config, **kv) for n in ("rkv", "gkv", "streaming")}}
+    policies = {
+        "full": None,
+        "foresight_rl": scorer(model, weights["foresight_rl"], budget, interval),
+        **{n: make_policy(n, model.config, **kv) for n in ("rkv", "gkv", "streaming")},
+    }
     for name, policy in policies.items():
         out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens=64), policy=policy)
         accuracy[name] = float(np.mean([env.score(t, text)[0] for t, text in zip(tasks, out.texts)]))
     # the same scorer in the HF reference engine: the two engines should agree
     policy = scorer(model, weights["foresight_rl"], budget, interval)
-    texts = [text for i in range(0, len(tasks), 64) for text in
-             hf.generate([t.prompt for t in tasks[i:i + 64]], Sampling(max_new_tokens=64), policy=policy).texts]
+    texts = [
+        text
+        for i in range(0, len(tasks), 64)
+        for text in hf.generate([t.prompt for t in tasks[i : i + 64]], Sampling(max_new_tokens=64), policy=policy).texts
+    ]
     accuracy["foresight_rl_hf_engine"] = float(np.mean([env.score(t, text)[0] for t, text in zip(tasks, texts)]))
-    emit({"run": str(run), "heldout_traces": len(heldout),
-          "mean_trace_tokens": float(np.mean([len(t.ids) for t in heldout])),
-          "full_cache_loss_per_token": full_per_token,
-          "window": WINDOW, "sink": SINK, "loss_ratio": ratios, "excess_nats_per_token": excess,
-          "accuracy": {"engine": "vllm", "budget": budget, "interval": interval, "tasks": len(tasks),
-                       **accuracy}})
+    emit(
+        {
+            "run": str(run),
+            "heldout_traces": len(heldout),
+            "mean_trace_tokens": float(np.mean([len(t.ids) for t in heldout])),
+            "full_cache_loss_per_token": full_per_token,
+            "window": WINDOW,
+            "sink": SINK,
+            "loss_ratio": ratios,
+            "excess_nats_per_token": excess,
+            "accuracy": {"engine": "vllm", "budget": budget, "interval": interval, "tasks": len(tasks), **accuracy},
+        }
+    )
 
 
 if __name__ == "__main__":

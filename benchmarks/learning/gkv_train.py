@@ -43,8 +43,15 @@ def main():
     models, train_stats = {"untrained": "tiny"}, {}
     for algo, recipe in RECIPES.items():
         out = Path(args.out) / algo
-        cfg = load_config([f"recipe={recipe}", f"trainer.steps={args.steps}", f"output_dir={out}", "resume=never",
-                           "rl.checkpoint_every=0"])
+        cfg = load_config(
+            [
+                f"recipe={recipe}",
+                f"trainer.steps={args.steps}",
+                f"output_dir={out}",
+                "resume=never",
+                "rl.checkpoint_every=0",
+            ]
+        )
         _, wall, _ = timed(lambda: train(cfg))
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         train_stats[algo] = {
@@ -52,8 +59,11 @@ def main():
             "mismatch_max": max(r["mismatch_max"] for r in records),
             "reward_first5": float(np.mean([r["reward_mean"] for r in records[:5]])),
             "reward_last5": float(np.mean([r["reward_mean"] for r in records[-5:]])),
-            "temperature": cfg.sampling.temperature, "engine": cfg.workers.engine, "lr": cfg.trainer.lr,
-            "samples": records[-1]["samples_total"], "seed": cfg.seed,
+            "temperature": cfg.sampling.temperature,
+            "engine": cfg.workers.engine,
+            "lr": cfg.trainer.lr,
+            "samples": records[-1]["samples_total"],
+            "seed": cfg.seed,
         }
         models[algo] = str(out / "model")
 
@@ -67,14 +77,26 @@ def main():
         policy = recipe_policy("gkv", model.config, kv)
         acc_gkv[name] = evaluate(engine, env, tasks, sparse.sampling.max_new_tokens, policy=policy)["acc"]
         acc_full[name] = evaluate(engine, env, tasks, sparse.sampling.max_new_tokens)["acc"]
-    emit({
-        "benchmark": "gkv_train", "model": "tiny", "tasks": args.tasks, "steps": args.steps,
-        "kv": {"policy": "gkv", "budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink,
-               **kv.kwargs},
-        "acc_gkv": acc_gkv, "acc_full_cache": acc_full,
-        "rl_sparse_gain_points": round(100 * (acc_gkv["rl_sparse"] - acc_gkv["untrained"]), 2),
-        "training": train_stats,
-    })
+    emit(
+        {
+            "benchmark": "gkv_train",
+            "model": "tiny",
+            "tasks": args.tasks,
+            "steps": args.steps,
+            "kv": {
+                "policy": "gkv",
+                "budget": kv.budget,
+                "interval": kv.interval,
+                "window": kv.window,
+                "sink": kv.sink,
+                **kv.kwargs,
+            },
+            "acc_gkv": acc_gkv,
+            "acc_full_cache": acc_full,
+            "rl_sparse_gain_points": round(100 * (acc_gkv["rl_sparse"] - acc_gkv["untrained"]), 2),
+            "training": train_stats,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ def main():
     ap.add_argument("--budget", type=int, default=None, help="kv.budget (default: the recipe's)")
     ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the recipe's)")
     ap.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the recipe's)")
-    ap.add_argument("--stream", choices=["validation", "test"], default="test",
-                    help="judge on the validation stream (choices; printed, not recorded) or the test stream")
+    ap.add_argument(
+        "--stream",
+        choices=["validation", "test"],
+        default="test",
+        help="judge on the validation stream (choices; printed, not recorded) or the test stream",
+    )
     ap.add_argument("--tasks", type=int, default=256)
     ap.add_argument("--out", default="outputs/multihop_gkv")
     args = ap.parse_args()
@@ -54,8 +58,14 @@ def main():
     lr = args.lr or recipe.trainer.lr
     seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
     out = Path(args.out) / f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
-    overrides = [f"recipe={RECIPES[args.formulation]}", f"kv.budget={budget}", f"trainer.steps={steps}",
-                 f"trainer.lr={lr}", f"output_dir={out}", "resume=auto"]
+    overrides = [
+        f"recipe={RECIPES[args.formulation]}",
+        f"kv.budget={budget}",
+        f"trainer.steps={steps}",
+        f"trainer.lr={lr}",
+        f"output_dir={out}",
+        "resume=auto",
+    ]
 
     # ---- train (or continue, or reuse a finished run)
     cfg = load_config(overrides)
@@ -70,8 +80,9 @@ def main():
     judged = {}
     for name, path in {"untrained": cfg.model.path, "trained": str(out / "model")}.items():
         model, _, engine = reasoner(path)
-        policy = make_policy(kv.policy, model.config, budget=budget, interval=kv.interval, window=kv.window,
-                             sink=kv.sink, **kv.kwargs)
+        policy = make_policy(
+            kv.policy, model.config, budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink, **kv.kwargs
+        )
         judged[name] = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
 
     def mean(key: str, rows: list) -> float | None:
@@ -81,28 +92,55 @@ def main():
     first, last = records[:5], records[-5:]
     name = f"multihop_{args.formulation}" + ("" if budget == recipe.kv.budget else f"_{budget}")
     line = {
-        "benchmark": "multihop_gkv", "formulation": args.formulation, "task": "multihop", "model": cfg.model.path,
-        "kv": {"policy": kv.policy, "budget": budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink,
-               **kv.kwargs},
+        "benchmark": "multihop_gkv",
+        "formulation": args.formulation,
+        "task": "multihop",
+        "model": cfg.model.path,
+        "kv": {
+            "policy": kv.policy,
+            "budget": budget,
+            "interval": kv.interval,
+            "window": kv.window,
+            "sink": kv.sink,
+            **kv.kwargs,
+        },
         "budget": budget,
-        "trained_acc": judged["trained"]["acc"], "trained_ci95": judged["trained"]["ci95"],
+        "trained_acc": judged["trained"]["acc"],
+        "trained_ci95": judged["trained"]["ci95"],
         "trained_query_acc": judged["trained"].get("query_acc"),
-        "baseline": "untrained", "baseline_acc": judged["untrained"]["acc"],
-        "baseline_ci95": judged["untrained"]["ci95"], "baseline_query_acc": judged["untrained"].get("query_acc"),
+        "baseline": "untrained",
+        "baseline_acc": judged["untrained"]["acc"],
+        "baseline_ci95": judged["untrained"]["ci95"],
+        "baseline_query_acc": judged["untrained"].get("query_acc"),
         "gain_points": round(100 * (judged["trained"]["acc"] - judged["untrained"]["acc"]), 2),
-        "stream": args.stream, "tasks": args.tasks, "stream_seed": seed, "train_seed": cfg.seed,
-        "validation_seed": VALIDATION_SEED, "test_seed": TEST_SEED,
+        "stream": args.stream,
+        "tasks": args.tasks,
+        "stream_seed": seed,
+        "train_seed": cfg.seed,
+        "validation_seed": VALIDATION_SEED,
+        "test_seed": TEST_SEED,
         "training": {
-            "steps": len(records), "samples": records[-1]["samples_total"], "lr": cfg.trainer.lr,
-            "temperature": cfg.sampling.temperature, "reward": dict(cfg.env.kwargs),
-            "reward_first5": mean("reward_mean", first), "reward_last5": mean("reward_mean", last),
-            "correct_first5": mean("env/correct", first), "correct_last5": mean("env/correct", last),
-            "query_acc_first5": mean("env/query_acc", first), "query_acc_last5": mean("env/query_acc", last),
-            "zero_std_groups_mean": mean("zero_std_groups", records), "mismatch_max": mean("mismatch_max", records),
+            "steps": len(records),
+            "samples": records[-1]["samples_total"],
+            "lr": cfg.trainer.lr,
+            "temperature": cfg.sampling.temperature,
+            "reward": dict(cfg.env.kwargs),
+            "reward_first5": mean("reward_mean", first),
+            "reward_last5": mean("reward_mean", last),
+            "correct_first5": mean("env/correct", first),
+            "correct_last5": mean("env/correct", last),
+            "query_acc_first5": mean("env/query_acc", first),
+            "query_acc_last5": mean("env/query_acc", last),
+            "zero_std_groups_mean": mean("zero_std_groups", records),
+            "mismatch_max": mean("mismatch_max", records),
             "wall_s_this_call": round(train_wall, 1),
         },
-        "cpu_split": {"rollout_s": mean("rollout_s", records), "learn_s": mean("learn_s", records),
-                      "step_s": mean("step_s", records), "gen_tokens_per_s": mean("gen_tokens_per_s", records)},
+        "cpu_split": {
+            "rollout_s": mean("rollout_s", records),
+            "learn_s": mean("learn_s", records),
+            "step_s": mean("step_s", records),
+            "gen_tokens_per_s": mean("gen_tokens_per_s", records),
+        },
     }
     record(name, line) if args.stream == "test" else emit(line)
 

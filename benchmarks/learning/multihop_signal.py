@@ -28,8 +28,7 @@ from kvrl.envs.base import correct
 from kvrl.policies import make_policy
 from kvrl.runlog import setup_process
 
-DESIGNS = {"exact": lambda t, c: correct(t, c),
-           "partial": lambda t, c: correct(t, c) + query_accuracy(t, c)}
+DESIGNS = {"exact": lambda t, c: correct(t, c), "partial": lambda t, c: correct(t, c) + query_accuracy(t, c)}
 
 
 def main():
@@ -49,8 +48,15 @@ def main():
     lines, cpu_total = [], 0.0
     for budget in args.budgets:
         kv = cfg.kv
-        policy = make_policy(kv.policy, engine.model.config, budget=budget, interval=kv.interval, window=kv.window,
-                             sink=kv.sink, **kv.kwargs)
+        policy = make_policy(
+            kv.policy,
+            engine.model.config,
+            budget=budget,
+            interval=kv.interval,
+            window=kv.window,
+            sink=kv.sink,
+            **kv.kwargs,
+        )
         for temperature in args.temperatures:
             sampling = Sampling(cfg.sampling.max_new_tokens, temperature=temperature, seed=args.seed)
             cpu, _, out = timed(lambda: engine.generate(prompts, sampling, policy=policy))
@@ -59,13 +65,24 @@ def main():
             for name, fn in DESIGNS.items():
                 r = np.array([fn(tasks[i // args.group], text) for i, text in enumerate(out.texts)])
                 groups = r.reshape(args.tasks, args.group)
-                line[name] = {"mean": round(float(r.mean()), 4),
-                              "groups_with_signal": round(float((groups.std(1) > 0).mean()), 4),
-                              "mean_group_std": round(float(groups.std(1).mean()), 4)}
+                line[name] = {
+                    "mean": round(float(r.mean()), 4),
+                    "groups_with_signal": round(float((groups.std(1) > 0).mean()), 4),
+                    "mean_group_std": round(float(groups.std(1).mean()), 4),
+                }
             lines.append(line)
-    emit({"benchmark": "multihop_signal", "model": cfg.model.path, "policy": cfg.kv.policy,
-          "tasks": args.tasks, "group": args.group, "validation_seed": args.seed, "lines": lines,
-          "cpu_s": round(cpu_total, 1)})
+    emit(
+        {
+            "benchmark": "multihop_signal",
+            "model": cfg.model.path,
+            "policy": cfg.kv.policy,
+            "tasks": args.tasks,
+            "group": args.group,
+            "validation_seed": args.seed,
+            "lines": lines,
+            "cpu_s": round(cpu_total, 1),
+        }
+    )
 
 
 if __name__ == "__main__":

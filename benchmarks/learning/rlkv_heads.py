@@ -71,9 +71,13 @@ def main():
     draws = [heads(torch.rand(gates.shape, generator=gen)) for _ in range(args.draws)]
     random_acc = [run(d) for d in draws]
     result = {
-        "model": args.model, "engine": args.engine, "tasks": len(tasks), "sparsity": args.sparsity,
+        "model": args.model,
+        "engine": args.engine,
+        "tasks": len(tasks),
+        "sparsity": args.sparsity,
         "window": {"sink": args.sink, "recent": args.recent},
-        "heads": int(gates.numel()), "compressed": int(rlkv.compressed_mask().sum()),
+        "heads": int(gates.numel()),
+        "compressed": int(rlkv.compressed_mask().sum()),
         "gates": [[round(v, 4) for v in row] for row in gates.tolist()],
         "acc_full": run(None),
         "acc_rlkv": run(rlkv),

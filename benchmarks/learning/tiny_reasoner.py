@@ -62,26 +62,50 @@ def main():
     env, tasks = draw_tasks("kvrl/counts-v0", args.tasks, args.seed)
     max_new = 160
     full = evaluate(engine, env, tasks, max_new, desc="full")
-    res = {"n_tasks": len(tasks), "mean_seq_len": full["mean_seq_len"], "full_acc": full["acc"],
-           "full_exact_cot": full["metrics"]["exact_cot"], "cot_fraction": full["cot_fraction"]}
+    res = {
+        "n_tasks": len(tasks),
+        "mean_seq_len": full["mean_seq_len"],
+        "full_acc": full["acc"],
+        "full_exact_cot": full["metrics"]["exact_cot"],
+        "cot_fraction": full["cot_fraction"],
+    }
     for frac in (0.25, 0.5):
         budget = round(frac * full["mean_seq_len"])
-        win = evaluate(engine, env, tasks, max_new, desc=f"window{frac}",
-                       policy=Static(Window.of(model.config, SINK, budget - SINK)))
-        orc = evaluate(engine, env, tasks, max_new, desc=f"oracle{frac}",
-                       policy_fn=lambda b, T: Static(oracle_death(model, b, T, budget)[0]))
+        win = evaluate(
+            engine,
+            env,
+            tasks,
+            max_new,
+            desc=f"window{frac}",
+            policy=Static(Window.of(model.config, SINK, budget - SINK)),
+        )
+        orc = evaluate(
+            engine,
+            env,
+            tasks,
+            max_new,
+            desc=f"oracle{frac}",
+            policy_fn=lambda b, T: Static(oracle_death(model, b, T, budget)[0]),
+        )
         pct = round(100 * frac)
-        res.update({f"budget{pct}": budget, f"window{pct}_acc": win["acc"], f"oracle{pct}_acc": orc["acc"],
-                    f"oracle{pct}_peak_keys": oracle_death(model, tasks, max_new + 128, budget)[1]})
+        res.update(
+            {
+                f"budget{pct}": budget,
+                f"window{pct}_acc": win["acc"],
+                f"oracle{pct}_acc": orc["acc"],
+                f"oracle{pct}_peak_keys": oracle_death(model, tasks, max_new + 128, budget)[1],
+            }
+        )
     # Sanity: an unlimited window is the full cache, token for token, vs stock generate().
     sub = tasks[:64]
     unl = evaluate(engine, env, sub, max_new, policy=Static(Window.of(model.config, SINK, 10**6)))
     ref_model, _ = load_model(args.model, attn_implementation="sdpa")
     enc = tok([t.prompt for t in sub], return_tensors="pt", padding=True)
-    gen = ref_model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)[:, enc["input_ids"].shape[1]:].tolist()
+    gen = ref_model.generate(
+        **enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )[:, enc["input_ids"].shape[1] :].tolist()
     # the engines' outputs end with the stop token they stopped at, as vLLM's do
-    ref = [g[:g.index(tok.eos_token_id) + 1] if tok.eos_token_id in g else g for g in gen]
+    ref = [g[: g.index(tok.eos_token_id) + 1] if tok.eos_token_id in g else g for g in gen]
     res["window_full_equal"] = ref == unl["tokens"]
     res["window25_over_full"] = res["window25_acc"] / max(res["full_acc"], 1e-9)
     emit(res)

@@ -39,9 +39,13 @@ def train_kvrl(cfg) -> dict:
 
     cpu, wall, _ = timed(lambda: train(cfg))
     records = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "samples": records[-1]["samples_total"],
-            "mismatch_mean": max(r["mismatch_mean"] for r in records),
-            "mismatch_max": max(r["mismatch_max"] for r in records)}
+    return {
+        "cpu_s": round(cpu, 1),
+        "wall_s": round(wall, 1),
+        "samples": records[-1]["samples_total"],
+        "mismatch_mean": max(r["mismatch_mean"] for r in records),
+        "mismatch_max": max(r["mismatch_max"] for r in records),
+    }
 
 
 def train_trl(cfg, out: Path) -> dict:
@@ -62,26 +66,61 @@ def train_trl(cfg, out: Path) -> dict:
         return [env.score(tasks[i], c)[0] for i, c in zip(task_id, completions)]
 
     path = resolve_path(cfg.model.path)
-    args = GRPOConfig(output_dir=str(out / "trl"), learning_rate=cfg.trainer.lr, lr_scheduler_type="constant",
-                      warmup_steps=0, max_grad_norm=cfg.trainer.max_grad_norm, per_device_train_batch_size=prompts * group,
-                      gradient_accumulation_steps=1, num_generations=group,
-                      max_completion_length=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
-                      top_p=1.0, top_k=0, beta=0.0, epsilon=cfg.rl.eps_low, epsilon_high=cfg.rl.eps_high,
-                      loss_type="dapo", scale_rewards="group", num_iterations=1, max_steps=steps, logging_steps=1,
-                      save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=cfg.seed,
-                      shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True)
+    args = GRPOConfig(
+        output_dir=str(out / "trl"),
+        learning_rate=cfg.trainer.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=cfg.trainer.max_grad_norm,
+        per_device_train_batch_size=prompts * group,
+        gradient_accumulation_steps=1,
+        num_generations=group,
+        max_completion_length=cfg.sampling.max_new_tokens,
+        temperature=cfg.sampling.temperature,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=cfg.rl.eps_low,
+        epsilon_high=cfg.rl.eps_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=cfg.seed,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     kv = cfg.kv
-    trainer = KVGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=args,
-                            train_dataset=data, processing_class=AutoTokenizer.from_pretrained(path),
-                            kv_policy=kv.policy, kv_budget=kv.budget, kv_interval=kv.interval, kv_window=kv.window,
-                            kv_sink=kv.sink, kv_kwargs=dict(kv.kwargs))
+    trainer = KVGRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        kv_policy=kv.policy,
+        kv_budget=kv.budget,
+        kv_interval=kv.interval,
+        kv_window=kv.window,
+        kv_sink=kv.sink,
+        kv_kwargs=dict(kv.kwargs),
+    )
     cpu, wall, _ = timed(trainer.train)
     trainer.save_model(str(out / "trl" / "model"))
     trainer.processing_class.save_pretrained(str(out / "trl" / "model"))
     logs = [r for r in trainer.state.log_history if f"{MISMATCH}/max" in r]
-    return {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "samples": steps * prompts * group,
-            "mismatch_mean": max(r[f"{MISMATCH}/mean"] for r in logs),
-            "mismatch_max": max(r[f"{MISMATCH}/max"] for r in logs)}
+    return {
+        "cpu_s": round(cpu, 1),
+        "wall_s": round(wall, 1),
+        "samples": steps * prompts * group,
+        "mismatch_mean": max(r[f"{MISMATCH}/mean"] for r in logs),
+        "mismatch_max": max(r[f"{MISMATCH}/max"] for r in logs),
+    }
 
 
 def main():
@@ -95,10 +134,21 @@ def main():
     args = ap.parse_args()
     setup_process()
     out = Path(args.out)
-    cfg = load_config([f"recipe={RECIPE}", f"trainer.steps={args.steps}", f"output_dir={out / 'kvrl'}",
-                       f"trainer.batch_size={args.prompts * args.group}", f"rl.group_size={args.group}",
-                       "resume=never", "rl.checkpoint_every=0", "workers.address=inline", "workers.engine=hf",
-                       "workers.learners=1", "workers.backend=ddp"])
+    cfg = load_config(
+        [
+            f"recipe={RECIPE}",
+            f"trainer.steps={args.steps}",
+            f"output_dir={out / 'kvrl'}",
+            f"trainer.batch_size={args.prompts * args.group}",
+            f"rl.group_size={args.group}",
+            "resume=never",
+            "rl.checkpoint_every=0",
+            "workers.address=inline",
+            "workers.engine=hf",
+            "workers.learners=1",
+            "workers.backend=ddp",
+        ]
+    )
 
     env, tasks = draw_tasks(cfg.env.id, args.tasks, args.eval_seed, **cfg.env.kwargs)
     acc = {}
@@ -114,17 +164,31 @@ def main():
     training = {"trl": train_trl(cfg, out), "kvrl": train_kvrl(cfg)}
     held_out("trl", str(out / "trl" / "model"))
     held_out("kvrl", str(out / "kvrl" / "model"))
-    emit({
-        "benchmark": "trl_rl_sparse", "model": cfg.model.path, "tasks": args.tasks, "steps": args.steps,
-        "samples_per_step": args.prompts * args.group, "seed": cfg.seed,
-        "kv": {"policy": cfg.kv.policy, "budget": cfg.kv.budget, "interval": cfg.kv.interval,
-               "window": cfg.kv.window, "sink": cfg.kv.sink, **cfg.kv.kwargs},
-        "acc_gkv": acc,
-        "gain_points": {side: round(100 * (acc[side]["acc"] - acc["untrained"]["acc"]), 2) for side in ("trl", "kvrl")},
-        "mismatch": {side: {k: t[k] for k in ("mismatch_mean", "mismatch_max")} for side, t in training.items()},
-        "samples_per_cpu_s": {side: round(t["samples"] / t["cpu_s"], 2) for side, t in training.items()},
-        "training": training,
-    })
+    emit(
+        {
+            "benchmark": "trl_rl_sparse",
+            "model": cfg.model.path,
+            "tasks": args.tasks,
+            "steps": args.steps,
+            "samples_per_step": args.prompts * args.group,
+            "seed": cfg.seed,
+            "kv": {
+                "policy": cfg.kv.policy,
+                "budget": cfg.kv.budget,
+                "interval": cfg.kv.interval,
+                "window": cfg.kv.window,
+                "sink": cfg.kv.sink,
+                **cfg.kv.kwargs,
+            },
+            "acc_gkv": acc,
+            "gain_points": {
+                side: round(100 * (acc[side]["acc"] - acc["untrained"]["acc"]), 2) for side in ("trl", "kvrl")
+            },
+            "mismatch": {side: {k: t[k] for k in ("mismatch_mean", "mismatch_max")} for side, t in training.items()},
+            "samples_per_cpu_s": {side: round(t["samples"] / t["cpu_s"], 2) for side, t in training.items()},
+            "training": training,
+        }
+    )
 
 
 if __name__ == "__main__":

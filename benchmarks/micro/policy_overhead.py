@@ -42,6 +42,7 @@ def step_time(engine, prompts, kv_policy, steps, repeats) -> tuple[float, float]
     run) / steps. Minimising each run separately, not their difference: the 1-step run holds
     the prefill and its eviction (R-KV's N x N similarity over 2k tokens), whose noise made
     per-repeat differences negative on a shared machine."""
+
     def run(n):
         engine.generate(prompts, Sampling(max_new_tokens=n, ignore_eos=True), policy=kv_policy)
 
@@ -54,8 +55,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", type=int, default=32)
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--context", type=int, default=0, help="prompt tokens of the long-context part; 0: the most "
-                    "the model holds with --steps new tokens and room for one more task prompt")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="prompt tokens of the long-context part; 0: the most "
+        "the model holds with --steps new tokens and room for one more task prompt",
+    )
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -82,9 +88,11 @@ def main():
         long_prompts.append(" ".join(parts))
     context = max(len(ids) for ids in tok(long_prompts)["input_ids"])
     if context + args.steps + 1 > positions:
-        raise SystemExit(f"--context {args.context}: the long prompts are {context} tokens, which with --steps "
-                         f"{args.steps} + 1 new tokens exceed the model's {positions} positions; pass --context "
-                         f"{args.context - (context + args.steps + 1 - positions)} or less (or 0, the default)")
+        raise SystemExit(
+            f"--context {args.context}: the long prompts are {context} tokens, which with --steps "
+            f"{args.steps} + 1 new tokens exceed the model's {positions} positions; pass --context "
+            f"{args.context - (context + args.steps + 1 - positions)} or less (or 0, the default)"
+        )
 
     full = engine.generate(prompts, Sampling(max_new_tokens=160))
     mean_len = float(np.mean([len(p) + len(g) + 1 for p, g in zip(full.prompt_ids, full.tokens)]))
@@ -99,11 +107,27 @@ def main():
     for name in POLICIES:
         t, cpu = step_time(engine, long_prompts, policy(name, model, args.budget), args.steps, args.repeats)
         long[name] = {"step_ms": 1e3 * t, "ratio": t / full_step, "step_cpu_ms": 1e3 * cpu}
-    emit({"model": args.model, "device": str(engine.device), "threads": args.threads,
-          "tasks": len(tasks), "mean_seq_len": mean_len, "budget": budget,
-          "interval": INTERVAL, "window": WINDOW, "sink": SINK, "evict_fraction": fraction,
-          "long_context": {"context": context, "budget": args.budget, "batch": len(long_prompts),
-                           "steps": args.steps, **long}})
+    emit(
+        {
+            "model": args.model,
+            "device": str(engine.device),
+            "threads": args.threads,
+            "tasks": len(tasks),
+            "mean_seq_len": mean_len,
+            "budget": budget,
+            "interval": INTERVAL,
+            "window": WINDOW,
+            "sink": SINK,
+            "evict_fraction": fraction,
+            "long_context": {
+                "context": context,
+                "budget": args.budget,
+                "batch": len(long_prompts),
+                "steps": args.steps,
+                **long,
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,9 @@ def heads_per_call(n: int, requested: int) -> int:
 
 def run(impl: str, keys, valid, per_call: int):
     fn = IMPLS[impl]
-    return torch.cat([fn(keys[:, h:h + per_call], valid[:, h:h + per_call])
-                      for h in range(0, keys.shape[1], per_call)], 1)
+    return torch.cat(
+        [fn(keys[:, h : h + per_call], valid[:, h : h + per_call]) for h in range(0, keys.shape[1], per_call)], 1
+    )
 
 
 def status() -> dict[str, int]:
@@ -100,8 +101,13 @@ def peak_child(impl: str, n: int, per_call: int) -> None:
 
 def peak(impl: str, n: int, per_call: int) -> int:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, __file__, "--peak", impl, str(n), str(per_call)], env=env,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", impl, str(n), str(per_call)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return int(out.split()[-1])
 
 
@@ -120,8 +126,9 @@ def main():
     for n in (int(x) for x in args.ns.split(",")):
         per_call = heads_per_call(n, args.heads_per_call)
         keys, valid = inputs(n)
-        runs = interleaved({impl: lambda impl=impl: run(impl, keys, valid, per_call) for impl in ("old", "new")},
-                           args.repeats)
+        runs = interleaved(
+            {impl: lambda impl=impl: run(impl, keys, valid, per_call) for impl in ("old", "new")}, args.repeats
+        )
         old, new = runs["old"], runs["new"]
         result[f"n{n}_speedup"] = round(min(old.cpu_s) / min(new.cpu_s), 2)
         result[f"n{n}_speedup_wall"] = round(min(old.wall_s) / min(new.wall_s), 2)

@@ -69,8 +69,13 @@ def main():
         settings[f"stale{p}_"] = torch.where(drop, evicted, state)
     diff = 0.0
     for name, prev in settings.items():
-        runs = interleaved({"stateless": lambda: key_redundancy(keys, valid),
-                            "update": lambda prev=prev: key_redundancy_update(keys, pos, prev)[0]}, args.repeats)
+        runs = interleaved(
+            {
+                "stateless": lambda: key_redundancy(keys, valid),
+                "update": lambda prev=prev: key_redundancy_update(keys, pos, prev)[0],
+            },
+            args.repeats,
+        )
         t_full, t_inc = min(runs["stateless"].cpu_s), min(runs["update"].cpu_s)
         for want, got in zip(runs["stateless"].outs, runs["update"].outs):
             diff = max(diff, float((got - want).abs().max()))

@@ -46,21 +46,32 @@ def per_token(out: Rollouts, scorer: HFEngine, temperature: float) -> tuple[torc
     """(behaviour logprobs, ``scorer``'s replayed logprobs) of every generated token."""
     behaviour, replay = [], []
     for i in range(0, len(out.tokens), CHUNK):
-        part = Rollouts(out.tokens[i:i + CHUNK], out.logprobs[i:i + CHUNK], out.finish_reasons[i:i + CHUNK],
-                        prompt_ids=out.prompt_ids[i:i + CHUNK])
-        trace = None if out.traces is None else EvictionTrace.from_death(out.traces.death[:, i:i + CHUNK],
-                                                                         out.traces.lengths[i:i + CHUNK])
+        part = Rollouts(
+            out.tokens[i : i + CHUNK],
+            out.logprobs[i : i + CHUNK],
+            out.finish_reasons[i : i + CHUNK],
+            prompt_ids=out.prompt_ids[i : i + CHUNK],
+        )
+        trace = (
+            None
+            if out.traces is None
+            else EvictionTrace.from_death(out.traces.death[:, i : i + CHUNK], out.traces.lengths[i : i + CHUNK])
+        )
         with torch.no_grad():
             s = scorer.score(part, trace=trace, temperature=temperature)
         for b, lp in enumerate(part.logprobs):
             behaviour.append(torch.tensor(lp, dtype=torch.float64))
-            replay.append(s.logprobs[b, :len(lp)].double())
+            replay.append(s.logprobs[b, : len(lp)].double())
     return torch.cat(behaviour), torch.cat(replay)
 
 
 def summary(d: torch.Tensor) -> dict:
-    return {"mean": float(d.mean()), "p99.9": float(torch.quantile(d, 0.999)), "max": float(d.max()),
-            "over_1e-4": int((d > 1e-4).sum())}
+    return {
+        "mean": float(d.mean()),
+        "p99.9": float(torch.quantile(d, 0.999)),
+        "max": float(d.max()),
+        "over_1e-4": int((d > 1e-4).sum()),
+    }
 
 
 def main():
@@ -83,15 +94,23 @@ def main():
     result = {}
     for name in ("full", "streaming", "gkv", "rkv"):
         kwargs = kv.kwargs if name == "gkv" else {}
-        policy = None if name == "full" else make_policy(name, model.config, budget=kv.budget, interval=kv.interval,
-                                                         window=kv.window, sink=kv.sink, **kwargs)
+        policy = (
+            None
+            if name == "full"
+            else make_policy(
+                name, model.config, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink, **kwargs
+            )
+        )
         row = {}
         for engine_name, engine in engines.items():
             out = engine.generate(prompts, sampling, policy=policy)
             behaviour, exact = per_token(out, hf64, T)
             _, replay32 = per_token(out, hf32, T)
-            row[engine_name] = {"tokens": len(behaviour), "vs_exact": summary((behaviour - exact).abs()),
-                                "mismatch": summary((behaviour - replay32).abs())}
+            row[engine_name] = {
+                "tokens": len(behaviour),
+                "vs_exact": summary((behaviour - exact).abs()),
+                "mismatch": summary((behaviour - replay32).abs()),
+            }
         out = hf64.generate(prompts, sampling, policy=policy)
         behaviour, replay = per_token(out, hf64, T)
         row["float64_decode_vs_replay_max"] = float((behaviour - replay).abs().max())
@@ -101,12 +120,19 @@ def main():
             behaviour, late = per_token(out, hf64, T)
             row["float64_one_step_late_max"] = float((behaviour - late).abs().max())
         result[name] = row
-    emit({"benchmark": "replay_precision", "tasks": args.tasks, "temperature": T,
-          "kv": {"budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink},
-          "policies": result,
-          "gkv_over_full_p99.9_error": {e: result["gkv"][e]["vs_exact"]["p99.9"] /
-                                        result["full"][e]["vs_exact"]["p99.9"] for e in engines},
-          "float64_replay_exact": all(r["float64_decode_vs_replay_max"] <= 1e-6 for r in result.values())})
+    emit(
+        {
+            "benchmark": "replay_precision",
+            "tasks": args.tasks,
+            "temperature": T,
+            "kv": {"budget": kv.budget, "interval": kv.interval, "window": kv.window, "sink": kv.sink},
+            "policies": result,
+            "gkv_over_full_p99.9_error": {
+                e: result["gkv"][e]["vs_exact"]["p99.9"] / result["full"][e]["vs_exact"]["p99.9"] for e in engines
+            },
+            "float64_replay_exact": all(r["float64_decode_vs_replay_max"] <= 1e-6 for r in result.values()),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -32,9 +32,16 @@ def caches():
         for seed in range(SEEDS):
             g = torch.Generator().manual_seed(seed)
             keys = torch.randn(1, 1, N, D, generator=g) + offset * torch.randn(1, 1, 1, D, generator=g)
-            yield Observation(keys=keys, values=keys, queries=torch.randn(1, 2, W, D, generator=g),
-                              key_pos=torch.arange(N).view(1, 1, N), query_pos=torch.arange(N - W, N).view(1, W),
-                              state=None, layer=0, scaling=D ** -0.5)
+            yield Observation(
+                keys=keys,
+                values=keys,
+                queries=torch.randn(1, 2, W, D, generator=g),
+                key_pos=torch.arange(N).view(1, 1, N),
+                query_pos=torch.arange(N - W, N).view(1, W),
+                state=None,
+                layer=0,
+                scaling=D**-0.5,
+            )
 
 
 def kept(policy, obs) -> set:
@@ -50,8 +57,9 @@ def main():
             plain = key_redundancy(obs.keys, valid, threshold)[0, 0, 0]
             quirk = key_redundancy(obs.keys, valid, threshold, fallback=True)[0, 0, 0]
             change = max(change, float((plain - quirk).abs() / plain))
-            changed += kept(RKV(budget=BUDGET, window=W, threshold=threshold), obs) != \
-                kept(RKV(budget=BUDGET, window=W, threshold=threshold, fallback=True), obs)
+            changed += kept(RKV(budget=BUDGET, window=W, threshold=threshold), obs) != kept(
+                RKV(budget=BUDGET, window=W, threshold=threshold, fallback=True), obs
+            )
         out[f"fallback_t{threshold}_token0_change_max"] = round(change, 5)
         out[f"fallback_t{threshold}_kept_changed"] = changed
     change = 0.0

@@ -31,14 +31,20 @@ def main():
     engine.generate(prompts[:8], sampling)  # warm-up
 
     def decode(size):
-        return lambda: [engine.generate(prompts[lo:lo + size], sampling) and None for lo in range(0, SAMPLES, size)]
+        return lambda: [engine.generate(prompts[lo : lo + size], sampling) and None for lo in range(0, SAMPLES, size)]
 
     sizes = [int(s) for s in args.sizes.split(",")]
     runs = interleaved({str(s): decode(s) for s in sizes}, args.repeats)
     first = sum(runs[str(sizes[0])].cpu_s)
-    emit({"benchmark": "rollout_batch", "samples": SAMPLES, "repeats": args.repeats,
-          "cpu_s": {k: r.summary()["cpu_s"] for k, r in runs.items()},
-          "cpu_ratio_to_first": {k: round(sum(r.cpu_s) / first, 3) for k, r in runs.items()}})
+    emit(
+        {
+            "benchmark": "rollout_batch",
+            "samples": SAMPLES,
+            "repeats": args.repeats,
+            "cpu_s": {k: r.summary()["cpu_s"] for k, r in runs.items()},
+            "cpu_ratio_to_first": {k: round(sum(r.cpu_s) / first, 3) for k, r in runs.items()},
+        }
+    )
 
 
 if __name__ == "__main__":

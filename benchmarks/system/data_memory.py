@@ -60,8 +60,16 @@ def write_data(path: Path, mb: int) -> int:
     with open(path, "w") as f:
         while size < mb * 1024**2:
             a, b = rows % 10, rows % 7
-            line = json.dumps({"id": f"row-{rows}", "question": f"{a} ; {b} = ? {filler}",
-                               "answer": f"{a} ; {b}\n#### {(a + b) % 10}"}) + "\n"
+            line = (
+                json.dumps(
+                    {
+                        "id": f"row-{rows}",
+                        "question": f"{a} ; {b} = ? {filler}",
+                        "answer": f"{a} ; {b}\n#### {(a + b) % 10}",
+                    }
+                )
+                + "\n"
+            )
             f.write(line)
             size, rows = size + len(line), rows + 1
     return rows
@@ -92,10 +100,18 @@ def main() -> None:
         before, after = measure(old, data), measure(REPO, data)
     assert before["first_ids"] == after["first_ids"], "the two code paths drew different tasks"
     part = {k: r["peak_rss_mib"] - r["base_rss_mib"] for k, r in (("before", before), ("after", after))}
-    emit({"file_mb": args.mb, "rows": rows, "before": before, "after": after,
-          "data_rss_mib_before": round(part["before"], 1), "data_rss_mib_after": round(part["after"], 1),
-          "peak_rss_ratio": round(before["peak_rss_mib"] / after["peak_rss_mib"], 2),
-          "data_rss_ratio": round(part["before"] / max(part["after"], 1.0), 1)})
+    emit(
+        {
+            "file_mb": args.mb,
+            "rows": rows,
+            "before": before,
+            "after": after,
+            "data_rss_mib_before": round(part["before"], 1),
+            "data_rss_mib_after": round(part["after"], 1),
+            "peak_rss_ratio": round(before["peak_rss_mib"] / after["peak_rss_mib"], 2),
+            "data_rss_ratio": round(part["before"] / max(part["after"], 1.0), 1),
+        }
+    )
 
 
 if __name__ == "__main__":

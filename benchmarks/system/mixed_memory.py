@@ -47,10 +47,19 @@ def main():
     args = ap.parse_args()
     shared, out_shared = run(False, args)
     per_head, out_per_head = run(True, args)
-    emit({"benchmark": "mixed_memory", "seq": args.seq, "batch": args.batch, "heads": args.heads,
-          "kv_heads": args.kv_heads, "peak_bytes_shared_mask": shared,
-          "peak_bytes_per_head_masks": per_head, "shared_over_per_head": round(shared / per_head, 3),
-          "outputs_equal": abs(out_shared - out_per_head) <= 1e-6 * abs(out_per_head)})
+    emit(
+        {
+            "benchmark": "mixed_memory",
+            "seq": args.seq,
+            "batch": args.batch,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "peak_bytes_shared_mask": shared,
+            "peak_bytes_per_head_masks": per_head,
+            "shared_over_per_head": round(shared / per_head, 3),
+            "outputs_equal": abs(out_shared - out_per_head) <= 1e-6 * abs(out_per_head),
+        }
+    )
 
 
 if __name__ == "__main__":

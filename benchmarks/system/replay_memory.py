@@ -43,8 +43,11 @@ def memory_figures() -> dict:
     out = {}
     for name, T in LENGTHS.items():
         trace = EvictionTrace.from_death(synthetic_death(L, H, T), torch.tensor([T]))
-        row = {"trace_bytes": trace.death.numel() * trace.death.element_size(), "trace_dtype": str(trace.death.dtype),
-               "dense_bytes_from_shape": L * H * T * T}
+        row = {
+            "trace_bytes": trace.death.numel() * trace.death.element_size(),
+            "trace_dtype": str(trace.death.dtype),
+            "dense_bytes_from_shape": L * H * T * T,
+        }
         if name in DENSE_MEASURED:
             pos = torch.arange(T)[None]
             one_layer = visibility(trace.full()[0], pos, pos)  # [1, H, T, T] bool
@@ -78,30 +81,43 @@ def main():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
     pos = torch.arange(T)[None]
-    trace = EvictionTrace.from_death(synthetic_death(cfg.num_hidden_layers, cfg.num_key_value_heads, T), torch.tensor([T]))
+    trace = EvictionTrace.from_death(
+        synthetic_death(cfg.num_hidden_layers, cfg.num_key_value_heads, T), torch.tensor([T])
+    )
 
     replay = trace.replay(pos, flex=False)
     full = trace.full()
     dense = torch.stack([visibility(full[layer], pos, pos) for layer in range(cfg.num_hidden_layers)])
     dense_attention = register_dense_masks()
-    runs = interleaved({"replay": lambda: step(model, ids, pos, "kvrl_replay", kvrl_replay=replay),
-                        "dense_mask": lambda: step(model, ids, pos, dense_attention, dense_masks=dense)}, args.repeats)
+    runs = interleaved(
+        {
+            "replay": lambda: step(model, ids, pos, "kvrl_replay", kvrl_replay=replay),
+            "dense_mask": lambda: step(model, ids, pos, dense_attention, dense_masks=dense),
+        },
+        args.repeats,
+    )
     replay_s, dense_s = (statistics.median_high(runs[k].wall_s) for k in ("replay", "dense_mask"))
     replay_logits, dense_logits = runs["replay"].outs[-1], runs["dense_mask"].outs[-1]
 
-    emit({
-        "benchmark": "replay_memory",
-        "memory_qwen7b_per_sequence": {"shape": QWEN_7B, **memory},
-        "learner_step_tiny": {
-            "seq": T, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads, "repeats": args.repeats,
-            "replay_s": round(replay_s, 3), "dense_mask_s": round(dense_s, 3),
-            "replay_over_dense_time": round(replay_s / dense_s, 3),
-            "replay_record_bytes": trace.death.numel() * trace.death.element_size(),
-            "dense_record_bytes": dense.numel() * dense.element_size(),
-            "logits_max_abs_diff": (replay_logits - dense_logits).abs().max().item(),
-            "seconds": {k: r.summary(3) for k, r in runs.items()},
-        },
-    })
+    emit(
+        {
+            "benchmark": "replay_memory",
+            "memory_qwen7b_per_sequence": {"shape": QWEN_7B, **memory},
+            "learner_step_tiny": {
+                "seq": T,
+                "layers": cfg.num_hidden_layers,
+                "kv_heads": cfg.num_key_value_heads,
+                "repeats": args.repeats,
+                "replay_s": round(replay_s, 3),
+                "dense_mask_s": round(dense_s, 3),
+                "replay_over_dense_time": round(replay_s / dense_s, 3),
+                "replay_record_bytes": trace.death.numel() * trace.death.element_size(),
+                "dense_record_bytes": dense.numel() * dense.element_size(),
+                "logits_max_abs_diff": (replay_logits - dense_logits).abs().max().item(),
+                "seconds": {k: r.summary(3) for k, r in runs.items()},
+            },
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -69,15 +69,43 @@ def run_trl(steps: int, out: Path, threads: int) -> None:
             progress.flush()
 
     path = resolve_path("tiny")
-    args = GRPOConfig(output_dir=str(out / "trl"), learning_rate=3e-4, lr_scheduler_type="constant", warmup_steps=0,
-                      max_grad_norm=1.0, per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
-                      num_generations=GROUP, max_completion_length=NEW_TOKENS, temperature=2.5, top_p=1.0, top_k=0,
-                      beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
-                      max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-                      seed=0, shuffle_dataset=False, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=args,
-                          train_dataset=data, processing_class=AutoTokenizer.from_pretrained(path),
-                          callbacks=[Progress()])
+    args = GRPOConfig(
+        output_dir=str(out / "trl"),
+        learning_rate=3e-4,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        per_device_train_batch_size=PROMPTS * GROUP,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        max_completion_length=NEW_TOKENS,
+        temperature=2.5,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        shuffle_dataset=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(path),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=AutoTokenizer.from_pretrained(path),
+        callbacks=[Progress()],
+    )
     trainer.train()
 
 
@@ -124,8 +152,16 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     if side.startswith("kvrl"):
-        cmd = [sys.executable, "-m", "kvrl.run", "recipe=tiny_rl_full", f"trainer.steps={steps}",
-               f"output_dir={out}", "rl.checkpoint_every=0", *(["workers.address=inline"] if side == "kvrl_inline" else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvrl.run",
+            "recipe=tiny_rl_full",
+            f"trainer.steps={steps}",
+            f"output_dir={out}",
+            "rl.checkpoint_every=0",
+            *(["workers.address=inline"] if side == "kvrl_inline" else []),
+        ]
         progress = out / "metrics.jsonl"
     else:
         cmd = [sys.executable, __file__, "--child", str(out), "--steps", str(steps), "--trl-threads", str(threads)]
@@ -145,8 +181,9 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
                 at[k], pids_at[k] = cpu, dict(seen)
             time.sleep(0.2)
     if proc.returncode or len(at) < steps:
-        raise RuntimeError(f"{side} failed ({proc.returncode}), see {out / 'log.txt'}:\n"
-                           + (out / "log.txt").read_text()[-3000:])
+        raise RuntimeError(
+            f"{side} failed ({proc.returncode}), see {out / 'log.txt'}:\n" + (out / "log.txt").read_text()[-3000:]
+        )
     per_step = (at[steps] - at[1]) / (steps - 1)
     by_kind: dict[str, float] = {}  # where a step's CPU goes, and where start-up's
     startup: dict[str, float] = {}
@@ -155,10 +192,14 @@ def measure(side: str, steps: int, tmp: Path, threads: int) -> dict:
         step_part = (cpu - pids_at[1].get(pid, 0.0)) / (steps - 1)
         by_kind[k] = by_kind.get(k, 0.0) + step_part
         startup[k] = startup.get(k, 0.0) + pids_at[1].get(pid, 0.0) - step_part
-    return {"samples_per_cpu_s": round(PROMPTS * GROUP / per_step, 1), "cpu_s_per_step": round(per_step, 2),
-            "startup_cpu_s": round(at[1] - per_step, 1), "total_cpu_s": round(sum(seen.values()), 1),
-            "cpu_s_per_step_by_process": {k: round(v, 2) for k, v in sorted(by_kind.items())},
-            "startup_cpu_s_by_process": {k: round(v, 1) for k, v in sorted(startup.items())}}
+    return {
+        "samples_per_cpu_s": round(PROMPTS * GROUP / per_step, 1),
+        "cpu_s_per_step": round(per_step, 2),
+        "startup_cpu_s": round(at[1] - per_step, 1),
+        "total_cpu_s": round(sum(seen.values()), 1),
+        "cpu_s_per_step_by_process": {k: round(v, 2) for k, v in sorted(by_kind.items())},
+        "startup_cpu_s_by_process": {k: round(v, 1) for k, v in sorted(startup.items())},
+    }
 
 
 def main() -> None:
@@ -173,16 +214,31 @@ def main() -> None:
     if args.child:
         return run_trl(args.steps, Path(args.child), args.trl_threads)
     with tempfile.TemporaryDirectory() as tmp:  # interleaved: a change in the machine's load hits both
-        timed = interleaved({side: lambda side=side: measure(side, args.steps, Path(tmp), args.trl_threads)
-                             for side in SIDES}, args.repeats)
-    runs = {side: [{**out, "wall_s": round(wall, 1)} for out, wall in zip(r.outs, r.wall_s)]
-            for side, r in timed.items()}
+        timed = interleaved(
+            {side: lambda side=side: measure(side, args.steps, Path(tmp), args.trl_threads) for side in SIDES},
+            args.repeats,
+        )
+    runs = {
+        side: [{**out, "wall_s": round(wall, 1)} for out, wall in zip(r.outs, r.wall_s)] for side, r in timed.items()
+    }
     keys = ("samples_per_cpu_s", "cpu_s_per_step", "startup_cpu_s", "wall_s")
     s = {side: {k: spread([r[k] for r in rs], 2) for k in keys} for side, rs in runs.items()}
-    ratios = {f"{key}_ratio_{side}_over_trl": round(s[side][key]["mean"] / s["trl"][key]["mean"], 3)
-              for side in SIDES[:2] for key in ("samples_per_cpu_s", "startup_cpu_s")}
-    emit({"steps": args.steps, "repeats": args.repeats, "samples_per_step": PROMPTS * GROUP,
-          "trl_threads": args.trl_threads, **{side: s[side] for side in SIDES}, **ratios, "runs": runs})
+    ratios = {
+        f"{key}_ratio_{side}_over_trl": round(s[side][key]["mean"] / s["trl"][key]["mean"], 3)
+        for side in SIDES[:2]
+        for key in ("samples_per_cpu_s", "startup_cpu_s")
+    }
+    emit(
+        {
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "samples_per_step": PROMPTS * GROUP,
+            "trl_threads": args.trl_threads,
+            **{side: s[side] for side in SIDES},
+            **ratios,
+            "runs": runs,
+        }
+    )
 
 
 if __name__ == "__main__":

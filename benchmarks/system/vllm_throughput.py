@@ -81,10 +81,20 @@ def build_model(path: str) -> str:
     from kvrl.models.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1280, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=512,
+        intermediate_size=1280,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
@@ -158,19 +168,33 @@ def equal(args, engine, layers, kv_heads):
     batch = prompts(args.batch)
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
     names = args.policies.split(",")
-    runs = interleaved({name: lambda name=name: run(engine, batch, sampling, make(name, args, layers, kv_heads))
-                        for name in ["full", *names]}, args.repeats)
+    runs = interleaved(
+        {
+            name: lambda name=name: run(engine, batch, sampling, make(name, args, layers, kv_heads))
+            for name in ["full", *names]
+        },
+        args.repeats,
+    )
     full = runs["full"]
     plens = [len(p) for p in full.outs[0][2].prompt_ids]
     ctx_full = context_lengths(plens, args.new, None)
     fits = []  # per round: decode steps only (the first steps also prefill): step CPU = a + b · mean context
     for _, times, _, _, _ in full.outs:
-        fits.append(np.polyfit(ctx_full, times[-len(ctx_full):], 1))
-    result = {"setting": "equal", "batch": args.batch, "new_tokens": args.new, "budget": args.budget,
-              "interval": args.interval, "repeats": args.repeats,
-              "full_tokens_per_cpu_s": spread([o[0] / c for o, c in zip(full.outs, full.cpu_s)], 1),
-              "step_fit_ms": {"a": spread([1e3 * a for _, a in fits], 3),
-                              "b_per_1k_tokens": spread([1e6 * b for b, _ in fits], 3)}, "policies": {}}
+        fits.append(np.polyfit(ctx_full, times[-len(ctx_full) :], 1))
+    result = {
+        "setting": "equal",
+        "batch": args.batch,
+        "new_tokens": args.new,
+        "budget": args.budget,
+        "interval": args.interval,
+        "repeats": args.repeats,
+        "full_tokens_per_cpu_s": spread([o[0] / c for o, c in zip(full.outs, full.cpu_s)], 1),
+        "step_fit_ms": {
+            "a": spread([1e3 * a for _, a in fits], 3),
+            "b_per_1k_tokens": spread([1e6 * b for b, _ in fits], 3),
+        },
+        "policies": {},
+    }
     for name in names:
         r, policy = runs[name], make(name, args, layers, kv_heads)
         rounds = {"ratio": [], "ratio_wall": [], "evict_share": [], "predicted": [], "achieved_over_predicted": []}
@@ -190,16 +214,28 @@ def equal(args, engine, layers, kv_heads):
 def fixed(args, engine, layers, kv_heads):
     batch = prompts(args.requests, seed=1)
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
-    result = {"setting": "fixed", "kv_blocks": engine.num_blocks, "block_size": engine.block_size,
-              "requests": args.requests, "new_tokens": args.new, "budget": args.budget, "policies": {}}
+    result = {
+        "setting": "fixed",
+        "kv_blocks": engine.num_blocks,
+        "block_size": engine.block_size,
+        "requests": args.requests,
+        "new_tokens": args.new,
+        "budget": args.budget,
+        "policies": {},
+    }
     admission = engine.admission
     engine.admission = "always"  # the full cache too: admitted only while its peak blocks fit
     try:
         for name in ["full", *args.policies.split(",")]:
             cpu, wall, (tok, _, _, peak, pre) = timed(
-                lambda: run(engine, batch, sampling, make(name, args, layers, kv_heads)))
-            result["policies"][name] = {"tokens_per_s": round(tok / wall, 1), "peak_running": peak,
-                                        "preemptions": pre, "cpu_s": round(cpu, 1)}
+                lambda: run(engine, batch, sampling, make(name, args, layers, kv_heads))
+            )
+            result["policies"][name] = {
+                "tokens_per_s": round(tok / wall, 1),
+                "peak_running": peak,
+                "preemptions": pre,
+                "cpu_s": round(cpu, 1),
+            }
     finally:
         engine.admission = admission
     full = result["policies"]["full"]
@@ -215,13 +251,23 @@ def bookkeeping(args, engine, layers, kv_heads):
     never = make_policy("streaming", budget=2 * (100 + args.new), interval=args.interval, window=16, sink=4)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="kv budget")  # "will never evict": the point here
-        runs = interleaved({name: lambda policy=policy: run(engine, batch, sampling, policy)[0]
-                            for name, policy in (("full", None), ("no_evictions", never))}, args.repeats)
+        runs = interleaved(
+            {
+                name: lambda policy=policy: run(engine, batch, sampling, policy)[0]
+                for name, policy in (("full", None), ("no_evictions", never))
+            },
+            args.repeats,
+        )
     best = {name: min(r.wall_s) for name, r in runs.items()}
-    return {"setting": "bookkeeping", "batch": args.batch, "new_tokens": args.new, "repeats": args.repeats,
-            "wall_s": {k: round(v, 2) for k, v in best.items()},
-            "cpu_s": {k: round(min(r.cpu_s), 2) for k, r in runs.items()},
-            "overhead": round(1 - best["full"] / best["no_evictions"], 4)}
+    return {
+        "setting": "bookkeeping",
+        "batch": args.batch,
+        "new_tokens": args.new,
+        "repeats": args.repeats,
+        "wall_s": {k: round(v, 2) for k, v in best.items()},
+        "cpu_s": {k: round(min(r.cpu_s), 2) for k, r in runs.items()},
+        "overhead": round(1 - best["full"] / best["no_evictions"], 4),
+    }
 
 
 def timing(owner, attr: str, spent: dict):
@@ -276,8 +322,13 @@ def calls(args, engine, layers, kv_heads):
     from kvrl.engines.vllm.evicting import EvictingWorker
 
     sampling = Sampling(max_new_tokens=args.new, ignore_eos=True)
-    result = {"setting": "calls", "new_tokens": args.new, "budget": args.budget, "interval": args.interval,
-              "policies": {}}
+    result = {
+        "setting": "calls",
+        "new_tokens": args.new,
+        "budget": args.budget,
+        "interval": args.interval,
+        "policies": {},
+    }
     evict, rows_per_call = EvictingWorker._evict, evicting.EVICT_ROWS
     for name in args.policies.split(","):
         rows = {}
@@ -312,20 +363,25 @@ def calls(args, engine, layers, kv_heads):
                 for restore in restores:
                     restore()
             if not spent["rows"]:
-                raise SystemExit(f"calls: {name} never evicted at {n} requests: the sequences (~100-token prompts + "
-                                 f"--new {args.new}) stay within --budget {args.budget}; raise --new or lower --budget")
+                raise SystemExit(
+                    f"calls: {name} never evicted at {n} requests: the sequences (~100-token prompts + "
+                    f"--new {args.new}) stay within --budget {args.budget}; raise --new or lower --budget"
+                )
             calls_ = spent["calls"]
-            rows[n] = {"us_per_call": round(1e6 * spent["seconds"] / calls_, 1),
-                       "requests_per_call": round(spent["rows"] / calls_, 1),
-                       "us_per_request": round(1e6 * spent["seconds"] / spent["rows"], 1),
-                       "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
+            rows[n] = {
+                "us_per_call": round(1e6 * spent["seconds"] / calls_, 1),
+                "requests_per_call": round(spent["rows"] / calls_, 1),
+                "us_per_request": round(1e6 * spent["seconds"] / spent["rows"], 1),
+                "evict_share": round(spent["seconds"] / out.timing["decode"], 4),
+            }
             per_row = 1e6 / spent["rows"]
             by_phase = {k: round(per_row * spent[k], 1) for k in ("read", "score", "select", "compact")}
             by_phase["other"] = round(rows[n]["us_per_request"] - sum(by_phase.values()), 1)
             rows[n]["us_per_request_by_phase"] = by_phase
             if name in FLOOR_OPS and shapes:
-                floor = floor_us_per_request(max(set(shapes), key=shapes.count), kv_heads, args.interval,
-                                             redundancy=FLOOR_OPS[name])
+                floor = floor_us_per_request(
+                    max(set(shapes), key=shapes.count), kv_heads, args.interval, redundancy=FLOOR_OPS[name]
+                )
                 rows[n]["floor_us_per_request"] = round(floor, 1)
                 rows[n]["floor_share"] = round(rows[n]["evict_share"] * floor / rows[n]["us_per_request"], 4)
             if n < evicting.EVICT_ROWS:  # calls may take several layers: the same run at one layer per call
@@ -338,8 +394,10 @@ def calls(args, engine, layers, kv_heads):
                 finally:
                     EvictingWorker._evict, evicting.EVICT_ROWS = evict, rows_per_call
                 one = 1e6 * spent["seconds"] / max(1, spent["rows"])
-                rows[n]["one_layer_per_call"] = {"us_per_request": round(one, 1),
-                                                 "evict_share": round(spent["seconds"] / out.timing["decode"], 4)}
+                rows[n]["one_layer_per_call"] = {
+                    "us_per_request": round(one, 1),
+                    "evict_share": round(spent["seconds"] / out.timing["decode"], 4),
+                }
                 rows[n]["speedup_over_one_layer_per_call"] = round(one / rows[n]["us_per_request"], 3)
         result["policies"][name] = rows
     streaming = result["policies"].get("streaming", {})
@@ -376,15 +434,21 @@ def main():
     blocks = None
     if args.setting == "fixed":
         blocks = args.full_requests * -(-longest // BLOCK) + 1  # + vLLM's null block
-    engine = VLLMEngine(path, max_model_len=longest + 1, block_size=BLOCK, num_gpu_blocks_override=blocks,
-                        kv_cache_gib=4)
+    engine = VLLMEngine(
+        path, max_model_len=longest + 1, block_size=BLOCK, num_gpu_blocks_override=blocks, kv_cache_gib=4
+    )
     layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
     warm = Sampling(max_new_tokens=40, ignore_eos=True)
     for name in ["full", *args.policies.split(",")]:  # warm-up: first calls compile and allocate
         engine.generate(prompts(2), warm, policy=make(name, args, layers, kv_heads))
     setting = {"equal": equal, "fixed": fixed, "calls": calls, "bookkeeping": bookkeeping}[args.setting]
-    emit({"device": "cuda" if torch.cuda.is_available() else "cpu", "threads": 1,
-          **setting(args, engine, layers, kv_heads)})
+    emit(
+        {
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "threads": 1,
+            **setting(args, engine, layers, kv_heads),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -74,14 +74,17 @@ def algo_class(path: str) -> type:
     try:
         cls = load_entry_point(path)
     except (ImportError, AttributeError, ValueError) as err:  # a typo costs no torch: the base is imported after
-        raise ConfigError(f"rl.algo={path!r} cannot be imported ({' '.join(str(err).split())}); {instead}, or put "
-                          f"the package of {path.partition(':')[0]!r} on PYTHONPATH (a Ray job: launch/ray_submit.sh "
-                          "--py-module path/to/pkg)") from None
+        raise ConfigError(
+            f"rl.algo={path!r} cannot be imported ({' '.join(str(err).split())}); {instead}, or put "
+            f"the package of {path.partition(':')[0]!r} on PYTHONPATH (a Ray job: launch/ray_submit.sh "
+            "--py-module path/to/pkg)"
+        ) from None
     from kvrl.algos.base import Algorithm
 
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise ConfigError(f"rl.algo={path!r} is not a subclass of kvrl.algos.base.Algorithm; {instead}, or name "
-                          "your subclass")
+        raise ConfigError(
+            f"rl.algo={path!r} is not a subclass of kvrl.algos.base.Algorithm; {instead}, or name your subclass"
+        )
     return cls
 
 

@@ -98,10 +98,16 @@ def collate(samples: list[Sample], num_items: float, device) -> Batch:
         death = torch.cat([F.pad(s.trace.full(), (0, L - s.trace.death.shape[-1]), value=NEVER) for s in samples], 1)
         lengths = torch.cat([s.trace.lengths for s in samples])
         trace = EvictionTrace.from_death(death.to(device), lengths.to(device))
-    return Batch(sequences=[s.prompt_ids + s.tokens for s in samples], prompt_lens=[len(s.prompt_ids) for s in samples],
-                 old_logprobs=old, mask=mask, advantages=torch.tensor([s.advantage for s in samples], device=device),
-                 rewards=torch.tensor([s.reward for s in samples], device=device),
-                 trace=trace, num_items=num_items)
+    return Batch(
+        sequences=[s.prompt_ids + s.tokens for s in samples],
+        prompt_lens=[len(s.prompt_ids) for s in samples],
+        old_logprobs=old,
+        mask=mask,
+        advantages=torch.tensor([s.advantage for s in samples], device=device),
+        rewards=torch.tensor([s.reward for s in samples], device=device),
+        trace=trace,
+        num_items=num_items,
+    )
 
 
 class Algorithm:
@@ -155,22 +161,33 @@ class Algorithm:
 
     # ---- the rollout side every text algorithm shares
 
-    def generate(self, engine, regime, env, ids: list[str], tasks: list[Task], seed: int,
-                 version: int) -> tuple[list[Sample], dict]:
+    def generate(
+        self, engine, regime, env, ids: list[str], tasks: list[Task], seed: int, version: int
+    ) -> tuple[list[Sample], dict]:
         """A shard: a sample per (id, task), in order, decoded in chunks of sampling.batch_size
         with seeds seed, seed+1, ... (so a redone shard is identical) and scored by ``env``."""
         sc = self.cfg.sampling
         samples, tokens, start = [], 0, time.perf_counter()
         for c, lo in enumerate(range(0, len(tasks), sc.batch_size)):
-            chunk = tasks[lo:lo + sc.batch_size]
+            chunk = tasks[lo : lo + sc.batch_size]
             sampling = Sampling(max_new_tokens=sc.max_new_tokens, temperature=sc.temperature, seed=seed + c)
             out = engine.generate([t.prompt for t in chunk], sampling, policy=regime)
-            for b, (sid, task) in enumerate(zip(ids[lo:lo + sc.batch_size], chunk)):
+            for b, (sid, task) in enumerate(zip(ids[lo : lo + sc.batch_size], chunk)):
                 reward, info = env.score(task, out.texts[b])
-                samples.append(Sample(
-                    id=sid, prompt_ids=out.prompt_ids[b], tokens=out.tokens[b], logprobs=out.logprobs[b],
-                    finish_reason=out.finish_reasons[b], text=out.texts[b], version=version,
-                    trace=None if out.traces is None else out.trace(b), reward=reward, info=info))
+                samples.append(
+                    Sample(
+                        id=sid,
+                        prompt_ids=out.prompt_ids[b],
+                        tokens=out.tokens[b],
+                        logprobs=out.logprobs[b],
+                        finish_reason=out.finish_reasons[b],
+                        text=out.texts[b],
+                        version=version,
+                        trace=None if out.traces is None else out.trace(b),
+                        reward=reward,
+                        info=info,
+                    )
+                )
                 tokens += len(out.tokens[b])
         return samples, {"tokens": tokens, "seconds": time.perf_counter() - start}
 

@@ -51,13 +51,17 @@ class Distill(RLSparse):
 
     def loss(self, engine, batch):
         if batch.trace is None:
-            raise ValueError("distill got samples without an eviction trace: the rollout engine must "
-                             "decode under rollout_policy() and return its traces")
-        scores = engine.score(batch.sequences, batch.prompt_lens, trace=batch.trace, temperature=self.temperature,
-                              distributions=True)
+            raise ValueError(
+                "distill got samples without an eviction trace: the rollout engine must "
+                "decode under rollout_policy() and return its traces"
+            )
+        scores = engine.score(
+            batch.sequences, batch.prompt_lens, trace=batch.trace, temperature=self.temperature, distributions=True
+        )
         with torch.no_grad():
-            teacher = self.teacher.score(batch.sequences, batch.prompt_lens, temperature=self.T,
-                                         distributions=True).distributions  # [B, G, V], full cache
+            teacher = self.teacher.score(
+                batch.sequences, batch.prompt_lens, temperature=self.T, distributions=True
+            ).distributions  # [B, G, V], full cache
         student = torch.log_softmax(scores.distributions * (self.temperature / self.T), -1)
         mask = scores.mask.to(student.dtype)
         kl = (teacher.exp() * (teacher - student)).sum(-1) * mask  # [B, G]
@@ -65,7 +69,7 @@ class Distill(RLSparse):
             total = kl.sum()
         else:
             total = (kl.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-        loss = self.T ** 2 * total / max(float(batch.num_items), 1.0)
+        loss = self.T**2 * total / max(float(batch.num_items), 1.0)
         tokens = int(mask.sum())
         metrics = {"kl": (kl.sum() / max(tokens, 1)).item(), "tokens": tokens}
         return loss, scores, metrics

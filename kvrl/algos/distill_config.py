@@ -19,8 +19,9 @@ class DistillConfig:
 def problems(cfg) -> list[str]:
     found = rl_sparse_config.problems(cfg)
     if cfg.rl.kl_coef > 0:
-        found.append(f"rl.kl_coef={cfg.rl.kl_coef}: distill's loss is a KL to the full-cache teacher already; "
-                     "set rl.kl_coef=0")
+        found.append(
+            f"rl.kl_coef={cfg.rl.kl_coef}: distill's loss is a KL to the full-cache teacher already; set rl.kl_coef=0"
+        )
     return found
 
 

@@ -55,11 +55,11 @@ from kvrl.policies.golden import GoldenEviction, record_attention
 from kvrl.policies.learned import topk_pool, topk_set_logprob
 
 
-
 def make_scorer(model, kv) -> LearnedScorer:
     """The learned-scorer policy of the ``kv`` config section for ``model``."""
-    return make_policy("learned", model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
-                       sink=kv.sink, **kv.kwargs)
+    return make_policy(
+        "learned", model.config, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink, **kv.kwargs
+    )
 
 
 def scorer_state(policy: LearnedScorer) -> dict[str, Tensor]:
@@ -144,8 +144,9 @@ class Episode:
 
 
 @torch.no_grad()
-def rollout(env: EvictionEnv, policy: LearnedScorer, trace: int, *, sample: bool,
-            generator: torch.Generator | None = None) -> Episode:
+def rollout(
+    env: EvictionEnv, policy: LearnedScorer, trace: int, *, sample: bool, generator: torch.Generator | None = None
+) -> Episode:
     """Play one episode of ``env`` on ``trace`` with the scorer choosing every eviction."""
     obs, _ = env.reset(options={"trace": trace})
     record = {k: [] for k in ("x", "layer", "candidates", "n_evict", "drawn", "logprob")}
@@ -155,15 +156,22 @@ def rollout(env: EvictionEnv, policy: LearnedScorer, trace: int, *, sample: bool
             scores = -policy.scorer(layer, obs.features[layer])
             draw = policy.act(obs.key_pos[layer], scores, sample=sample, generator=generator)
             keeps.append(draw.keep)
-            for k, v in (("x", obs.features[layer, 0]), ("layer", torch.tensor(layer)),
-                         ("candidates", obs.candidates[layer, 0]), ("n_evict", obs.n_evict[layer, 0]),
-                         ("drawn", draw.drawn[0]), ("logprob", draw.logprob[0])):
+            for k, v in (
+                ("x", obs.features[layer, 0]),
+                ("layer", torch.tensor(layer)),
+                ("candidates", obs.candidates[layer, 0]),
+                ("n_evict", obs.n_evict[layer, 0]),
+                ("drawn", draw.drawn[0]),
+                ("logprob", draw.logprob[0]),
+            ):
                 record[k].append(v)
         obs, reward, terminated, truncated, info = env.step(torch.stack(keeps))
         if terminated or truncated:
             break
-    stacked = {k: (pad_stack(v, 0.0 if k == "x" else False) if k in ("x", "candidates", "drawn") else torch.stack(v))
-               for k, v in record.items()}
+    stacked = {
+        k: (pad_stack(v, 0.0 if k == "x" else False) if k in ("x", "candidates", "drawn") else torch.stack(v))
+        for k, v in record.items()
+    }
     return Episode(reward, info, **stacked)
 
 
@@ -181,16 +189,19 @@ def decision_logprobs(policy: LearnedScorer, ep: dict) -> tuple[Tensor, Tensor]:
 
 def collate(episodes: list[Episode]) -> dict:
     """Episodes -> padded decision batch: x [B, D, H, N, F], masks, old logprobs [B, D·H]."""
-    return {"x": pad_stack([e.x for e in episodes], 0.0),
-            "layer": pad_stack([e.layer for e in episodes], 0),
-            "candidates": pad_stack([e.candidates for e in episodes], False),
-            "drawn": pad_stack([e.drawn for e in episodes], False),
-            "n_evict": pad_stack([e.n_evict for e in episodes], 0),
-            "old": pad_stack([e.logprob for e in episodes], 0.0).flatten(1)}
+    return {
+        "x": pad_stack([e.x for e in episodes], 0.0),
+        "layer": pad_stack([e.layer for e in episodes], 0),
+        "candidates": pad_stack([e.candidates for e in episodes], False),
+        "drawn": pad_stack([e.drawn for e in episodes], False),
+        "n_evict": pad_stack([e.n_evict for e in episodes], 0),
+        "old": pad_stack([e.logprob for e in episodes], 0.0).flatten(1),
+    }
 
 
-def rl_loss(policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: Tensor, rl,
-            num_items: float | None = None) -> tuple[Tensor, dict, Tensor]:
+def rl_loss(
+    policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: Tensor, rl, num_items: float | None = None
+) -> tuple[Tensor, dict, Tensor]:
     """The shared GRPO loss over decisions, with the k3 KL to the stage-1 scorer; its metrics;
     and the decisions' log-probabilities under ``policy`` [B, D·H] (differentiable)."""
     flat = {k: batch[k].flatten(0, 1) for k in ("x", "layer", "candidates", "drawn", "n_evict")}
@@ -205,9 +216,18 @@ def rl_loss(policy: LearnedScorer, ref: LearnedScorer, batch: dict, advantages: 
     # The k3 KL needs the reference's probability of the set; where the reference's pool
     # cannot draw it, that term is left out (zero value and gradient) rather than infinite.
     ref_logp = torch.where(ref_inside & inside, ref_logp, logp.detach())
-    loss, metrics = grpo_loss(logp, batch["old"], advantages, mask, eps_low=rl.eps_low, eps_high=rl.eps_high,
-                              ref_logprobs=ref_logp, beta=rl.kl_coef, aggregation=rl.aggregation,
-                              num_items=num_items)
+    loss, metrics = grpo_loss(
+        logp,
+        batch["old"],
+        advantages,
+        mask,
+        eps_low=rl.eps_low,
+        eps_high=rl.eps_high,
+        ref_logprobs=ref_logp,
+        beta=rl.kl_coef,
+        aggregation=rl.aggregation,
+        num_items=num_items,
+    )
     metrics["pool_changed"] = float((~inside & mask).sum() / mask.sum().clamp(min=1))
     metrics["ref_outside"] = float((~ref_inside & mask).sum() / mask.sum().clamp(min=1))
     return loss, metrics, logp
@@ -230,8 +250,9 @@ def ratio_of_sums(episodes: list[Episode]) -> float:
 
 
 @torch.no_grad()
-def loss_ratios(model, traces: list[Trace], policies: dict, budget: int, interval: int, window: int,
-                sink: int) -> dict[str, float]:
+def loss_ratios(
+    model, traces: list[Trace], policies: dict, budget: int, interval: int, window: int, sink: int
+) -> dict[str, float]:
     """Σ loss / Σ full-cache loss over the generated tokens of ``traces`` for each policy
     (a name of :data:`RULE_BASED`, ``"golden"``, or a :class:`LearnedScorer`), all replayed
     by :func:`kvrl.envs.eviction.run_policy` at (budget, interval) — ForesightKV's Table 2."""
@@ -286,8 +307,16 @@ class ForesightRL(Algorithm):
         if model is None:  # the controller: the task stream only
             return TextEnv([Task(f"trace-{i}", "", None, {"trace": i}) for i in range(len(traces))])
         kv, fs = self.cfg.kv, self.cfg.foresight
-        return EvictionEnv(traces, model, budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink,
-                           eta=fs.eta, low_entropy=fs.low_entropy)
+        return EvictionEnv(
+            traces,
+            model,
+            budget=kv.budget,
+            interval=kv.interval,
+            window=kv.window,
+            sink=kv.sink,
+            eta=fs.eta,
+            low_entropy=fs.low_entropy,
+        )
 
     def rollout_policy(self, model) -> LearnedScorer:
         return make_scorer(model, self.cfg.kv)
@@ -295,20 +324,38 @@ class ForesightRL(Algorithm):
     def generate(self, engine, regime, env, ids, tasks, seed, version):
         samples, start = [], time.perf_counter()
         for k, (sid, task) in enumerate(zip(ids, tasks)):
-            ep = rollout(env, regime.policy, task.meta["trace"], sample=True,
-                         generator=torch.Generator().manual_seed(seed + k))
-            samples.append(Sample(id=sid, prompt_ids=[], tokens=[], logprobs=ep.logprob.flatten().tolist(),
-                                  finish_reason="stop", text="", version=version, reward=ep.reward,
-                                  info=ep.info, data=ep))
+            ep = rollout(
+                env, regime.policy, task.meta["trace"], sample=True, generator=torch.Generator().manual_seed(seed + k)
+            )
+            samples.append(
+                Sample(
+                    id=sid,
+                    prompt_ids=[],
+                    tokens=[],
+                    logprobs=ep.logprob.flatten().tolist(),
+                    finish_reason="stop",
+                    text="",
+                    version=version,
+                    reward=ep.reward,
+                    info=ep.info,
+                    data=ep,
+                )
+            )
         return samples, {"tokens": 0, "seconds": time.perf_counter() - start}
 
     def collate(self, samples, num_items, device) -> Batch:
         decisions = {k: v.to(device) for k, v in collate([s.data for s in samples]).items()}
-        return Batch(sequences=[], prompt_lens=[], old_logprobs=decisions["old"],
-                     mask=(decisions["n_evict"] > 0).flatten(1).float(),
-                     advantages=torch.tensor([s.advantage for s in samples], device=device),
-                     rewards=torch.tensor([s.reward for s in samples], device=device), trace=None,
-                     num_items=num_items, data=decisions)
+        return Batch(
+            sequences=[],
+            prompt_lens=[],
+            old_logprobs=decisions["old"],
+            mask=(decisions["n_evict"] > 0).flatten(1).float(),
+            advantages=torch.tensor([s.advantage for s in samples], device=device),
+            rewards=torch.tensor([s.reward for s in samples], device=device),
+            trace=None,
+            num_items=num_items,
+            data=decisions,
+        )
 
     def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
         from safetensors.torch import load_file
@@ -320,8 +367,9 @@ class ForesightRL(Algorithm):
         return list(self.policy.scorer.parameters())
 
     def loss(self, engine, batch):
-        loss, metrics, logp = rl_loss(self.policy, self.ref, batch.data, batch.advantages, self.cfg.rl,
-                                      num_items=batch.num_items)
+        loss, metrics, logp = rl_loss(
+            self.policy, self.ref, batch.data, batch.advantages, self.cfg.rl, num_items=batch.num_items
+        )
         scores = Scores(logp, -logp, torch.zeros_like(logp), batch.mask)
         return loss, scores, metrics
 

@@ -56,5 +56,8 @@ class Push(Mapping):
     def digest(self) -> dict[str, str]:
         """Checksums of the parts present (``{"weights": ..., "cache": ...}``): what a rollout
         worker compares with what it holds after the push."""
-        return {name: checksum(part) for name, part in (("weights", self.weights), ("cache", self.cache))
-                if part is not None}
+        return {
+            name: checksum(part)
+            for name, part in (("weights", self.weights), ("cache", self.cache))
+            if part is not None
+        }

@@ -49,9 +49,18 @@ class RLFull(Algorithm):
             with torch.no_grad():
                 ref = self.ref.score(batch.sequences, batch.prompt_lens, temperature=self.temperature).logprobs
         rl = self.rl
-        loss, metrics = grpo_loss(scores.logprobs, batch.old_logprobs, batch.advantages, scores.mask,
-                                  eps_low=rl.eps_low, eps_high=rl.eps_high, ref_logprobs=ref, beta=rl.kl_coef,
-                                  aggregation=rl.aggregation, num_items=batch.num_items)
+        loss, metrics = grpo_loss(
+            scores.logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            scores.mask,
+            eps_low=rl.eps_low,
+            eps_high=rl.eps_high,
+            ref_logprobs=ref,
+            beta=rl.kl_coef,
+            aggregation=rl.aggregation,
+            num_items=batch.num_items,
+        )
         return loss, scores, metrics
 
     def state(self, model) -> Push:

@@ -8,8 +8,10 @@ from kvrl.section import register_section
 
 def problems(cfg) -> list[str]:
     if cfg.kv.policy != "full":
-        return [f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; set kv.policy=full "
-                "(a compressed-cache algorithm trains under its policy)"]
+        return [
+            f"rl_full trains with the full KV cache, but kv.policy={cfg.kv.policy!r}; set kv.policy=full "
+            "(a compressed-cache algorithm trains under its policy)"
+        ]
     return []
 
 

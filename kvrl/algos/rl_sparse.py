@@ -44,11 +44,23 @@ class RLSparse(RLFull):
     def rollout_policy(self, model) -> Evicting:
         """``kv.policy`` (G-KV in the paper) with the ``kv`` section's budget, schedule and ``kv.kwargs``."""
         kv = self.kv
-        return Evicting(make_policy(kv.policy, model.config, budget=kv.budget, interval=kv.interval, window=kv.window,
-                                    sink=kv.sink, budget_ratio=kv.budget_ratio, **kv.kwargs))
+        return Evicting(
+            make_policy(
+                kv.policy,
+                model.config,
+                budget=kv.budget,
+                interval=kv.interval,
+                window=kv.window,
+                sink=kv.sink,
+                budget_ratio=kv.budget_ratio,
+                **kv.kwargs,
+            )
+        )
 
     def loss(self, engine, batch):
         if batch.trace is None:  # without it the learner would silently train with the full cache
-            raise ValueError("rl_sparse got samples without an eviction trace: the rollout engine must "
-                             "decode under rollout_policy() and return its traces")
+            raise ValueError(
+                "rl_sparse got samples without an eviction trace: the rollout engine must "
+                "decode under rollout_policy() and return its traces"
+            )
         return super().loss(engine, batch)

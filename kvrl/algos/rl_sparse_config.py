@@ -14,9 +14,11 @@ def problems(cfg) -> list[str]:
     # any token policy of the zoo or of your own (kv.policy=pkg.module:Class) evicts; these two do not
     why = {"full": "keeps every token", "learned": "is the scorer job=foresight trains, untrained here"}
     if cfg.kv.policy in why:
-        return [f"{cfg.rl.algo} trains under the eviction it is served with (G-KV's: gkv), but kv.policy="
-                f"{cfg.kv.policy!r} {why[cfg.kv.policy]}; set kv.policy=gkv with kv.budget > 0 (rl.algo=rl_full "
-                "trains with the full cache)"]
+        return [
+            f"{cfg.rl.algo} trains under the eviction it is served with (G-KV's: gkv), but kv.policy="
+            f"{cfg.kv.policy!r} {why[cfg.kv.policy]}; set kv.policy=gkv with kv.budget > 0 (rl.algo=rl_full "
+            "trains with the full cache)"
+        ]
     return []
 
 

@@ -73,28 +73,40 @@ class RLKV(Algorithm):
     def setup(self, model, tokenizer) -> list[torch.nn.Parameter]:
         cfg = model.config
         # float32 whatever the model's dtype: Adam steps of 1e-2 on a bf16 value near 1 would round away
-        self.gates = torch.nn.Parameter(torch.ones(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                   device=model.device))
+        self.gates = torch.nn.Parameter(torch.ones(cfg.num_hidden_layers, cfg.num_key_value_heads, device=model.device))
         return [self.gates]
 
     def loss(self, engine, batch):
         with torch.no_grad():  # the reference clamps before every micro-batch; no sigmoid
             self.gates.clamp_(0.0, 1.0)
-        scores = engine.score(batch.sequences, batch.prompt_lens, policy=self.mixed(self.gates),
-                              temperature=self.temperature)
+        scores = engine.score(
+            batch.sequences, batch.prompt_lens, policy=self.mixed(self.gates), temperature=self.temperature
+        )
         rl = self.rl
-        pg, metrics = grpo_loss(scores.logprobs, batch.old_logprobs, batch.advantages, scores.mask,
-                                eps_low=rl.eps_low, eps_high=rl.eps_high, aggregation=rl.aggregation,
-                                num_items=batch.num_items)
+        pg, metrics = grpo_loss(
+            scores.logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            scores.mask,
+            eps_low=rl.eps_low,
+            eps_high=rl.eps_high,
+            aggregation=rl.aggregation,
+            num_items=batch.num_items,
+        )
         # r̄ of this learner's share: the reference's micro-batch mean (the whole step with one learner),
         # added once per share (on its first micro-batch)
         mean_reward = batch.rewards.float().mean().item()
         penalty = adaptive_penalty(self.gates, mean_reward, self.rlkv.l1_coef, self.rlkv.tau)
         penalty = penalty if batch.first else penalty * 0.0
         g = self.gates.detach()
-        metrics.update(pg_loss=pg.item(), penalty=penalty.item(), gate_mean=g.mean().item(),
-                       gate_min=g.min().item(), gate_max=g.max().item(),
-                       **{f"gate/{l}.{h}": g[l, h].item() for l in range(g.shape[0]) for h in range(g.shape[1])})
+        metrics.update(
+            pg_loss=pg.item(),
+            penalty=penalty.item(),
+            gate_mean=g.mean().item(),
+            gate_min=g.min().item(),
+            gate_max=g.max().item(),
+            **{f"gate/{l}.{h}": g[l, h].item() for l in range(g.shape[0]) for h in range(g.shape[1])},
+        )
         return pg + penalty, scores, metrics
 
     def state(self, model) -> Push:

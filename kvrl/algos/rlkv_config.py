@@ -28,14 +28,19 @@ def problems(cfg) -> list[str]:
     """Cross-field checks of RLKV training (job=rlkv, rl.algo=rlkv)."""
     found = []
     if cfg.workers.engine != "vllm":
-        found.append(f"workers.engine={cfg.workers.engine!r}: RLKV's rollouts use the vLLM engine's "
-                     "mixed-gate attention; set workers.engine=vllm")
+        found.append(
+            f"workers.engine={cfg.workers.engine!r}: RLKV's rollouts use the vLLM engine's "
+            "mixed-gate attention; set workers.engine=vllm"
+        )
     if cfg.kv.policy != "full":
-        found.append(f"kv.policy={cfg.kv.policy!r}: RLKV's rollouts mix full and rlkv.sink + rlkv.recent "
-                     "attention per head, not a token policy; set kv.policy=full")
+        found.append(
+            f"kv.policy={cfg.kv.policy!r}: RLKV's rollouts mix full and rlkv.sink + rlkv.recent "
+            "attention per head, not a token policy; set kv.policy=full"
+        )
     if cfg.rl.kl_coef != 0:
-        found.append(f"rl.kl_coef={cfg.rl.kl_coef}: RLKV trains without the KL term (and the LLM is frozen); "
-                     "set rl.kl_coef=0")
+        found.append(
+            f"rl.kl_coef={cfg.rl.kl_coef}: RLKV trains without the KL term (and the LLM is frozen); set rl.kl_coef=0"
+        )
     return found
 
 

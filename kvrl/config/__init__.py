@@ -48,8 +48,18 @@ from kvrl.algos.rlkv_config import RLKVConfig
 from kvrl.config.checks import validate
 from kvrl.config.load import RENAMED, available_recipes, load_config, recipes_dir
 from kvrl.config.schema import kwargs_of, schema, schema_keys
-from kvrl.config.shared import (DTYPES, EnvConfig, KVConfig, LoggingConfig, ModelConfig, RLConfig, SamplingConfig,
-                                Shared, TrainerConfig, WorkersConfig)
+from kvrl.config.shared import (
+    DTYPES,
+    EnvConfig,
+    KVConfig,
+    LoggingConfig,
+    ModelConfig,
+    RLConfig,
+    SamplingConfig,
+    Shared,
+    TrainerConfig,
+    WorkersConfig,
+)
 from kvrl.jobs import JOBS, Job
 from kvrl.jobs.eval_config import EvalConfig
 from kvrl.jobs.foresight_config import ForesightConfig
@@ -59,9 +69,36 @@ from kvrl.section import ConfigError, checked, cli_value, register_section
 
 Config = schema()  # the shipped sections' (a section registered later gets its own class: `schema()`)
 
-__all__ = ["DTYPES", "JOBS", "RENAMED", "Config", "ConfigError", "DistillConfig", "EnvConfig",
-           "EvalConfig", "ForesightConfig", "Job", "KVConfig", "LoggingConfig", "ModelConfig", "PretrainConfig",
-           "RLConfig", "RLKVConfig", "SamplingConfig", "SelfDistillConfig", "Shared", "TrainerConfig",
-           "WorkersConfig", "available_recipes", "checked", "cli_value", "kwargs_of", "load_config", "recipes_dir",
-           "register_section", "schema", "schema_keys", "validate"]
-
+__all__ = [
+    "DTYPES",
+    "JOBS",
+    "RENAMED",
+    "Config",
+    "ConfigError",
+    "DistillConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "ForesightConfig",
+    "Job",
+    "KVConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "PretrainConfig",
+    "RLConfig",
+    "RLKVConfig",
+    "SamplingConfig",
+    "SelfDistillConfig",
+    "Shared",
+    "TrainerConfig",
+    "WorkersConfig",
+    "available_recipes",
+    "checked",
+    "cli_value",
+    "kwargs_of",
+    "load_config",
+    "recipes_dir",
+    "register_section",
+    "schema",
+    "schema_keys",
+    "validate",
+]

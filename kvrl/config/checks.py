@@ -50,16 +50,20 @@ def _section_problems(cfg) -> list[str]:
         except ConfigError:  # RLConfig's to report
             section = None
         if section and section not in SECTIONS and not hasattr(cfg, section):
-            problems.append(f"rl.algo={algo} names section {section!r}, which nothing registered; call "
-                            f"kvrl.section.register_section({section!r}, ...) in its module, or set its section=None")
+            problems.append(
+                f"rl.algo={algo} names section {section!r}, which nothing registered; call "
+                f"kvrl.section.register_section({section!r}, ...) in its module, or set its section=None"
+            )
         names += [section] if section else []
     elif "rl" in job.sections and algo in ALGOS:  # an unknown name is RLConfig's to report
         if ALGOS[algo].job == cfg.job:
             names.append(algo)
         else:
             runs = [name for name, a in ALGOS.items() if a.job == cfg.job]
-            problems.append(f"job={cfg.job} runs rl.algo={' | '.join(runs)}, not rl.algo={algo}; "
-                            f"set job={ALGOS[algo].job} (or rl.algo={runs[0]})")
+            problems.append(
+                f"job={cfg.job} runs rl.algo={' | '.join(runs)}, not rl.algo={algo}; "
+                f"set job={ALGOS[algo].job} (or rl.algo={runs[0]})"
+            )
     checked = []
     for name in names:  # a registered section, then the shared sections it uses ("kv")
         checked += [name, *(SECTIONS[name].uses if name in SECTIONS else ())]
@@ -85,8 +89,10 @@ def job_fix(cfg, key: str, value: Any) -> str:
 
 def validate(cfg) -> None:
     """The checks the types cannot express; raises one ConfigError listing every problem."""
-    problems = [f"{key} {rule} (got {value!r}); set {key}={job_fix(cfg, key, default)}"
-                for key, rule, value, default in _field_problems(cfg)]
+    problems = [
+        f"{key} {rule} (got {value!r}); set {key}={job_fix(cfg, key, default)}"
+        for key, rule, value, default in _field_problems(cfg)
+    ]
     problems += _section_problems(cfg)
     if problems:
         raise ConfigError("invalid config: " + "\n".join(problems))

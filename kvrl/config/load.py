@@ -58,8 +58,10 @@ def _read_text(path: Path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise ConfigError(f"{path}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}, line {line}); "
-                          "save the file as UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 (byte 0x{data[err.start]:02x} at offset {err.start}, line {line}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 def _value_syntax(key: str, value: str) -> str:
@@ -67,13 +69,15 @@ def _value_syntax(key: str, value: str) -> str:
     default = schema_keys().get(key, (None, None))[1]
     if "${" in value:
         example = default if "${" in str(default) else "${recipe}"
-        return (f"an interpolation is ${{other.key}}, closed by a brace (got {value!r}); set e.g. {key}={example}")
+        return f"an interpolation is ${{other.key}}, closed by a brace (got {value!r}); set e.g. {key}={example}"
     if value.lstrip().startswith("["):
         example = cli_value(default) if isinstance(default, list) else "[a,b]"
         return f"a list is [a,b,...], closed by a bracket (got {value!r}); set e.g. {key}={example}"
     if value.lstrip().startswith("{"):
-        return (f"a mapping is {{name: value, ...}}, closed by a brace (got {value!r}); set e.g. "
-                f"{key}='{{name: value}}' (quoted for the shell)")
+        return (
+            f"a mapping is {{name: value, ...}}, closed by a brace (got {value!r}); set e.g. "
+            f"{key}='{{name: value}}' (quoted for the shell)"
+        )
     return f"the parser refused {value!r}; quote a value with special characters, e.g. {key}='a: b'"
 
 
@@ -144,9 +148,11 @@ def _read_yaml(path: Path) -> DictConfig:
     try:
         layer = OmegaConf.load(io.StringIO(text))
     except GrammarParseError as err:
-        raise ConfigError(f"{path}: {err.full_key} holds a malformed interpolation ({str(err).splitlines()[0]}); "
-                          "an interpolation is ${other.key}, closed by a brace, e.g. output_dir: "
-                          "outputs/${run_name}") from None
+        raise ConfigError(
+            f"{path}: {err.full_key} holds a malformed interpolation ({str(err).splitlines()[0]}); "
+            "an interpolation is ${other.key}, closed by a brace, e.g. output_dir: "
+            "outputs/${run_name}"
+        ) from None
     except (yaml.YAMLError, OmegaConfBaseException) as err:
         raise ConfigError(f"{path}: not valid YAML ({' '.join(str(err).split())}); fix the file") from None
     if not isinstance(layer, DictConfig):
@@ -159,14 +165,17 @@ def _recipe_path(name: str) -> Path:
     anywhere under a name that looks like a shipped recipe's (a file of your own is `recipe_file=PATH`)."""
     names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or ".." in name:
-        raise ConfigError(f"recipe={name} is not a recipe name: recipe= takes the name of a file in {recipes_dir()} "
-                          f"({', '.join(names) or '(none)'}); load a file of your own with recipe_file={name}")
+        raise ConfigError(
+            f"recipe={name} is not a recipe name: recipe= takes the name of a file in {recipes_dir()} "
+            f"({', '.join(names) or '(none)'}); load a file of your own with recipe_file={name}"
+        )
     path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
         near = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
         hint = f"did you mean recipe={near[0]}? " if near else ""
-        raise ConfigError(f"unknown recipe {name!r}: no {path}; {hint}available recipes: "
-                          f"{', '.join(names) or '(none)'}")
+        raise ConfigError(
+            f"unknown recipe {name!r}: no {path}; {hint}available recipes: {', '.join(names) or '(none)'}"
+        )
     return path
 
 
@@ -178,8 +187,12 @@ def _load_recipe(path: Path) -> list[tuple[DictConfig, str]]:
     # `base: NAME`: the keys a method's recipes share, in recipes/base/NAME.yaml (a name, as recipe= takes)
     base = recipe.pop("base")
     base_path = recipes_dir() / "base" / f"{base}.yaml"
-    if not isinstance(base, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", base) or ".." in base \
-            or not base_path.is_file():
+    if (
+        not isinstance(base, str)
+        or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", base)
+        or ".." in base
+        or not base_path.is_file()
+    ):
         names = ", ".join(sorted(p.stem for p in base_path.parent.glob("*.yaml"))) or "(none)"
         raise ConfigError(f"{path}: unknown base {base!r}: no {base_path}; available bases: {names}")
     return [(_read_yaml(base_path), str(base_path)), (recipe, str(path))]
@@ -204,8 +217,10 @@ def _load_config(argv: Sequence[str], names: list[str]) -> Any:
             raise ConfigError(f"recipe={cli.recipe} and recipe_file={own} both name the recipe; give one")
         path = Path(own).expanduser()
         if not path.is_file():
-            raise ConfigError(f"recipe_file={own}: no such file; give the path of a YAML recipe (or recipe=NAME for "
-                              f"one in {recipes_dir()})")
+            raise ConfigError(
+                f"recipe_file={own}: no such file; give the path of a YAML recipe (or recipe=NAME for "
+                f"one in {recipes_dir()})"
+            )
         name = path.stem
     else:
         name = str(cli.get("recipe", Shared.recipe))
@@ -216,17 +231,30 @@ def _load_config(argv: Sequence[str], names: list[str]) -> Any:
     recipe_path = layers[-1][1]
     # an algorithm of your own (rl.algo=pkg.module:Class) registers its section when its module is imported:
     # before the schema is built, so that its keys are known
-    algo = next((v for layer, _ in reversed(layers + [(cli, "")])
-                 if isinstance(v := OmegaConf.select(layer, "rl.algo", default=None, throw_on_missing=False,
-                                                   throw_on_resolution_failure=False), str)), "")
+    algo = next(
+        (
+            v
+            for layer, _ in reversed(layers + [(cli, "")])
+            if isinstance(
+                v := OmegaConf.select(
+                    layer, "rl.algo", default=None, throw_on_missing=False, throw_on_resolution_failure=False
+                ),
+                str,
+            )
+        ),
+        "",
+    )
     if ":" in algo:
         algo_class(algo)
     merged = OmegaConf.structured(schema())
     for layer, source in layers + [(cli, "command line")]:
         if layer is cli:  # what the command line replaces rather than merges into (the module docstring)
             given = [arg.partition("=")[0] for arg in argv]
-            dropped = [kw for owner, kw in kwargs_of().items()
-                       if owner in given and str(OmegaConf.select(cli, owner)) != str(OmegaConf.select(merged, owner))]
+            dropped = [
+                kw
+                for owner, kw in kwargs_of().items()
+                if owner in given and str(OmegaConf.select(cli, owner)) != str(OmegaConf.select(merged, owner))
+            ]
             whole = [key for key in given if get_origin(schema_keys().get(key, (None,))[0]) is dict]
             for key in dropped + whole:
                 OmegaConf.update(merged, key, {}, merge=False)
@@ -235,8 +263,10 @@ def _load_config(argv: Sequence[str], names: list[str]) -> Any:
         except OmegaConfBaseException as err:
             raise _merge_error(err, layer, source, merged) from None
     if OmegaConf.is_missing(merged, "job"):
-        raise ConfigError(f"job is not set; add `job: NAME` to {recipe_path} or pass job=NAME "
-                          "(`python -m kvrl.run --help` lists the jobs)")
+        raise ConfigError(
+            f"job is not set; add `job: NAME` to {recipe_path} or pass job=NAME "
+            "(`python -m kvrl.run --help` lists the jobs)"
+        )
     OmegaConf.set_readonly(merged, True)
     names += ENV_REFERENCE.findall(repr(OmegaConf.to_container(merged, resolve=False)))
     try:
@@ -244,8 +274,10 @@ def _load_config(argv: Sequence[str], names: list[str]) -> Any:
         references = _env_references(merged) if names else {}
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "the config"
-        raise ConfigError(f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another "
-                          "key, e.g. output_dir=outputs/${run_name}") from None
+        raise ConfigError(
+            f"cannot resolve {key}: {str(err).splitlines()[0]}; an interpolation names another "
+            "key, e.g. output_dir=outputs/${run_name}"
+        ) from None
     assert isinstance(cfg, schema())
     cfg.env_references = references
     validate(cfg)

@@ -30,8 +30,7 @@ def schema() -> type:
         clash = [name for name, _ in own if name in {f.name for f in fields(Shared)}]
         if clash:  # a registered section would hide a shared key
             raise TypeError(f"registered section(s) {', '.join(clash)} clash with shared keys of kvrl.config")
-        cls = make_dataclass("Config", [(name, cls, field(default_factory=cls)) for name, cls in own],
-                             bases=(Shared,))
+        cls = make_dataclass("Config", [(name, cls, field(default_factory=cls)) for name, cls in own], bases=(Shared,))
         # pickled by reference (Ray sends configs to actors): importing kvrl.config builds the same class
         cls.__module__ = "kvrl.config"
         cls.__doc__ = "The typed config: the shared keys, then each registered section's."

@@ -56,18 +56,25 @@ class EnvConfig:
 @dataclass
 class KVConfig:
     # KV policy name (full, streaming, h2o, snapkv, rkv, gkv, ...) or a dotted path pkg.mod:Class (as env.id)
-    policy: str = checked("full", lambda v: v in POLICY_NAMES or ":" in v,
-                          f"must be one of {', '.join(POLICY_NAMES)} or a pkg.module:Class of your own",
-                          names=POLICY_NAMES, kwargs="kwargs")
+    policy: str = checked(
+        "full",
+        lambda v: v in POLICY_NAMES or ":" in v,
+        f"must be one of {', '.join(POLICY_NAMES)} or a pkg.module:Class of your own",
+        names=POLICY_NAMES,
+        kwargs="kwargs",
+    )
     budget: int = checked(0, ge=0)  # cached tokens kept per KV head; 0 = unbounded (eval jobs sweep eval.budgets)
     interval: int = checked(16, ge=1)  # evict every this many decoded tokens
     window: int = checked(8, ge=1)  # number of most recent queries used to score cached tokens
     sink: int = checked(4, ge=0)  # leading tokens that are never evicted
     # G-KV's ratio mode: an eviction keeps max(kv.budget, floor(ratio x tokens seen so far, prompt included));
     # null = the fixed kv.budget. job=eval applies it to its token-policy lines at every eval.budgets floor
-    budget_ratio: Optional[float] = checked(None, lambda v: v is None or 0 < v <= 1,
-                                            "must be null (a fixed budget) or a fraction in (0, 1]")
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
+    budget_ratio: Optional[float] = checked(
+        None, lambda v: v is None or 0 < v <= 1, "must be null (a fixed budget) or a fraction in (0, 1]"
+    )
+    kwargs: Dict[str, Any] = field(
+        default_factory=dict
+    )  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
 
     def problems(self, cfg: "Shared") -> list[str]:
         """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: a policy given
@@ -81,18 +88,24 @@ class KVConfig:
         least = self.window + self.sink + 1
         fix = max(least, 4 * self.interval)
         if self.budget == 0:
-            problems.append(f"kv.budget=0 keeps every token, but {who} evicts with kv.policy={self.policy} and needs "
-                            f"a budget; set kv.budget={fix}")
+            problems.append(
+                f"kv.budget=0 keeps every token, but {who} evicts with kv.policy={self.policy} and needs "
+                f"a budget; set kv.budget={fix}"
+            )
         elif self.budget < least:
-            problems.append(f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy "
-                            f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
-                            f"score; set kv.budget={fix} (or lower kv.window / kv.sink)")
+            problems.append(
+                f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy "
+                f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
+                f"score; set kv.budget={fix} (or lower kv.window / kv.sink)"
+            )
         elif self.budget >= (limit := cache_limit(cfg))[0]:
             problems.append(self.never_evicts(*limit, who))
         elif "budget_ratio" in self.kwargs:
-            problems.append(f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
-                            f"the memory plan and the engines' block caps read too; set kv.budget_ratio="
-                            f"{self.kwargs['budget_ratio']} instead")
+            problems.append(
+                f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
+                f"the memory plan and the engines' block caps read too; set kv.budget_ratio="
+                f"{self.kwargs['budget_ratio']} instead"
+            )
         return problems
 
     def never_evicts(self, limit: int, why: str, who: str) -> str:
@@ -100,9 +113,11 @@ class KVConfig:
         config path the model's positions (`problems`); at run start, once the data is read, the longest
         prompt + sampling.max_new_tokens (`kvrl.workers.controller.Controller`)."""
         least = self.window + self.sink + 1
-        return (f"kv.budget={self.budget} never evicts: a sequence holds at most {limit} tokens ({why}), so the "
-                f"cache never outgrows the budget and {who} would run the full cache; set "
-                f"kv.budget={max(least, limit // 2)} (below {limit})")
+        return (
+            f"kv.budget={self.budget} never evicts: a sequence holds at most {limit} tokens ({why}), so the "
+            f"cache never outgrows the budget and {who} would run the full cache; set "
+            f"kv.budget={max(least, limit // 2)} (below {limit})"
+        )
 
 
 @dataclass
@@ -163,24 +178,34 @@ class RLConfig:
         problems = []
         g, n = self.group_size, cfg.trainer.batch_size
         if g >= 1 and (n % g or n < g):  # below 2 the field's own rule says so (and n % 0 would raise)
-            problems.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): it is the number "
-                            f"of samples per step; set trainer.batch_size={max(1, round(n / g)) * g}")
+            problems.append(
+                f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): it is the number "
+                f"of samples per step; set trainer.batch_size={max(1, round(n / g)) * g}"
+            )
         if cfg.sampling.temperature <= 0:
-            problems.append("sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
-                            "group the same text, hence zero advantages; set sampling.temperature=1.0")
+            problems.append(
+                "sampling.temperature must be > 0 for RL: greedy decoding gives every sample of a "
+                "group the same text, hence zero advantages; set sampling.temperature=1.0"
+            )
         if cfg.sampling.top_p < 1:
-            problems.append(f"sampling.top_p={cfg.sampling.top_p:g}: a rollout records each token's logprob in the "
-                            "renormalised nucleus it was drawn from (vLLM's processed_logprobs; the HF engine records "
-                            "the same), but the learner scores the token under the whole softmax, so the importance "
-                            "ratio would be off by the nucleus's mass at every token; set sampling.top_p=1.0 (top-p "
-                            "is for job=eval)")
+            problems.append(
+                f"sampling.top_p={cfg.sampling.top_p:g}: a rollout records each token's logprob in the "
+                "renormalised nucleus it was drawn from (vLLM's processed_logprobs; the HF engine records "
+                "the same), but the learner scores the token under the whole softmax, so the importance "
+                "ratio would be off by the nucleus's mass at every token; set sampling.top_p=1.0 (top-p "
+                "is for job=eval)"
+            )
         if cfg.workers.engine == "vllm" and cfg.sampling.temperature > 2:
-            problems.append(f"sampling.temperature={cfg.sampling.temperature:g}: vLLM samples at temperatures in "
-                            "[0, 2] only; set sampling.temperature=2.0 or workers.engine=hf")
+            problems.append(
+                f"sampling.temperature={cfg.sampling.temperature:g}: vLLM samples at temperatures in "
+                "[0, 2] only; set sampling.temperature=2.0 or workers.engine=hf"
+            )
         parts = max(cfg.workers.rollout, cfg.workers.learners)
         if n < parts:
-            problems.append(f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "
-                            f"({parts}), each takes a share of the samples; set trainer.batch_size={parts * g}")
+            problems.append(
+                f"trainer.batch_size ({n}) must be >= the number of rollout workers and of learners "
+                f"({parts}), each takes a share of the samples; set trainer.batch_size={parts * g}"
+            )
         if ":" in self.algo:  # pkg.module:Class (the loader imported it already, registering its section)
             try:
                 algo_class(self.algo)
@@ -188,8 +213,10 @@ class RLConfig:
                 problems.append(str(err))
         elif self.algo not in ALGOS:
             near = difflib.get_close_matches(self.algo, ALGOS, n=1)
-            problems.append(f"unknown rl.algo {self.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
-                            f"(available: {', '.join(ALGOS)}, or pkg.module:Class of your own)")
+            problems.append(
+                f"unknown rl.algo {self.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
+                f"(available: {', '.join(ALGOS)}, or pkg.module:Class of your own)"
+            )
         if cfg.trainer.steps < 1:
             problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")
         return problems
@@ -200,9 +227,11 @@ class WorkersConfig:
     # "" = the cluster of `ray job submit` ($RAY_ADDRESS) if any, else a private local Ray; or auto / host:port;
     # inline = no Ray: the actors are objects in this process, one after another (a laptop's smallest start-up;
     # no restarts, no timeouts, one learner: kvrl/workers/inline.py)
-    address: str = checked("", lambda v: v in ("", "auto", "local", INLINE) or ADDRESS.fullmatch(v) is not None,
-                           f"must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, {INLINE}, HOST:PORT "
-                           "or ray://HOST:PORT")
+    address: str = checked(
+        "",
+        lambda v: v in ("", "auto", "local", INLINE) or ADDRESS.fullmatch(v) is not None,
+        f"must be empty (a private local Ray, or $RAY_ADDRESS), auto, local, {INLINE}, HOST:PORT or ray://HOST:PORT",
+    )
     num_cpus: int = checked(0, ge=0)  # CPUs a private local Ray may use; 0 = all of this machine
     # nice increment of Ray's workers over the process that starts Ray (Ray's default 15 starves them on a busy machine)
     niceness: int = checked(0, lambda v: 0 <= v <= 19, "must be 0..19 (0 = the driver's priority)")
@@ -223,8 +252,9 @@ class WorkersConfig:
     # learner optimizer: ddp (torch AdamW, all-reduced grads) | deepspeed (ZeRO)
     backend: str = checked("ddp", lambda v: v in ("ddp", "deepspeed"), "must be ddp | deepspeed")
     # DeepSpeed ZeRO stage for backend=deepspeed: 1 | 2
-    zero_stage: int = checked(2, lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not "
-                              "gathered for the push yet)")
+    zero_stage: int = checked(
+        2, lambda v: v in (1, 2), "must be 1 or 2 (ZeRO-3's partitioned weights are not gathered for the push yet)"
+    )
     # times a dead rollout actor is restarted (its shard redone) before the run fails
     max_restarts: int = checked(3, ge=0)
     # longest any single Ray call may take before the run fails with the actor's name
@@ -233,9 +263,11 @@ class WorkersConfig:
     def problems(self, cfg: "Shared") -> list[str]:
         """Checked for the jobs that run actors (`kvrl.jobs.Job.ray`)."""
         if self.address == INLINE and (self.learners > 1 or self.backend == "deepspeed"):
-            return [f"workers.address=inline runs one learner in this process, without a process group (got "
-                    f"workers.learners={self.learners} workers.backend={self.backend}); set workers.learners=1 "
-                    "workers.backend=ddp, or run on Ray (workers.address= or auto or HOST:PORT)"]
+            return [
+                f"workers.address=inline runs one learner in this process, without a process group (got "
+                f"workers.learners={self.learners} workers.backend={self.backend}); set workers.learners=1 "
+                "workers.backend=ddp, or run on Ray (workers.address= or auto or HOST:PORT)"
+            ]
         return []
 
 
@@ -254,11 +286,22 @@ class Shared:
     """The top-level keys and the shared sections; `kvrl.config.Config` adds the registered sections."""
 
     # what a resumed run may change (a key, or a section with its dot); anything else must equal the checkpoint's
-    RESUMABLE: ClassVar[tuple[str, ...]] = ("trainer.steps", "logging.", "resume", "print_config", "dry_run",
-                                            "rl.checkpoint_every", "workers.address", "workers.num_cpus",
-                                            "workers.timeout_s", "workers.max_restarts", "workers.kv_cache_gib",
-                                            "trainer.max_nonfinite_steps", "workers.niceness",
-                                            "recipe_file")  # where the values came from: the values are compared
+    RESUMABLE: ClassVar[tuple[str, ...]] = (
+        "trainer.steps",
+        "logging.",
+        "resume",
+        "print_config",
+        "dry_run",
+        "rl.checkpoint_every",
+        "workers.address",
+        "workers.num_cpus",
+        "workers.timeout_s",
+        "workers.max_restarts",
+        "workers.kv_cache_gib",
+        "trainer.max_nonfinite_steps",
+        "workers.niceness",
+        "recipe_file",
+    )  # where the values came from: the values are compared
     # a value read from the environment (`${oc.env:NAME}`, directly or through another key) -> how it reads with
     # the reference unresolved: what checkpoints, W&B and print_config show instead (set by load_config; the
     # resolved value stays in the field for the job to use)
@@ -268,13 +311,17 @@ class Shared:
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)
     # seed for every random number generator; engines add sample indices to it and torch's generators
     # take at most 64 bits: a larger seed must fail here, not at engine start
-    seed: int = checked(0, lambda v: 0 <= v < 2 ** 32, "must be in [0, 2**32)")
+    seed: int = checked(0, lambda v: 0 <= v < 2**32, "must be in [0, 2**32)")
     run_name: str = "${recipe}"  # name of this run in logs and output paths
     # where metrics, checkpoints and plots go (empty would put them in the current directory)
-    output_dir: str = checked("outputs/${run_name}", lambda v: bool(v.strip()),
-                              "must name a folder (empty would write the run into the current directory)")
-    device: str = checked("cpu", lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None,
-                          "must be cpu, cuda or cuda:N")  # torch device
+    output_dir: str = checked(
+        "outputs/${run_name}",
+        lambda v: bool(v.strip()),
+        "must name a folder (empty would write the run into the current directory)",
+    )
+    device: str = checked(
+        "cpu", lambda v: re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None, "must be cpu, cuda or cuda:N"
+    )  # torch device
     print_config: bool = False  # print the resolved config as YAML and exit
     dry_run: bool = False  # print the resource plan and the KV-memory estimate, then exit (no weights needed)
     # auto (latest checkpoint in output_dir, if any) | never | a checkpoint path
@@ -287,4 +334,3 @@ class Shared:
     rl: RLConfig = field(default_factory=RLConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-

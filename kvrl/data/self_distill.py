@@ -55,8 +55,9 @@ def select(solved: list[dict], edges: list[int], counts: list[int], seed: int) -
     for b, (rows, want) in enumerate(zip(by_bucket, counts)):
         pick = rng.permutation(len(rows))[:want].tolist()
         kept += [{**rows[i], "bucket": b} for i in pick]
-        report.append({"bucket": b, "tokens": [edges[b], edges[b + 1]], "solved": len(rows), "wanted": want,
-                       "kept": len(pick)})
+        report.append(
+            {"bucket": b, "tokens": [edges[b], edges[b + 1]], "solved": len(rows), "wanted": want, "kept": len(pick)}
+        )
     return kept, report
 
 
@@ -67,8 +68,10 @@ class SelfDistilledEnv(TextEnv):
     def __init__(self, path: str, env: str = "kvrl/counts-v0", env_kwargs: dict | None = None):
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"no self-distilled task set at {path}: run the data step first "
-                                    "(python -m kvrl.run recipe=tiny_self_distill) or fix env.kwargs.path")
+            raise FileNotFoundError(
+                f"no self-distilled task set at {path}: run the data step first "
+                "(python -m kvrl.run recipe=tiny_self_distill) or fix env.kwargs.path"
+            )
         tasks = DistilledTasks(path)  # read when drawn, as a data file of kvrl/math-v0
         if not len(tasks):
             raise ValueError(f"{path} holds no tasks: no candidate was solved; raise self_distill.candidates")
@@ -82,6 +85,8 @@ class DistilledTasks(JsonlTasks):
     def _task(self, row: dict, lineno: int, index: int) -> Task:
         missing = [k for k in ("id", "prompt", "answer", "meta") if k not in row]
         if missing:
-            raise ValueError(f"{self.path}:{lineno}: no {', '.join(missing)}: not a row job=self_distill writes; "
-                             "rerun the data step (python -m kvrl.run recipe=tiny_self_distill)")
+            raise ValueError(
+                f"{self.path}:{lineno}: no {', '.join(missing)}: not a row job=self_distill writes; "
+                "rerun the data step (python -m kvrl.run recipe=tiny_self_distill)"
+            )
         return Task(row["id"], row["prompt"], row["answer"], row["meta"])

@@ -17,8 +17,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA = pa.schema([("task_id", pa.string()), ("ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()),
-                    ("loss", pa.list_(pa.float32())), ("entropy", pa.list_(pa.float32()))])
+SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("ids", pa.list_(pa.int32())),
+        ("prompt_len", pa.int32()),
+        ("loss", pa.list_(pa.float32())),
+        ("entropy", pa.list_(pa.float32())),
+    ]
+)
 SPLIT_SEEDS = {"train": 0, "heldout": 1_000_003}  # added to cfg.seed: disjoint task streams
 MAX_BATCHES = 20  # batches a shard may take to keep its traces before the run gives up
 # rows x padded length of one scoring forward, whose activations grow with it (GiBs a layer
@@ -42,7 +49,9 @@ def load_traces(path: str | Path) -> list[Trace]:
     path = Path(path)
     files = sorted(path.glob("shard-*.parquet")) if path.is_dir() else [path]
     if not files or not files[0].exists():
-        raise FileNotFoundError(f"no trace shards in {path}; run the data step "
-                                "(`python -m kvrl.run recipe=tiny_foresight job=foresight_traces`)")
+        raise FileNotFoundError(
+            f"no trace shards in {path}; run the data step "
+            "(`python -m kvrl.run recipe=tiny_foresight job=foresight_traces`)"
+        )
     rows = [r for f in files for r in pq.read_table(f).to_pylist()]
     return [Trace(**r) for r in rows]

@@ -37,8 +37,14 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
 
         if limits["max_model_len"] is None:
             del limits["max_model_len"]  # vLLM's own default
-        return VLLMEngine(resolve_path(m.path), tokenizer, dtype=m.dtype, seed=cfg.seed,
-                          kv_cache_gib=cfg.workers.kv_cache_gib or None, **limits)
+        return VLLMEngine(
+            resolve_path(m.path),
+            tokenizer,
+            dtype=m.dtype,
+            seed=cfg.seed,
+            kv_cache_gib=cfg.workers.kv_cache_gib or None,
+            **limits,
+        )
     from kvrl.engines.hf import HFEngine
 
     return HFEngine(*load_model(m.path, m.dtype, cfg.device), **limits)
@@ -51,8 +57,11 @@ def quiet_weight_reloads() -> None:
     import logging
 
     def benign(record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args
-                    and record.args[0] in ("ParallelLMHead", "RotaryEmbedding"))
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and record.args[0] in ("ParallelLMHead", "RotaryEmbedding")
+        )
 
     logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if benign not in logger.filters:

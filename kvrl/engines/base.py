@@ -74,8 +74,9 @@ class Rollouts:
     timing: dict = field(default_factory=dict)
 
     def append(self, tokens: list[int], logprobs: list[float], finish_reason: str, text: str) -> None:
-        for part, value in zip((self.tokens, self.logprobs, self.finish_reasons, self.texts),
-                               (tokens, logprobs, finish_reason, text)):
+        for part, value in zip(
+            (self.tokens, self.logprobs, self.finish_reasons, self.texts), (tokens, logprobs, finish_reason, text)
+        ):
             part.append(value)
 
     def trace(self, b: int) -> EvictionTrace:
@@ -120,16 +121,22 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
     if not prompt_lens:
         raise ValueError("generate() got no prompts: pass at least one")
     if sampling.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={sampling.max_new_tokens}: there is nothing to generate; "
-                         "set sampling.max_new_tokens >= 1")
+        raise ValueError(
+            f"max_new_tokens={sampling.max_new_tokens}: there is nothing to generate; set sampling.max_new_tokens >= 1"
+        )
     longest = max(prompt_lens)
     if positions is not None and longest >= positions:
-        raise ValueError(f"prompt {prompt_lens.index(longest)} has {longest} tokens, the model holds "
-                         f"{positions} positions: shorten it (or filter such tasks from the data set)")
+        raise ValueError(
+            f"prompt {prompt_lens.index(longest)} has {longest} tokens, the model holds "
+            f"{positions} positions: shorten it (or filter such tasks from the data set)"
+        )
     end = longest + sampling.max_new_tokens
     if isinstance(regime, Evicting) and regime.policy.budget_at(end) >= end:  # budget_ratio=1 never evicts either
-        warnings.warn(f"kv budget {regime.policy.budget_at(end)} >= the longest sequence ({longest} prompt + "
-                      f"{sampling.max_new_tokens} new tokens): the policy will never evict", stacklevel=3)
+        warnings.warn(
+            f"kv budget {regime.policy.budget_at(end)} >= the longest sequence ({longest} prompt + "
+            f"{sampling.max_new_tokens} new tokens): the policy will never evict",
+            stacklevel=3,
+        )
 
 
 def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = None, chunk: int = 256) -> int:
@@ -142,16 +149,19 @@ def check_prompts(tasks, tokenizer, positions: int | None, chat: Chat | None = N
     file hold gigabytes; a lazily read data set is read ``chunk`` rows at a time."""
     longest = 0
     for start in range(0, len(tasks), chunk):
-        part = tasks[start:start + chunk]
+        part = tasks[start : start + chunk]
         answers = [t.answer or "" for t in part]
         answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"] if any(answers) else [[]] * len(part)
         for task, ids, answer in zip(part, encode_prompts(tokenizer, [t.prompt for t in part], chat), answer_ids):
             where = task.meta.get("source", f"task {task.id!r}")
             if positions is not None and len(ids) >= positions:
-                raise ValueError(f"{where}: the prompt has {len(ids)} tokens, the model "
-                                 f"holds {positions} positions; drop or shorten that row")
-            why = unreadable(tokenizer, ids, task.prompt, "prompt") or unreadable(tokenizer, answer, task.answer,
-                                                                                  "answer")
+                raise ValueError(
+                    f"{where}: the prompt has {len(ids)} tokens, the model "
+                    f"holds {positions} positions; drop or shorten that row"
+                )
+            why = unreadable(tokenizer, ids, task.prompt, "prompt") or unreadable(
+                tokenizer, answer, task.answer, "answer"
+            )
             if why is not None:
                 raise ValueError(f"{where}: {why}")
             longest = max(longest, len(ids))
@@ -167,8 +177,10 @@ def default_stop_ids(generation_config, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     if not ids:
-        raise ValueError("the model has no EOS id in its generation config or tokenizer: pass stop ids "
-                         "(model.stop_ids=[...]) so that generation can end")
+        raise ValueError(
+            "the model has no EOS id in its generation config or tokenizer: pass stop ids "
+            "(model.stop_ids=[...]) so that generation can end"
+        )
     return ids
 
 
@@ -178,5 +190,5 @@ def finish(tokenizer, row: list[int], logps: list[float], stops, limit: int) -> 
     row = row[:limit]
     n = next((i + 1 for i, t in enumerate(row) if t in stops), None)
     if n is None:
-        return row, logps[:len(row)], "length", tokenizer.decode(row)
-    return row[:n], logps[:n], "stop", tokenizer.decode(row[:n - 1])
+        return row, logps[: len(row)], "length", tokenizer.decode(row)
+    return row[:n], logps[:n], "stop", tokenizer.decode(row[: n - 1])

@@ -28,8 +28,7 @@ import time
 import torch
 
 from kvrl.cache import EvictionTrace, KVCache
-from kvrl.engines.base import (Rollouts, Sampling, Scores, check_request, default_stop_ids, finish,
-                               nucleus)
+from kvrl.engines.base import Rollouts, Sampling, Scores, check_request, default_stop_ids, finish, nucleus
 from kvrl.engines.vllm.patches import keep_norms_in_float64
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.kernels.reference.replay import NEVER
@@ -50,11 +49,19 @@ class HFEngine:
     transformers' round to float32, which turns differences of ~1e-16 into jumps of ~1e-8).
     """
 
-    def __init__(self, model, tokenizer, *, stop_ids: list[int] | None = None, max_model_len: int | None = None,
-                 chat: Chat | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        stop_ids: list[int] | None = None,
+        max_model_len: int | None = None,
+        chat: Chat | None = None,
+    ):
         self.model, self.tokenizer, self.chat = model, tokenizer, chat
-        self.stop_ids = list(stop_ids) if stop_ids else default_stop_ids(getattr(model, "generation_config", None),
-                                                                          tokenizer)
+        self.stop_ids = (
+            list(stop_ids) if stop_ids else default_stop_ids(getattr(model, "generation_config", None), tokenizer)
+        )
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None)
         # fills left padding and the rows that stopped; a tokenizer without a pad token gets a stop id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -96,8 +103,14 @@ class HFEngine:
         # generated tokens each row may hold: max_new_tokens, or up to the model's length limit
         limits = (pos[:, -1] + 1).neg().add(self.max_model_len or T).clamp(max=sampling.max_new_tokens)
         gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
-        cache = KVCache.for_model(self.model, B, T, regime, sample=sampling.sample_evictions,
-                                  generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1))
+        cache = KVCache.for_model(
+            self.model,
+            B,
+            T,
+            regime,
+            sample=sampling.sample_evictions,
+            generator=torch.Generator(device=self.device).manual_seed(sampling.seed + 1),
+        )
         stops = torch.tensor([] if sampling.ignore_eos else self.stop_ids, dtype=torch.long, device=self.device)
         step_ids, step_pos = ids, pos
         done = torch.zeros(B, dtype=torch.bool, device=self.device)
@@ -108,8 +121,13 @@ class HFEngine:
         try:
             for step in range(sampling.max_new_tokens):
                 cache.begin(step_pos, generated=step)  # this forward writes generated token step-1
-                logits = self.model(input_ids=step_ids, position_ids=step_pos.clamp(min=0),
-                                    past_key_values=cache, use_cache=True, kvrl_cache=cache).logits[:, -1]
+                logits = self.model(
+                    input_ids=step_ids,
+                    position_ids=step_pos.clamp(min=0),
+                    past_key_values=cache,
+                    use_cache=True,
+                    kvrl_cache=cache,
+                ).logits[:, -1]
                 # at least float32, float64 for a float64 model: score() works in the same precision
                 logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
                 if sampling.temperature > 0:
@@ -145,9 +163,16 @@ class HFEngine:
         self.model.load_state_dict(dict(weights))
         return {"checksum": checksum(self.model.state_dict())}
 
-    def score(self, sequences, prompt_lens: list[int] | None = None, *, policy=None,
-              trace: EvictionTrace | None = None, temperature: float = 1.0,
-              distributions: bool = False) -> Scores:
+    def score(
+        self,
+        sequences,
+        prompt_lens: list[int] | None = None,
+        *,
+        policy=None,
+        trace: EvictionTrace | None = None,
+        temperature: float = 1.0,
+        distributions: bool = False,
+    ) -> Scores:
         """Teacher-forced scores of the generated part of each sequence, in one forward.
 
         sequences: token ids (prompt + generated) per sequence, with ``prompt_lens``; or
@@ -186,8 +211,15 @@ class HFEngine:
                 trace = EvictionTrace.from_death(regime.death(S, B).to(self.device), lens)
             case Full() if trace is None:
                 cfg = self.model.config
-                trace = EvictionTrace.from_death(torch.full((cfg.num_hidden_layers, B, cfg.num_key_value_heads, S),
-                                                            NEVER, dtype=torch.int32, device=self.device), lens)
+                trace = EvictionTrace.from_death(
+                    torch.full(
+                        (cfg.num_hidden_layers, B, cfg.num_key_value_heads, S),
+                        NEVER,
+                        dtype=torch.int32,
+                        device=self.device,
+                    ),
+                    lens,
+                )
         if extra is None:
             if trace.death.shape[1] != B:
                 raise ValueError(f"the trace holds {trace.death.shape[1]} sequences, score() got {B}")
@@ -209,22 +241,27 @@ class HFEngine:
         # positions that predict generated tokens, then the LM head chunk by chunk
         # (kvrl.kernels.reference.logprobs; memory O(chunk·V + N·D), also in backward).
         from kvrl.kernels.reference.logprobs import token_logprobs
+
         head = self.model.get_output_embeddings()
         if type(head) is not torch.nn.Linear:
-            raise ValueError(f"score() computes logprobs from the LM head's weight and needs a plain torch.nn.Linear "
-                             f"output layer; {type(self.model).__name__}.get_output_embeddings() is "
-                             f"{type(head).__name__}")
+            raise ValueError(
+                f"score() computes logprobs from the LM head's weight and needs a plain torch.nn.Linear "
+                f"output layer; {type(self.model).__name__}.get_output_embeddings() is "
+                f"{type(head).__name__}"
+            )
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(self.model.config, attr, None) not in (None, 1, 1.0):
-                raise ValueError(f"score() does not apply the model's {attr}={getattr(self.model.config, attr)} "
-                                 "(its logits are not the LM head's); use score(..., distributions=True) for it")
+                raise ValueError(
+                    f"score() does not apply the model's {attr}={getattr(self.model.config, attr)} "
+                    "(its logits are not the LM head's); use score(..., distributions=True) for it"
+                )
         # the model stays on "kvrl_replay" (it runs mixed gates too), so that layers checkpointed
         # for training recompute in backward, after this returns, the attention they ran here
-        hidden = self.model.get_decoder()(input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False,
-                                          **extra).last_hidden_state  # no K/V kept: nothing decodes after
+        hidden = self.model.get_decoder()(
+            input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False, **extra
+        ).last_hidden_state  # no K/V kept: nothing decodes after
         rows = hidden.gather(1, (col - 1)[..., None].expand(-1, -1, hidden.shape[-1]))[mask]  # [N, D]
-        lp, ent = token_logprobs(rows, head.weight, ids.gather(1, col)[mask], temperature=temperature,
-                                 bias=head.bias)
+        lp, ent = token_logprobs(rows, head.weight, ids.gather(1, col)[mask], temperature=temperature, bias=head.bias)
         # float32, or float64 for a float64 model: rounding a float64 oracle's logprobs to float32
         # would hide every replay error under ~6e-8 (test_replay_is_exact_in_float64)
         token_lp = torch.zeros(B, G, dtype=lp.dtype, device=self.device).masked_scatter(mask, lp)

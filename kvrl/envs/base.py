@@ -84,8 +84,10 @@ class Reward:
             self.name = getattr(self.fn, "__name__", "") or "reward"
         # a NaN weight makes every reward NaN (and `weight != 0` holds for NaN, so a metric could not be told apart)
         if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
-            raise ValueError(f"reward {self.name!r}: weight {self.weight!r} ({type(self.weight).__name__}) must be a "
-                             "finite number; set it to 1.0, or 0.0 for a metric that is reported but not rewarded")
+            raise ValueError(
+                f"reward {self.name!r}: weight {self.weight!r} ({type(self.weight).__name__}) must be a "
+                "finite number; set it to 1.0, or 0.0 for a metric that is reported but not rewarded"
+            )
 
 
 def correct(task: Task, completion: str) -> float:
@@ -258,18 +260,22 @@ class TextEnv(Env):
                 info.update(extra)
             # a NaN or inf would be trained on and checkpointed; "0.5" would pass float() silently
             if not isinstance(out, numbers.Real) or not math.isfinite(out):
-                raise ValueError(f"environment {self.id or type(self).__qualname__}: reward function {r.name!r} "
-                                 f"returned {out!r} ({type(out).__name__}) for task {task.id!r}; a reward must be a "
-                                 f"finite number (int or float): fix {r.name}, e.g. return 0.0 where it has no value")
+                raise ValueError(
+                    f"environment {self.id or type(self).__qualname__}: reward function {r.name!r} "
+                    f"returned {out!r} ({type(out).__name__}) for task {task.id!r}; a reward must be a "
+                    f"finite number (int or float): fix {r.name}, e.g. return 0.0 where it has no value"
+                )
             value = float(out)
             info[r.name] = value
             if r.weight != 0:
                 total += r.weight * value
         if not math.isfinite(total):  # finite terms whose sum overflows (1e308 + 1e308) would be trained on as inf
             terms = ", ".join(f"{r.weight:g} x {r.name} {info[r.name]:g}" for r in self.rewards if r.weight != 0)
-            raise ValueError(f"environment {self.id or type(self).__qualname__}: the rewards of task {task.id!r} sum "
-                             f"to {total} ({terms}); a reward must be a finite number: scale the reward functions "
-                             "(or their weights) to a range whose sum a float holds")
+            raise ValueError(
+                f"environment {self.id or type(self).__qualname__}: the rewards of task {task.id!r} sum "
+                f"to {total} ({terms}); a reward must be a finite number: scale the reward functions "
+                "(or their weights) to a range whose sum a float holds"
+            )
         info["reward"] = total
         return total, info
 
@@ -290,10 +296,12 @@ class TextEnv(Env):
         saved, now = state.get("data_sha256"), self._data_sha256()
         if saved is not None and saved != now:
             size = "no" if self.data is None else len(self.data)
-            raise ValueError(f"{type(self).__name__}: the data set differs from the one this state was saved with "
-                             f"(sha256 {saved[:12]}... then, {now[:12] if now else None}... now; {size} tasks now): "
-                             "restore the data file the run started with, or start a new run (output_dir=... or "
-                             "resume=never) to train on the new one")
+            raise ValueError(
+                f"{type(self).__name__}: the data set differs from the one this state was saved with "
+                f"(sha256 {saved[:12]}... then, {now[:12] if now else None}... now; {size} tasks now): "
+                "restore the data file the run started with, or start a new run (output_dir=... or "
+                "resume=never) to train on the new one"
+            )
         super().load_state_dict(state)
         self._order = None if state["order"] is None else list(state["order"])
         self._pos = state["pos"]

@@ -88,8 +88,7 @@ def make_chain_task(rng: np.random.Generator, spec: ChainSpec = ChainSpec()) -> 
     up = " ".join(f"{v} = {values[v]} ;" for v in walk[::-1])
     answer = str(values[query])
     completion = f"{down} {up} \\boxed{{ {answer} }}"
-    return {"prompt": prompt, "completion": completion, "answer": answer,
-            "chain": walk, "statements": statements}
+    return {"prompt": prompt, "completion": completion, "answer": answer, "chain": walk, "statements": statements}
 
 
 class ChainsEnv(TextEnv):
@@ -99,13 +98,16 @@ class ChainsEnv(TextEnv):
     holds the reference completion, the query chain and the statements (for oracles).
     """
 
-    def __init__(self, min_statements: int = 28, max_statements: int = 40, min_depth: int = 6,
-                 max_depth: int = 11):
+    def __init__(self, min_statements: int = 28, max_statements: int = 40, min_depth: int = 6, max_depth: int = 11):
         super().__init__(rewards=[Reward(correct, 1.0, "correct"), Reward(exact_cot, 0.0, "exact_cot")])
         self.spec = ChainSpec(min_statements, max_statements, min_depth, max_depth)
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = make_chain_task(rng, self.spec)
         uid = f"chains-{int(rng.integers(2**62)):x}"
-        return Task(id=uid, prompt=t["prompt"], answer=t["answer"],
-                    meta={k: t[k] for k in ("completion", "chain", "statements")})
+        return Task(
+            id=uid,
+            prompt=t["prompt"],
+            answer=t["answer"],
+            meta={k: t[k] for k in ("completion", "chain", "statements")},
+        )

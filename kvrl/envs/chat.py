@@ -36,10 +36,12 @@ class Chat:
         """The prompt as the model's chat template writes it; None when the tokenizer has no template."""
         if not getattr(tokenizer, "chat_template", None):
             return None
-        messages = ([{"role": "system", "content": self.system}] if self.system else []) + \
-            [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=self.thinking)
+        messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=self.thinking
+        )
 
 
 def encode_prompts(tokenizer, prompts: list[str], chat: Chat | None) -> list[list[int]]:

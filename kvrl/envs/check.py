@@ -237,8 +237,7 @@ def _check_trace(env: Env, seed: int, action_fn: Callable | None) -> None:
         action_fn = getattr(env, "sample_action", None)
         if action_fn is None:
             raise EnvCheckError(
-                "pass check_env(env, action_fn=fn) with fn(obs, rng) -> action, "
-                "or define env.sample_action(obs, rng)"
+                "pass check_env(env, action_fn=fn) with fn(obs, rng) -> action, or define env.sample_action(obs, rng)"
             )
     first = _episode(env, seed, action_fn, max_steps)
     if first != _episode(env, seed, action_fn, max_steps):
@@ -279,10 +278,12 @@ def unreadable(tokenizer, ids: list[int], text: str, what: str) -> str | None:
         return None
     shown = " ".join(tokenizer.convert_ids_to_tokens(ids[:16])) + (" ..." if len(ids) > 16 else "")
     names = "/".join(sorted({tokenizer.convert_ids_to_tokens(i) for i in lost}))
-    return (f"{n} of the {len(words)} tokens of its {what} {_short(text, 60)} are {names}, which the model's "
-            f"tokenizer puts for what it does not know (it reads: {shown}); the model cannot read this task: write "
-            "it in words the tokenizer knows (a word-level one, as the tiny reasoners', knows only its vocabulary), "
-            "or use a model whose tokenizer reads it")
+    return (
+        f"{n} of the {len(words)} tokens of its {what} {_short(text, 60)} are {names}, which the model's "
+        f"tokenizer puts for what it does not know (it reads: {shown}); the model cannot read this task: write "
+        "it in words the tokenizer knows (a word-level one, as the tiny reasoners', knows only its vocabulary), "
+        "or use a model whose tokenizer reads it"
+    )
 
 
 def is_finite_float(x: Any) -> bool:

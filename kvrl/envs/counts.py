@@ -34,9 +34,12 @@ def make_count_task(rng: np.random.Generator, n_digits: int = 24) -> dict:
     digits = rng.integers(0, 10, size=n_digits)
     counts = np.cumsum(digits >= 5) % 10
     answer = str(counts[-1])
-    return {"prompt": " ".join(f"{d} ;" for d in digits) + " ?",
-            "completion": " ".join(f"{d} {c}" for d, c in zip(digits, counts)) + f" \\boxed{{ {answer} }}",
-            "answer": answer, "digits": digits.tolist()}
+    return {
+        "prompt": " ".join(f"{d} ;" for d in digits) + " ?",
+        "completion": " ".join(f"{d} {c}" for d, c in zip(digits, counts)) + f" \\boxed{{ {answer} }}",
+        "answer": answer,
+        "digits": digits.tolist(),
+    }
 
 
 class CountsEnv(TextEnv):
@@ -49,14 +52,23 @@ class CountsEnv(TextEnv):
     def __init__(self, n_digits: int = 24, overlong_penalty: float = 0.0):
         if n_digits < 1:
             raise ValueError(f"n_digits must be >= 1 (got {n_digits})")
-        super().__init__(rewards=[Reward(correct, 1.0, "correct"), Reward(exact_cot, 0.0, "exact_cot"),
-                                  Reward(overlong, -overlong_penalty, "overlong")])
+        super().__init__(
+            rewards=[
+                Reward(correct, 1.0, "correct"),
+                Reward(exact_cot, 0.0, "exact_cot"),
+                Reward(overlong, -overlong_penalty, "overlong"),
+            ]
+        )
         self.n_digits = n_digits
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = make_count_task(rng, self.n_digits)
-        return Task(id=f"counts-{int(rng.integers(2**62)):x}", prompt=t["prompt"], answer=t["answer"],
-                    meta={"completion": t["completion"], "digits": t["digits"]})
+        return Task(
+            id=f"counts-{int(rng.integers(2**62)):x}",
+            prompt=t["prompt"],
+            answer=t["answer"],
+            meta={"completion": t["completion"], "digits": t["digits"]},
+        )
 
 
 def overlong(task: Task, completion: str) -> float:

@@ -73,8 +73,13 @@ class ChunkedPass:
             previous = self.model.config._attn_implementation
             self.model.set_attn_implementation("kvrl_evict")
             try:
-                out = self.model(input_ids=self.ids[:, start:end], position_ids=pos, past_key_values=self.cache,
-                                 use_cache=True, kvrl_cache=self.cache)
+                out = self.model(
+                    input_ids=self.ids[:, start:end],
+                    position_ids=pos,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    kvrl_cache=self.cache,
+                )
             finally:
                 self.model.set_attn_implementation(previous)
             # score the tokens this chunk predicts now (P..T-1 over the whole pass), so that no
@@ -82,8 +87,8 @@ class ChunkedPass:
             first = max(start, self.prompt_len - 1)
             last = min(end, T - 1)
             if first < last:
-                logp = torch.log_softmax(out.logits[0, first - start:last - start].float(), -1)
-                self.losses.append(-logp.gather(-1, self.ids[0, first + 1:last + 1, None]).squeeze(-1))
+                logp = torch.log_softmax(out.logits[0, first - start : last - start].float(), -1)
+                self.losses.append(-logp.gather(-1, self.ids[0, first + 1 : last + 1, None]).squeeze(-1))
                 self.entropies.append(-(logp.exp() * logp).sum(-1))
             if due:
                 return True
@@ -172,20 +177,36 @@ class EvictionEnv(TraceEnv):
     tokens) and their ratio ``loss_ratio``.
     """
 
-    def __init__(self, traces: Sequence, model, *, budget: int, interval: int, window: int = 8,
-                 sink: int = 4, eta: float = 1.5, low_entropy: float = 0.8, shuffle: bool = True):
+    def __init__(
+        self,
+        traces: Sequence,
+        model,
+        *,
+        budget: int,
+        interval: int,
+        window: int = 8,
+        sink: int = 4,
+        eta: float = 1.5,
+        low_entropy: float = 0.8,
+        shuffle: bool = True,
+    ):
         self.traces = list(traces)
         if not self.traces:
-            raise ValueError("no traces: generate them with `python -m kvrl.run recipe=tiny_foresight "
-                             "job=foresight_traces` and pass kvrl.data.traces.load_traces(<folder>)")
+            raise ValueError(
+                "no traces: generate them with `python -m kvrl.run recipe=tiny_foresight "
+                "job=foresight_traces` and pass kvrl.data.traces.load_traces(<folder>)"
+            )
         short = sum(len(t.ids) <= budget + interval for t in self.traces)
         if short:
-            raise ValueError(f"{short} of {len(self.traces)} traces have at most budget + interval = "
-                             f"{budget + interval} tokens, so nothing would be evicted; lower the budget or keep "
-                             "longer traces (foresight.min_tokens)")
+            raise ValueError(
+                f"{short} of {len(self.traces)} traces have at most budget + interval = "
+                f"{budget + interval} tokens, so nothing would be evicted; lower the budget or keep "
+                "longer traces (foresight.min_tokens)"
+            )
         self.model = model
-        self.features = LearnedScorer(budget=budget, interval=interval, window=window, sink=sink,
-                                      **geometry(self.model.config))
+        self.features = LearnedScorer(
+            budget=budget, interval=interval, window=window, sink=sink, **geometry(self.model.config)
+        )
         self.eta, self.low_entropy, self.shuffle = eta, low_entropy, shuffle
         longest = max(len(t.ids) for t in self.traces)
         self.max_steps = 1 + -(-longest // interval)  # an eviction per chunk at most, plus the end
@@ -247,7 +268,8 @@ class EvictionEnv(TraceEnv):
             kept = self._run.cache.layers[layer].key_pos.gather(-1, keep)
             protected = self.features.always_kept(self._run.cache.layers[layer].key_pos)
             if bool((kept < 0).any()) or int(protected.sum()) != int(
-                    torch.zeros_like(protected).scatter_(-1, keep, True).logical_and(protected).sum()):
+                torch.zeros_like(protected).scatter_(-1, keep, True).logical_and(protected).sum()
+            ):
                 raise ValueError(f"layer {layer}: the action must keep valid slots including every sink/window slot")
             self._run.apply(layer, keep, state)
         self._step += 1
@@ -257,8 +279,13 @@ class EvictionEnv(TraceEnv):
         loss, _ = self._run.scores()
         full, entropy = torch.tensor(self._trace.loss), torch.tensor(self._trace.entropy)
         penalty, hurt = hurt_penalty(loss, full, entropy, self.eta, self.low_entropy)
-        info = {"penalty": penalty, "hurt": hurt, "loss_sum": float(loss.sum()), "full_loss_sum": float(full.sum()),
-                "loss_ratio": float(loss.sum() / full.sum().clamp(min=1e-30))}
+        info = {
+            "penalty": penalty,
+            "hurt": hurt,
+            "loss_sum": float(loss.sum()),
+            "full_loss_sum": float(full.sum()),
+            "loss_ratio": float(loss.sum() / full.sum().clamp(min=1e-30)),
+        }
         self._run = None
         return None, -penalty, True, False, info
 

@@ -77,8 +77,10 @@ class MathEnv(TextEnv):
         if "{question}" not in template:
             raise ValueError(f"template {template!r} must contain '{{question}}'")
         if not timeout > 0:  # 0 would time every check out: reward 0 for every answer, silently
-            raise ValueError(f"timeout={timeout!r}: the per-answer verification timeout must be > 0 seconds, "
-                             "e.g. env.kwargs.timeout=5")
+            raise ValueError(
+                f"timeout={timeout!r}: the per-answer verification timeout must be > 0 seconds, "
+                "e.g. env.kwargs.timeout=5"
+            )
         self.path = Path(path) if path is not None else FIXTURE
         self.template = template
         self.timeout = timeout
@@ -162,13 +164,15 @@ class FileTasks(Sequence):
 
     def __iter__(self):  # a chunk per read, not a read per row
         for start in range(0, len(self), 256):
-            yield from self[start:start + 256]
+            yield from self[start : start + 256]
 
     def _checked_read(self, indices) -> list[Task]:
         with open(self.path, "rb") as f:
             if _stamp(f) != self._stamp:
-                raise ValueError(f"{self.path} changed while this run reads it (size or modification time differ "
-                                 "from when it was opened): restore it, or start a new run to train on the new one")
+                raise ValueError(
+                    f"{self.path} changed while this run reads it (size or modification time differ "
+                    "from when it was opened): restore it, or start a new run to train on the new one"
+                )
             return self._read(f, indices)
 
     def _read(self, f, indices) -> list[Task]:
@@ -263,8 +267,10 @@ def _jsonl_rows(path: Path, f, lineno: int = 1):
         try:  # a byte-order mark may open the file
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                             "re-encode the file as UTF-8") from None
+            raise ValueError(
+                f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                "re-encode the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -288,8 +294,9 @@ def row_to_task(row: dict, where: str, default_id: str, template: str = DEFAULT_
         # a number is an answer (AIME's are ints); a list, a mapping, a bool or NaN is a broken row,
         # which str() would silently turn into a gold answer such as "[1, 2]"
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer != answer:
-            raise ValueError(f"{where}: the answer is {answer!r:.60} ({type(answer).__name__}); it must be text or "
-                             "a number")
+            raise ValueError(
+                f"{where}: the answer is {answer!r:.60} ({type(answer).__name__}); it must be text or a number"
+            )
         answer = str(answer).strip()
         if "####" in answer:  # GSM8K: reasoning, then "#### 72"
             answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
@@ -305,9 +312,11 @@ def row_to_task(row: dict, where: str, default_id: str, template: str = DEFAULT_
         try:  # JSON's "\ud800" decodes to a lone surrogate, which no tokenizer (nor UTF-8) encodes
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"{where}: the {name} holds a lone surrogate {text[e.start]!r} at character {e.start + 1} "
-                             "(a \\uXXXX escape of half a UTF-16 pair), which is no text a tokenizer encodes; fix the "
-                             "escape or drop the row") from None
+            raise ValueError(
+                f"{where}: the {name} holds a lone surrogate {text[e.start]!r} at character {e.start + 1} "
+                "(a \\uXXXX escape of half a UTF-16 pair), which is no text a tokenizer encodes; fix the "
+                "escape or drop the row"
+            ) from None
     task_id = _first(row, ID_KEYS)
     used = {*QUESTION_KEYS, *ANSWER_KEYS, *ID_KEYS, "solution"}
     meta = {k: v for k, v in row.items() if k not in used and _is_small(v)}

@@ -65,8 +65,10 @@ class MultiHopSpec:
         if not 1 <= self.min_depth <= self.max_depth < self.min_statements:
             raise ValueError(f"need 1 <= min_depth <= max_depth < min_statements, got {self}")
         if self.max_queries > self.min_statements - self.max_depth:
-            raise ValueError(f"max_queries={self.max_queries} distinct queries of depth >= {self.min_depth} do not "
-                             f"fit {self.min_statements} statements: lower max_queries or raise min_statements")
+            raise ValueError(
+                f"max_queries={self.max_queries} distinct queries of depth >= {self.min_depth} do not "
+                f"fit {self.min_statements} statements: lower max_queries or raise min_statements"
+            )
         if self.max_trees < 1:
             raise ValueError(f"max_trees must be >= 1, got {self.max_trees}")
 
@@ -76,8 +78,14 @@ class MultiHopSpec:
         spec's; ``frac >= 1`` is this spec."""
         if frac >= 1:
             return self
-        small = {"min_statements": 8, "max_statements": 12, "min_queries": 1, "max_queries": 1,
-                 "min_depth": 1, "max_depth": 2}
+        small = {
+            "min_statements": 8,
+            "max_statements": 12,
+            "min_queries": 1,
+            "max_queries": 1,
+            "min_depth": 1,
+            "max_depth": 2,
+        }
 
         def lerp(name: str) -> int:
             lo, hi = min(small[name], getattr(self, name)), getattr(self, name)
@@ -160,8 +168,15 @@ def make_multihop_task(rng: np.random.Generator, spec: MultiHopSpec = MultiHopSp
     answer = " ".join(str(value[v]) for v in queries)
     prompt = " ".join(f"{a} {b} ;" for a, b in statements) + " ? " + " ".join(queries) + " :"
     completion = " ".join(parts) + f" \\boxed{{ {answer} }}"
-    return {"prompt": prompt, "completion": completion, "answer": answer, "queries": queries,
-            "chains": chains, "statements": statements, "segments": [7 * len(c) for c in chains]}
+    return {
+        "prompt": prompt,
+        "completion": completion,
+        "answer": answer,
+        "queries": queries,
+        "chains": chains,
+        "statements": statements,
+        "segments": [7 * len(c) for c in chains],
+    }
 
 
 def oracle_need(meta: dict) -> tuple[int, int]:
@@ -205,19 +220,36 @@ class MultiHopEnv(TextEnv):
     queries, their chains and the statements (for oracles and the property measurements).
     """
 
-    def __init__(self, min_statements: int = 36, max_statements: int = 48, min_queries: int = 5,
-                 max_queries: int = 7, min_depth: int = 5, max_depth: int = 9, max_trees: int = 3,
-                 partial_credit: float = 0.0):
+    def __init__(
+        self,
+        min_statements: int = 36,
+        max_statements: int = 48,
+        min_queries: int = 5,
+        max_queries: int = 7,
+        min_depth: int = 5,
+        max_depth: int = 9,
+        max_trees: int = 3,
+        partial_credit: float = 0.0,
+    ):
         if not (np.isfinite(partial_credit) and partial_credit >= 0):
             raise ValueError(f"partial_credit must be a finite number >= 0, got {partial_credit}")
-        super().__init__(rewards=[Reward(correct, 1.0, "correct"),
-                                  Reward(query_accuracy, float(partial_credit), "query_acc"),
-                                  Reward(exact_cot, 0.0, "exact_cot")])
-        self.spec = MultiHopSpec(min_statements, max_statements, min_queries, max_queries, min_depth, max_depth,
-                                 max_trees)
+        super().__init__(
+            rewards=[
+                Reward(correct, 1.0, "correct"),
+                Reward(query_accuracy, float(partial_credit), "query_acc"),
+                Reward(exact_cot, 0.0, "exact_cot"),
+            ]
+        )
+        self.spec = MultiHopSpec(
+            min_statements, max_statements, min_queries, max_queries, min_depth, max_depth, max_trees
+        )
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = make_multihop_task(rng, self.spec)
         uid = f"multihop-{int(rng.integers(2**62)):x}"
-        return Task(id=uid, prompt=t["prompt"], answer=t["answer"],
-                    meta={k: t[k] for k in ("completion", "queries", "chains", "statements")})
+        return Task(
+            id=uid,
+            prompt=t["prompt"],
+            answer=t["answer"],
+            meta={k: t[k] for k in ("completion", "queries", "chains", "statements")},
+        )

@@ -66,8 +66,7 @@ def register(id: str, entry_point: str | Callable[..., Env], **default_kwargs: A
     old = _REGISTRY.get(id)
     if old is not None and old.entry_point != entry_point:
         raise ValueError(
-            f"{id!r} is already registered to {old.entry_point!r}; register "
-            f"{entry_point!r} under a new id or version"
+            f"{id!r} is already registered to {old.entry_point!r}; register {entry_point!r} under a new id or version"
         )
     _REGISTRY[id] = EnvSpec(id, entry_point, dict(default_kwargs))
 
@@ -120,9 +119,11 @@ def resolve(id_or_path: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     if ":" in id_or_path:  # a path to anything importable: only an Env class may be called (os:system must not)
         cls = load_entry_point(id_or_path)
         if not (isinstance(cls, type) and issubclass(cls, Env)):
-            raise TypeError(f"{id_or_path!r} is a {type(cls).__name__}, not a kvrl.envs.Env class: a dotted path names "
-                            "a subclass of kvrl.envs.TextEnv or kvrl.envs.TraceEnv (a factory function is registered "
-                            "under an id: kvrl.envs.register('my_lab/name-v0', factory))")
+            raise TypeError(
+                f"{id_or_path!r} is a {type(cls).__name__}, not a kvrl.envs.Env class: a dotted path names "
+                "a subclass of kvrl.envs.TextEnv or kvrl.envs.TraceEnv (a factory function is registered "
+                "under an id: kvrl.envs.register('my_lab/name-v0', factory))"
+            )
         return cls, {}
     near = difflib.get_close_matches(id_or_path, registered(), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""

@@ -139,8 +139,7 @@ class _Worker:
         if ready is None or not json.loads(ready).get("ready"):
             self._kill()
             raise RuntimeError(
-                "the math-verify worker did not start; run "
-                f"`{sys.executable} -c 'import math_verify'` to see why"
+                f"the math-verify worker did not start; run `{sys.executable} -c 'import math_verify'` to see why"
             )
 
     def _read_line(self, deadline: float) -> bytes | None:

@@ -62,7 +62,7 @@ def trigram_repeats(ids: list[int], start: int) -> float:
     """Share of the tokens from ``start`` on that end a 3-gram seen earlier in ``ids``."""
     seen, hits = set(), 0
     for i in range(2, len(ids)):
-        gram = tuple(ids[i - 2:i + 1])
+        gram = tuple(ids[i - 2 : i + 1])
         if i >= start:
             hits += gram in seen
         seen.add(gram)
@@ -108,11 +108,17 @@ def _one(model, ids: list[int], prompt_len: int, far: int, duplicate_cos: float,
             acc = w[:, :t, :t].sum(1)  # accumulated attention so far (H2O)
             by_acc = torch.zeros_like(mark).scatter_(1, acc.topk(n, -1).indices, True)
             recall["h2o_recall"] += float((mark & by_acc).sum(-1).float().mean()) / n / len(cuts) / len(layers)
-            recall["recent_recall"] += float(mark[:, t - n:].sum(-1).float().mean()) / n / len(cuts) / len(layers)
+            recall["recent_recall"] += float(mark[:, t - n :].sum(-1).float().mean()) / n / len(cuts) / len(layers)
             recall["random_recall"] += n / t / len(cuts) / len(layers)
-    return {"cot_tokens": T - P, "cot_share": (T - P) / T, **out, "attention_sparsity": sparsity,
-            "redundant_keys": redundant,
-            "repeated_trigrams": trigram_repeats(ids, P), **recall}
+    return {
+        "cot_tokens": T - P,
+        "cot_share": (T - P) / T,
+        **out,
+        "attention_sparsity": sparsity,
+        "redundant_keys": redundant,
+        "repeated_trigrams": trigram_repeats(ids, P),
+        **recall,
+    }
 
 
 def measure(model, tokenizer, tasks, *, far: int = 64, duplicate_cos: float = 0.9, keep: float = 0.25) -> dict:
@@ -121,12 +127,19 @@ def measure(model, tokenizer, tasks, *, far: int = 64, duplicate_cos: float = 0.
     rows = []
     for t in tasks:
         if "completion" not in t.meta:
-            raise ValueError(f"task {t.id} has no reference chain of thought (meta['completion']) to measure the "
-                             "properties on: use a procedural environment (kvrl/counts-v0, kvrl/multihop-v0, "
-                             "kvrl/chains-v0) or set eval.properties=false")
+            raise ValueError(
+                f"task {t.id} has no reference chain of thought (meta['completion']) to measure the "
+                "properties on: use a procedural environment (kvrl/counts-v0, kvrl/multihop-v0, "
+                "kvrl/chains-v0) or set eval.properties=false"
+            )
         prompt = tokenizer(t.prompt)["input_ids"]
         cot = tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"]
         rows.append(_one(model, prompt + cot, len(prompt), far, duplicate_cos, keep))
     summary = {key: sum(r[key] for r in rows) / len(rows) for key in rows[0]}
-    return {"tasks": len(rows), "far": far, "duplicate_cos": duplicate_cos, "keep": keep,
-            **{k: round(v, 4) for k, v in summary.items()}}
+    return {
+        "tasks": len(rows),
+        "far": far,
+        "duplicate_cos": duplicate_cos,
+        "keep": keep,
+        **{k: round(v, 4) for k, v in summary.items()},
+    }

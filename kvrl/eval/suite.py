@@ -66,11 +66,15 @@ class PolicySpec:
             try:
                 policy_class(kind)
             except (ImportError, AttributeError, SyntaxError, ValueError) as err:
-                raise ValueError(f"eval.settings.{name}.policy={kind!r} cannot be used ({' '.join(str(err).split())}); "
-                                 "set it to an importable pkg.module:Class of your own KVPolicy") from err
+                raise ValueError(
+                    f"eval.settings.{name}.policy={kind!r} cannot be used ({' '.join(str(err).split())}); "
+                    "set it to an importable pkg.module:Class of your own KVPolicy"
+                ) from err
         elif kind not in KINDS:
-            raise ValueError(f"eval policy {name!r} is {kind!r}, which is none of {', '.join(KINDS)}; set "
-                             f"eval.settings.{name}.policy to one of them or to a pkg.module:Class of your own")
+            raise ValueError(
+                f"eval policy {name!r} is {kind!r}, which is none of {', '.join(KINDS)}; set "
+                f"eval.settings.{name}.policy to one of them or to a pkg.module:Class of your own"
+            )
         return cls(name, kind, own)
 
     @property
@@ -90,8 +94,10 @@ class PolicySpec:
         the lines without a token budget (full, heads)."""
         if self.kind in ("full", "heads"):
             if "budget_ratio" in self.kwargs:
-                raise ValueError(f"eval policy {self.name!r} ({self.kind}) has no token budget to scale; drop "
-                                 f"eval.settings.{self.name}.budget_ratio")
+                raise ValueError(
+                    f"eval policy {self.name!r} ({self.kind}) has no token budget to scale; drop "
+                    f"eval.settings.{self.name}.budget_ratio"
+                )
             return None
         return self.kwargs.get("budget_ratio", kv["budget_ratio"])
 
@@ -104,8 +110,10 @@ class PolicySpec:
             return Full()
         if self.kind == "window":
             if self.budget_ratio(kv) is not None:
-                raise ValueError(f"eval policy {self.name!r} is a fixed sink + recent window, which has no ratio mode; "
-                                 "drop its budget_ratio (and kv.budget_ratio)")
+                raise ValueError(
+                    f"eval policy {self.name!r} is a fixed sink + recent window, which has no ratio mode; "
+                    "drop its budget_ratio (and kv.budget_ratio)"
+                )
             return Static(Window.of(config, kv["sink"], point - kv["sink"]))
         if self.kind == "heads":
             return head_allocation(self._run(), point, config, **kw)
@@ -130,8 +138,10 @@ class PolicySpec:
 
     def _run(self) -> Path:
         if "run" not in self.kwargs:
-            raise ValueError(f"eval policy {self.name!r} ({self.kind}) needs the run that trained it: set "
-                             f"eval.settings.{self.name}.run=<output_dir of that run>")
+            raise ValueError(
+                f"eval policy {self.name!r} ({self.kind}) needs the run that trained it: set "
+                f"eval.settings.{self.name}.run=<output_dir of that run>"
+            )
         return Path(self.kwargs["run"])
 
     def _scorer(self) -> Path:
@@ -142,14 +152,18 @@ class PolicySpec:
             # a folder sealed by a SHA256SUMS (the shipped tiny_artefacts) vouches for its files
             why = damage(path.parent, only=path.name) if (path.parent / SUMS).is_file() else None
             if why is not None:
-                raise ValueError(f"the ForesightKV scorer {path} is damaged: {why}; restore the file (shipped with "
-                                 f"kvrl: reinstall kvrl, or `git checkout -- {path}` in a clone) or regenerate it "
-                                 "with the run that wrote it (python -m kvrl.run recipe=tiny_foresight writes "
-                                 "rl/scorer.safetensors)")
+                raise ValueError(
+                    f"the ForesightKV scorer {path} is damaged: {why}; restore the file (shipped with "
+                    f"kvrl: reinstall kvrl, or `git checkout -- {path}` in a clone) or regenerate it "
+                    "with the run that wrote it (python -m kvrl.run recipe=tiny_foresight writes "
+                    "rl/scorer.safetensors)"
+                )
             return path
-        raise FileNotFoundError(f"no ForesightKV scorer in {run} (rl/scorer.safetensors or sft/scorer.safetensors): "
-                                f"run `python -m kvrl.run recipe=tiny_foresight output_dir={run}` or point "
-                                f"eval.settings.{self.name}.run at a scorer.safetensors")
+        raise FileNotFoundError(
+            f"no ForesightKV scorer in {run} (rl/scorer.safetensors or sft/scorer.safetensors): "
+            f"run `python -m kvrl.run recipe=tiny_foresight output_dir={run}` or point "
+            f"eval.settings.{self.name}.run at a scorer.safetensors"
+        )
 
 
 def repeats(text: str) -> bool:
@@ -158,7 +172,7 @@ def repeats(text: str) -> bool:
     words = text.split()[-LOOP_WINDOW:]
     if len(words) < LOOP_WINDOW:
         return False
-    grams = {tuple(words[i:i + LOOP_N]) for i in range(len(words) - LOOP_N + 1)}
+    grams = {tuple(words[i : i + LOOP_N]) for i in range(len(words) - LOOP_N + 1)}
     return len(grams) <= LOOP_DISTINCT
 
 
@@ -208,9 +222,15 @@ def summarise(samples: list[dict], ks: list[int]) -> dict:
     row = {
         "accuracy": float(per_task.mean()),
         "accuracy_se": float(per_task.std(ddof=1) / math.sqrt(len(per_task))) if len(per_task) > 1 else 0.0,
-        "tasks": len(by_task), "samples": len(samples),
-        **{f"pass@{k}": float(np.mean([pass_at_k(len(g), sum(s["reward"] > 0 for s in g), k)
-                                       for g in by_task.values()])) for k in ks if k <= n},
+        "tasks": len(by_task),
+        "samples": len(samples),
+        **{
+            f"pass@{k}": float(
+                np.mean([pass_at_k(len(g), sum(s["reward"] > 0 for s in g), k) for g in by_task.values()])
+            )
+            for k in ks
+            if k <= n
+        },
         "gen_tokens": float(np.mean([s["tokens"] for s in samples])),
         "truncated": float(np.mean([s["finish"] == "length" for s in samples])),
         **{f"mode/{m}": float(np.mean([s["mode"] == m for s in samples])) for m in MODES},

@@ -58,16 +58,46 @@ MISMATCH = "sampling/sampling_logp_difference"  # TRL's name for the same quanti
 
 # What this module overrides or calls on GRPOTrainer, by the parameter names it relies on.
 TRL_SURFACE = {
-    "__init__": ("self", "model", "reward_funcs", "args", "train_dataset", "eval_dataset", "processing_class",
-                 "reward_processing_classes", "callbacks", "optimizers", "quantization_config", "peft_config",
-                 "tools", "rollout_func", "environment_factory"),
+    "__init__": (
+        "self",
+        "model",
+        "reward_funcs",
+        "args",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "reward_processing_classes",
+        "callbacks",
+        "optimizers",
+        "quantization_config",
+        "peft_config",
+        "tools",
+        "rollout_func",
+        "environment_factory",
+    ),
     "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
     "_generate_and_score_completions": ("self", "inputs"),
     "_tokenize_prompts": ("self", "prompts"),
     "_get_per_token_logps_and_entropies": (
-        "self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-        "compute_aux_loss", "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-        "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids"),
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+        "pixel_values",
+        "image_grid_thw",
+        "num_images",
+        "pixel_attention_mask",
+        "spatial_shapes",
+        "num_tiles",
+        "image_sizes",
+        "token_type_ids",
+        "mm_token_type_ids",
+        "image_position_ids",
+    ),
 }
 
 
@@ -83,14 +113,17 @@ def check_trl_surface(trainer_class: type = GRPOTrainer) -> None:
         method = getattr(trainer_class, name, None)
         found = None if method is None else tuple(inspect.signature(method).parameters)
         if found != expected:
-            changed.append(f"GRPOTrainer.{name}({', '.join(found) if found else 'missing'}) "
-                           f"was ({', '.join(expected)})")
+            changed.append(
+                f"GRPOTrainer.{name}({', '.join(found) if found else 'missing'}) was ({', '.join(expected)})"
+            )
     if changed:
         import trl
 
-        raise TRLChanged(f"trl {trl.__version__} moved what kvrl's TRL adapter overrides (written for trl=="
-                         f"{TRL_VERSION}): " + "; ".join(changed) + f". Install `pip install kvrl[trl]` "
-                         f"(trl=={TRL_VERSION}), or update kvrl/integrations/trl.py to the new signatures")
+        raise TRLChanged(
+            f"trl {trl.__version__} moved what kvrl's TRL adapter overrides (written for trl=="
+            f"{TRL_VERSION}): " + "; ".join(changed) + f". Install `pip install kvrl[trl]` "
+            f"(trl=={TRL_VERSION}), or update kvrl/integrations/trl.py to the new signatures"
+        )
 
 
 def refusals(args, model_config, processing_class, tools, rollout_func, environment_factory) -> None:
@@ -98,63 +131,107 @@ def refusals(args, model_config, processing_class, tools, rollout_func, environm
     warn for ``top_p < 1``. ``args`` is a GRPOConfig or None (TRL's defaults, which pass)."""
     loop = "kvrl's own loop (`python -m kvrl.run recipe=tiny_gkv_sparse`, docs/trl.md)"
     if tools:
-        raise ValueError("KVGRPOTrainer got tools: tool results are spliced into the completion, which the "
-                         "eviction trace does not cover; drop `tools`, or train tool use with plain GRPOTrainer")
+        raise ValueError(
+            "KVGRPOTrainer got tools: tool results are spliced into the completion, which the "
+            "eviction trace does not cover; drop `tools`, or train tool use with plain GRPOTrainer"
+        )
     if environment_factory is not None:
-        raise ValueError("KVGRPOTrainer got an environment_factory: environment turns are spliced into the "
-                         "completion, which the eviction trace does not cover; drop `environment_factory`")
+        raise ValueError(
+            "KVGRPOTrainer got an environment_factory: environment turns are spliced into the "
+            "completion, which the eviction trace does not cover; drop `environment_factory`"
+        )
     if rollout_func is not None:
-        raise ValueError("KVGRPOTrainer got a rollout_func: it generates the rollouts itself, under kv_policy; "
-                         "drop `rollout_func`")
+        raise ValueError(
+            "KVGRPOTrainer got a rollout_func: it generates the rollouts itself, under kv_policy; drop `rollout_func`"
+        )
     if model_config.get_text_config() is not model_config or isinstance(processing_class, ProcessorMixin):
-        raise ValueError(f"KVGRPOTrainer got a vision-language model ({type(model_config).__name__}): kvrl's engine "
-                         f"decodes text only; use a text-only model")
+        raise ValueError(
+            f"KVGRPOTrainer got a vision-language model ({type(model_config).__name__}): kvrl's engine "
+            f"decodes text only; use a text-only model"
+        )
     if args is None:
         return
     fixes = [
-        ("use_vllm", args.use_vllm, "use_vllm=False: TRL's vLLM decodes with the full cache; kvrl's HF engine "
-         f"decodes under kv_policy (vLLM rollouts under a kvrl policy: {loop})"),
-        ("use_transformers_continuous_batching", args.use_transformers_continuous_batching,
-         "use_transformers_continuous_batching=False: kvrl's HF engine decodes the rollouts"),
-        ("top_k", args.top_k not in (0, None), "top_k=0: the engine samples from softmax(logits / temperature) "
-         "(top_p aside), and the loss scores that distribution"),
+        (
+            "use_vllm",
+            args.use_vllm,
+            "use_vllm=False: TRL's vLLM decodes with the full cache; kvrl's HF engine "
+            f"decodes under kv_policy (vLLM rollouts under a kvrl policy: {loop})",
+        ),
+        (
+            "use_transformers_continuous_batching",
+            args.use_transformers_continuous_batching,
+            "use_transformers_continuous_batching=False: kvrl's HF engine decodes the rollouts",
+        ),
+        (
+            "top_k",
+            args.top_k not in (0, None),
+            "top_k=0: the engine samples from softmax(logits / temperature) "
+            "(top_p aside), and the loss scores that distribution",
+        ),
         ("min_p", args.min_p not in (None, 0, 0.0), "min_p=None: the engine does not apply it"),
-        ("repetition_penalty", args.repetition_penalty != 1.0, "repetition_penalty=1.0: the engine does not apply "
-         "it, and the loss would score a distribution the samples were not drawn from"),
-        ("generation_kwargs", bool(args.generation_kwargs), "generation_kwargs=None: the engine's sampling is set "
-         "by temperature, top_p and max_completion_length alone"),
-        ("cache_implementation", args.cache_implementation is not None,
-         "cache_implementation=None: the rollouts use kvrl's evicting cache"),
+        (
+            "repetition_penalty",
+            args.repetition_penalty != 1.0,
+            "repetition_penalty=1.0: the engine does not apply "
+            "it, and the loss would score a distribution the samples were not drawn from",
+        ),
+        (
+            "generation_kwargs",
+            bool(args.generation_kwargs),
+            "generation_kwargs=None: the engine's sampling is set "
+            "by temperature, top_p and max_completion_length alone",
+        ),
+        (
+            "cache_implementation",
+            args.cache_implementation is not None,
+            "cache_implementation=None: the rollouts use kvrl's evicting cache",
+        ),
     ]
     pc = getattr(args, "parallelism_config", None)
     split = max(getattr(pc, "cp_size", None) or 1, getattr(pc, "sp_size", None) or 1) if pc is not None else 1
-    fixes.append(("parallelism_config", split > 1, "no context or sequence parallelism (cp_size=sp_size=1): a "
-                  "sequence split across ranks, packed without padding, cannot replay its trace"))
+    fixes.append(
+        (
+            "parallelism_config",
+            split > 1,
+            "no context or sequence parallelism (cp_size=sp_size=1): a "
+            "sequence split across ranks, packed without padding, cannot replay its trace",
+        )
+    )
     for key, bad, fix in fixes:
         if bad:
             raise ValueError(f"KVGRPOTrainer cannot replay {key}={getattr(args, key)!r}: set {fix}")
     if args.top_p < 1:
-        warnings.warn(f"top_p={args.top_p}: the samples are drawn from the top-p nucleus but TRL's loss scores the "
-                      f"whole distribution, so the sampling/sampling_logp_difference metric will not be ~0; set "
-                      f"top_p=1.0 for an exact replay", stacklevel=3)
+        warnings.warn(
+            f"top_p={args.top_p}: the samples are drawn from the top-p nucleus but TRL's loss scores the "
+            f"whole distribution, so the sampling/sampling_logp_difference metric will not be ~0; set "
+            f"top_p=1.0 for an exact replay",
+            stacklevel=3,
+        )
 
 
-def build_policy(spec, model_config, budget=None, interval=None, window=None, sink=None,
-                 kwargs: dict | None = None) -> KVPolicy:
+def build_policy(
+    spec, model_config, budget=None, interval=None, window=None, sink=None, kwargs: dict | None = None
+) -> KVPolicy:
     """A KV policy from a zoo name (:data:`kvrl.policies.POLICIES`, or ``pkg.module:Class``),
     a :class:`KVPolicy` subclass, with ``budget`` (required) and the settings given; or a
     :class:`KVPolicy` instance, used as it is (it carries its own settings)."""
-    settings = {k: v for k, v in dict(budget=budget, interval=interval, window=window, sink=sink).items()
-                if v is not None} | dict(kwargs or {})
+    settings = {
+        k: v for k, v in dict(budget=budget, interval=interval, window=window, sink=sink).items() if v is not None
+    } | dict(kwargs or {})
     if isinstance(spec, KVPolicy):
         if settings:
-            raise ValueError(f"kv_policy is a {type(spec).__name__} instance, which carries its own settings; "
-                             f"pass {', '.join('kv_' + k if k in ('budget', 'interval', 'window', 'sink') else k for k in settings)} "
-                             f"only with a policy name or class")
+            raise ValueError(
+                f"kv_policy is a {type(spec).__name__} instance, which carries its own settings; "
+                f"pass {', '.join('kv_' + k if k in ('budget', 'interval', 'window', 'sink') else k for k in settings)} "
+                f"only with a policy name or class"
+            )
         return spec
     if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, KVPolicy))):
-        raise TypeError(f"kv_policy={spec!r}: pass a policy name (gkv, rkv, snapkv, h2o, streaming, or "
-                        f"pkg.module:Class), a KVPolicy subclass or a KVPolicy instance")
+        raise TypeError(
+            f"kv_policy={spec!r}: pass a policy name (gkv, rkv, snapkv, h2o, streaming, or "
+            f"pkg.module:Class), a KVPolicy subclass or a KVPolicy instance"
+        )
     if "budget" not in settings:
         raise ValueError(f"kv_policy={spec!r} needs kv_budget: the cache entries each KV head keeps")
     if isinstance(spec, str):
@@ -189,8 +266,17 @@ class KVGRPOTrainer(GRPOTrainer):
     kv_kwargs: the policy's own settings (G-KV: ``alpha``, ``mix_lambda``).
     """
 
-    def __init__(self, *args, kv_policy, kv_budget: int | None = None, kv_interval: int | None = None,
-                 kv_window: int | None = None, kv_sink: int | None = None, kv_kwargs: dict | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        kv_policy,
+        kv_budget: int | None = None,
+        kv_interval: int | None = None,
+        kv_window: int | None = None,
+        kv_sink: int | None = None,
+        kv_kwargs: dict | None = None,
+        **kwargs,
+    ):
         check_trl_surface()
         given = inspect.signature(GRPOTrainer.__init__).bind(self, *args, **kwargs).arguments
         given.pop("self")
@@ -200,8 +286,14 @@ class KVGRPOTrainer(GRPOTrainer):
             model_config = AutoConfig.from_pretrained(model, trust_remote_code=trust)
         else:
             model_config = model.config
-        refusals(config_args, model_config, given.get("processing_class"), given.get("tools"),
-                 given.get("rollout_func"), given.get("environment_factory"))
+        refusals(
+            config_args,
+            model_config,
+            given.get("processing_class"),
+            given.get("tools"),
+            given.get("rollout_func"),
+            given.get("environment_factory"),
+        )
         self.kv_policy = build_policy(kv_policy, model_config, kv_budget, kv_interval, kv_window, kv_sink, kv_kwargs)
         self._kv_rows: torch.Tensor | None = None  # deaths of the rows the next logprob forwards score
         self._kv_sampled: list | None = None  # the rollouts' sampling logprobs, until they join their batch
@@ -223,16 +315,24 @@ class KVGRPOTrainer(GRPOTrainer):
         """One completion per prompt (TRL passes each prompt ``num_generations`` times),
         decoded under ``kv_policy``; keeps the batch's deaths for the forwards that follow."""
         prompt_ids = self._tokenize_prompts(prompts)[0]  # exactly TRL's tokens (chat template included)
-        seed = int(np.random.SeedSequence([self.args.seed, self.accelerator.process_index, self.state.global_step,
-                                           self._kv_rollouts]).generate_state(1)[0])
+        seed = int(
+            np.random.SeedSequence(
+                [self.args.seed, self.accelerator.process_index, self.state.global_step, self._kv_rollouts]
+            ).generate_state(1)[0]
+        )
         self._kv_rollouts += 1
-        sampling = Sampling(max_new_tokens=self.max_completion_length, temperature=self.temperature,
-                            top_p=self.top_p, seed=seed)
-        with unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                                         gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs) as m:
+        sampling = Sampling(
+            max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p, seed=seed
+        )
+        with unwrap_model_for_generation(
+            self.model_wrapped,
+            self.accelerator,
+            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+        ) as m:
             out = HFEngine(m, self.processing_class, stop_ids=self.eos_token_ids).generate(
-                [list(p) for p in prompt_ids], sampling, policy=self.kv_policy)
+                [list(p) for p in prompt_ids], sampling, policy=self.kv_policy
+            )
         self._kv_rows = out.traces.death.transpose(0, 1).contiguous()  # [B, layers, H_kv, T]: rows first
         self._kv_sampled = out.logprobs
         mode = "train" if self.model.training else "eval"
@@ -253,13 +353,15 @@ class KVGRPOTrainer(GRPOTrainer):
             self._kv_rows = self._kv_sampled = None
         completions = output["completion_ids"]
         if death is None or death.shape[0] != completions.shape[0]:
-            raise TRLChanged("GRPOTrainer._generate_and_score_completions built a batch without calling "
-                             "rollout_func once for it; " + self._surface_hint())
+            raise TRLChanged(
+                "GRPOTrainer._generate_and_score_completions built a batch without calling "
+                "rollout_func once for it; " + self._surface_hint()
+            )
         output["kvrl_death"] = death.to(completions.device)
         dtype = torch.promote_types(self.accelerator.unwrap_model(self.model).dtype, torch.float32)
         logps = torch.zeros(completions.shape, dtype=dtype)
         for b, row in enumerate(sampled):
-            logps[b, :len(row)] = torch.tensor(row, dtype=dtype)
+            logps[b, : len(row)] = torch.tensor(row, dtype=dtype)
         output["kvrl_logprobs"] = logps.to(completions.device)
         if "old_per_token_logps" in output:
             self._log_mismatch(output["old_per_token_logps"], output["kvrl_logprobs"], output["completion_mask"])
@@ -271,8 +373,10 @@ class KVGRPOTrainer(GRPOTrainer):
         ``old_per_token_logps`` the weights are those that sampled the batch, so that forward
         gives the mismatch."""
         if "kvrl_death" not in inputs:
-            raise ValueError("compute_loss got a batch without kvrl_death: KVGRPOTrainer's batches come from its "
-                             "own rollouts (_prepare_inputs); the loss cannot replay anything else")
+            raise ValueError(
+                "compute_loss got a batch without kvrl_death: KVGRPOTrainer's batches come from its "
+                "own rollouts (_prepare_inputs); the loss cannot replay anything else"
+            )
         self._kv_rows = inputs["kvrl_death"]
         if "old_per_token_logps" not in inputs:
             self._kv_sampling = (inputs["kvrl_logprobs"], inputs["completion_mask"])
@@ -281,29 +385,39 @@ class KVGRPOTrainer(GRPOTrainer):
         finally:
             self._kv_rows = self._kv_sampling = None
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
+    ):
         """super(), each of its forwards replaying its rows' traces (:meth:`_replay_hook`)."""
         death = self._kv_rows
         if death is None:
-            raise RuntimeError("a logprob forward with no eviction traces at hand: KVGRPOTrainer scores only the "
-                               "batches of its own rollouts, in compute_loss or right after generating them")
+            raise RuntimeError(
+                "a logprob forward with no eviction traces at hand: KVGRPOTrainer scores only the "
+                "batches of its own rollouts, in compute_loss or right after generating them"
+            )
         if death.shape[0] != input_ids.shape[0]:
-            raise RuntimeError(f"a logprob forward over {input_ids.shape[0]} rows with the traces of "
-                               f"{death.shape[0]}; " + self._surface_hint())
+            raise RuntimeError(
+                f"a logprob forward over {input_ids.shape[0]} rows with the traces of "
+                f"{death.shape[0]}; " + self._surface_hint()
+            )
         self._kv_active = _Replaying(input_ids, death)
         try:
-            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
-                                                             batch_size, **kwargs)
+            out = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+            )
             if self._kv_active.cursor != input_ids.shape[0]:
-                raise RuntimeError(f"{self._kv_active.cursor} of {input_ids.shape[0]} rows went through a replayed "
-                                   "forward; " + self._surface_hint())
+                raise RuntimeError(
+                    f"{self._kv_active.cursor} of {input_ids.shape[0]} rows went through a replayed "
+                    "forward; " + self._surface_hint()
+                )
         finally:
             self._kv_active = None
         if not (isinstance(out, tuple) and len(out) == 3):
-            raise TRLChanged("GRPOTrainer._get_per_token_logps_and_entropies returned "
-                             f"{type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}, not "
-                             "(logps, entropies, aux_loss); " + self._surface_hint())
+            raise TRLChanged(
+                "GRPOTrainer._get_per_token_logps_and_entropies returned "
+                f"{type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}, not "
+                "(logps, entropies, aux_loss); " + self._surface_hint()
+            )
         if self._kv_sampling is not None:
             sampling, mask = self._kv_sampling
             self._kv_sampling = None  # once per compute_loss: the forward that scores the batch
@@ -318,18 +432,24 @@ class KVGRPOTrainer(GRPOTrainer):
             return None  # kvrl's engine, which brings its own attention
         active = self._kv_active
         if active is None:
-            raise RuntimeError(f"a forward of the model outside KVGRPOTrainer's rollouts and replayed logprob "
-                               f"forwards: it would attend over the full cache, not under {self.kv_policy!r}. "
-                               f"Score with kvrl's engine (HFEngine.score with the rollouts' trace) instead")
+            raise RuntimeError(
+                f"a forward of the model outside KVGRPOTrainer's rollouts and replayed logprob "
+                f"forwards: it would attend over the full cache, not under {self.kv_policy!r}. "
+                f"Score with kvrl's engine (HFEngine.score with the rollouts' trace) instead"
+            )
         packed = [k for k in ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(k) is not None]
         ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
         if packed or mask is None:
-            raise ValueError(f"a logprob forward with {packed or 'no attention_mask'}: padding-free (packed) batches "
-                             f"cannot replay their traces; use padded batches (GRPOTrainer's default)")
+            raise ValueError(
+                f"a logprob forward with {packed or 'no attention_mask'}: padding-free (packed) batches "
+                f"cannot replay their traces; use padded batches (GRPOTrainer's default)"
+            )
         rows = slice(active.cursor, active.cursor + ids.shape[0])
         if not torch.equal(ids, active.input_ids[rows]):
-            raise RuntimeError(f"the forward's rows are not rows {rows.start}-{rows.stop - 1} of the batch being "
-                               f"scored; " + self._surface_hint())
+            raise RuntimeError(
+                f"the forward's rows are not rows {rows.start}-{rows.stop - 1} of the batch being "
+                f"scored; " + self._surface_hint()
+            )
         active.cursor = rows.stop
         key_pos = (mask.long().cumsum(1) - 1).masked_fill(mask == 0, -1)  # true position of each slot, -1 = pad
         death = active.death[rows].transpose(0, 1).to(ids.device)  # [layers, b, H_kv, T]
@@ -347,9 +467,19 @@ class KVGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _surface_hint() -> str:
-        return (f"kvrl's TRL adapter was written for trl=={TRL_VERSION}: install `pip install kvrl[trl]`, or update "
-                f"kvrl/integrations/trl.py")
+        return (
+            f"kvrl's TRL adapter was written for trl=={TRL_VERSION}: install `pip install kvrl[trl]`, or update "
+            f"kvrl/integrations/trl.py"
+        )
 
 
-__all__ = ["MISMATCH", "TRL_SURFACE", "TRL_VERSION", "KVGRPOTrainer", "TRLChanged", "build_policy",
-           "check_trl_surface", "refusals"]
+__all__ = [
+    "MISMATCH",
+    "TRL_SURFACE",
+    "TRL_VERSION",
+    "KVGRPOTrainer",
+    "TRLChanged",
+    "build_policy",
+    "check_trl_surface",
+    "refusals",
+]

@@ -17,14 +17,16 @@ from kvrl.section import POLICY_NAMES, checked, cli_value, register_section
 class EvalConfig:
     # job=eval's lines: zoo names (full streaming h2o snapkv rkv gkv learned), window, or eval.settings entries
     # (a policy of your own: eval.settings.NAME.policy=pkg.module:Class)
-    policies: List[str] = checked([n for n in POLICY_NAMES if n != "learned"], lambda v: len(v) > 0,
-                                  "must name at least one policy")
+    policies: List[str] = checked(
+        [n for n in POLICY_NAMES if n != "learned"], lambda v: len(v) > 0, "must name at least one policy"
+    )
     # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}};
     # a token policy's own interval / window / sink replace kv's for its line
     settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     # KV budgets: <= 1 a fraction of the full cache's mean sequence length, > 1 a number of tokens
-    budgets: List[float] = checked([0.25, 0.5], lambda v: len(v) > 0 and all(b > 0 for b in v),
-                                   "must be fractions in (0, 1] or token counts > 1")
+    budgets: List[float] = checked(
+        [0.25, 0.5], lambda v: len(v) > 0 and all(b > 0 for b in v), "must be fractions in (0, 1] or token counts > 1"
+    )
     samples: int = checked(1, ge=1)  # samples per task; accuracy is their mean (pass@1)
     pass_k: List[int] = checked([1], lambda v: all(k >= 1 for k in v), "must be >= 1")  # pass@k for k <= samples
     # also measure the task's properties on the model's attention (kvrl.eval.properties; the env's tasks must
@@ -43,60 +45,90 @@ def problems(cfg) -> list[str]:
     ev, found = cfg.eval, []
     if cfg.kv.policy != "full" or cfg.kv.kwargs:  # the kv section's defaults: eval's lines are eval.policies
         policy, own = cfg.kv.policy, cfg.kv.kwargs
-        given = " ".join([*([f"kv.policy={policy}"] if policy != "full" else []),
-                          *(f"kv.kwargs.{k}={cli_value(v)}" for k, v in own.items())])
+        given = " ".join(
+            [
+                *([f"kv.policy={policy}"] if policy != "full" else []),
+                *(f"kv.kwargs.{k}={cli_value(v)}" for k, v in own.items()),
+            ]
+        )
         name = policy.rpartition(":")[2].lower() if ":" in policy else policy
-        line = [*([f"eval.policies={cli_value([*ev.policies, name])}"] if name not in ev.policies else []),
-                *([f"eval.settings.{name}.policy={policy}"] if ":" in policy else []),
-                *(f"eval.settings.{name}.{k}={cli_value(v)}" for k, v in own.items())]
-        found.append(f"{given} would be ignored: job={cfg.job} runs the lines of eval.policies "
-                     f"({cli_value(ev.policies)}), each at every eval.budgets; drop it"
-                     + (" and give a line its arguments as eval.settings.NAME.ARG=VALUE" if policy == "full" else
-                        f" and compare the policy as a line: {' '.join(line)}" if line else
-                        f" (eval.policies already runs {name})"))
+        line = [
+            *([f"eval.policies={cli_value([*ev.policies, name])}"] if name not in ev.policies else []),
+            *([f"eval.settings.{name}.policy={policy}"] if ":" in policy else []),
+            *(f"eval.settings.{name}.{k}={cli_value(v)}" for k, v in own.items()),
+        ]
+        found.append(
+            f"{given} would be ignored: job={cfg.job} runs the lines of eval.policies "
+            f"({cli_value(ev.policies)}), each at every eval.budgets; drop it"
+            + (
+                " and give a line its arguments as eval.settings.NAME.ARG=VALUE"
+                if policy == "full"
+                else f" and compare the policy as a line: {' '.join(line)}"
+                if line
+                else f" (eval.policies already runs {name})"
+            )
+        )
     classes = {}  # the policies of the user's own, by path: imported and type-checked before anything runs
     if cfg.kv.budget > 0:
-        found.append(f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
-                     f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
-                     "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)")
+        found.append(
+            f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
+            f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
+            "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)"
+        )
     from kvrl.gate import cache_limit
 
     limit, why = cache_limit(cfg)
     full = [b for b in ev.budgets if b > 1 and b >= limit]  # > 1: tokens (<= 1: a fraction of the sequence)
     if full:
         kept = [b for b in ev.budgets if b not in full] or [limit // 2]
-        found.append(f"eval.budgets {', '.join(f'{b:g}' for b in full)} never evict: a sequence holds at most "
-                     f"{limit} tokens ({why}), so those lines would repeat the full cache; set eval.budgets="
-                     f"[{','.join(f'{b:g}' for b in kept)}]")
-    no_ratio = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation",
-                "full": "the full cache"}
+        found.append(
+            f"eval.budgets {', '.join(f'{b:g}' for b in full)} never evict: a sequence holds at most "
+            f"{limit} tokens ({why}), so those lines would repeat the full cache; set eval.budgets="
+            f"[{','.join(f'{b:g}' for b in kept)}]"
+        )
+    no_ratio = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation", "full": "the full cache"}
     for name in ev.policies:
         kind = ev.settings.get(name, {}).get("policy", name)
         if kind in no_ratio and "budget_ratio" in ev.settings.get(name, {}):
-            found.append(f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
-                         f"eval.settings.{name}.budget_ratio is set; drop it")
+            found.append(
+                f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
+                f"eval.settings.{name}.budget_ratio is set; drop it"
+            )
         elif kind == "window" and cfg.kv.budget_ratio is not None:
-            found.append(f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
-                         f"kv.budget_ratio is set; drop {name} from eval.policies, or give the ratio to the "
-                         "token-policy lines only (eval.settings.NAME.budget_ratio)")
+            found.append(
+                f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
+                f"kv.budget_ratio is set; drop {name} from eval.policies, or give the ratio to the "
+                "token-policy lines only (eval.settings.NAME.budget_ratio)"
+            )
         if ":" in str(kind):
             try:
                 classes[kind] = policy_class(kind)
             except (ImportError, AttributeError, SyntaxError, ValueError) as err:
-                found.append(f"eval.settings.{name}.policy={kind!r} cannot be used ({' '.join(str(err).split())}); "
-                             "set it to a zoo name or an importable pkg.module:Class of your own KVPolicy")
+                found.append(
+                    f"eval.settings.{name}.policy={kind!r} cannot be used ({' '.join(str(err).split())}); "
+                    "set it to a zoo name or an importable pkg.module:Class of your own KVPolicy"
+                )
         elif kind not in KINDS:
             near = difflib.get_close_matches(str(kind), KINDS, n=1)
-            which = (f"eval.settings.{name}.policy={kind!r} is neither one of {', '.join(KINDS)} nor"
-                     if "policy" in ev.settings.get(name, {}) else
-                     f"eval.policies entry {name!r} is not one of {', '.join(KINDS)}, and no eval.settings.{name}"
-                     ".policy names one or")
-            found.append(f"{which} a pkg.module:Class of your own KVPolicy; "
-                         + (f"set eval.settings.{name}.policy={near[0]}" if near else
-                            f"set eval.settings.{name}.policy to one of them or to pkg.module:Class"))
+            which = (
+                f"eval.settings.{name}.policy={kind!r} is neither one of {', '.join(KINDS)} nor"
+                if "policy" in ev.settings.get(name, {})
+                else f"eval.policies entry {name!r} is not one of {', '.join(KINDS)}, and no eval.settings.{name}"
+                ".policy names one or"
+            )
+            found.append(
+                f"{which} a pkg.module:Class of your own KVPolicy; "
+                + (
+                    f"set eval.settings.{name}.policy={near[0]}"
+                    if near
+                    else f"set eval.settings.{name}.policy to one of them or to pkg.module:Class"
+                )
+            )
         elif kind in ("learned", "heads") and "run" not in ev.settings.get(name, {}):
-            found.append(f"eval.policies entry {name!r} is a {kind} line, which loads what a run trained, but "
-                         f"eval.settings.{name}.run is not set; set eval.settings.{name}.run=<output_dir of that run>")
+            found.append(
+                f"eval.policies entry {name!r} is a {kind} line, which loads what a run trained, but "
+                f"eval.settings.{name}.run is not set; set eval.settings.{name}.run=<output_dir of that run>"
+            )
     for name, own in ev.settings.items():
         kind = own.get("policy", name)
         if kind not in KINDS and kind not in classes:
@@ -104,27 +136,42 @@ def problems(cfg) -> list[str]:
         # what kvrl.eval.suite.PolicySpec reads: a token policy's constructor arguments but its budget (the
         # sweep's point), which replace kv's for its line; a heads line's run, sparsities and window
         if kind == "heads":
-            keys = ("policy", "run", "sparsities", *(p.name for p in inspect.signature(head_allocation).parameters
-                                                     .values() if p.kind is p.KEYWORD_ONLY))
+            keys = (
+                "policy",
+                "run",
+                "sparsities",
+                *(p.name for p in inspect.signature(head_allocation).parameters.values() if p.kind is p.KEYWORD_ONLY),
+            )
         elif kind in POLICIES or kind in classes:
-            keys = ("policy", *(p for p in inspect.signature(classes.get(kind) or POLICIES[kind]).parameters
-                                if p != "budget"),
-                    *(("run",) if kind == "learned" else ()))
+            keys = (
+                "policy",
+                *(p for p in inspect.signature(classes.get(kind) or POLICIES[kind]).parameters if p != "budget"),
+                *(("run",) if kind == "learned" else ()),
+            )
         else:
             keys = ("policy",)  # full, window: kv's settings only
         for key, value in own.items():
             if key in keys or (key == "budget_ratio" and kind in no_ratio):  # a ratio where none is: said above
                 continue
             near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-            fix = (f"drop it (every line runs at eval.budgets={cli_value(ev.budgets)})" if key == "budget" else
-                   f"set eval.settings.{name}.{near[0]}={cli_value(value)}" if near else "drop it")
-            found.append(f"eval.settings.{name}.{key} is not a setting of a line of kind {kind} (got "
-                         f"{cli_value(value)}); {fix}; its settings: {', '.join(keys)}")
+            fix = (
+                f"drop it (every line runs at eval.budgets={cli_value(ev.budgets)})"
+                if key == "budget"
+                else f"set eval.settings.{name}.{near[0]}={cli_value(value)}"
+                if near
+                else "drop it"
+            )
+            found.append(
+                f"eval.settings.{name}.{key} is not a setting of a line of kind {kind} (got "
+                f"{cli_value(value)}); {fix}; its settings: {', '.join(keys)}"
+            )
     too_many = [k for k in ev.pass_k if k > ev.samples]
     if too_many:  # pass@k of fewer than k samples is not defined: summarise would leave the column out
-        found.append(f"eval.pass_k={cli_value(ev.pass_k)} asks for pass@{too_many[0]} but eval.samples={ev.samples} "
-                     f"draws fewer samples per task; set eval.samples={max(ev.pass_k)} (or eval.pass_k="
-                     f"{cli_value([k for k in ev.pass_k if k <= ev.samples] or [1])})")
+        found.append(
+            f"eval.pass_k={cli_value(ev.pass_k)} asks for pass@{too_many[0]} but eval.samples={ev.samples} "
+            f"draws fewer samples per task; set eval.samples={max(ev.pass_k)} (or eval.pass_k="
+            f"{cli_value([k for k in ev.pass_k if k <= ev.samples] or [1])})"
+        )
     return found + value_problems(cfg)
 
 
@@ -158,17 +205,23 @@ def value_problems(cfg) -> list[str]:
             continue  # named by problems
         bad = [k for k, v in own.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
-            found += [f"eval.settings.{name}.{k} must be a finite number (got {own[k]}); set it or drop it"
-                      for k in bad]
+            found += [
+                f"eval.settings.{name}.{k} must be a finite number (got {own[k]}); set it or drop it" for k in bad
+            ]
             continue
         if kind == "heads":
             cls, fixed = HeadAllocation, {"gates": torch.zeros(1, 1), "layers": 1, "kv_heads": 1}
             sparsities = own.pop("sparsities", [0.5])
-            if not (isinstance(sparsities, list) and sparsities and all(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in sparsities)):
-                found.append(f"eval.settings.{name}.sparsities must be a list of fractions in [0, 1] (the share of "
-                             f"KV heads compressed; got {cli_value(sparsities)}); set eval.settings.{name}.sparsities="
-                             "[0.5]")
+            if not (
+                isinstance(sparsities, list)
+                and sparsities
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 for v in sparsities)
+            ):
+                found.append(
+                    f"eval.settings.{name}.sparsities must be a list of fractions in [0, 1] (the share of "
+                    f"KV heads compressed; got {cli_value(sparsities)}); set eval.settings.{name}.sparsities="
+                    "[0.5]"
+                )
                 continue
             fixed["sparsity"] = sparsities[0]
         elif kind in POLICIES and POLICIES[kind] is not LearnedScorer:
@@ -180,8 +233,11 @@ def value_problems(cfg) -> list[str]:
         given = {k: v for k, v in own.items() if k in params}  # the others are named by problems
         mistyped = [k for k, v in given.items() if not isinstance(v, kind_of(params[k].default))]
         if mistyped:
-            found += [f"eval.settings.{name}.{k} expects {kind_of(params[k].default)[0].__name__}, got "
-                      f"{given[k]!r}; set eval.settings.{name}.{k}={cli_value(params[k].default)}" for k in mistyped]
+            found += [
+                f"eval.settings.{name}.{k} expects {kind_of(params[k].default)[0].__name__}, got "
+                f"{given[k]!r}; set eval.settings.{name}.{k}={cli_value(params[k].default)}"
+                for k in mistyped
+            ]
             continue
         args = {**fixed, **given}
         if cls is not HeadAllocation:
@@ -192,8 +248,11 @@ def value_problems(cfg) -> list[str]:
         except (ValueError, TypeError) as err:
             key = str(err).partition("=")[0]
             default = params[key].default if key in given else inspect.Parameter.empty
-            fix = (f"set eval.settings.{name}.{key}={cli_value(default)}" if default is not inspect.Parameter.empty
-                   else "fix the line's settings (or the kv.* it takes)")
+            fix = (
+                f"set eval.settings.{name}.{key}={cli_value(default)}"
+                if default is not inspect.Parameter.empty
+                else "fix the line's settings (or the kv.* it takes)"
+            )
             found.append(f"eval.settings.{name}: {kind} refuses its settings: {' '.join(str(err).split())}; {fix}")
     return found
 

@@ -37,8 +37,16 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from kvrl.algos.foresight import (RULE_BASED, evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack,
-                                  ranking_loss, scorer_state)
+from kvrl.algos.foresight import (
+    RULE_BASED,
+    evict_scores,
+    golden_replay,
+    loss_ratios,
+    make_scorer,
+    pad_stack,
+    ranking_loss,
+    scorer_state,
+)
 from kvrl.data.traces import SPLIT_SEEDS, load_traces
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
@@ -68,8 +76,12 @@ def train_sft(policy: LearnedScorer, data: list[dict], cfg, log) -> list[dict]:
     takes ``foresight.sft_batch_size`` traces (all their eviction steps); ``log(row)``."""
     fs = cfg.foresight
     opt = torch.optim.Adam(policy.scorer.parameters(), lr=fs.sft_lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / SFT_WARMUP) * 0.5 * (
-        1 + math.cos(math.pi * min(s, fs.sft_steps) / max(1, fs.sft_steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / SFT_WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, fs.sft_steps) / max(1, fs.sft_steps)))
+        ),
+    )
     gen = torch.Generator().manual_seed(cfg.seed)
     history = []
     for step in tqdm(range(fs.sft_steps), desc="stage 1 (SFT)", unit="step"):
@@ -174,11 +186,18 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     print(f"stage 1 done ({time.perf_counter() - started:.0f} s)")
 
     # ---- 4. stage 2 (RL) on the eviction MDP, on the Ray controller
-    rl_cfg = replace(cfg, output_dir=str(out / "rl"), rl=replace(cfg.rl, algo="foresight"),
-                     resume="never" if sft_trained else cfg.resume)  # a new stage 1 starts stage 2 over
+    rl_cfg = replace(
+        cfg,
+        output_dir=str(out / "rl"),
+        rl=replace(cfg.rl, algo="foresight"),
+        resume="never" if sft_trained else cfg.resume,
+    )  # a new stage 1 starts stage 2 over
     # replace() builds a new Config: carry the environment's references, so no secret reaches its checkpoints
-    rl_cfg.env_references = {key: f"{ref}/rl" if key == "output_dir" else ref
-                             for key, ref in cfg.env_references.items() if key not in ("rl.algo", "resume")}
+    rl_cfg.env_references = {
+        key: f"{ref}/rl" if key == "output_dir" else ref
+        for key, ref in cfg.env_references.items()
+        if key not in ("rl.algo", "resume")
+    }
     controller = ForesightController(rl_cfg)
     try:
         controller.run()
@@ -192,22 +211,35 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     setting = dict(budget=kv.budget, interval=kv.interval, window=kv.window, sink=kv.sink)
     sft = make_scorer(model, kv)
     sft.load_scorer(sft_path)
-    ratios = loss_ratios(model, heldout, {"golden": "golden", "foresight_sft": sft, "foresight_rl": policy,
-                                          **{n: n for n in RULE_BASED}}, **setting)
+    ratios = loss_ratios(
+        model,
+        heldout,
+        {"golden": "golden", "foresight_sft": sft, "foresight_rl": policy, **{n: n for n in RULE_BASED}},
+        **setting,
+    )
     # ---- 6. held-out accuracy under the same cache: what a user gets from the scorer
-    accuracy = heldout_accuracy(cfg, model, tokenizer, {"foresight_sft": sft, "foresight_rl": policy,
-                                                        **{n: n for n in RULE_BASED}}, setting)
+    accuracy = heldout_accuracy(
+        cfg, model, tokenizer, {"foresight_sft": sft, "foresight_rl": policy, **{n: n for n in RULE_BASED}}, setting
+    )
     plot(records, ratios, out / "reward.png")
-    result = {"setting": setting, "heldout_traces": len(heldout), "loss_ratio": ratios, "accuracy": accuracy,
-              "reward_first": records[0]["reward_mean"] if records else None,
-              "reward_last": records[-1]["reward_mean"] if records else None,
-              "minutes": (time.perf_counter() - started) / 60, "plot": str(out / "reward.png")}
+    result = {
+        "setting": setting,
+        "heldout_traces": len(heldout),
+        "loss_ratio": ratios,
+        "accuracy": accuracy,
+        "reward_first": records[0]["reward_mean"] if records else None,
+        "reward_last": records[-1]["reward_mean"] if records else None,
+        "minutes": (time.perf_counter() - started) / 60,
+        "plot": str(out / "reward.png"),
+    }
     write_json(out / "results.json", result)
     runlog.close()
     n = next(iter(accuracy.values()))["tasks"]
-    print(f"\nheld-out tasks at budget {kv.budget} (interval {kv.interval}, window {kv.window}, sink {kv.sink}): "
-          f"greedy accuracy of {n} tasks [95 % Wilson interval], and the loss ratio (Σ compressed loss / "
-          f"Σ full-cache loss over {len(heldout)} held-out traces; Golden Eviction is an oracle: no accuracy)")
+    print(
+        f"\nheld-out tasks at budget {kv.budget} (interval {kv.interval}, window {kv.window}, sink {kv.sink}): "
+        f"greedy accuracy of {n} tasks [95 % Wilson interval], and the loss ratio (Σ compressed loss / "
+        f"Σ full-cache loss over {len(heldout)} held-out traces; Golden Eviction is an oracle: no accuracy)"
+    )
     for name in sorted({*accuracy, *ratios}, key=lambda x: (-accuracy.get(x, {"accuracy": -1})["accuracy"], x)):
         a = accuracy.get(name)
         acc = f"{a['accuracy']:.3f} [{a['ci95'][0]:.2f}, {a['ci95'][1]:.2f}]" if a else "-"

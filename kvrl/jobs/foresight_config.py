@@ -21,8 +21,9 @@ class ForesightConfig:
     shard_size: int = checked(64, ge=1)  # traces per parquet shard: the unit the data step resumes from
     sft_steps: int = checked(1000, ge=0)  # stage 1 optimizer steps (Adam, 10 warm-up steps, cosine decay)
     sft_batch_size: int = checked(8, ge=1)  # traces per stage 1 step
-    sft_lr: float = checked(1.0e-2, lambda v: 0 < v <= 1, "must be in (0, 1] (Adam moves each weight by about lr per "
-                            "step)")  # stage 1 peak learning rate
+    sft_lr: float = checked(
+        1.0e-2, lambda v: 0 < v <= 1, "must be in (0, 1] (Adam moves each weight by about lr per step)"
+    )  # stage 1 peak learning rate
     margin: float = checked(0.01, ge=0)  # stage 1 pairwise ranking hinge margin
     eta: float = checked(1.5, ge=0)  # stage 2 reward: a token counts when its loss rose by more than eta
     # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
@@ -35,14 +36,18 @@ def problems(cfg) -> list[str]:
     if kv.policy != "learned":
         found.append(f"kv.policy is {kv.policy!r}; ForesightKV trains the learned scorer: set kv.policy=learned")
     if kv.budget_ratio is not None:
-        found.append(f"kv.budget_ratio={kv.budget_ratio}: ForesightKV's eviction MDP and Golden Eviction keep "
-                     "the fixed kv.budget; set kv.budget_ratio=null (job=eval runs a trained scorer in ratio "
-                     "mode: eval.settings.NAME: {policy: learned, run: DIR, budget_ratio: R})")
+        found.append(
+            f"kv.budget_ratio={kv.budget_ratio}: ForesightKV's eviction MDP and Golden Eviction keep "
+            "the fixed kv.budget; set kv.budget_ratio=null (job=eval runs a trained scorer in ratio "
+            "mode: eval.settings.NAME: {policy: learned, run: DIR, budget_ratio: R})"
+        )
     g, n = cfg.rl.group_size, cfg.trainer.batch_size
     if n % g or n < g:
-        found.append(f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
-                     f"rl.group_size eviction trajectories per trace; set trainer.batch_size="
-                     f"{max(1, round(n / g)) * g}")
+        found.append(
+            f"trainer.batch_size ({n}) must be a multiple of rl.group_size ({g}): stage 2 draws "
+            f"rl.group_size eviction trajectories per trace; set trainer.batch_size="
+            f"{max(1, round(n / g)) * g}"
+        )
     return found
 
 

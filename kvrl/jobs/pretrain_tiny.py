@@ -40,8 +40,17 @@ from kvrl.envs import make
 from kvrl.envs.base import correct
 from kvrl.kernels.reference.replay import NEVER, Replay
 from kvrl.models.tiny import build_tokenizer, tiny_config
-from kvrl.runlog import (RunLog, flatten, intact_checkpoint, mark_latest, resume_changes, save_torch, seal,
-                         setup_process, write_json)
+from kvrl.runlog import (
+    RunLog,
+    flatten,
+    intact_checkpoint,
+    mark_latest,
+    resume_changes,
+    save_torch,
+    seal,
+    setup_process,
+    write_json,
+)
 
 
 def cot_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -51,8 +60,7 @@ def cot_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((pred[at] == cur[at]).float().mean())
 
 
-def eviction_dropout(rng: np.random.Generator, tasks, T: int, layers: int, heads: int,
-                     p: float = 0.5) -> torch.Tensor:
+def eviction_dropout(rng: np.random.Generator, tasks, T: int, layers: int, heads: int, p: float = 0.5) -> torch.Tensor:
     """Running counts only: death pattern [layers, B, heads, T] for a batch; with probability
     p per row, every token the task no longer needs is evicted (each ``d ;`` pair survives
     until the step that copies it, plus BOS and a recent window of 2-24 tokens); other rows
@@ -111,16 +119,24 @@ def main(cfg) -> dict:
     env = make(cfg.env.id, **cfg.env.kwargs)
     spec = getattr(env, "spec", None)
     if pc.curriculum > 0 and not hasattr(spec, "scaled"):
-        raise ValueError(f"pretrain.curriculum={pc.curriculum}: {cfg.env.id} has no size spec to grow; "
-                         "set pretrain.curriculum=0")
+        raise ValueError(
+            f"pretrain.curriculum={pc.curriculum}: {cfg.env.id} has no size spec to grow; set pretrain.curriculum=0"
+        )
     held_env = make(cfg.env.id, **cfg.env.kwargs)
     held_env.reset(seed=10**6 + cfg.seed)
     held_out = held_env.tasks(pc.eval_tasks)
     tokenizer = build_tokenizer()
-    new_tokens = max(len(tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"])
-                     for t in held_out) + 8
-    model = LlamaForCausalLM(tiny_config(tokenizer, layers=pc.layers, hidden=pc.hidden, kv_heads=pc.kv_heads,
-                                         intermediate=pc.intermediate, max_positions=pc.max_positions))
+    new_tokens = max(len(tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"]) for t in held_out) + 8
+    model = LlamaForCausalLM(
+        tiny_config(
+            tokenizer,
+            layers=pc.layers,
+            hidden=pc.hidden,
+            kv_heads=pc.kv_heads,
+            intermediate=pc.intermediate,
+            max_positions=pc.max_positions,
+        )
+    )
     model = model.to(cfg.device)
     attention = "kvrl_replay" if pc.eviction_dropout > 0 else "sdpa"
     model.set_attn_implementation(attention)
@@ -138,15 +154,22 @@ def main(cfg) -> dict:
 
     # ---- resume: the newest intact checkpoint of this output_dir, if its settings are this run's
     settings = json.loads(json.dumps(flatten(cfg)))
-    path = intact_checkpoint(out_dir / "checkpoints") if cfg.resume == "auto" else (
-        None if cfg.resume == "never" else Path(cfg.resume))
+    path = (
+        intact_checkpoint(out_dir / "checkpoints")
+        if cfg.resume == "auto"
+        else (None if cfg.resume == "never" else Path(cfg.resume))
+    )
     if path is not None:
-        changed = resume_changes(json.loads((path / "config.json").read_text()), settings, cfg.RESUMABLE, cfg.resume,
-                                 path)
+        changed = resume_changes(
+            json.loads((path / "config.json").read_text()), settings, cfg.RESUMABLE, cfg.resume, path
+        )
         if changed:
-            raise ValueError(f"{out_dir} holds a pretraining run with other settings (checkpoint {path}):\n  "
-                             + "\n  ".join(changed) + "\nrerun with its settings to continue it, or pass "
-                             "resume=never (or another output_dir) to start afresh")
+            raise ValueError(
+                f"{out_dir} holds a pretraining run with other settings (checkpoint {path}):\n  "
+                + "\n  ".join(changed)
+                + "\nrerun with its settings to continue it, or pass "
+                "resume=never (or another output_dir) to start afresh"
+            )
         state = torch.load(path / "state.pt", weights_only=False, map_location=cfg.device)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -161,17 +184,26 @@ def main(cfg) -> dict:
     def checkpoint(step: int) -> None:
         folder = out_dir / "checkpoints" / f"step_{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
-        save_torch({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "rng": rng.bit_generator.state, "torch_rng": torch.get_rng_state(), "step": step,
-                    "tokens": tokens, "elapsed_s": elapsed + time.time() - t0}, folder / "state.pt")
+        save_torch(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "sched": sched.state_dict(),
+                "rng": rng.bit_generator.state,
+                "torch_rng": torch.get_rng_state(),
+                "step": step,
+                "tokens": tokens,
+                "elapsed_s": elapsed + time.time() - t0,
+            },
+            folder / "state.pt",
+        )
         write_json(folder / "config.json", settings)
         seal(folder)
         mark_latest(folder)
 
     t0 = time.time()
     rec: dict = {}
-    bar = tqdm(range(start, tr.steps), desc=f"pretrain on {cfg.env.id}", mininterval=5,
-               initial=start, total=tr.steps)
+    bar = tqdm(range(start, tr.steps), desc=f"pretrain on {cfg.env.id}", mininterval=5, initial=start, total=tr.steps)
     for step in bar:
         # ---- one step on fresh tasks (sizes grown by the curriculum)
         model.train()
@@ -182,8 +214,14 @@ def main(cfg) -> dict:
         pos = torch.arange(ids.shape[1], device=cfg.device).expand_as(ids)
         extra = {}
         if pc.eviction_dropout > 0:
-            death = eviction_dropout(rng, tasks, ids.shape[1], model.config.num_hidden_layers,
-                                     model.config.num_key_value_heads, pc.eviction_dropout).to(cfg.device)
+            death = eviction_dropout(
+                rng,
+                tasks,
+                ids.shape[1],
+                model.config.num_hidden_layers,
+                model.config.num_key_value_heads,
+                pc.eviction_dropout,
+            ).to(cfg.device)
             extra = {"kvrl_replay": Replay(death, pos)}
         out = model(input_ids=ids, labels=labels, position_ids=pos, **extra)
         loss = out.loss
@@ -197,9 +235,16 @@ def main(cfg) -> dict:
         last = step == tr.steps - 1
         if step % tr.log_every == 0 or last:
             now = elapsed + time.time() - t0
-            rec = {"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0], "frac": min(frac, 1.0),
-                   "cot_acc": cot_accuracy(out.logits.detach(), labels), "tokens": tokens,
-                   "tokens_per_s": tokens / max(now, 1e-9), "elapsed_s": now}
+            rec = {
+                "step": step,
+                "loss": loss.item(),
+                "lr": sched.get_last_lr()[0],
+                "frac": min(frac, 1.0),
+                "cot_acc": cot_accuracy(out.logits.detach(), labels),
+                "tokens": tokens,
+                "tokens_per_s": tokens / max(now, 1e-9),
+                "elapsed_s": now,
+            }
             if step % (tr.log_every * 10) == 0 or last:
                 model.eval()
                 rec["held_out_acc"] = boxed_accuracy(HFEngine(model, tokenizer), held_out, new_tokens)

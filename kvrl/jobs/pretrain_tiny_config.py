@@ -30,11 +30,15 @@ class PretrainConfig:
 def problems(cfg) -> list[str]:
     p = cfg.pretrain
     if (p.hidden // 32) % p.kv_heads:
-        return [f"pretrain.kv_heads={p.kv_heads} must divide the {p.hidden // 32} query heads of "
-                f"pretrain.hidden={p.hidden}; set pretrain.kv_heads to a divisor of {p.hidden // 32}"]
+        return [
+            f"pretrain.kv_heads={p.kv_heads} must divide the {p.hidden // 32} query heads of "
+            f"pretrain.hidden={p.hidden}; set pretrain.kv_heads to a divisor of {p.hidden // 32}"
+        ]
     if p.eviction_dropout > 0 and cfg.env.id != "kvrl/counts-v0":
-        return [f"pretrain.eviction_dropout={p.eviction_dropout} is the counts task's oracle eviction, but "
-                f"env.id={cfg.env.id}; set pretrain.eviction_dropout=0"]
+        return [
+            f"pretrain.eviction_dropout={p.eviction_dropout} is the counts task's oracle eviction, but "
+            f"env.id={cfg.env.id}; set pretrain.eviction_dropout=0"
+        ]
     return []
 
 

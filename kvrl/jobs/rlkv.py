@@ -35,8 +35,10 @@ class RLKVController(Controller):
         plot_rewards(records, self.out / "reward.png", title)
         plot_gates(gates, self.out / "gates.png", title)
         plot_curve(records, self.out / "reward_gates.png", title)
-        print(f"gates -> {files['tsv']}, {files['safetensors']}; plots -> {self.out}/gates.png, reward_gates.png\n"
-              f"gates (rows = layers, columns = KV heads):\n{np.array2string(gates.numpy(), precision=3)}")
+        print(
+            f"gates -> {files['tsv']}, {files['safetensors']}; plots -> {self.out}/gates.png, reward_gates.png\n"
+            f"gates (rows = layers, columns = KV heads):\n{np.array2string(gates.numpy(), precision=3)}"
+        )
 
 
 def plot_gates(gates: torch.Tensor, path, title: str) -> None:

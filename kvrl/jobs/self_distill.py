@@ -39,13 +39,14 @@ def main(cfg) -> dict:
     greedy = Sampling(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, seed=cfg.seed)
     solved, bar = [], tqdm(total=n, desc="self-distillation sampling", unit="task")
     for lo in range(0, n, cfg.sampling.batch_size):
-        batch = tasks[lo:lo + cfg.sampling.batch_size]
+        batch = tasks[lo : lo + cfg.sampling.batch_size]
         out = engine.generate([t.prompt for t in batch], greedy)
         for t, text, toks, why in zip(batch, out.texts, out.tokens, out.finish_reasons):
             reward, _ = env.score(t, text)
             if reward > 0 and why == "stop":
-                solved.append({"id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta,
-                               "output_len": len(toks)})
+                solved.append(
+                    {"id": t.id, "prompt": t.prompt, "answer": t.answer, "meta": t.meta, "output_len": len(toks)}
+                )
         bar.update(len(batch))
         bar.set_postfix(solved=f"{len(solved) / min(lo + len(batch), n):.0%}")
     bar.close()

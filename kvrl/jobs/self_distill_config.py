@@ -19,13 +19,15 @@ class SelfDistillConfig:
     # tasks drawn from the source and decoded (a finite dataset: at most all of it)
     candidates: int = checked(4096, ge=1)
     # output-length bucket edges
-    edges: List[int] = checked([0, 2048, 4096, 6144, 8192],
-                               lambda v: len(v) >= 2 and all(a < b for a, b in zip(v, v[1:])) and v[0] >= 0,
-                               "must be >= 2 increasing token counts (bucket b is edges[b] <= output length < "
-                               "edges[b+1])")
+    edges: List[int] = checked(
+        [0, 2048, 4096, 6144, 8192],
+        lambda v: len(v) >= 2 and all(a < b for a, b in zip(v, v[1:])) and v[0] >= 0,
+        "must be >= 2 increasing token counts (bucket b is edges[b] <= output length < edges[b+1])",
+    )
     # solved tasks kept per bucket
-    counts: List[int] = checked([600, 600, 1000, 800], lambda v: all(c >= 0 for c in v),
-                                "must be task counts >= 0, one per bucket")
+    counts: List[int] = checked(
+        [600, 600, 1000, 800], lambda v: all(c >= 0 for c in v), "must be task counts >= 0, one per bucket"
+    )
 
 
 def problems(cfg) -> list[str]:
@@ -34,8 +36,10 @@ def problems(cfg) -> list[str]:
     sd = cfg.self_distill
     found = env_problems("self_distill.source", sd.source, "self_distill.source_kwargs", sd.source_kwargs)
     if len(sd.counts) != len(sd.edges) - 1:
-        found.append(f"self_distill.counts has {len(sd.counts)} entries for {len(sd.edges) - 1} buckets "
-                     "(self_distill.edges); give one count per bucket")
+        found.append(
+            f"self_distill.counts has {len(sd.counts)} entries for {len(sd.edges) - 1} buckets "
+            "(self_distill.edges); give one count per bucket"
+        )
     return found
 
 

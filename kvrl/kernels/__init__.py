@@ -19,12 +19,32 @@ The names below are what the rest of kvrl calls: the dispatched ops, and the ref
 that have no other implementation.
 """
 
-from kvrl.kernels.dispatch import (attention_received, flash_compact, key_redundancy, key_redundancy_update,
-                                   paged_compact_, paged_read, pool_slots)
+from kvrl.kernels.dispatch import (
+    attention_received,
+    flash_compact,
+    key_redundancy,
+    key_redundancy_update,
+    paged_compact_,
+    paged_read,
+    pool_slots,
+)
 from kvrl.kernels.reference import NEVER
 from kvrl.kernels.reference.paged import flash_read, flash_write, views
 from kvrl.kernels.reference.scores import RETAIN_DIRECTIONS, gather_slots, window_attention
 
-__all__ = ["NEVER", "RETAIN_DIRECTIONS", "attention_received", "flash_compact", "flash_read", "flash_write",
-           "gather_slots", "key_redundancy", "key_redundancy_update", "paged_compact_", "paged_read", "pool_slots",
-           "views", "window_attention"]
+__all__ = [
+    "NEVER",
+    "RETAIN_DIRECTIONS",
+    "attention_received",
+    "flash_compact",
+    "flash_read",
+    "flash_write",
+    "gather_slots",
+    "key_redundancy",
+    "key_redundancy_update",
+    "paged_compact_",
+    "paged_read",
+    "pool_slots",
+    "views",
+    "window_attention",
+]

@@ -65,8 +65,9 @@ def key_redundancy(keys: Tensor, valid: Tensor, *args, **options) -> Tensor:
     return pick(KEY_REDUNDANCY, keys)(keys, valid, *args, **options)
 
 
-def key_redundancy_update(keys: Tensor, key_pos: Tensor, previous_pick: Tensor, *args,
-                          **options) -> tuple[Tensor, Tensor]:
+def key_redundancy_update(
+    keys: Tensor, key_pos: Tensor, previous_pick: Tensor, *args, **options
+) -> tuple[Tensor, Tensor]:
     """:func:`kvrl.kernels.reference.scores.key_redundancy_update`."""
     return pick(KEY_REDUNDANCY_UPDATE, keys)(keys, key_pos, previous_pick, *args, **options)
 

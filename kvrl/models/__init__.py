@@ -10,8 +10,10 @@ from pathlib import Path
 from kvrl.runlog import SUMS, damage
 
 WEIGHTS = Path(__file__).parent / "weights"
-SHIPPED = {"tiny": (WEIGHTS / "tiny_reasoner", "tiny_pretrain"),
-           "tiny-multihop": (WEIGHTS / "tiny_multihop", "tiny_multihop_pretrain")}
+SHIPPED = {
+    "tiny": (WEIGHTS / "tiny_reasoner", "tiny_pretrain"),
+    "tiny-multihop": (WEIGHTS / "tiny_multihop", "tiny_multihop_pretrain"),
+}
 
 
 def seal_problem(path: str) -> str | None:
@@ -22,15 +24,25 @@ def seal_problem(path: str) -> str | None:
     if path in SHIPPED:
         folder, recipe = SHIPPED[path]
         why = damage(folder)
-        return None if why is None else (
-            f"the shipped {path} reasoner is damaged: {why}; restore it: reinstall kvrl (`pip install "
-            f"--force-reinstall --no-deps kvrl`), or `git checkout -- {folder}` in a clone, or retrain it with "
-            f"`python -m kvrl.run recipe={recipe}` and copy its output_dir/model over {folder}")
+        return (
+            None
+            if why is None
+            else (
+                f"the shipped {path} reasoner is damaged: {why}; restore it: reinstall kvrl (`pip install "
+                f"--force-reinstall --no-deps kvrl`), or `git checkout -- {folder}` in a clone, or retrain it with "
+                f"`python -m kvrl.run recipe={recipe}` and copy its output_dir/model over {folder}"
+            )
+        )
     folder = Path(path).expanduser()
     if not ((folder / "config.json").is_file() and (folder / SUMS).is_file()):
         return None
     why = damage(folder)
-    return None if why is None else (
-        f"model.path={path} is damaged: {why}; copy the folder again from where it came (a run's model/, a "
-        f"checkpoint's), or point model.path at an intact one; a folder changed on purpose is sealed anew with "
-        f"python -c \"from kvrl.runlog import seal; seal('{folder}')\"")
+    return (
+        None
+        if why is None
+        else (
+            f"model.path={path} is damaged: {why}; copy the folder again from where it came (a run's model/, a "
+            f"checkpoint's), or point model.path at an intact one; a folder changed on purpose is sealed anew with "
+            f"python -c \"from kvrl.runlog import seal; seal('{folder}')\""
+        )
+    )

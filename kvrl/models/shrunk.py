@@ -49,13 +49,19 @@ QWEN3_TURNS = """\
 {%- endif %}
 {%- endfor %}
 """
-QWEN3_TEMPLATE = QWEN3_TURNS + """\
+QWEN3_TEMPLATE = (
+    QWEN3_TURNS
+    + """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
 {%- endif %}"""
+)
 # Qwen3-Thinking-2507 always thinks: its generation prompt opens the think block.
-QWEN3_THINKING_TEMPLATE = QWEN3_TURNS + """\
+QWEN3_THINKING_TEMPLATE = (
+    QWEN3_TURNS
+    + """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"""
+)
 
 R1_TEMPLATE = """\
 {%- set ns = namespace(system='') %}
@@ -79,8 +85,13 @@ LLAMA3_TEMPLATE = """\
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
 
 BOS_R1, EOS_R1 = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass(frozen=True)
@@ -102,37 +113,84 @@ QWEN3_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0
 R1_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}
 
 FAMILIES = {
-    "qwen3": Family("Qwen/Qwen3-4B", "qwen", QWEN3_ADDED, eos="<|im_end|>", pad="<|endoftext|>",
-                    stops=("<|im_end|>", "<|endoftext|>"), template=QWEN3_TEMPLATE,
-                    rope={"rope_theta": 1_000_000.0}, sampling=QWEN3_SAMPLING),
-    "qwen3-thinking": Family("Qwen/Qwen3-4B-Thinking-2507", "qwen", QWEN3_ADDED, eos="<|im_end|>",
-                             pad="<|endoftext|>", stops=("<|im_end|>", "<|endoftext|>"),
-                             template=QWEN3_THINKING_TEMPLATE, rope={"rope_theta": 5_000_000.0},
-                             sampling=QWEN3_SAMPLING),
+    "qwen3": Family(
+        "Qwen/Qwen3-4B",
+        "qwen",
+        QWEN3_ADDED,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        stops=("<|im_end|>", "<|endoftext|>"),
+        template=QWEN3_TEMPLATE,
+        rope={"rope_theta": 1_000_000.0},
+        sampling=QWEN3_SAMPLING,
+    ),
+    "qwen3-thinking": Family(
+        "Qwen/Qwen3-4B-Thinking-2507",
+        "qwen",
+        QWEN3_ADDED,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        stops=("<|im_end|>", "<|endoftext|>"),
+        template=QWEN3_THINKING_TEMPLATE,
+        rope={"rope_theta": 5_000_000.0},
+        sampling=QWEN3_SAMPLING,
+    ),
     # R1-Distill keeps its base model's vocabulary with renamed specials; pad is eos, as on the hub
-    "r1-qwen": Family("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", "qwen",
-                      (EOS_R1, "<｜User｜>", "<｜Assistant｜>", BOS_R1, *THINK), eos=EOS_R1, pad=EOS_R1,
-                      stops=(EOS_R1,), template=R1_TEMPLATE, rope={"rope_theta": 10_000.0}, bos=BOS_R1,
-                      sampling=R1_SAMPLING),
+    "r1-qwen": Family(
+        "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+        "qwen",
+        (EOS_R1, "<｜User｜>", "<｜Assistant｜>", BOS_R1, *THINK),
+        eos=EOS_R1,
+        pad=EOS_R1,
+        stops=(EOS_R1,),
+        template=R1_TEMPLATE,
+        rope={"rope_theta": 10_000.0},
+        bos=BOS_R1,
+        sampling=R1_SAMPLING,
+    ),
     # <|eot_id|> survives from Llama-3.1's vocabulary; listing it as a second stop exercises
     # multi-stop outside Qwen (the hub generation_config stops on end-of-sentence alone)
-    "r1-llama": Family("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "llama3",
-                       (BOS_R1, EOS_R1, "<|eot_id|>", "<｜User｜>", "<｜Assistant｜>", *THINK), eos=EOS_R1,
-                       pad=EOS_R1, stops=(EOS_R1, "<|eot_id|>"), template=R1_TEMPLATE,
-                       rope={"rope_theta": 500_000.0, "rope_scaling": LLAMA3_ROPE}, bos=BOS_R1,
-                       sampling=R1_SAMPLING),
+    "r1-llama": Family(
+        "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+        "llama3",
+        (BOS_R1, EOS_R1, "<|eot_id|>", "<｜User｜>", "<｜Assistant｜>", *THINK),
+        eos=EOS_R1,
+        pad=EOS_R1,
+        stops=(EOS_R1, "<|eot_id|>"),
+        template=R1_TEMPLATE,
+        rope={"rope_theta": 500_000.0, "rope_scaling": LLAMA3_ROPE},
+        bos=BOS_R1,
+        sampling=R1_SAMPLING,
+    ),
     # Llama-3.1-8B-Instruct's tokens and template (R1-Distill-Llama-8B is a fine-tuned Llama-3.1-8B)
-    "llama3": Family("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "llama3",
-                     ("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
-                      "<|end_header_id|>", "<|eot_id|>"), eos="<|eot_id|>", pad="<|finetune_right_pad_id|>",
-                     stops=("<|end_of_text|>", "<|eot_id|>"), template=LLAMA3_TEMPLATE,
-                     rope={"rope_theta": 500_000.0, "rope_scaling": LLAMA3_ROPE}, bos="<|begin_of_text|>",
-                     sampling={"do_sample": True, "temperature": 0.6, "top_p": 0.9}),
+    "llama3": Family(
+        "deepseek-ai/DeepSeek-R1-Distill-Llama-8B",
+        "llama3",
+        (
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|finetune_right_pad_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ),
+        eos="<|eot_id|>",
+        pad="<|finetune_right_pad_id|>",
+        stops=("<|end_of_text|>", "<|eot_id|>"),
+        template=LLAMA3_TEMPLATE,
+        rope={"rope_theta": 500_000.0, "rope_scaling": LLAMA3_ROPE},
+        bos="<|begin_of_text|>",
+        sampling={"do_sample": True, "temperature": 0.6, "top_p": 0.9},
+    ),
 }
 
-HUB_IDS = {"Qwen/Qwen3-4B": "qwen3", "Qwen/Qwen3-1.7B": "qwen3", "Qwen/Qwen3-4B-Thinking-2507": "qwen3-thinking",
-           "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "r1-qwen",
-           "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": "r1-llama"}
+HUB_IDS = {
+    "Qwen/Qwen3-4B": "qwen3",
+    "Qwen/Qwen3-1.7B": "qwen3",
+    "Qwen/Qwen3-4B-Thinking-2507": "qwen3-thinking",
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "r1-qwen",
+    "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": "r1-llama",
+}
 
 # ---- the tokenizer ----
 
@@ -167,16 +225,26 @@ user assistant system"""
 
 TEMPLATES = [
     "{A} has {a} {n}. {B} gives {A} {b} more. How many {n} does {A} have now?",
-    "{a} + {b} = {s}", "{a} - {b} = {d}", "{a} * {b} = {p}", "{a} \\times {b} = {p}",
+    "{a} + {b} = {s}",
+    "{a} - {b} = {d}",
+    "{a} * {b} = {p}",
+    "{a} \\times {b} = {p}",
     "So {a} + {b} = {s}, and the answer is \\boxed{{{s}}}.",
-    "The answer is {s}.", "The answer is \\boxed{{{p}}}", "Therefore, the final answer is $\\boxed{{{d}}}$.",
+    "The answer is {s}.",
+    "The answer is \\boxed{{{p}}}",
+    "Therefore, the final answer is $\\boxed{{{d}}}$.",
     "Let me think step by step. First, {a} times {b} is {p}. Then we add {c} to get {q}.",
     "Wait, let me check that again: {p} + {c} = {q}. Yes, that is correct.",
     "Okay, so we need to find the total number of {n}. {A} bought {a} and {B} bought {b}.",
     "Hmm, maybe I should verify: {s} - {b} = {a}. Right.",
-    "If x + {a} = {s}, then x = {b}.", "Solve for y: {a}y = {p}. So y = {b}.",
-    "$\\frac{{{p}}}{{{a}}} = {b}$", "The sum of {a}, {b} and {c} is {t}.",
-    "What is {a} + {b}? Answer: {s}", "Let me think.\n\n{a} + {b} = {s}\n\nThe answer is {s}.\n\n", "system\nYou are a helpful assistant.\nuser\nWhat is {a} + {b}?\nassistant\n", "Question: {A} had {s} {n} and gave away {b}. How many are left?",
+    "If x + {a} = {s}, then x = {b}.",
+    "Solve for y: {a}y = {p}. So y = {b}.",
+    "$\\frac{{{p}}}{{{a}}} = {b}$",
+    "The sum of {a}, {b} and {c} is {t}.",
+    "What is {a} + {b}? Answer: {s}",
+    "Let me think.\n\n{a} + {b} = {s}\n\nThe answer is {s}.\n\n",
+    "system\nYou are a helpful assistant.\nuser\nWhat is {a} + {b}?\nassistant\n",
+    "Question: {A} had {s} {n} and gave away {b}. How many are left?",
 ]
 
 
@@ -189,8 +257,18 @@ def _corpus(n: int = 2000, seed: int = 0):
     for _ in range(n):
         a, b, c = rng.randint(0, 999), rng.randint(1, 99), rng.randint(0, 50)
         yield rng.choice(TEMPLATES).format(
-            A=rng.choice(names), B=rng.choice(names), n=rng.choice(nouns), a=a, b=b, c=c, s=a + b, d=a - b,
-            p=a * b, q=a * b + c, t=a + b + c)
+            A=rng.choice(names),
+            B=rng.choice(names),
+            n=rng.choice(nouns),
+            a=a,
+            b=b,
+            c=c,
+            s=a + b,
+            d=a - b,
+            p=a * b,
+            q=a * b + c,
+            t=a + b + c,
+        )
         sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
         yield sentence.capitalize() + rng.choice([".", "?", "!", ",", ":", "\n"])
 
@@ -201,12 +279,16 @@ def _bpe(split: str) -> str:
     tok = Tokenizer(models.BPE())
     if split == "qwen":
         tok.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLITS[split]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(_corpus(), trainer)
     return tok.to_str()
 
@@ -218,12 +300,20 @@ def build_tokenizer(family: Family, max_positions: int = 4096) -> PreTrainedToke
         special = content not in THINK
         tok.add_tokens([AddedToken(content, special=special, normalized=False)])
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=family.bos, eos_token=family.eos, pad_token=family.pad,
-        add_bos_token=family.bos is not None, padding_side="left", chat_template=family.template,
-        model_max_length=max_positions, clean_up_tokenization_spaces=False)
+        tokenizer_object=tok,
+        bos_token=family.bos,
+        eos_token=family.eos,
+        pad_token=family.pad,
+        add_bos_token=family.bos is not None,
+        padding_side="left",
+        chat_template=family.template,
+        model_max_length=max_positions,
+        clean_up_tokenization_spaces=False,
+    )
 
 
 # ---- the model ----
+
 
 def resolve(arch: str) -> Family:
     """A family name or an architectures.json hub id -> its Family."""
@@ -234,9 +324,21 @@ def resolve(arch: str) -> Family:
     return FAMILIES[name]
 
 
-def build(arch: str, out_dir, *, layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-          intermediate: int = 256, max_positions: int = 4096, seed: int = 0, dtype: str = "float32",
-          head_dim: int | None = None, tied: bool | None = None) -> Path:
+def build(
+    arch: str,
+    out_dir,
+    *,
+    layers: int = 2,
+    hidden: int = 128,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 256,
+    max_positions: int = 4096,
+    seed: int = 0,
+    dtype: str = "float32",
+    head_dim: int | None = None,
+    tied: bool | None = None,
+) -> Path:
     """Write a shrunk ``arch`` (a family name or a hub id, see ``FAMILIES``/``HUB_IDS``) to
     ``out_dir``; returns its path. head_dim: default hidden / heads (32 by default: vLLM's
     CPU attention takes 32/64/128); another value is written to config.json even for a
@@ -254,16 +356,27 @@ def build(arch: str, out_dir, *, layers: int = 2, hidden: int = 128, heads: int 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in family.added}
     bos = ids[family.bos] if family.bos else None
     config = AutoConfig.for_model(
-        hub["model_type"], vocab_size=-(-len(tokenizer) // 64) * 64,  # padded embedding, as on the hub
-        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim or hidden // heads,
+        hub["model_type"],
+        vocab_size=-(-len(tokenizer) // 64) * 64,  # padded embedding, as on the hub
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=hub["tie_word_embeddings"] if tied is None else tied,
-        rope_parameters={"rope_type": "default", **family.rope.get("rope_scaling", {}),
-                         "rope_theta": family.rope["rope_theta"]},
+        rope_parameters={
+            "rope_type": "default",
+            **family.rope.get("rope_scaling", {}),
+            "rope_theta": family.rope["rope_theta"],
+        },
         initializer_range=0.05,  # peakier attention than 0.02: scores further from ties
         rms_norm_eps=1e-5 if hub["model_type"] == "llama" else 1e-6,
-        bos_token_id=bos, eos_token_id=ids[family.eos], pad_token_id=ids[family.pad])
+        bos_token_id=bos,
+        eos_token_id=ids[family.eos],
+        pad_token_id=ids[family.pad],
+    )
     with torch.random.fork_rng(devices=[]):  # deterministic without touching the caller's RNG
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -273,9 +386,11 @@ def build(arch: str, out_dir, *, layers: int = 2, hidden: int = 128, heads: int 
                     p.normal_(0.0, 0.2)
     model.to(getattr(torch, dtype)).save_pretrained(out)
     GenerationConfig(  # replaces the one save_pretrained derived from the config
-        bos_token_id=bos if bos is not None else ids[family.pad], pad_token_id=ids[family.pad],
+        bos_token_id=bos if bos is not None else ids[family.pad],
+        pad_token_id=ids[family.pad],
         eos_token_id=[ids[t] for t in family.stops] if len(family.stops) > 1 else ids[family.stops[0]],
-        **family.sampling).save_pretrained(out)
+        **family.sampling,
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out, save_jinja_files=False)  # template inside tokenizer_config.json, as the hub's
     _hub_style_config(out / "config.json", family, hub)
     return out

@@ -32,24 +32,50 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<pad>", padding_side="left")
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<pad>",
+        padding_side="left",
+    )
 
 
-def tiny_config(tokenizer: PreTrainedTokenizerFast, *, layers: int = 4, hidden: int = 128, kv_heads: int = 2,
-                intermediate: int = 384, max_positions: int = 1024) -> LlamaConfig:
+def tiny_config(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    layers: int = 4,
+    hidden: int = 128,
+    kv_heads: int = 2,
+    intermediate: int = 384,
+    max_positions: int = 1024,
+) -> LlamaConfig:
     """A tiny Llama with query heads of size 32 (a head size vLLM's CPU kernels support) and
     tied embeddings. The defaults are the shipped counts reasoner's (tiny_reasoner.md's
     attempt 4): hidden 128, 4 query / 2 KV heads, 4 layers."""
     if hidden % 32 or (hidden // 32) % kv_heads:
-        raise ValueError(f"hidden={hidden} must be a multiple of 32 whose {hidden // 32} query heads of size 32 "
-                         f"split into kv_heads={kv_heads} groups")
+        raise ValueError(
+            f"hidden={hidden} must be a multiple of 32 whose {hidden // 32} query heads of size 32 "
+            f"split into kv_heads={kv_heads} groups"
+        )
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=hidden // 32, num_key_value_heads=kv_heads, head_dim=32,
-        max_position_embeddings=max_positions, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        max_position_embeddings=max_positions,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
 
 @functools.cache
@@ -67,7 +93,8 @@ def resolve_path(path: str) -> str:
         if not (folder / "config.json").exists():
             raise FileNotFoundError(
                 f"the {path} reasoner's weights are missing from {folder}; reinstall kvrl, or "
-                f"train them with `python -m kvrl.run recipe={recipe}`")
+                f"train them with `python -m kvrl.run recipe={recipe}`"
+            )
     why = seal_problem(path)  # a shipped or sealed folder is checked against its checksums before it loads
     if why is not None:
         raise ValueError(why)
@@ -82,11 +109,11 @@ def resolve_path(path: str) -> str:
     return path
 
 
-def load_model(path: str = "tiny", dtype: str = "float32", device: str = "cpu",
-               attn_implementation: str = "sdpa"):
+def load_model(path: str = "tiny", dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
     """(model in eval mode, tokenizer with left padding) from a local path or "tiny"."""
     path = resolve_path(path)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation)
+        path, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+    )
     return model.to(device).eval(), tokenizer

@@ -16,8 +16,7 @@ What the cache does in an engine call is one of four regimes (:mod:`kvrl.policie
 
 import importlib
 
-from kvrl.policies.base import (KVPolicy, Observation, Selection, geometry, plackett_luce_logprob,
-                                should_evict)
+from kvrl.policies.base import KVPolicy, Observation, Selection, geometry, plackett_luce_logprob, should_evict
 from kvrl.policies.gkv import GKV
 from kvrl.policies.h2o import H2O
 from kvrl.policies.heads import HeadAllocation, Window
@@ -27,8 +26,7 @@ from kvrl.policies.rkv import RKV
 from kvrl.policies.snapkv import SnapKV
 from kvrl.policies.streaming import StreamingLLM
 
-POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "rkv": RKV, "gkv": GKV,
-            "learned": LearnedScorer}
+POLICIES = {"streaming": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "rkv": RKV, "gkv": GKV, "learned": LearnedScorer}
 # the zoo's policies that need no trained artefact (every list of "the rule-based policies" derives from it)
 RULE_BASED = tuple(name for name, cls in POLICIES.items() if cls is not LearnedScorer)
 
@@ -57,7 +55,32 @@ def make_policy(name: str, model_config=None, **kwargs) -> KVPolicy:
     return cls(**kwargs)
 
 
-__all__ = ["GKV", "H2O", "POLICIES", "REGIMES", "RKV", "RULE_BASED", "Evicting", "Full", "HeadAllocation", "KVPolicy",
-           "LearnedScorer", "Mixed", "Observation", "Regime", "ScorerMLP", "Selection", "SnapKV", "Static",
-           "StreamingLLM", "Window", "as_regime", "checksum", "geometry", "make_policy", "plackett_luce_logprob",
-           "policy_class", "should_evict"]
+__all__ = [
+    "GKV",
+    "H2O",
+    "POLICIES",
+    "REGIMES",
+    "RKV",
+    "RULE_BASED",
+    "Evicting",
+    "Full",
+    "HeadAllocation",
+    "KVPolicy",
+    "LearnedScorer",
+    "Mixed",
+    "Observation",
+    "Regime",
+    "ScorerMLP",
+    "Selection",
+    "SnapKV",
+    "Static",
+    "StreamingLLM",
+    "Window",
+    "as_regime",
+    "checksum",
+    "geometry",
+    "make_policy",
+    "plackett_luce_logprob",
+    "policy_class",
+    "should_evict",
+]

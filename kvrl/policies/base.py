@@ -105,12 +105,17 @@ def geometry(config) -> dict[str, int]:
     configs carry no ``head_dim``: it is then ``hidden_size // num_attention_heads``, as
     in their attention modules."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
-            "group": config.num_attention_heads // config.num_key_value_heads, "head_dim": head_dim}
+    return {
+        "layers": config.num_hidden_layers,
+        "kv_heads": config.num_key_value_heads,
+        "group": config.num_attention_heads // config.num_key_value_heads,
+        "head_dim": head_dim,
+    }
 
 
-def should_evict(generated: int | Tensor, cache_len: int | Tensor, policy: KVPolicy,
-                 length: int | Tensor) -> bool | Tensor:
+def should_evict(
+    generated: int | Tensor, cache_len: int | Tensor, policy: KVPolicy, length: int | Tensor
+) -> bool | Tensor:
     """Whether the engine evicts after the forward that just wrote to the cache, which
     brought the sequence to true length ``length`` (prompt + generated tokens written);
     int64 tensors [R] of rows give a bool tensor [R].
@@ -224,10 +229,13 @@ class KVPolicy:
         if self.budget < self.window + self.sink + 1:
             raise ValueError(
                 f"budget={self.budget}: must be ≥ window + sink + 1 = {self.window + self.sink + 1} "
-                f"so that at least one slot is chosen by score; raise budget or lower window/sink")
+                f"so that at least one slot is chosen by score; raise budget or lower window/sink"
+            )
         if self.budget_ratio is not None and not 0 < self.budget_ratio <= 1:
-            raise ValueError(f"budget_ratio={self.budget_ratio}: must be in (0, 1] (the fraction of the tokens seen "
-                             "that an eviction keeps), or None for the fixed budget")
+            raise ValueError(
+                f"budget_ratio={self.budget_ratio}: must be in (0, 1] (the fraction of the tokens seen "
+                "that an eviction keeps), or None for the fixed budget"
+            )
 
     def budget_at(self, length: int | Tensor) -> int | Tensor:
         """Entries per KV head an eviction at true length ``length`` keeps (an int, or a
@@ -275,8 +283,9 @@ class KVPolicy:
             return obs.state
         return obs.key_pos.new_full((*obs.key_pos.shape, self.state_size), float("nan"), dtype=torch.float32)
 
-    def select(self, obs: Observation, scores: Tensor, *, sample: bool = False,
-               generator: torch.Generator | list | None = None) -> Selection:
+    def select(
+        self, obs: Observation, scores: Tensor, *, sample: bool = False, generator: torch.Generator | list | None = None
+    ) -> Selection:
         """Choose ``count[b] = min(budget_at(L_b), N)`` slots per (batch row b, KV head),
         L_b = the row's newest cached position + 1 (the eviction follows the write of the
         newest token, which the window always keeps); K = the largest count.

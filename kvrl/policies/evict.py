@@ -44,23 +44,40 @@ class Eviction:
     logprob: Tensor | None = None
 
     @classmethod
-    def of(cls, keep: Tensor, count: Tensor | None, key_pos: Tensor, state: Tensor | None = None,
-           logprob: Tensor | None = None) -> "Eviction":
+    def of(
+        cls,
+        keep: Tensor,
+        count: Tensor | None,
+        key_pos: Tensor,
+        state: Tensor | None = None,
+        logprob: Tensor | None = None,
+    ) -> "Eviction":
         """The eviction that keeps ``keep`` (``count`` per row, None = all) of slots at
         positions ``key_pos`` [R, H, N] (−1 = empty): also an action chosen outside a policy
         (ForesightKV's MDP, Golden Eviction)."""
         if count is not None and bool((count == keep.shape[-1]).all()):
             count = None  # the common case spares itself the masks
-        mine = None if count is None else (torch.arange(keep.shape[-1], device=keep.device)
-                                           < count.to(keep.device)[:, None, None]).expand_as(keep)
+        mine = (
+            None
+            if count is None
+            else (torch.arange(keep.shape[-1], device=keep.device) < count.to(keep.device)[:, None, None]).expand_as(
+                keep
+            )
+        )
         kept = torch.zeros(key_pos.shape, dtype=torch.bool, device=keep.device)
         kept.scatter_(-1, keep, True if mine is None else mine)
         dead = (~kept & (key_pos >= 0)).nonzero(as_tuple=True)
         return cls(keep, count, mine, dead, state, logprob)
 
 
-def evict(policy: KVPolicy, obs: Observation, *, sample: bool = False,
-          generator: torch.Generator | list | None = None, score_rows: int = 0) -> Eviction:
+def evict(
+    policy: KVPolicy,
+    obs: Observation,
+    *,
+    sample: bool = False,
+    generator: torch.Generator | list | None = None,
+    score_rows: int = 0,
+) -> Eviction:
     """Score every row of ``obs``, select what each keeps (drawn when ``sample``), and find
     what dies. ``score_rows`` > 0 scores that many rows at a time (rows are independent, so
     the scores are the same; the vLLM worker keeps each group's temporaries in the CPU's
@@ -69,9 +86,12 @@ def evict(policy: KVPolicy, obs: Observation, *, sample: bool = False,
         scores, state = policy.score(obs)
     else:
         fields = (obs.keys, obs.values, obs.queries, obs.key_pos, obs.query_pos, obs.state)
-        parts = [policy.score(Observation(*(x if x is None else x[i:i + score_rows] for x in fields),
-                                          obs.layer, obs.scaling))
-                 for i in range(0, obs.key_pos.shape[0], score_rows)]
+        parts = [
+            policy.score(
+                Observation(*(x if x is None else x[i : i + score_rows] for x in fields), obs.layer, obs.scaling)
+            )
+            for i in range(0, obs.key_pos.shape[0], score_rows)
+        ]
         scores = torch.cat([p[0] for p in parts])
         state = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
     sel = policy.select(obs, scores, sample=sample, generator=generator)

@@ -109,8 +109,9 @@ class GKV(KVPolicy):
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, S]: F (NaN outside the candidates), the picks."""
-        attn = attention_received(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
-                                  gqa="max", order="softmax_then_pool")
+        attn = attention_received(
+            obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling, gqa="max", order="softmax_then_pool"
+        )
         valid = obs.key_pos >= 0
         candidates = valid & ~self.always_kept(obs.key_pos)
         tiny = torch.finfo(torch.float32).tiny  # guards a head whose candidates all have 0

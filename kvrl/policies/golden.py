@@ -84,8 +84,18 @@ class FullAttention:
         self.lse[layer], self.scaling[layer] = lse.to(dev), float(scaling)
 
 
-def golden_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0,
-                     kvrl_golden: FullAttention | None = None, **kwargs):
+def golden_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    scaling,
+    dropout=0.0,
+    kvrl_golden: FullAttention | None = None,
+    **kwargs,
+):
     """transformers attention function ``"kvrl_golden"``: causal full attention of one
     sequence, ``kvrl_golden.chunk`` queries at a time (no T×T tensor), recording the
     post-RoPE queries, keys and per-query log-sum-exp in ``kvrl_golden``.
@@ -98,8 +108,10 @@ def golden_attention(module, query, key, value, attention_mask, *, scaling, drop
     B, Hq, T, D = query.shape
     H = key.shape[1]
     if B != 1 or key.shape[2] != T:
-        raise ValueError(f"Golden Eviction records one full-sequence forward (batch 1, no cache); got queries "
-                         f"{tuple(query.shape)}, keys {tuple(key.shape)}")
+        raise ValueError(
+            f"Golden Eviction records one full-sequence forward (batch 1, no cache); got queries "
+            f"{tuple(query.shape)}, keys {tuple(key.shape)}"
+        )
     g, dt = Hq // H, _math_dtype(query.dtype)
     q, k, v = query[0].reshape(H, g, T, D), key[0], value[0]
     out = torch.empty(H, g, T, value.shape[-1], dtype=query.dtype, device=query.device)
@@ -120,8 +132,9 @@ def golden_attention(module, query, key, value, attention_mask, *, scaling, drop
 
 
 @torch.no_grad()
-def record_attention(model, ids: Tensor, prompt_len: int, interval: int, *, chunk: int = 256,
-                     device=None) -> FullAttention:
+def record_attention(
+    model, ids: Tensor, prompt_len: int, interval: int, *, chunk: int = 256, device=None
+) -> FullAttention:
     """One full-cache forward of the transformer body over one trace ids [T], recording
     what :class:`GoldenEviction` needs (:class:`FullAttention`), kept on ``device`` (default
     the model's). ``chunk``: queries per attention step of the forward (transient memory
@@ -130,8 +143,11 @@ def record_attention(model, ids: Tensor, prompt_len: int, interval: int, *, chun
 
     AttentionInterface.register("kvrl_golden", golden_attention)
     T = ids.shape[-1]
-    rec = FullAttention(ends=block_bounds(T, prompt_len, interval), chunk=chunk,
-                        device=torch.device(device) if device is not None else None)
+    rec = FullAttention(
+        ends=block_bounds(T, prompt_len, interval),
+        chunk=chunk,
+        device=torch.device(device) if device is not None else None,
+    )
     previous = model.config._attn_implementation
     model.set_attn_implementation("kvrl_golden")
     try:  # the body only: the LM head's [T, V] logits are not needed
@@ -139,8 +155,10 @@ def record_attention(model, ids: Tensor, prompt_len: int, interval: int, *, chun
     finally:
         model.set_attn_implementation(previous)
     if len(rec.queries) != model.config.num_hidden_layers or any(x is None for x in rec.queries):
-        raise ValueError("the forward did not record every layer's attention (a layer that is not "
-                         "transformers attention-interface attention?)")
+        raise ValueError(
+            "the forward did not record every layer's attention (a layer that is not "
+            "transformers attention-interface attention?)"
+        )
     return rec
 
 
@@ -170,13 +188,14 @@ def future_attention(att: FullAttention, layer: int, key_pos: Tensor, end: int, 
         first = bisect_right(att.ends, q0)  # block of query q0 (host-side: no device sync)
         m = bisect_right(att.ends, q1 - 1) - first + 1
         sums = torch.zeros(H, m, pos.shape[-1], dtype=a.dtype, device=dev).index_add_(
-            1, block_of[q0:q1] - first, a.sum(1))
+            1, block_of[q0:q1] - first, a.sum(1)
+        )
         del a
         if carry is not None:
             sums[:, 0] += carry
         complete = m if q1 in ends else m - 1  # the last block goes on in the next chunk unless q1 ends it
         if complete:
-            mean = sums[:, :complete] / (g * counts[first:first + complete].to(sums.dtype))[None, :, None]
+            mean = sums[:, :complete] / (g * counts[first : first + complete].to(sums.dtype))[None, :, None]
             best = torch.maximum(best, mean.amax(1))
         carry = sums[:, -1] if complete < m else None
     return best

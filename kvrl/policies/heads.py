@@ -53,8 +53,10 @@ class HeadAllocation:
     def __post_init__(self):
         self.gates = torch.as_tensor(self.gates)
         if tuple(self.gates.shape) != (self.layers, self.kv_heads):
-            raise ValueError(f"gates has shape {tuple(self.gates.shape)}, expected (layers, kv_heads) = "
-                             f"{(self.layers, self.kv_heads)}: pass one gate per (layer, KV head)")
+            raise ValueError(
+                f"gates has shape {tuple(self.gates.shape)}, expected (layers, kv_heads) = "
+                f"{(self.layers, self.kv_heads)}: pass one gate per (layer, KV head)"
+            )
         if not 0.0 <= self.sparsity <= 1.0:
             raise ValueError(f"sparsity={self.sparsity}: must be in [0, 1] (fraction of heads compressed)")
         if self.sink < 0:
@@ -109,8 +111,9 @@ class Window:
     @classmethod
     def of(cls, model_config, sink: int, recent: int) -> Window:
         """The window for every head of a transformers ``model_config``."""
-        return cls(sink=sink, recent=recent, layers=model_config.num_hidden_layers,
-                   kv_heads=model_config.num_key_value_heads)
+        return cls(
+            sink=sink, recent=recent, layers=model_config.num_hidden_layers, kv_heads=model_config.num_key_value_heads
+        )
 
     def death(self, length: int) -> Tensor:
         """Int32 [layers, kv_heads, length] (:func:`sink_recent_death` on every head)."""
@@ -147,8 +150,11 @@ def export_gates(gates: Tensor, out: str | Path, *, sink: int, recent: int) -> d
     tsv = out / "gates.tsv"
     np.savetxt(tsv, gates.numpy(), delimiter="\t", fmt="%.6f")
     st = out / GATES_FILE
-    save_file({"gates": gates.contiguous(), "ranking": ranking(gates).contiguous()}, str(st),
-              metadata={"method": "rlkv", "train_sink": str(sink), "train_recent": str(recent)})
+    save_file(
+        {"gates": gates.contiguous(), "ranking": ranking(gates).contiguous()},
+        str(st),
+        metadata={"method": "rlkv", "train_sink": str(sink), "train_recent": str(recent)},
+    )
     return {"tsv": tsv, "safetensors": st}
 
 
@@ -159,14 +165,18 @@ def load_gates(path: str | Path) -> Tensor:
     if path.is_dir():
         path = path / GATES_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no RLKV gates at {path}: point eval.settings.NAME.run at an rlkv run's "
-                                f"output_dir, or its {GATES_FILE} / gates.tsv (python -m kvrl.run recipe=tiny_rlkv writes them)")
+        raise FileNotFoundError(
+            f"no RLKV gates at {path}: point eval.settings.NAME.run at an rlkv run's "
+            f"output_dir, or its {GATES_FILE} / gates.tsv (python -m kvrl.run recipe=tiny_rlkv writes them)"
+        )
     # a folder sealed by a SHA256SUMS (the shipped tiny_artefacts) vouches for its files: a flipped bit is refused
     why = damage(path.parent, only=path.name) if (path.parent / SUMS).is_file() else None
     if why is not None:
-        raise ValueError(f"the RLKV gates {path} are damaged: {why}; restore the file (shipped with kvrl: reinstall "
-                         f"kvrl, or `git checkout -- {path}` in a clone) or regenerate it with the run that wrote it "
-                         "(python -m kvrl.run recipe=tiny_rlkv writes gates.safetensors)")
+        raise ValueError(
+            f"the RLKV gates {path} are damaged: {why}; restore the file (shipped with kvrl: reinstall "
+            f"kvrl, or `git checkout -- {path}` in a clone) or regenerate it with the run that wrote it "
+            "(python -m kvrl.run recipe=tiny_rlkv writes gates.safetensors)"
+        )
     if path.suffix == ".tsv":
         gates = torch.from_numpy(np.loadtxt(path, delimiter="\t", ndmin=2)).float()
     else:
@@ -175,22 +185,33 @@ def load_gates(path: str | Path) -> Tensor:
         gates = load_file(str(path))["gates"]
     bad = int((~torch.isfinite(gates)).sum())
     if bad:  # NaN gates sort anywhere: the heads compressed would be arbitrary
-        raise ValueError(f"the RLKV gates {path} hold {bad} of {gates.numel()} values that are not finite; regenerate "
-                         "the file with the run that wrote it (python -m kvrl.run recipe=tiny_rlkv writes "
-                         "gates.safetensors)")
+        raise ValueError(
+            f"the RLKV gates {path} hold {bad} of {gates.numel()} values that are not finite; regenerate "
+            "the file with the run that wrote it (python -m kvrl.run recipe=tiny_rlkv writes "
+            "gates.safetensors)"
+        )
     return gates
 
 
-def head_allocation(gates: str | Path | Tensor, sparsity: float, model_config, *, sink: int = 16,
-                    recent: int = 64) -> HeadAllocation:
+def head_allocation(
+    gates: str | Path | Tensor, sparsity: float, model_config, *, sink: int = 16, recent: int = 64
+) -> HeadAllocation:
     """The deployment of RLKV's gates: the round(s·L·H) lowest-gated heads keep sink +
     recent, the others the full cache; ``policy=`` of either engine."""
     if isinstance(gates, Tensor):
-        return HeadAllocation(gates=gates, sparsity=sparsity, layers=model_config.num_hidden_layers,
-                              kv_heads=model_config.num_key_value_heads, sink=sink, recent=recent)
+        return HeadAllocation(
+            gates=gates,
+            sparsity=sparsity,
+            layers=model_config.num_hidden_layers,
+            kv_heads=model_config.num_key_value_heads,
+            sink=sink,
+            recent=recent,
+        )
     g = load_gates(gates)
     shape = (model_config.num_hidden_layers, model_config.num_key_value_heads)
     if tuple(g.shape) != shape:  # gates of another model
-        raise ValueError(f"the RLKV gates {gates} have shape {tuple(g.shape)}, but the model has (layers, KV heads) = "
-                         f"{shape}: they were trained on another model; evaluate them with that run's model.path")
+        raise ValueError(
+            f"the RLKV gates {gates} have shape {tuple(g.shape)}, but the model has (layers, KV heads) = "
+            f"{shape}: they were trained on another model; evaluate them with that run's model.path"
+        )
     return head_allocation(g, sparsity, model_config, sink=sink, recent=recent)

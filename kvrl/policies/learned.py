@@ -106,8 +106,7 @@ class LearnedScorer(KVPolicy):
                 raise ValueError(f"{name}={value}: must be ≥ 1 (read it from the model config)")
         self.state_size = 2 * self.group  # per instance: depends on the model's GQA group
         in_features = 2 * self.head_dim + N_FEATURES * self.group
-        self.scorer = ScorerMLP(self.layers, self.kv_heads, in_features,
-                                torch.Generator().manual_seed(self.seed))
+        self.scorer = ScorerMLP(self.layers, self.kv_heads, in_features, torch.Generator().manual_seed(self.seed))
 
     def load_scorer(self, path: str | Path) -> None:
         """Load trained scorer weights from a ``scorer.safetensors``, refused naming the file when they are of
@@ -117,15 +116,19 @@ class LearnedScorer(KVPolicy):
         state = load_file(str(path))
         bad = [name for name, tensor in state.items() if not torch.isfinite(tensor).all()]
         if bad:  # a NaN weight scores every token NaN: the eviction would be arbitrary
-            raise ValueError(f"the ForesightKV scorer {path} holds values that are not finite (in {', '.join(bad)}); "
-                             "regenerate it with the run that wrote it")
+            raise ValueError(
+                f"the ForesightKV scorer {path} holds values that are not finite (in {', '.join(bad)}); "
+                "regenerate it with the run that wrote it"
+            )
         try:
             self.scorer.load_state_dict(state)
         except RuntimeError as err:  # missing keys, or shapes of another model's geometry
             found = "; ".join(line.strip() for line in str(err).splitlines()[1:4])
-            raise ValueError(f"the ForesightKV scorer {path} does not fit this model ({self.layers} layers x "
-                             f"{self.kv_heads} KV heads, head_dim {self.head_dim}, group {self.group}): {found}; it "
-                             "was trained on another model: evaluate it with that run's model.path") from None
+            raise ValueError(
+                f"the ForesightKV scorer {path} does not fit this model ({self.layers} layers x "
+                f"{self.kv_heads} KV heads, head_dim {self.head_dim}, group {self.group}): {found}; it "
+                "was trained on another model: evaluate it with that run's model.path"
+            ) from None
 
     @property
     def observe(self) -> int:
@@ -138,8 +141,10 @@ class LearnedScorer(KVPolicy):
         """Keep-scores [B, H, N] (= −eviction score) and state [B, H, N, 2G]."""
         x, state = self.features(obs)
         if x.device != self.scorer.w1.device:  # einsum's own error names neither the scorer nor the fix
-            raise ValueError(f"the scorer is on {self.scorer.w1.device}, the cache on {x.device}: "
-                             f"move it with policy.scorer.to({str(x.device)!r})")
+            raise ValueError(
+                f"the scorer is on {self.scorer.w1.device}, the cache on {x.device}: "
+                f"move it with policy.scorer.to({str(x.device)!r})"
+            )
         return -self.scorer(obs.layer, x.to(self.scorer.w1.dtype)).float(), state
 
     def features(self, obs: Observation) -> tuple[Tensor, Tensor]:
@@ -152,8 +157,9 @@ class LearnedScorer(KVPolicy):
             raise ValueError(f"queries have {hq} heads but kv_heads·group = {h}·{g}; check `group`")
         # Per-query-head attention: fold the group into the query axis (g-major), so the
         # "pool" over a group of one is the identity.
-        attn = window_attention(obs.queries.reshape(b, h, g * w, d), obs.keys, obs.key_pos,
-                                obs.query_pos.repeat(1, g), obs.scaling).view(b, h, g, w, n)
+        attn = window_attention(
+            obs.queries.reshape(b, h, g * w, d), obs.keys, obs.key_pos, obs.query_pos.repeat(1, g), obs.scaling
+        ).view(b, h, g, w, n)
         qvalid = (obs.query_pos >= 0)[:, None, None, :, None]
         total = attn.sum(3)
         state = self.previous_state(obs).nan_to_num(0.0)
@@ -161,14 +167,21 @@ class LearnedScorer(KVPolicy):
         decayed = DECAY * state[..., g:] + total.transpose(-1, -2)
         low = attn.masked_fill(~qvalid, float("inf")).amin(3)
         low = low.masked_fill(low.isinf(), 0.0)  # a row without any valid query
-        feats = [attn.amax(3), low, total,
-                 attn[:, :, :, -16:].sum(3), attn[:, :, :, -8:].sum(3), attn[:, :, :, -32:].sum(3)]
+        feats = [
+            attn.amax(3),
+            low,
+            total,
+            attn[:, :, :, -16:].sum(3),
+            attn[:, :, :, -8:].sum(3),
+            attn[:, :, :, -32:].sum(3),
+        ]
         feats = [f.transpose(-1, -2) for f in feats]  # [B, H, N, G] each
         x = torch.cat([obs.keys.float(), obs.values.float(), *feats, cum, decayed], -1)
         return x, torch.cat([cum, decayed], -1)
 
-    def act(self, key_pos: Tensor, scores: Tensor, *, sample: bool = True,
-            generator: torch.Generator | list | None = None) -> TopKDraw:
+    def act(
+        self, key_pos: Tensor, scores: Tensor, *, sample: bool = True, generator: torch.Generator | list | None = None
+    ) -> TopKDraw:
         """ForesightKV's eviction action for slots at ``key_pos`` [B, H, N] with keep-scores
         ``scores`` [B, H, N] (from :meth:`score`; differentiable).
 
@@ -183,9 +196,11 @@ class LearnedScorer(KVPolicy):
         ``select(obs, scores)`` — with logprob 0.
         """
         if self.budget_ratio is not None:
-            raise ValueError(f"budget_ratio={self.budget_ratio}: ForesightKV's training action evicts to the fixed "
-                             "budget of its eviction MDP (EvictionObs.budget); train with budget_ratio=None (the "
-                             "trained scorer runs in ratio mode through select())")
+            raise ValueError(
+                f"budget_ratio={self.budget_ratio}: ForesightKV's training action evicts to the fixed "
+                "budget of its eviction MDP (EvictionObs.budget); train with budget_ratio=None (the "
+                "trained scorer runs in ratio mode through select())"
+            )
         valid = key_pos >= 0
         k = min(self.budget, key_pos.shape[-1])
         candidates = valid & ~self.always_kept(key_pos)
@@ -263,7 +278,7 @@ def topk_set_logprob(evict: Tensor, pool: Tensor, drawn: Tensor) -> Tensor:
     nodes = torch.linspace(0, 1, QUADRATURE_POINTS, dtype=torch.float64, device=x.device)
     s = lo[..., None] + (hi - lo)[..., None] * nodes  # [..., Q]
     # only the E drawn slots enter the product: gather them first ([..., E, Q], not [..., N, Q])
-    first = drawn.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :max(1, int(drawn.sum(-1).max()))]
+    first = drawn.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., : max(1, int(drawn.sum(-1).max()))]
     in_s = drawn.gather(-1, first)
     y = (torch.where(in_s, x.gather(-1, first), 0.0)[..., :, None] + s[..., None, :]).exp()  # φ_i t (finite off S)
     # log(1 − e^{−y}), stable for small and large y

@@ -43,12 +43,16 @@ def check_state(regime, held: Mapping[str, Tensor], state: Mapping[str, Tensor])
     """Raise ValueError unless ``state`` has exactly the names and shapes of ``held``."""
     what = type(regime).__name__
     if set(state) != set(held):
-        raise ValueError(f"a pushed {what} state holds {sorted(state)}, the regime trains {sorted(held)}: "
-                         "push the state of the rollout regime (algorithm.state(model).cache)")
+        raise ValueError(
+            f"a pushed {what} state holds {sorted(state)}, the regime trains {sorted(held)}: "
+            "push the state of the rollout regime (algorithm.state(model).cache)"
+        )
     for name, value in state.items():
         if tuple(value.shape) != tuple(held[name].shape):
-            raise ValueError(f"pushed {what} tensor {name!r} has shape {tuple(value.shape)}, "
-                             f"the regime holds {tuple(held[name].shape)}")
+            raise ValueError(
+                f"pushed {what} tensor {name!r} has shape {tuple(value.shape)}, "
+                f"the regime holds {tuple(held[name].shape)}"
+            )
 
 
 class Untrained:
@@ -111,8 +115,10 @@ class Static(Untrained):
         if death.dim() == 3:
             death = death[:, None].expand(-1, 1 if batch is None else batch, -1, -1)
         if death.dim() != 4:
-            raise ValueError(f"a static death pattern has shape {tuple(death.shape)}: it must be "
-                             "[layers, kv_heads, T] or [layers, B, kv_heads, T]")
+            raise ValueError(
+                f"a static death pattern has shape {tuple(death.shape)}: it must be "
+                "[layers, kv_heads, T] or [layers, B, kv_heads, T]"
+            )
         if batch is not None and death.shape[1] != batch:
             raise ValueError(f"the death pattern holds {death.shape[1]} sequences, the batch {batch}")
         if death.shape[-1] < length:
@@ -170,9 +176,11 @@ def as_regime(x=None) -> Regime:
         return Evicting(x)
     if isinstance(x, Tensor) or callable(getattr(x, "death", None)):
         return Static(x)
-    raise TypeError(f"unsupported cache regime {type(x).__name__}: pass None (full cache), a KVPolicy, "
-                    "a static pattern with death(T) (HeadAllocation, Window) or a death tensor, or a "
-                    "regime (Full, Evicting, Static, Mixed)")
+    raise TypeError(
+        f"unsupported cache regime {type(x).__name__}: pass None (full cache), a KVPolicy, "
+        "a static pattern with death(T) (HeadAllocation, Window) or a death tensor, or a "
+        "regime (Full, Evicting, Static, Mixed)"
+    )
 
 
 __all__ = ["REGIMES", "Evicting", "Full", "Mixed", "Regime", "Static", "as_regime", "check_state", "checksum"]

@@ -91,18 +91,33 @@ class RKV(KVPolicy):
             raise ValueError(f"kernel_size={self.kernel_size}: must be odd and ≥ 1 (1 = no pooling)")
         check_threshold(self.threshold)
         if self.retain_direction not in RETAIN_DIRECTIONS:
-            raise ValueError(f"retain_direction={self.retain_direction!r}: must be one of {RETAIN_DIRECTIONS} "
-                             "('first' is R-KV's rkv/utils.py, 'first_vllm' its vLLM port)")
+            raise ValueError(
+                f"retain_direction={self.retain_direction!r}: must be one of {RETAIN_DIRECTIONS} "
+                "('first' is R-KV's rkv/utils.py, 'first_vllm' its vLLM port)"
+            )
 
     def score(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """Keep-scores [B, H, N] and state [B, H, N, 1] (the picks)."""
-        attn = attention_received(obs.queries, obs.keys, obs.key_pos, obs.query_pos, obs.scaling,
-                                  gqa="max", order="pool_then_softmax", candidates_only=True)
+        attn = attention_received(
+            obs.queries,
+            obs.keys,
+            obs.key_pos,
+            obs.query_pos,
+            obs.scaling,
+            gqa="max",
+            order="pool_then_softmax",
+            candidates_only=True,
+        )
         valid = obs.key_pos >= 0
         candidates = valid & ~self.always_kept(obs.key_pos)
         n_queries = (obs.query_pos >= 0).sum(-1).clamp(min=1)[:, None, None]
         importance = pool_slots(attn / n_queries, candidates, self.kernel_size, "max")
-        redundancy, pick = key_redundancy_update(obs.keys, obs.key_pos, self.previous_state(obs)[..., 0],
-                                                 self.threshold, retain_direction=self.retain_direction,
-                                                 fallback=self.fallback)
+        redundancy, pick = key_redundancy_update(
+            obs.keys,
+            obs.key_pos,
+            self.previous_state(obs)[..., 0],
+            self.threshold,
+            retain_direction=self.retain_direction,
+            fallback=self.fallback,
+        )
         return self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy, pick[..., None]

@@ -56,8 +56,19 @@ from kvrl.algos.grpo import group_advantages, mask_truncated
 from kvrl.engines.base import check_prompts
 from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import (OutputLock, RunLog, damage, flatten, intact_checkpoint, mark_latest,
-                         plot_rewards, resume_changes, save_torch, seal, write_json)
+from kvrl.runlog import (
+    OutputLock,
+    RunLog,
+    damage,
+    flatten,
+    intact_checkpoint,
+    mark_latest,
+    plot_rewards,
+    resume_changes,
+    save_torch,
+    seal,
+    write_json,
+)
 from kvrl.section import SECTIONS, ConfigError
 from kvrl.workers.inline import INLINE, Done, spawn
 from kvrl.workers.learner import Learner
@@ -109,11 +120,18 @@ def connect(cfg) -> bool:
         ray.init(address=address, runtime_env={"env_vars": {"RAY_worker_niceness": str(nice)}}, **output)
     else:  # "local", never a stale cluster that a file in the temp dir points at
         # the system config, not a runtime_env, so that the workers Ray prestarts are the ones the actors get
-        ray.init(address="local", num_cpus=cfg.workers.num_cpus or None, include_dashboard=False,
-                 _system_config={"worker_niceness": nice}, **output)
+        ray.init(
+            address="local",
+            num_cpus=cfg.workers.num_cpus or None,
+            include_dashboard=False,
+            _system_config={"worker_niceness": nice},
+            **output,
+        )
     if quiet:
-        tqdm.write(f"kvrl: the actors' logs (vLLM, DeepSpeed, Ray) are in {actor_logs()}; logging.verbose=true "
-                   "prints them here")
+        tqdm.write(
+            f"kvrl: the actors' logs (vLLM, DeepSpeed, Ray) are in {actor_logs()}; logging.verbose=true "
+            "prints them here"
+        )
     return True
 
 
@@ -130,13 +148,17 @@ def reserve(cfg, rollout: int, learners: int) -> None:
     w = cfg.workers
     if w.address == INLINE:
         return
-    for kind, need in (("CPU", rollout * w.rollout_cpus + learners * w.learner_cpus),
-                       ("GPU", rollout * w.rollout_gpus + learners * w.learner_gpus)):
+    for kind, need in (
+        ("CPU", rollout * w.rollout_cpus + learners * w.learner_cpus),
+        ("GPU", rollout * w.rollout_gpus + learners * w.learner_gpus),
+    ):
         have = ray.cluster_resources().get(kind, 0)
         if need > have:
-            raise ValueError(f"the actors ask for {need:g} {kind}s, the Ray cluster has {have:g}: lower "
-                             f"workers.rollout_{kind.lower()}s / workers.learner_{kind.lower()}s (fractions "
-                             "share a device) or workers.rollout / workers.learners")
+            raise ValueError(
+                f"the actors ask for {need:g} {kind}s, the Ray cluster has {have:g}: lower "
+                f"workers.rollout_{kind.lower()}s / workers.learner_{kind.lower()}s (fractions "
+                "share a device) or workers.rollout / workers.learners"
+            )
 
 
 def get(refs, what: str, timeout_s: float):
@@ -149,8 +171,10 @@ def get(refs, what: str, timeout_s: float):
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
-        raise TimeoutError(f"{what} took longer than workers.timeout_s={timeout_s:g}s; raise it if the work is "
-                           f"slow, else see the actors' logs ({actor_logs()})") from None
+        raise TimeoutError(
+            f"{what} took longer than workers.timeout_s={timeout_s:g}s; raise it if the work is "
+            f"slow, else see the actors' logs ({actor_logs()})"
+        ) from None
 
 
 def raise_if_start_failed(err: RayActorError, name: str) -> None:
@@ -185,18 +209,31 @@ class Controller:
         try:
             self.own_ray = connect(cfg)
             reserve(cfg, w.rollout, w.learners)
-            rollout = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
-                           max_task_retries=0)
+            rollout = dict(
+                num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts, max_task_retries=0
+            )
             # inline, an actor that cannot start raises here, with its own traceback; what the actors
             # print goes to a file, as on Ray
             log = self.out / "actors.log" if self.inline and not cfg.logging.verbose else None
             if log is not None:
-                tqdm.write(f"kvrl: the actors' output (vLLM, DeepSpeed) is in {log}; logging.verbose=true prints "
-                           "it here")
-            self.workers = [spawn(RolloutWorker, rollout, cfg, i, inline=self.inline, log=log)
-                            for i in range(w.rollout)]
-            self.learners = [spawn(Learner, dict(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus), cfg, r,
-                                   w.learners, inline=self.inline, log=log) for r in range(w.learners)]
+                tqdm.write(
+                    f"kvrl: the actors' output (vLLM, DeepSpeed) is in {log}; logging.verbose=true prints it here"
+                )
+            self.workers = [
+                spawn(RolloutWorker, rollout, cfg, i, inline=self.inline, log=log) for i in range(w.rollout)
+            ]
+            self.learners = [
+                spawn(
+                    Learner,
+                    dict(num_cpus=w.learner_cpus, num_gpus=w.learner_gpus),
+                    cfg,
+                    r,
+                    w.learners,
+                    inline=self.inline,
+                    log=log,
+                )
+                for r in range(w.learners)
+            ]
             if w.learners > 1 or w.backend == "deepspeed":
                 endpoint = self.get(self.learners[0].endpoint.remote(), "learner 0")
                 self.get([learner.join.remote(endpoint) for learner in self.learners], "the learners' process group")
@@ -225,18 +262,27 @@ class Controller:
         rng = np.random.default_rng(cfg.seed)
         tasks = data or [self.env.sample_task(rng) for _ in range(PROBE)]
         try:
-            longest = check_prompts(tasks, AutoTokenizer.from_pretrained(path), cfg.model.max_model_len or positions,
-                                    Chat.of(cfg.env))
+            longest = check_prompts(
+                tasks, AutoTokenizer.from_pretrained(path), cfg.model.max_model_len or positions, Chat.of(cfg.env)
+            )
         except ValueError as err:  # a row too long or unreadable: the user's data, not a bug of ours
             raise ConfigError(f"env.id={cfg.env.id}: {err}") from None
         end = longest + cfg.sampling.max_new_tokens
         if data and not cfg.model.max_model_len:  # the engines size their KV checks for what this data needs
             cfg.model.max_model_len = min(end, positions) if positions else end
         if evicts and cfg.kv.budget >= end:
-            whence = (f"the longest prompt of env.id={cfg.env.id}'s data set" if data else
-                      f"the longest of {PROBE} prompts drawn from env.id={cfg.env.id}")
-            raise ConfigError(cfg.kv.never_evicts(end, f"{whence}, {longest} tokens, + sampling.max_new_tokens="
-                                                  f"{cfg.sampling.max_new_tokens}", f"job={cfg.job} rl.algo={cfg.rl.algo}"))
+            whence = (
+                f"the longest prompt of env.id={cfg.env.id}'s data set"
+                if data
+                else f"the longest of {PROBE} prompts drawn from env.id={cfg.env.id}"
+            )
+            raise ConfigError(
+                cfg.kv.never_evicts(
+                    end,
+                    f"{whence}, {longest} tokens, + sampling.max_new_tokens={cfg.sampling.max_new_tokens}",
+                    f"job={cfg.job} rl.algo={cfg.rl.algo}",
+                )
+            )
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -246,12 +292,15 @@ class Controller:
         try:
             return self.loop()
         except RayActorError as err:  # Ray's own report names neither the run nor the way back
-            raise RuntimeError(f"an actor of the run died after {self.step} steps ({str(err).splitlines()[0]}); "
-                               f"{self.resume_hint()}") from err
+            raise RuntimeError(
+                f"an actor of the run died after {self.step} steps ({str(err).splitlines()[0]}); {self.resume_hint()}"
+            ) from err
 
     def resume_hint(self) -> str:
-        return (f"the run stops: rerun the same command to continue it from its newest intact checkpoint in "
-                f"{self.out / 'checkpoints'} (resume=auto; steps after that checkpoint are redone)")
+        return (
+            f"the run stops: rerun the same command to continue it from its newest intact checkpoint in "
+            f"{self.out / 'checkpoints'} (resume=auto; steps after that checkpoint are redone)"
+        )
 
     def loop(self) -> dict:
         cfg, steps, G = self.cfg, self.cfg.trainer.steps, self.cfg.rl.group_size
@@ -292,34 +341,47 @@ class Controller:
             self.samples_total += len(samples)
             groups = rewards.view(-1, G)
             record = {
-                "step": self.step, "policy_version": self.version,
-                "samples": len(samples), "samples_total": self.samples_total,
-                "sample_version_min": min(s.version for s in samples), "staleness_max": staleness,
-                "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item(),
+                "step": self.step,
+                "policy_version": self.version,
+                "samples": len(samples),
+                "samples_total": self.samples_total,
+                "sample_version_min": min(s.version for s in samples),
+                "staleness_max": staleness,
+                "reward_mean": rewards.mean().item(),
+                "reward_std": rewards.std().item(),
                 **{f"env/{k}": float(np.mean([i[k] for i in infos])) for k in infos[0] if k != "reward"},
-                "adv_mean": adv.mean().item(), "adv_std": adv.std().item(), "adv_abs_mean": adv.abs().mean().item(),
+                "adv_mean": adv.mean().item(),
+                "adv_std": adv.std().item(),
+                "adv_abs_mean": adv.abs().mean().item(),
                 "zero_std_groups": (groups == groups[:, :1]).all(1).float().mean().item(),
                 "truncated": truncated.float().mean().item(),
                 "completion_len": float(np.mean([len(s.tokens) for s in samples])),
-                "kv_retention": float(np.mean([1.0 if s.trace is None else s.trace.retention().mean().item()
-                                               for s in samples])),
+                "kv_retention": float(
+                    np.mean([1.0 if s.trace is None else s.trace.retention().mean().item() for s in samples])
+                ),
                 **learned,
-                "gen_tokens": gen["tokens"], "gen_tokens_per_s": gen["tokens"] / gen["seconds"],
-                "rollout_s": gen["seconds"], "learn_s": learn_s, "step_s": time.perf_counter() - start,
+                "gen_tokens": gen["tokens"],
+                "gen_tokens_per_s": gen["tokens"] / gen["seconds"],
+                "rollout_s": gen["seconds"],
+                "learn_s": learn_s,
+                "step_s": time.perf_counter() - start,
                 "restarts": sum(self.restarts),
             }
             self.runlog.log(record)  # a non-finite value is written as null (standard JSON)
             if record["skipped"]:
                 self.skipped_in_row += 1
-                tqdm.write(f"step {self.step}: skipped the update, its loss ({record['loss']}) or gradient norm "
-                           f"({record['grad_norm']}) is not finite ({self.skipped_in_row} in a row, the run stops at "
-                           f"trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps})")
+                tqdm.write(
+                    f"step {self.step}: skipped the update, its loss ({record['loss']}) or gradient norm "
+                    f"({record['grad_norm']}) is not finite ({self.skipped_in_row} in a row, the run stops at "
+                    f"trainer.max_nonfinite_steps={cfg.trainer.max_nonfinite_steps})"
+                )
                 if self.skipped_in_row >= cfg.trainer.max_nonfinite_steps:
                     raise FloatingPointError(
                         f"{self.skipped_in_row} updates in a row (to step {self.step}) had a non-finite loss or "
                         f"gradient norm and were skipped (metrics in {self.runlog.path}). Lower "
                         "trainer.lr or trainer.max_grad_norm, or check the algorithm's loss on these samples, or "
-                        f"raise trainer.max_nonfinite_steps to tolerate more in a row; {self.resume_hint()}")
+                        f"raise trainer.max_nonfinite_steps to tolerate more in a row; {self.resume_hint()}"
+                    )
             else:
                 self.skipped_in_row = 0
             self.warn_if_learning_nothing(record)
@@ -346,11 +408,16 @@ class Controller:
             f"rl.group_size={cfg.rl.group_size} samples got one reward for all its samples (zero_std_groups 1.0, "
             f"reward_mean {reward:.3f}): the advantages are all 0 and the run is learning nothing. Read a few "
             "completions against their tasks (check_env(env, tokenizer=...) checks the model can read them); "
-            + ("the tasks are too easy for this model: make them harder" if reward > 0 else
-               "the model solves none of the tasks: make them easier, give partial credit (a reward with a "
-               "weight below 1), or start from a model that solves some")
+            + (
+                "the tasks are too easy for this model: make them harder"
+                if reward > 0
+                else "the model solves none of the tasks: make them easier, give partial credit (a reward with a "
+                "weight below 1), or start from a model that solves some"
+            )
             + f"; more samples per group (rl.group_size) or a higher sampling.temperature={cfg.sampling.temperature:g} "
-            "spread the rewards", file=sys.stderr)
+            "spread the rewards",
+            file=sys.stderr,
+        )
 
     # ---- 1-2. tasks and rollouts ---------------------------------------------------------------
 
@@ -362,9 +429,14 @@ class Controller:
         ids = [f"{step}/{t}/{g}" for t in range(len(tasks)) for g in range(G)]
         sample_tasks = [task for task in tasks for _ in range(G)]
         parts = np.array_split(np.arange(len(ids)), len(self.workers))
-        args = {i: ([ids[k] for k in part], [sample_tasks[k] for k in part],
-                    int(np.random.SeedSequence([cfg.seed, step, i]).generate_state(1)[0] >> 1))
-                for i, part in enumerate(parts)}
+        args = {
+            i: (
+                [ids[k] for k in part],
+                [sample_tasks[k] for k in part],
+                int(np.random.SeedSequence([cfg.seed, step, i]).generate_state(1)[0] >> 1),
+            )
+            for i, part in enumerate(parts)
+        }
         refs = {i: self.workers[i].generate.remote(*args[i]) for i in args}
         pending = Pending(step, env_state, args, refs, time.perf_counter(), self.push_args, list(self.lives))
         if self.on_dispatch is not None:
@@ -376,20 +448,28 @@ class Controller:
         results = self.gather(pending.refs, "generate", pending.args, pending.weights, pending.lives)
         if pending.weights is not self.push_args:  # async: a redone shard left its worker a version behind
             stale = [i for i in results if self.lives[i] != pending.lives[i]]
-            self.gather({i: self.workers[i].load.remote(*self.push_args) for i in stale}, "load",
-                        dict.fromkeys(stale, self.push_args))
+            self.gather(
+                {i: self.workers[i].load.remote(*self.push_args) for i in stale},
+                "load",
+                dict.fromkeys(stale, self.push_args),
+            )
         samples = [s for i in sorted(results) for s in results[i][0]]
         expected = [sid for i in sorted(pending.args) for sid in pending.args[i][0]]
         assert [s.id for s in samples] == expected, "a shard's samples were lost or duplicated"
         tokens = sum(r[1]["tokens"] for r in results.values())
         # On Ray the shards run side by side from their dispatch to here: the wall time is the
         # rollout's. Inline each ran, one after another, inside dispatch(): their own seconds are.
-        seconds = (sum(r[1]["seconds"] for r in results.values()) if self.inline
-                   else time.perf_counter() - pending.start)
+        seconds = sum(r[1]["seconds"] for r in results.values()) if self.inline else time.perf_counter() - pending.start
         return samples, {"tokens": tokens, "seconds": seconds}
 
-    def gather(self, refs: dict[int, ray.ObjectRef], method: str, args: dict[int, tuple],
-               weights: tuple | None = None, lives: list[int] | None = None) -> dict:
+    def gather(
+        self,
+        refs: dict[int, ray.ObjectRef],
+        method: str,
+        args: dict[int, tuple],
+        weights: tuple | None = None,
+        lives: list[int] | None = None,
+    ) -> dict:
         """Results of calls in flight on rollout workers, by worker.
 
         A worker that died is restarted by Ray from its constructor (base weights, no
@@ -433,8 +513,10 @@ class Controller:
                 time.sleep(0.5)
             except ActorDiedError:  # Ray gave up on it
                 break
-        raise RuntimeError(f"rollout worker {i} died {self.restarts[i]} times, more than "
-                           f"workers.max_restarts={limit}: {err}; {self.resume_hint()}")
+        raise RuntimeError(
+            f"rollout worker {i} died {self.restarts[i]} times, more than "
+            f"workers.max_restarts={limit}: {err}; {self.resume_hint()}"
+        )
 
     # ---- 5-6. update and push -----------------------------------------------------------------
 
@@ -443,8 +525,10 @@ class Controller:
         token_level = self.cfg.rl.aggregation == "token"
         num_items = sum(len(s.tokens) for s in samples) if token_level else len(samples)
         parts = np.array_split(np.arange(len(samples)), len(self.learners))
-        results = self.get([learner.step.remote([samples[k] for k in part], num_items)
-                            for learner, part in zip(self.learners, parts)], "the learners' update")
+        results = self.get(
+            [learner.step.remote([samples[k] for k in part], num_items) for learner, part in zip(self.learners, parts)],
+            "the learners' update",
+        )
         trained = [sid for r in results for sid in r.pop("ids")]
         assert trained == [s.id for s in samples], "the learners did not train on each sample exactly once"
         digests = {r.pop("checksum", None) for r in results}
@@ -471,8 +555,11 @@ class Controller:
         worker checks what it loaded against the learner's checksum."""
         state, digest = self.learners[0].state.remote()
         self.push_args = (state, self.version, self.get(digest, "learner 0 (state)"))
-        self.gather({i: w.load.remote(*self.push_args) for i, w in enumerate(self.workers)}, "load",
-                    dict.fromkeys(range(len(self.workers)), self.push_args))
+        self.gather(
+            {i: w.load.remote(*self.push_args) for i, w in enumerate(self.workers)},
+            "load",
+            dict.fromkeys(range(len(self.workers)), self.push_args),
+        )
 
     # ---- 7. logging, checkpoints --------------------------------------------------------------
 
@@ -480,12 +567,19 @@ class Controller:
         path = self.out / "checkpoints" / f"step_{self.step:06d}"
         path.mkdir(parents=True, exist_ok=True)
         self.get([learner.save.remote(str(path)) for learner in self.learners], "saving the checkpoint")
-        save_torch({
-            "step": self.step, "version": self.version, "samples_total": self.samples_total,
-            # with async_steps=1 the next step's tasks are already drawn: save the cursor before them
-            "env": pending.env_state if pending is not None else self.env.state_dict(),
-            "numpy_rng": np.random.get_state(), "torch_rng": torch.get_rng_state(), "restarts": self.restarts,
-        }, path / "controller.pt")
+        save_torch(
+            {
+                "step": self.step,
+                "version": self.version,
+                "samples_total": self.samples_total,
+                # with async_steps=1 the next step's tasks are already drawn: save the cursor before them
+                "env": pending.env_state if pending is not None else self.env.state_dict(),
+                "numpy_rng": np.random.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "restarts": self.restarts,
+            },
+            path / "controller.pt",
+        )
         write_json(path / "config.json", flatten(self.cfg))  # what a resume must match
         seal(path)  # checksums of every file, then the pointer: a crash mid-save leaves the previous checkpoint
         mark_latest(path)
@@ -505,12 +599,20 @@ class Controller:
             saved = json.loads((path / "config.json").read_text())
             changed = resume_changes(saved, settings, cfg.RESUMABLE, cfg.resume, path)
             if changed:
-                raise ValueError(f"{self.out} holds a run whose settings differ from this one's (checkpoint {path}):"
-                                 f"\n  " + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to "
-                                 "continue it, or start fresh in another output_dir=... (or resume=never to "
-                                 "overwrite this one)")
-        self.runlog = RunLog(self.out, fresh=path is None, tensorboard=cfg.logging.tensorboard,
-                             wandb=cfg.logging.wandb, name=cfg.run_name, config=settings)
+                raise ValueError(
+                    f"{self.out} holds a run whose settings differ from this one's (checkpoint {path}):"
+                    f"\n  " + "\n  ".join(changed) + "\nrerun with the checkpoint's settings to "
+                    "continue it, or start fresh in another output_dir=... (or resume=never to "
+                    "overwrite this one)"
+                )
+        self.runlog = RunLog(
+            self.out,
+            fresh=path is None,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            name=cfg.run_name,
+            config=settings,
+        )
         if path is None:
             return
         state = torch.load(path / "controller.pt", weights_only=False)
@@ -526,8 +628,11 @@ class Controller:
     def finish(self) -> None:
         """The model as a transformers folder, and the reward curve as a PNG."""
         self.get(self.learners[0].export.remote(str(self.out / "model")), "exporting the model")
-        plot_rewards(self.runlog.records(), self.out / "reward.png",
-                     f"{self.cfg.run_name}: {self.cfg.rl.algo} on {self.cfg.env.id}")
+        plot_rewards(
+            self.runlog.records(),
+            self.out / "reward.png",
+            f"{self.cfg.run_name}: {self.cfg.rl.algo} on {self.cfg.env.id}",
+        )
 
     # ---- plumbing ------------------------------------------------------------------------------
 

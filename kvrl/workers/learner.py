@@ -58,9 +58,11 @@ def merge_metrics(results: list[tuple[dict, int]]) -> dict:
 
 
 # ZeRO holds the reduced gradients and clips inside its step: an update cannot be skipped there
-DEEPSPEED_STOPS = ("; workers.backend=deepspeed cannot skip an update, so the run stops here (resume=auto continues "
-                   "from the last checkpoint): lower trainer.lr, or use workers.backend=ddp, which skips such updates "
-                   "(up to trainer.max_nonfinite_steps in a row)")
+DEEPSPEED_STOPS = (
+    "; workers.backend=deepspeed cannot skip an update, so the run stops here (resume=auto continues "
+    "from the last checkpoint): lower trainer.lr, or use workers.backend=ddp, which skips such updates "
+    "(up to trainer.max_nonfinite_steps in a row)"
+)
 
 
 @ray.remote
@@ -96,8 +98,9 @@ class Learner:
         """Join the learners' process group (every rank calls this at once)."""
         backend = "nccl" if torch.device(self.cfg.device).type == "cuda" else "gloo"
         host, port = endpoint.rsplit(":", 1)
-        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, RANK=str(self.rank), LOCAL_RANK="0",
-                          WORLD_SIZE=str(self.world))
+        os.environ.update(
+            MASTER_ADDR=host, MASTER_PORT=port, RANK=str(self.rank), LOCAL_RANK="0", WORLD_SIZE=str(self.world)
+        )
         timeout = timedelta(seconds=self.cfg.workers.timeout_s)
         if self.cfg.workers.backend == "ddp":
             dist.init_process_group(backend, rank=self.rank, world_size=self.world, timeout=timeout)
@@ -109,13 +112,15 @@ class Learner:
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         ds_config = {
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
             "gradient_clipping": self.cfg.trainer.max_grad_norm,
             "zero_optimization": {"stage": self.cfg.workers.zero_stage},
             "zero_allow_untested_optimizer": True,
         }
-        self.ds, self.opt, _, _ = deepspeed.initialize(model=self.engine.model, optimizer=self.opt,
-                                                       model_parameters=self.params, config=ds_config)
+        self.ds, self.opt, _, _ = deepspeed.initialize(
+            model=self.engine.model, optimizer=self.opt, model_parameters=self.params, config=ds_config
+        )
 
     # ---- the update ------------------------------------------------------------------------
 
@@ -142,9 +147,11 @@ class Learner:
                 # train/inference mismatch before the update: |behaviour − recomputed| per token
                 on = batch.mask.bool()
                 gap = (scores.logprobs.detach() - batch.old_logprobs).abs()[on]
-                metrics.update(mismatch_max=gap.max().item() if on.any() else 0.0,
-                               mismatch_mean=gap.mean().item() if on.any() else 0.0,
-                               entropy=scores.entropies.detach()[on].mean().item() if on.any() else 0.0)
+                metrics.update(
+                    mismatch_max=gap.max().item() if on.any() else 0.0,
+                    mismatch_mean=gap.mean().item() if on.any() else 0.0,
+                    entropy=scores.entropies.detach()[on].mean().item() if on.any() else 0.0,
+                )
             if self.ds is not None:
                 # DeepSpeed averages gradients over ranks; the loss already divides by the whole
                 # step's count, so scale by the world size to get the sum back. Reduce and step
@@ -161,13 +168,15 @@ class Learner:
             dist.all_reduce(bad)
         if self.ds is not None:
             if bad.item():
-                raise FloatingPointError(f"the loss is not finite ({total}) at update {self.version + 1}"
-                                         + DEEPSPEED_STOPS)
+                raise FloatingPointError(
+                    f"the loss is not finite ({total}) at update {self.version + 1}" + DEEPSPEED_STOPS
+                )
             self.ds.step()
             grad_norm = float(self.ds.get_global_grad_norm() or 0.0)
             if not math.isfinite(grad_norm):
-                raise FloatingPointError(f"the gradient norm is not finite ({grad_norm}) at update "
-                                         f"{self.version + 1}" + DEEPSPEED_STOPS)
+                raise FloatingPointError(
+                    f"the gradient norm is not finite ({grad_norm}) at update {self.version + 1}" + DEEPSPEED_STOPS
+                )
             skipped = False
         else:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
@@ -176,7 +185,7 @@ class Learner:
                 dist.all_reduce(flat)
                 offset = 0
                 for p, g in zip(self.params, grads):
-                    p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+                    p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
                     offset += g.numel()
             max_norm = tr.max_grad_norm if tr.max_grad_norm > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
@@ -188,8 +197,15 @@ class Learner:
                 self.opt.step()
         self.version += 1  # a skipped update still counts: versions stay the controller's step count
         metrics = merge_metrics(results)
-        metrics.update(loss=total, grad_norm=grad_norm, lr=lr, version=self.version, micro_batches=len(parts),
-                       skipped=float(skipped), ids=[s.id for s in samples])
+        metrics.update(
+            loss=total,
+            grad_norm=grad_norm,
+            lr=lr,
+            version=self.version,
+            micro_batches=len(parts),
+            skipped=float(skipped),
+            ids=[s.id for s in samples],
+        )
         if self.world > 1:  # the controller checks that data-parallel learners stay identical
             metrics["checksum"] = checksum(self.algo.state(self.engine.model))
         return metrics
@@ -207,22 +223,36 @@ class Learner:
         """This learner's part of a checkpoint (the controller seals the folder when all are written);
         rank 0 adds the weights as a transformers folder, ``model/``, when the algorithm trains them."""
         path = Path(path)
-        bad = [name for name, t in self.algo.state(self.engine.model).items()
-               if t.is_floating_point() and not torch.isfinite(t).all()]
-        bad += [f"optimizer state {key} of parameter {i}" for i, group in enumerate(self.opt.state.values())
-                for key, t in group.items() if torch.is_tensor(t) and t.is_floating_point()
-                and not torch.isfinite(t).all()]
+        bad = [
+            name
+            for name, t in self.algo.state(self.engine.model).items()
+            if t.is_floating_point() and not torch.isfinite(t).all()
+        ]
+        bad += [
+            f"optimizer state {key} of parameter {i}"
+            for i, group in enumerate(self.opt.state.values())
+            for key, t in group.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()
+        ]
         if bad:  # a sealed checkpoint is what resume trusts: never seal NaN weights as a good state
-            raise FloatingPointError(f"not saving the checkpoint {path}: non-finite values in {', '.join(bad[:5])}"
-                                     f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint stays the newest "
-                                     "(resume=auto continues from it): lower trainer.lr or trainer.max_grad_norm")
+            raise FloatingPointError(
+                f"not saving the checkpoint {path}: non-finite values in {', '.join(bad[:5])}"
+                f"{' ...' if len(bad) > 5 else ''}; the previous checkpoint stays the newest "
+                "(resume=auto continues from it): lower trainer.lr or trainer.max_grad_norm"
+            )
         if self.ds is not None:
             with disk_full_names(path / "deepspeed"):
                 self.ds.save_checkpoint(str(path), tag="deepspeed")
         elif self.rank == 0:
             with disk_full_names(path / "learner.pt"):
-                torch.save({"trainables": self.algo.state(self.engine.model), "optimizer": self.opt.state_dict(),
-                            "torch_rng": torch.get_rng_state()}, path / "learner.pt")
+                torch.save(
+                    {
+                        "trainables": self.algo.state(self.engine.model),
+                        "optimizer": self.opt.state_dict(),
+                        "torch_rng": torch.get_rng_state(),
+                    },
+                    path / "learner.pt",
+                )
         if self.rank == 0 and self.algo.trains_weights:
             with disk_full_names(path / "model"):  # a folder of files: the error's own file name, if it has one
                 self.export(str(path / "model"))

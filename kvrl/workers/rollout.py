@@ -71,8 +71,10 @@ class RolloutWorker:
             held["cache"] = checksum(self.regime.state())
         for part, value in held.items():
             if value is not None and value != digest.get(part):
-                raise RuntimeError(f"rollout worker {self.rank} holds {part} with checksum {value} after the push "
-                                   f"of version {version}, the learner's is {digest.get(part)}")
+                raise RuntimeError(
+                    f"rollout worker {self.rank} holds {part} with checksum {value} after the push "
+                    f"of version {version}, the learner's is {digest.get(part)}"
+                )
         self.version = version
 
     def generate(self, ids: list[str], tasks: list, seed: int) -> tuple[list[Sample], dict]:

@@ -70,19 +70,21 @@ class TraceWorker:
         from kvrl.engines.base import Sampling
 
         cfg = self.cfg
-        out = self.gen.generate([t.prompt for t in tasks], Sampling(cfg.sampling.max_new_tokens,
-                                                                    cfg.sampling.temperature, cfg.sampling.top_p,
-                                                                    seed=seed))
+        out = self.gen.generate(
+            [t.prompt for t in tasks],
+            Sampling(cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.sampling.top_p, seed=seed),
+        )
         rows = []
-        for t, prompt, completion, text, finish in zip(tasks, out.prompt_ids, out.tokens, out.texts,
-                                                       out.finish_reasons):
+        for t, prompt, completion, text, finish in zip(
+            tasks, out.prompt_ids, out.tokens, out.texts, out.finish_reasons
+        ):
             ids = prompt + completion
             if finish != "stop" or len(ids) < cfg.foresight.min_tokens or self.env.score(t, text)[0] <= 0:
                 continue
             rows.append({"task_id": t.id, "ids": ids, "prompt_len": len(prompt)})
         per = max(1, SCORE_TOKENS // max((len(r["ids"]) for r in rows), default=1))
         for i in range(0, len(rows), per):
-            part = rows[i:i + per]
+            part = rows[i : i + per]
             with torch.no_grad():
                 s = self.hf.score([r["ids"] for r in part], [r["prompt_len"] for r in part])
             for j, r in enumerate(part):
@@ -106,9 +108,11 @@ class Shard:
     def next_batch(self, env, cfg) -> tuple[list, int]:
         """The next batch of this shard's tasks, and the seed that generates it."""
         if self.batches == MAX_BATCHES:
-            raise RuntimeError(f"shard {self.index} of {self.split}: only {len(self.rows)} of {self.want} traces "
-                               f"kept after {self.batches} batches; lower foresight.min_tokens or check the "
-                               "model's accuracy")
+            raise RuntimeError(
+                f"shard {self.index} of {self.split}: only {len(self.rows)} of {self.want} traces "
+                f"kept after {self.batches} batches; lower foresight.min_tokens or check the "
+                "model's accuracy"
+            )
         seed = cfg.seed + SPLIT_SEEDS[self.split]
         if self.stream is None:
             env.reset(seed=seed)
@@ -127,8 +131,11 @@ def write_splits(cfg) -> dict[str, Path]:
     counts = {"train": cfg.foresight.traces, "heldout": cfg.foresight.heldout}
     folders = {split: Path(cfg.output_dir) / "traces" / split for split in counts}
     size = cfg.foresight.shard_size
-    shards = [Shard(split, k, min(size, n - k * size), folders[split] / f"shard-{k:05d}.parquet")
-              for split, n in counts.items() for k in range(-(-n // size))]
+    shards = [
+        Shard(split, k, min(size, n - k * size), folders[split] / f"shard-{k:05d}.parquet")
+        for split, n in counts.items()
+        for k in range(-(-n // size))
+    ]
     missing = [s for s in shards if not s.path.exists()]  # the others a previous run finished
     if missing:
         generate(cfg, missing, done=sum(s.want for s in shards if s.path.exists()))
@@ -148,8 +155,12 @@ def generate(cfg, shards: list[Shard], done: int = 0) -> None:
     try:
         reserve(cfg, rollout=n, learners=0)
         # a batch is a pure function of its arguments: Ray redoes it on a restarted actor
-        options = dict(num_cpus=w.rollout_cpus, num_gpus=w.rollout_gpus, max_restarts=w.max_restarts,
-                       max_task_retries=w.max_restarts)
+        options = dict(
+            num_cpus=w.rollout_cpus,
+            num_gpus=w.rollout_gpus,
+            max_restarts=w.max_restarts,
+            max_task_retries=w.max_restarts,
+        )
         actors = [spawn(TraceWorker, options, cfg, inline=inline) for _ in range(n)]
         bar = tqdm(total=done + sum(s.want for s in queue), initial=done, desc="traces", unit="trace")
         while queue or active:
@@ -162,12 +173,13 @@ def generate(cfg, shards: list[Shard], done: int = 0) -> None:
                     active[i].rows += get(ref, f"trace worker {i}", w.timeout_s)
                 except RayActorError as err:
                     raise_if_start_failed(err, f"trace worker {i}")
-                    raise RuntimeError(f"trace worker {i} died more than workers.max_restarts={w.max_restarts} "
-                                       f"times: {err}") from None
+                    raise RuntimeError(
+                        f"trace worker {i} died more than workers.max_restarts={w.max_restarts} times: {err}"
+                    ) from None
                 shard = active[i]
                 if len(shard.rows) >= shard.want:
                     with atomic(shard.path) as tmp:
-                        pq.write_table(pa.Table.from_pylist(shard.rows[:shard.want], schema=SCHEMA), tmp)
+                        pq.write_table(pa.Table.from_pylist(shard.rows[: shard.want], schema=SCHEMA), tmp)
                     bar.update(shard.want)
                     del active[i]
         bar.close()

@@ -21,8 +21,11 @@ import functools
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
-                                                 CPUAttentionMetadataBuilder)
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
 
 from kvrl import kernels
 from kvrl.engines.vllm.layout import PagedLayout
@@ -50,8 +53,9 @@ class CPULayout(PagedLayout):
         blk, off = blocks.gather(1, slots // bs).long(), slots % bs  # [R, W]
         return kt[blk, :, :, off].transpose(1, 2), v[blk, :, off].transpose(1, 2)  # [R, W, H, D] → [R, H, W, D]
 
-    def write(self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
-              values: Tensor) -> None:
+    def write(
+        self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor, values: Tensor
+    ) -> None:
         kt, v = self.views(kv_cache)
         bs = kt.shape[-1]
         blk, off = blocks[rows, slots // bs].long(), slots % bs
@@ -81,7 +85,8 @@ class CPULayout(PagedLayout):
             raise NotImplementedError(
                 "vLLM's KV caches are not one buffer of whole layers in layer order (layer "
                 f"{layer_idx} starts at element {kv_cache.storage_offset()}): RLKV heads cannot pool their "
-                "blocks; set VLLMEngine.pool_heads = False to keep a block per head per bs tokens")
+                "blocks; set VLLMEngine.pool_heads = False to keep a block per head per bs tokens"
+            )
         layers = kv_cache.untyped_storage().nbytes() // (kv_cache.numel() * kv_cache.element_size())
         return kv_cache.as_strided((layers * nb * h, 2 * bs, d2 // 2), (bs * d2, d2 // 2, 1), 0)
 
@@ -90,7 +95,7 @@ class CPULayout(PagedLayout):
         """K as [N, D, bs] and V as [N, bs, D] (views of :meth:`regions`)."""
         n, bs2, d = regions.shape
         flat = regions.view(n, bs2 * d)
-        return flat[:, :bs2 * d // 2].view(n, d, bs2 // 2), flat[:, bs2 * d // 2:].view(n, bs2 // 2, d)
+        return flat[:, : bs2 * d // 2].view(n, d, bs2 // 2), flat[:, bs2 * d // 2 :].view(n, bs2 // 2, d)
 
     def region_read(self, regions: Tensor, table: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """K, V [S, n, D] of slots 0..n−1 of S streams, stream s's slot j in region
@@ -121,16 +126,41 @@ class CPULayout(PagedLayout):
         seq_lens = lens.reshape(-1).to(torch.int32)
         starts = torch.arange(r * h + 1, dtype=torch.int32, device=query.device)
         meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=r * h, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=seq_lens, dtype=query.dtype,
-            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=self.isa, enable_kv_split=False,
-            dynamic_causal=None, kv_cache_dtype="auto")
+            num_reqs=r * h,
+            num_heads=g,
+            num_kv_heads=1,
+            head_dim=d,
+            seq_lens=seq_lens,
+            dtype=query.dtype,
+            query_start_loc=starts,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa,
+            enable_kv_split=False,
+            dynamic_causal=None,
+            kv_cache_dtype="auto",
+        )
         out = torch.empty_like(query)
         ops.cpu_attention_with_kv_cache(
-            query=query.contiguous().view(r * h, g, d), key_cache=kc, value_cache=vc, output=out.view(r * h, g, d),
-            query_start_loc=starts, seq_lens=seq_lens, scale=scale, causal=True, alibi_slopes=None,
-            sliding_window=-1, block_table=table.reshape(r * h, -1).to(torch.int32), softcap=0.0,
-            scheduler_metadata=meta, s_aux=None, dynamic_causal=None, k_scale=1.0, v_scale=1.0,
-            kv_cache_dtype="auto")
+            query=query.contiguous().view(r * h, g, d),
+            key_cache=kc,
+            value_cache=vc,
+            output=out.view(r * h, g, d),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            scale=scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=table.reshape(r * h, -1).to(torch.int32),
+            softcap=0.0,
+            scheduler_metadata=meta,
+            s_aux=None,
+            dynamic_causal=None,
+            k_scale=1.0,
+            v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
         return out
 
 
@@ -151,13 +181,15 @@ def check_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) 
     value = torch.randn(5, h, head_size).to(dtype)
     slots = torch.tensor([0, 1, block_size + 3, 2 * block_size, 3 * block_size - 1])
     kc, vc = kv.view(nb, h, 2 * block_size, head_size).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
     keys, values = LAYOUT.read(kv, torch.arange(nb)[None], nb * block_size)
-    if not (torch.equal(keys[0, :, slots].transpose(0, 1), key) and torch.equal(values[0, :, slots].transpose(0, 1), value)):
+    if not (
+        torch.equal(keys[0, :, slots].transpose(0, 1), key) and torch.equal(values[0, :, slots].transpose(0, 1), value)
+    ):
         raise NotImplementedError(
             f"kvrl cannot read vLLM's CPU KV cache layout for isa={isa!r}, dtype={dtype}; kvrl supports the "
-            "'vec'/'vec16' layouts (K transposed [D, bs] then V [bs, D] per block and head)")
+            "'vec'/'vec16' layouts (K transposed [D, bs] then V [bs, D] per block and head)"
+        )
 
 
 class KVRLCPUMetadataBuilder(KVRLBuilderMixin, CPUAttentionMetadataBuilder):

@@ -44,8 +44,11 @@ LAYOUT = FlashLayout()
 def _backend_classes():
     """Subclasses of vLLM's FlashAttention backend running kvrl's hooks (needs vLLM CUDA);
     the overrides are the mixins of :mod:`kvrl.engines.vllm.shim`, shared with the CPU backend."""
-    from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
-                                                       FlashAttentionMetadataBuilder)
+    from vllm.v1.attention.backends.flash_attn import (
+        FlashAttentionBackend,
+        FlashAttentionImpl,
+        FlashAttentionMetadataBuilder,
+    )
 
     from kvrl.engines.vllm.shim import KVRLBackendMixin, KVRLBuilderMixin, KVRLImplMixin
 
@@ -68,8 +71,11 @@ def _backend_classes():
         def get_builder_cls():
             return KVRLFlashMetadataBuilder
 
-    classes = {"KVRLFlashBackend": KVRLFlashBackend, "KVRLFlashImpl": KVRLFlashImpl,
-               "KVRLFlashMetadataBuilder": KVRLFlashMetadataBuilder}
+    classes = {
+        "KVRLFlashBackend": KVRLFlashBackend,
+        "KVRLFlashImpl": KVRLFlashImpl,
+        "KVRLFlashMetadataBuilder": KVRLFlashMetadataBuilder,
+    }
     for name, cls in classes.items():  # importable by qualified name (vLLM resolves and pickles them so)
         cls.__qualname__ = name
     return classes

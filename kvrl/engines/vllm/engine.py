@@ -76,7 +76,8 @@ def check_geometry(model: str, config, served: list[tuple[int, int, int]]) -> No
             f"{want} from its config (head_dim={getattr(config, 'head_dim', None)}, hidden_size // "
             f"num_attention_heads = {config.hidden_size // config.num_attention_heads}): the two engines would run "
             "different models. Set head_dim to hidden_size // num_attention_heads in config.json (or drop it) if "
-            "the weights allow, or use workers.engine=hf")
+            "the weights allow, or use workers.engine=hf"
+        )
 
 
 class VLLMEngine:
@@ -104,21 +105,32 @@ class VLLMEngine:
         scheduling to off.
     """
 
-    def __init__(self, model: str, tokenizer=None, *, dtype: str = "float32", kv_cache_gib: float | None = None,
-                 seed: int = 0, stop_ids: list[int] | None = None, chat: Chat | None = None, **llm_kwargs):
+    def __init__(
+        self,
+        model: str,
+        tokenizer=None,
+        *,
+        dtype: str = "float32",
+        kv_cache_gib: float | None = None,
+        seed: int = 0,
+        stop_ids: list[int] | None = None,
+        chat: Chat | None = None,
+        **llm_kwargs,
+    ):
         os.environ[plugin.ENV] = "1"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         plugin.register()
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        kwargs = dict(enforce_eager=True, enable_prefix_caching=False, async_scheduling=False,
-                      logprobs_mode="processed_logprobs")
+        kwargs = dict(
+            enforce_eager=True, enable_prefix_caching=False, async_scheduling=False, logprobs_mode="processed_logprobs"
+        )
         if current_platform.is_cpu():
             gib = kv_cache_gib if kv_cache_gib is not None else float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", 1))
-            kwargs["kv_cache_memory_bytes"] = int(gib * 2 ** 30)
+            kwargs["kv_cache_memory_bytes"] = int(gib * 2**30)
         elif kv_cache_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2 ** 30)
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if current_platform.is_cuda():
             kwargs["attention_config"] = {"backend": "CUSTOM"}
         kwargs.update(llm_kwargs)
@@ -206,15 +218,19 @@ class VLLMEngine:
         for o in outs:
             c = o.outputs[0]
             toks = list(c.token_ids)
-            out.append(*finish(self.tokenizer, toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)],
-                               set(stops), len(toks)))
+            out.append(
+                *finish(
+                    self.tokenizer, toks, [float(d[t].logprob) for t, d in zip(toks, c.logprobs)], set(stops), len(toks)
+                )
+            )
         lengths = torch.tensor([len(p) + len(t) for p, t in zip(ids, out.tokens)])
         out.traces, evict = self._traces(regime, tags, T, lengths, death)
         out.timing = {"decode": decode, "evict": evict}
         return out
 
-    def _caps(self, regime, ids: list[list[int]], sampling: Sampling,
-              T: int) -> tuple[list, tuple | None, torch.Tensor | None]:
+    def _caps(
+        self, regime, ids: list[list[int]], sampling: Sampling, T: int
+    ) -> tuple[list, tuple | None, torch.Tensor | None]:
         """What the requests may hold: per-request block caps for the KV manager (only an
         evicting cache is bounded), the pooled heads' (rings, full, regions per block), and a
         static pattern's death [L, B, H, T], checked before anything is installed."""
@@ -238,8 +254,10 @@ class VLLMEngine:
             return [-(-(max(len(p), k) if k is not None else len(p) + new) // bs) for p, k in zip(ids, keep)]
         peaks = [pooled_blocks(len(p) + new, bs, *pool) for p in ids]
         if max(peaks) > -(-self.max_model_len // bs):  # vLLM's block table has that many columns
-            raise ValueError(f"the windowed heads' rings need {max(peaks)} blocks per request, vLLM's block "
-                             f"table holds {-(-self.max_model_len // bs)}: raise max_model_len")
+            raise ValueError(
+                f"the windowed heads' rings need {max(peaks)} blocks per request, vLLM's block "
+                f"table holds {-(-self.max_model_len // bs)}: raise max_model_len"
+            )
         return peaks
 
     @staticmethod
@@ -247,14 +265,23 @@ class VLLMEngine:
         """vLLM's sampling parameters of each request, with what its worker state reads."""
         from vllm import SamplingParams
 
-        return [SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                               top_p=sampling.top_p, seed=sampling.seed + i, logprobs=0, ignore_eos=True,
-                               stop_token_ids=stops,
-                               extra_args={"kvrl_tag": tag, "kvrl_index": i, "kvrl_seed": sampling.seed + 1 + i})
-                for i, tag in enumerate(tags)]
+        return [
+            SamplingParams(
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                seed=sampling.seed + i,
+                logprobs=0,
+                ignore_eos=True,
+                stop_token_ids=stops,
+                extra_args={"kvrl_tag": tag, "kvrl_index": i, "kvrl_seed": sampling.seed + 1 + i},
+            )
+            for i, tag in enumerate(tags)
+        ]
 
-    def _traces(self, regime, tags: list[str], T: int, lengths: torch.Tensor,
-                death: torch.Tensor | None) -> tuple[EvictionTrace | None, float]:
+    def _traces(
+        self, regime, tags: list[str], T: int, lengths: torch.Tensor, death: torch.Tensor | None
+    ) -> tuple[EvictionTrace | None, float]:
         """The rollouts' traces and eviction seconds; the workers forget the requests."""
         match regime:
             case Evicting():

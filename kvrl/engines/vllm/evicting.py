@@ -89,10 +89,11 @@ class QueryRing:
         if old is None or old.shape[0] < slots:
             # doubling only the ring in use: a ring doubled at every change of window grew
             # without bound in a long-lived worker (one process, many policies)
-            grown = torch.full((max(slots, 2 * (old.shape[0] if old is not None else 2)), w), -1,
-                               dtype=torch.long, device=device)
+            grown = torch.full(
+                (max(slots, 2 * (old.shape[0] if old is not None else 2)), w), -1, dtype=torch.long, device=device
+            )
             if old is not None:
-                grown[:old.shape[0]] = old
+                grown[: old.shape[0]] = old
             self.pos = grown
         return self.pos
 
@@ -103,7 +104,7 @@ class QueryRing:
         if ring is None or ring.shape != shape or ring.dtype != query.dtype:
             grown = query.new_zeros(shape)
             if ring is not None and ring.shape[1:] == shape[1:]:
-                grown[:ring.shape[0]] = ring
+                grown[: ring.shape[0]] = ring
             ring = self.queries[layer] = grown
         return ring
 
@@ -113,8 +114,7 @@ class EvictingWorker(RegimeWorker):
 
     row_blocks = False  # the plan reads the block table as a whole (a row view costs 2 µs, 64 of them a step)
 
-    def __init__(self, policy: KVPolicy, sample: bool, geometry: tuple[int, int], sides: SideStores,
-                 ring: QueryRing):
+    def __init__(self, policy: KVPolicy, sample: bool, geometry: tuple[int, int], sides: SideStores, ring: QueryRing):
         self.policy, self.sample, self.geometry = policy, sample, geometry
         self.sides, self.ring = sides, ring
         self.state_size = policy.state_size
@@ -127,7 +127,7 @@ class EvictingWorker(RegimeWorker):
         self._death_rows(req.qslot + 1, req.length)[req.qslot] = NEVER
 
     def release(self, req: ReqState) -> None:
-        req.death = self.deaths[req.qslot, :, :, :req.length].clone()
+        req.death = self.deaths[req.qslot, :, :, : req.length].clone()
 
     def _death_rows(self, slots: int, length: int) -> Tensor:
         """The death table with room for ``slots`` requests of ``length`` tokens (grown, kept)."""
@@ -136,10 +136,11 @@ class EvictingWorker(RegimeWorker):
         if old is None or old.shape[0] < slots or old.shape[-1] < length:
             cap = max(slots, old.shape[0] if old is not None else 0)
             cap = -(-cap // 8) * 8  # grow in steps of 8 requests: few copies
-            self.deaths = torch.full((cap, layers, heads, max(length, old.shape[-1] if old is not None else 0)),
-                                     NEVER, dtype=torch.int32)
+            self.deaths = torch.full(
+                (cap, layers, heads, max(length, old.shape[-1] if old is not None else 0)), NEVER, dtype=torch.int32
+            )
             if old is not None:
-                self.deaths[:old.shape[0], :, :, :old.shape[-1]] = old
+                self.deaths[: old.shape[0], :, :, : old.shape[-1]] = old
         return self.deaths
 
     def plan(self, plan: StepPlan, step: StepInput) -> None:
@@ -149,7 +150,8 @@ class EvictingWorker(RegimeWorker):
             raise RuntimeError(
                 f"the last forward's eviction never ran: {self.deferred.attended} of the model's "
                 f"{self.geometry[0]} layers attended through kvrl's backend (models with attention layers "
-                "outside it are not supported)")
+                "outside it are not supported)"
+            )
         # queries to keep, at ring index position % W: the last `observe` of each row, and of
         # those only the ones an eviction will read. Evictions follow the forwards that bring
         # the generated count g to a multiple of the interval, so a generated token's query
@@ -171,7 +173,8 @@ class EvictingWorker(RegimeWorker):
         w = policy.observe
         pos_np, prompt_tok = positions.numpy(), prompt.numpy()[tok_row]
         keep = (pos_np >= m.numpy()[tok_row] - w) & (
-            (pos_np < prompt_tok) | ((prompt_tok - 1 - pos_np) % policy.interval < w))
+            (pos_np < prompt_tok) | ((prompt_tok - 1 - pos_np) % policy.interval < w)
+        )
         q_tok = torch.from_numpy(np.nonzero(keep)[0])
         q_slot = torch.tensor([r.req.qslot for r in rows], dtype=torch.long)[torch.from_numpy(tok_row)][q_tok]
         q_pos = positions[q_tok]
@@ -182,14 +185,15 @@ class EvictingWorker(RegimeWorker):
         ring_pos.view(-1).index_copy_(0, plan.q_flat, q_pos.to(dev))
         # remap: token j of a row goes to logical slot c_prev + j
         logical = torch.from_numpy(c_prev[tok_row] + step.offs)
-        bt = step.input_batch.block_table[0].block_table.cpu[:len(rows)]  # cm.block_table_tensor's, on the host
+        bt = step.input_batch.block_table[0].block_table.cpu[: len(rows)]  # cm.block_table_tensor's, on the host
         phys = bt[torch.from_numpy(tok_row), logical // block_size].long() * block_size + logical % block_size
         cm.slot_mapping[:total].copy_(phys.to(cm.slot_mapping.dtype))
         plan.kernel_seq_lens = torch.from_numpy(c_prev + counts).to(cm.seq_lens.device, cm.seq_lens.dtype)
         if len(evicting):
             ev = evicting.numpy()
-            plan.evict = self._evict_batch([rows[i] for i in ev], (c_prev + counts)[ev],
-                                           cm.block_table_tensor[evicting.to(dev)], block_size)
+            plan.evict = self._evict_batch(
+                [rows[i] for i in ev], (c_prev + counts)[ev], cm.block_table_tensor[evicting.to(dev)], block_size
+            )
         self.deferred = plan.evict
 
     def _evict_batch(self, rows: list[RowPlan], n: np.ndarray, blocks: Tensor, block_size: int) -> EvictBatch:
@@ -205,17 +209,37 @@ class EvictingWorker(RegimeWorker):
             for i, r in enumerate(rows):
                 r.req.events[r.m - r.req.prompt_len] = events[i]
         per_call = 1 if "layer" in self.policy.reads else -(-EVICT_ROWS // len(rows))
-        return EvictBatch(rows, width, blocks[:, :width // block_size], pad, qslot.to(dev), qslot, m,
-                          generators, events, min(per_call, self.geometry[0]))
+        return EvictBatch(
+            rows,
+            width,
+            blocks[:, : width // block_size],
+            pad,
+            qslot.to(dev),
+            qslot,
+            m,
+            generators,
+            events,
+            min(per_call, self.geometry[0]),
+        )
 
-    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
-                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+    def kv_update(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        stock_write,
+    ) -> None:
         """vLLM's write at the remapped slots, then the new tokens' positions (and NaN state)."""
         side = self.sides.for_layer(layer_name, kv_cache)
         stock_write()  # with the remapped slot_mapping
         if plan.side_addr is None:  # the same for every layer of the forward
             bs, h = kv_cache.shape[2], kv_cache.shape[1]
-            slots = slot_mapping[:plan.positions.shape[0]].long()
+            slots = slot_mapping[: plan.positions.shape[0]].long()
             heads = torch.arange(h, device=slots.device)
             flat = ((slots // bs)[:, None] * h + heads) * bs + (slots % bs)[:, None]  # [T, H]
             plan.side_addr = (flat.view(-1), plan.positions.to(torch.int32).repeat_interleave(h))
@@ -224,9 +248,20 @@ class EvictingWorker(RegimeWorker):
         if side.state is not None:
             side.state.view(-1, side.state.shape[-1]).index_fill_(0, flat, float("nan"))
 
-    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
-                  value: Tensor | None = None) -> None:
+    def attention(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+        stock_forward,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+    ) -> None:
         """vLLM's attention over the packed caches, the queries into the ring, then the eviction."""
         stock_forward()
         self._observe(plan, layer_idx, query)
@@ -275,8 +310,9 @@ class EvictingWorker(RegimeWorker):
         w, (hq, d) = qp.shape[1], self.ring.queries[layers[0].index].shape[2:]
         if "queries" in reads:
             ring_rows = (eb.qslot[:, None] * w + order).view(-1)
-            queries = stacked([self.ring.queries[lay.index].view(-1, hq, d).index_select(0, ring_rows)
-                               for lay in layers])
+            queries = stacked(
+                [self.ring.queries[lay.index].view(-1, hq, d).index_select(0, ring_rows) for lay in layers]
+            )
             queries = queries.view(len(layers) * r, w, hq, d).transpose(1, 2).contiguous()  # [L·R, Hq, W, D]
         fields = (keys, values, queries, pos, qp.gather(-1, order).repeat(len(layers), 1), state)
         layer, scale = layers[0].index if len(layers) == 1 else -1, layers[0].scale
@@ -286,8 +322,9 @@ class EvictingWorker(RegimeWorker):
         rows = max(1, SCORE_LOGITS // max(1, hq * w * pos.shape[2]))
         # each request's generator draws layer by layer, as at one layer per call
         generators = None if eb.generators is None else eb.generators * len(layers)
-        ev = evict(policy, Observation(*fields, layer, scale), sample=self.sample, generator=generators,
-                   score_rows=rows)
+        ev = evict(
+            policy, Observation(*fields, layer, scale), sample=self.sample, generator=generators, score_rows=rows
+        )
         keep, counts = ev.keep, ev.count  # [L·R, H, K]; row j keeps keep[j, :, :counts[j]]
         j, h, n = ev.dead
         j, h, dead = j.cpu(), h.cpu(), pos[j, h, n].cpu()

@@ -93,15 +93,32 @@ class KVRLManager(FullAttentionManager):
         cap = parse_cap(request_id)
         return num_tokens if cap is None else min(num_tokens, max(cap))
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                                   num_local_computed_tokens, num_tokens_main_model, *args, **kwargs):
+    def get_num_blocks_to_allocate(
+        self,
+        request_id,
+        num_tokens,
+        new_computed_blocks,
+        total_computed_tokens,
+        num_local_computed_tokens,
+        num_tokens_main_model,
+        *args,
+        **kwargs,
+    ):
         return super().get_num_blocks_to_allocate(
-            request_id, self._capped(request_id, num_tokens), new_computed_blocks, total_computed_tokens,
-            num_local_computed_tokens, self._capped(request_id, num_tokens_main_model), *args, **kwargs)
+            request_id,
+            self._capped(request_id, num_tokens),
+            new_computed_blocks,
+            total_computed_tokens,
+            num_local_computed_tokens,
+            self._capped(request_id, num_tokens_main_model),
+            *args,
+            **kwargs,
+        )
 
     def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
-        return super().allocate_new_blocks(request_id, self._capped(request_id, num_tokens),
-                                           self._capped(request_id, num_tokens_main_model))
+        return super().allocate_new_blocks(
+            request_id, self._capped(request_id, num_tokens), self._capped(request_id, num_tokens_main_model)
+        )
 
     def remove_skipped_blocks(self, request_id, processed_computed_tokens, num_prompt_tokens=None):
         cap = parse_cap(request_id)

@@ -34,8 +34,9 @@ class PagedLayout:
         None unless ``values``)."""
         raise NotImplementedError
 
-    def write(self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
-              values: Tensor) -> None:
+    def write(
+        self, kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor, values: Tensor
+    ) -> None:
         """Store keys/values [M, D] at (request ``rows[i]``, head ``heads[i]``, logical slot ``slots[i]``)."""
         raise NotImplementedError
 
@@ -57,8 +58,13 @@ class PagedLayout:
         h, n = keys.shape[1], keys.shape[2]
         visible = torch.arange(n, device=query.device) < lens[:, :, None].to(query.device)  # [R, H, N]
         out = F.scaled_dot_product_attention(
-            query[:, :, None], keys.to(query.dtype), values.to(query.dtype),
-            attn_mask=visible.repeat_interleave(hq // h, dim=1)[:, :, None], scale=scale, enable_gqa=True)
+            query[:, :, None],
+            keys.to(query.dtype),
+            values.to(query.dtype),
+            attn_mask=visible.repeat_interleave(hq // h, dim=1)[:, :, None],
+            scale=scale,
+            enable_gqa=True,
+        )
         return out[:, :, 0]
 
     def gather(self, kv_cache: Tensor, blocks: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,8 +78,10 @@ class PagedLayout:
         """Every layer's cache as one tensor of (layer, block, head) regions, for
         :class:`HeadPool`; a layout that has them (the CPU one: a region is contiguous)
         also implements ``region_read``, ``region_write`` and ``region_attention``."""
-        raise NotImplementedError(f"{type(self).__name__} has no (block, head) regions to pool RLKV heads in; "
-                                  "set VLLMEngine.pool_heads = False")
+        raise NotImplementedError(
+            f"{type(self).__name__} has no (block, head) regions to pool RLKV heads in; "
+            "set VLLMEngine.pool_heads = False"
+        )
 
 
 class HeadPool:
@@ -137,8 +145,7 @@ class SideStore:
     def like(cls, kv_cache: Tensor, state_size: int) -> SideStore:
         nb, h, bs = kv_cache.shape[:3]
         pos = torch.full((nb, h, bs), -1, dtype=torch.int32, device=kv_cache.device)
-        state = (torch.full((nb, h, bs, state_size), float("nan"), device=kv_cache.device)
-                 if state_size else None)
+        state = torch.full((nb, h, bs, state_size), float("nan"), device=kv_cache.device) if state_size else None
         return cls(pos, state)
 
     def read(self, blocks: Tensor, n: int) -> tuple[Tensor, Tensor | None]:
@@ -152,8 +159,9 @@ class SideStore:
             state = self.state[b].transpose(1, 2).reshape(r, h, nblk * bs, -1)[:, :, :n]
         return pos, state
 
-    def write(self, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, pos: Tensor,
-              state: Tensor | None) -> None:
+    def write(
+        self, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, pos: Tensor, state: Tensor | None
+    ) -> None:
         bs = self.pos.shape[2]
         blk, off = blocks[rows, slots // bs].long(), slots % bs
         self.pos[blk, heads, off] = pos.to(torch.int32)
@@ -172,7 +180,9 @@ class SideStore:
         b = blocks[:, :nblk].long()
         pos = F.pad(pos.to(torch.int32), (0, nblk * bs - k), value=-1).view(r, h, nblk, bs).transpose(1, 2)
         if self.state is not None:
-            state = torch.full((r, h, k, self.state.shape[-1]), float("nan"), device=pos.device) if state is None else state
+            state = (
+                torch.full((r, h, k, self.state.shape[-1]), float("nan"), device=pos.device) if state is None else state
+            )
             state = F.pad(state.float(), (0, 0, 0, nblk * bs - k), value=float("nan"))
             state = state.view(r, h, nblk, bs, -1).transpose(1, 2)
         if counts is not None:

@@ -26,27 +26,58 @@ class MixedWorker(RegimeWorker):
     def plan(self, plan: StepPlan, step: StepInput) -> None:
         plan.window = WindowPlan.of(plan.rows, step.cm.block_table_tensor, self.mixed.sink, self.mixed.recent)
 
-    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
-                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+    def kv_update(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        stock_write,
+    ) -> None:
         stock_write()
 
-    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
-                  value: Tensor | None = None) -> None:
+    def attention(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+        stock_forward,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+    ) -> None:
         mg, wp = self.mixed, plan.window
         if wp.decode.numel():
-            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            q = query[: wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
             wp.put(output, self._decode(wp, layer_idx, layout, q, kv_cache, scale))
         for row in wp.multi:
             k, v = layout.read(kv_cache, row.blocks[None], row.m)
-            qpos = plan.positions[row.start:row.start + row.q]
-            q = query[row.start:row.start + row.q].transpose(0, 1)[None]
-            out = mixed_gate_attention(q, k, v, qpos[None], torch.arange(row.m, device=q.device)[None],
-                                       mg.gates[layer_idx], sink=mg.sink, recent=mg.recent, scaling=scale)
-            output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            qpos = plan.positions[row.start : row.start + row.q]
+            q = query[row.start : row.start + row.q].transpose(0, 1)[None]
+            out = mixed_gate_attention(
+                q,
+                k,
+                v,
+                qpos[None],
+                torch.arange(row.m, device=q.device)[None],
+                mg.gates[layer_idx],
+                sink=mg.sink,
+                recent=mg.recent,
+                scaling=scale,
+            )
+            output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
 
-    def _decode(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, q: Tensor, kv_cache: Tensor,
-                scale: float) -> Tensor:
+    def _decode(
+        self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, q: Tensor, kv_cache: Tensor, scale: float
+    ) -> Tensor:
         """Mixed gates for one-token rows q [R, Hq, D]: α·(every slot, the layout's kernel) +
         (1 − α)·(the sink slots and the last ``recent``, gathered) per KV head, as
         :func:`kvrl.kernels.reference.mixed.mixed_gate_attention` computes it."""
@@ -58,8 +89,9 @@ class MixedWorker(RegimeWorker):
         valid = (slots < m) & ((w < mg.sink) | (slots >= mg.sink))  # each slot once, none past m
         k, v = layout.gather(kv_cache, wp.blocks, slots.clamp(min=0))
         group = q.shape[1] // h
-        window = F.scaled_dot_product_attention(q[:, :, None], k.to(q.dtype), v.to(q.dtype), scale=scale,
-                                                enable_gqa=True, attn_mask=valid[:, None, None, :])[:, :, 0]
+        window = F.scaled_dot_product_attention(
+            q[:, :, None], k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True, attn_mask=valid[:, None, None, :]
+        )[:, :, 0]
         alpha = mg.gates[layer_idx].to(q.device, torch.float32).repeat_interleave(group)[None, :, None]
         return alpha * full.float() + (1 - alpha) * window.float()
 

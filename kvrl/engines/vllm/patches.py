@@ -67,12 +67,13 @@ def rewind_cpu_generators() -> None:
     sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
 
     def discarded(runner) -> list[int]:
-        return np.nonzero(runner.discard_request_mask.np[:runner.input_batch.num_reqs])[0].tolist()
+        return np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0].tolist()
 
     def _sample(self, *args, **kwargs):
         gens = self.input_batch.generators
-        self._kvrl_saved_states = {i: gens[i].get_state() for i in discarded(self)
-                                   if i in gens and gens[i].device.type == "cpu"}
+        self._kvrl_saved_states = {
+            i: gens[i].get_state() for i in discarded(self) if i in gens and gens[i].device.type == "cpu"
+        }
         return sample(self, *args, **kwargs)
 
     def _bookkeeping_sync(self, *args, **kwargs):
@@ -110,8 +111,11 @@ def keep_norms_in_float64(model) -> int:
         return 0
     patched = 0
     for module in model.modules():
-        if (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
-                and isinstance(getattr(module, "weight", None), torch.Tensor)):
+        if (
+            type(module).__name__.endswith("RMSNorm")
+            and hasattr(module, "variance_epsilon")
+            and isinstance(getattr(module, "weight", None), torch.Tensor)
+        ):
             module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
             patched += 1
     return patched

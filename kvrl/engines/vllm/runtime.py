@@ -101,8 +101,10 @@ class WorkerContext:
         self.runner, self.vllm_config = runner, vllm_config
         self.device = torch.device(getattr(runner, "device", "cpu"))
         cfg = vllm_config.model_config
-        self.geometry = (cfg.get_num_layers(vllm_config.parallel_config),
-                         cfg.get_num_kv_heads(vllm_config.parallel_config))
+        self.geometry = (
+            cfg.get_num_layers(vllm_config.parallel_config),
+            cfg.get_num_kv_heads(vllm_config.parallel_config),
+        )
 
     def set_policy(self, regime=None, *, sample: bool = False) -> None:
         """Install a cache regime (or anything :func:`kvrl.policies.as_regime` takes) for the
@@ -140,8 +142,10 @@ class WorkerContext:
         """Load new trainable state into the installed regime (``regime.load_state``, which
         raises on a name or shape mismatch); returns the checksum of the state it now holds."""
         if self.regime is None:
-            raise ValueError("no cache regime installed: generate once with the regime (Mixed, Evicting with "
-                             "a learned scorer) before pushing its state")
+            raise ValueError(
+                "no cache regime installed: generate once with the regime (Mixed, Evicting with "
+                "a learned scorer) before pushing its state"
+            )
         self.regime.load_state(state)
         return checksum(self.regime.state())
 
@@ -154,8 +158,9 @@ class WorkerContext:
             st = self.finished.pop(tag, None)
             if st is None and tag in by_tag:  # finished, but vLLM's runner has not said so yet
                 st = self._release(by_tag[tag])
-            out.append(None if st is None else {"death": st.death, "events": st.events,
-                                                 "evict_seconds": st.evict_seconds})
+            out.append(
+                None if st is None else {"death": st.death, "events": st.events, "evict_seconds": st.evict_seconds}
+            )
         return out
 
     # ---- builder side ----
@@ -188,8 +193,9 @@ class WorkerContext:
         st = ReqState(tag, index, prompt_len, length, qslot=slot, generator=gen, pooled=parse_pool(rid) is not None)
         self.worker.admit(st)
         if st.pooled and not self.worker.pools:
-            raise RuntimeError(f"request {rid} asks for pooled heads, but the installed regime is not a sink + "
-                               "recent pattern")
+            raise RuntimeError(
+                f"request {rid} asks for pooled heads, but the installed regime is not a sink + recent pattern"
+            )
         return st
 
     def plan_step(self, cm, block_size: int) -> StepPlan | None:
@@ -203,7 +209,7 @@ class WorkerContext:
         if n == 0:
             return None
         self._release_finished()
-        qsl = cm.query_start_loc_cpu[:n + 1].tolist()
+        qsl = cm.query_start_loc_cpu[: n + 1].tolist()
         counts = np.diff(qsl)
         rows, fresh = self._plan_rows(ib, n, qsl, counts, cm.block_table_tensor)
         total = qsl[n]
@@ -214,11 +220,14 @@ class WorkerContext:
         dev = cm.slot_mapping.device
         none = torch.zeros(0, dtype=torch.long)
         plan = StepPlan(rows, positions.to(dev, torch.long), none, none)
-        self.worker.plan(plan, StepInput(cm, ib, block_size, positions, counts, tok_row, offs, done, fresh,
-                                         self.n_slots))
+        self.worker.plan(
+            plan, StepInput(cm, ib, block_size, positions, counts, tok_row, offs, done, fresh, self.n_slots)
+        )
         return plan
 
-    def _plan_rows(self, ib, n: int, qsl: list[int], counts: np.ndarray, bt_dev: Tensor) -> tuple[list[RowPlan], list[int]]:
+    def _plan_rows(
+        self, ib, n: int, qsl: list[int], counts: np.ndarray, bt_dev: Tensor
+    ) -> tuple[list[RowPlan], list[int]]:
         """One RowPlan per scheduled request (new requests get their state and ring slot: the
         slots returned as ``fresh``); refuses what a compacted cache cannot follow."""
         ncomp, nprompt = ib.num_computed_tokens_cpu[:n], ib.num_prompt_tokens[:n]
@@ -231,14 +240,16 @@ class WorkerContext:
                 if done != 0:
                     raise EvictionRefused(
                         f"request {rid} starts with {done} computed tokens (prefix caching or a KV "
-                        "connector): kvrl's compacted cache must see every token from the start")
+                        "connector): kvrl's compacted cache must see every token from the start"
+                    )
                 st = self.active[rid] = self._new_request(rid, int(nprompt[i]))
                 fresh.append(st.qslot)
             elif done != st.done:
                 raise EvictionRefused(
                     f"request {rid} was preempted and is being recomputed ({st.done} -> {done} computed "
                     "tokens); a recompute does not replay the evictions. Give vLLM more KV cache "
-                    "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs")
+                    "(VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization) or lower max_num_seqs"
+                )
             q = int(counts[i])
             row = RowPlan(st, qsl[i], q, done, bt_dev[i] if self.worker.row_blocks else None)
             st.done = done + q
@@ -247,18 +258,40 @@ class WorkerContext:
 
     # ---- layer side ----
 
-    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
-                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+    def kv_update(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        stock_write,
+    ) -> None:
         """Write the forward's new keys/values (and their positions/state) to the cache."""
         self.worker.kv_update(plan, layer_idx, layer_name, layout, key, value, kv_cache, slot_mapping, stock_write)
 
-    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
-                  value: Tensor | None = None) -> None:
+    def attention(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+        stock_forward,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+    ) -> None:
         """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction;
         ``key``/``value`` [T, H, D] are the forward's new ones (pooled prompt chunks read them)."""
-        self.worker.attention(plan, layer_idx, layer_name, layout, query, kv_cache, scale, output, stock_forward,
-                              key, value)
+        self.worker.attention(
+            plan, layer_idx, layer_name, layout, query, kv_cache, scale, output, stock_forward, key, value
+        )
 
 
 def check_config(vllm_config) -> None:
@@ -268,13 +301,15 @@ def check_config(vllm_config) -> None:
     problems = []
     cc = vllm_config.cache_config
     if cc.enable_prefix_caching:
-        problems.append("prefix caching (enable_prefix_caching=False): compaction rewrites blocks other "
-                        "requests would share")
+        problems.append(
+            "prefix caching (enable_prefix_caching=False): compaction rewrites blocks other requests would share"
+        )
     if str(getattr(cc, "cache_dtype", "auto")) != "auto":
         problems.append(f"a quantized KV cache (kv_cache_dtype={cc.cache_dtype}): policies read K/V as stored")
     if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding: rejected drafts roll back computed tokens the eviction "
-                        "schedule has already counted")
+        problems.append(
+            "speculative decoding: rejected drafts roll back computed tokens the eviction schedule has already counted"
+        )
     if vllm_config.kv_transfer_config is not None:
         problems.append("KV transfer/connectors: transferred blocks are not packed")
     if getattr(vllm_config.scheduler_config, "async_scheduling", False):

@@ -70,21 +70,33 @@ class KVRLImplMixin:
         if plan is None:
             return stock()
         self._check_layout(layer, kv_cache)
-        meta.kvrl_context.kv_update(plan, self._index(layer), layer.layer_name, self.LAYOUT, key, value,
-                                    kv_cache, slot_mapping, stock)
+        meta.kvrl_context.kv_update(
+            plan, self._index(layer), layer.layer_name, self.LAYOUT, key, value, kv_cache, slot_mapping, stock
+        )
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
+    ):
         plan = getattr(attn_metadata, "kvrl_plan", None)
-        stock = functools.partial(super().forward, layer, query, key, value, kv_cache, attn_metadata, output,
-                                  output_scale, output_block_scale)
+        stock = functools.partial(
+            super().forward, layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+        )
         if plan is None:
             return stock()
         n = attn_metadata.num_actual_tokens
-        attn_metadata.kvrl_context.attention(plan, self._index(layer), layer.layer_name, self.LAYOUT, query[:n],
-                                             kv_cache, self.scale, output[:n], stock,
-                                             key=None if key is None else key[:n],
-                                             value=None if value is None else value[:n])
+        attn_metadata.kvrl_context.attention(
+            plan,
+            self._index(layer),
+            layer.layer_name,
+            self.LAYOUT,
+            query[:n],
+            kv_cache,
+            self.scale,
+            output[:n],
+            stock,
+            key=None if key is None else key[:n],
+            value=None if value is None else value[:n],
+        )
         return output
 
 

@@ -58,16 +58,27 @@ class StaticWorker(RegimeWorker):
         layers, heads = self.geometry
         req.death = self.static.row(req.index, req.length - 1)  # covers prompt + max_tokens, as the engine's T
         if req.death.shape[:2] != (layers, heads):
-            raise ValueError(f"death pattern of shape {tuple(req.death.shape)}, the model has "
-                             f"(layers, kv_heads) = {(layers, heads)}")
+            raise ValueError(
+                f"death pattern of shape {tuple(req.death.shape)}, the model has (layers, kv_heads) = {(layers, heads)}"
+            )
         req.lens = torch.zeros(layers, heads, dtype=torch.long)
 
     def plan(self, plan: StepPlan, step: StepInput) -> None:
         for row in plan.rows:  # lens: updated by the layers
             row.lens = row.req.lens.clone()
 
-    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
-                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+    def kv_update(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        stock_write,
+    ) -> None:
         side = self.sides.for_layer(layer_name, kv_cache)
         h, dev = kv_cache.shape[1], kv_cache.device
         for row in plan.rows:
@@ -80,9 +91,20 @@ class StaticWorker(RegimeWorker):
             layout.write(kv_cache, row.blocks[None], zero, heads, slots, key[toks, heads], value[toks, heads])
             side.write(row.blocks[None], zero, heads, slots, plan.positions[toks], None)
 
-    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
-                  value: Tensor | None = None) -> None:
+    def attention(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+        stock_forward,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+    ) -> None:
         side = self.sides[layer_name]
         h = kv_cache.shape[1]
         group = query.shape[1] // h
@@ -97,15 +119,20 @@ class StaticWorker(RegimeWorker):
             keys, values, pos = keys[0], values[0], pos[0]
             pos = pos.masked_fill(torch.arange(n, device=dev)[None, :] >= lens[:, None], -1)
             death = st.death[layer_idx].to(dev).gather(-1, pos.clamp(min=0)).long()  # [H, N]
-            qpos = plan.positions[row.start:row.start + row.q]
+            qpos = plan.positions[row.start : row.start + row.q]
             k = pos[:, None, :]
             qq = qpos[None, :, None]
             allowed = (k >= 0) & (k <= qq) & (qq < death[:, None, :])  # [H, Q, N]
-            q = query[row.start:row.start + row.q].transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(q, keys[None], values[None],
-                                                 attn_mask=allowed.repeat_interleave(group, dim=0)[None],
-                                                 scale=scale, enable_gqa=True)
-            output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+            q = query[row.start : row.start + row.q].transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(
+                q,
+                keys[None],
+                values[None],
+                attn_mask=allowed.repeat_interleave(group, dim=0)[None],
+                scale=scale,
+                enable_gqa=True,
+            )
+            output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
             # drop the keys no later query can see (death <= m), per head, keeping order
             alive = (pos >= 0) & (death > row.m)
             new_lens = alive.sum(-1)
@@ -139,17 +166,30 @@ class WindowWorker(StaticWorker):
         wp = plan.window = WindowPlan.of(rows, step.cm.block_table_tensor, self.sink, self.recent)
         pooled = {r.req.pooled for r in rows}
         if len(pooled) > 1:
-            raise RuntimeError("a forward mixes requests with and without pooled heads; generate them in separate calls")
+            raise RuntimeError(
+                "a forward mixes requests with and without pooled heads; generate them in separate calls"
+            )
         if pooled.pop():
             if self.pool is None or self.pool.block_size != bs:
                 self.pool = HeadPool(self.windowed, self.sink, self.recent, bs)
             wp.pool, wp.all_blocks = self.pool, step.cm.block_table_tensor
-            wp.decode_rows = torch.tensor([i for i, r in enumerate(rows) if r.q == 1], dtype=torch.long,
-                                          device=wp.all_blocks.device)
+            wp.decode_rows = torch.tensor(
+                [i for i, r in enumerate(rows) if r.q == 1], dtype=torch.long, device=wp.all_blocks.device
+            )
             wp.nblk = max(-(-max(r.m for r in rows) // bs), self.pool.ring_blocks)
 
-    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
-                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+    def kv_update(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        stock_write,
+    ) -> None:
         wp = plan.window
         if wp.pool is not None:
             self._pool_write(wp, layer_idx, layout, key, value, kv_cache)
@@ -162,9 +202,20 @@ class WindowWorker(StaticWorker):
             tok = wp.decode[r]
             layout.write(kv_cache, wp.blocks, r, hh, wp.ring[r], key[tok, hh], value[tok, hh])
 
-    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None = None,
-                  value: Tensor | None = None) -> None:
+    def attention(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+        stock_forward,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+    ) -> None:
         if plan.window.pool is not None:
             self._pool_attention(plan.window, layer_idx, layout, query, key, value, kv_cache, scale, output)
         else:
@@ -180,8 +231,9 @@ class WindowWorker(StaticWorker):
         region = wp.decode_table.gather(-1, (slots // bs)[..., None]).squeeze(-1)
         wp.write_at = (region, slots % bs)
 
-    def _pool_write(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, key: Tensor, value: Tensor,
-                    kv_cache: Tensor) -> None:
+    def _pool_write(
+        self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, key: Tensor, value: Tensor, kv_cache: Tensor
+    ) -> None:
         """Pooled heads: a one-token row's new key in every head at its slot (vLLM's write,
         which would put every head at slot = position, is skipped); a prompt chunk's keys
         in its full heads (its windowed heads' go to their rings after the chunk's attention,
@@ -192,27 +244,47 @@ class WindowWorker(StaticWorker):
         d = key.shape[-1]
         if wp.decode.numel():
             region, offset = wp.write_at
-            k, v = (key[:wp.decode.numel()], value[:wp.decode.numel()]) if wp.all_decode else \
-                (key.index_select(0, wp.decode), value.index_select(0, wp.decode))
-            layout.region_write(regions, region[:, layer_idx].reshape(-1), offset[:, layer_idx].reshape(-1),
-                                k.reshape(-1, d), v.reshape(-1, d))
+            k, v = (
+                (key[: wp.decode.numel()], value[: wp.decode.numel()])
+                if wp.all_decode
+                else (key.index_select(0, wp.decode), value.index_select(0, wp.decode))
+            )
+            layout.region_write(
+                regions,
+                region[:, layer_idx].reshape(-1),
+                offset[:, layer_idx].reshape(-1),
+                k.reshape(-1, d),
+                v.reshape(-1, d),
+            )
         full = self.full_heads[layer_idx].to(kv_cache.device)
         bs = kv_cache.shape[2]
         for i, row in zip(wp.multi_rows, wp.multi):
             p = torch.arange(row.done, row.m, device=kv_cache.device)
             region = wp.table[i, layer_idx, full][:, p // bs]  # [F, q]
             span = slice(row.start, row.start + row.q)
-            layout.region_write(regions, region.reshape(-1), (p % bs).repeat(full.numel()),
-                                key[span, full].transpose(0, 1).reshape(-1, d),
-                                value[span, full].transpose(0, 1).reshape(-1, d))
+            layout.region_write(
+                regions,
+                region.reshape(-1),
+                (p % bs).repeat(full.numel()),
+                key[span, full].transpose(0, 1).reshape(-1, d),
+                value[span, full].transpose(0, 1).reshape(-1, d),
+            )
 
-    def _window_attention(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, query: Tensor,
-                          kv_cache: Tensor, scale: float, output: Tensor) -> None:
+    def _window_attention(
+        self,
+        wp: WindowPlan,
+        layer_idx: int,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+    ) -> None:
         sink, recent = self.sink, self.recent
         windowed = self.windowed[layer_idx].to(kv_cache.device)
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
-            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            q = query[: wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
             wp.put(output, layout.head_attention(q, kv_cache, wp.blocks, lens, scale))
         for row in wp.multi:  # sink + recent mask over the stock layout (ring slots hold only dead keys)
             k, v = layout.read(kv_cache, row.blocks[None], row.m)
@@ -223,11 +295,19 @@ class WindowWorker(StaticWorker):
             if heads.numel() and first < row.m:
                 p = torch.arange(first, row.m, device=k.device)
                 hh, pp = heads.repeat_interleave(p.numel()), p.repeat(heads.numel())
-                layout.write(kv_cache, row.blocks[None], torch.zeros_like(hh), hh, sink + (pp - sink) % recent,
-                             k[0, hh, pp], v[0, hh, pp])
+                layout.write(
+                    kv_cache,
+                    row.blocks[None],
+                    torch.zeros_like(hh),
+                    hh,
+                    sink + (pp - sink) % recent,
+                    k[0, hh, pp],
+                    v[0, hh, pp],
+                )
 
-    def _chunk_attention(self, row: RowPlan, windowed: Tensor, query: Tensor, k: Tensor, v: Tensor, scale: float,
-                         output: Tensor) -> None:
+    def _chunk_attention(
+        self, row: RowPlan, windowed: Tensor, query: Tensor, k: Tensor, v: Tensor, scale: float, output: Tensor
+    ) -> None:
         """A prompt chunk's queries over keys ``k``/``v`` [1, H, m, D] at positions 0..m−1
         (a windowed head's dead ones may hold anything) with the pattern's mask."""
         sink, recent = self.sink, self.recent
@@ -236,14 +316,30 @@ class WindowWorker(StaticWorker):
         causal = kpos[None, :] <= qpos[:, None]
         window = causal & ((kpos[None, :] < sink) | (qpos[:, None] < kpos[None, :] + recent))
         mask = torch.where(windowed[:, None, None], window[None], causal[None])  # [H, Q, N]
-        q = query[row.start:row.start + row.q].transpose(0, 1)[None]
+        q = query[row.start : row.start + row.q].transpose(0, 1)[None]
         group = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True,
-                                             attn_mask=mask.repeat_interleave(group, dim=0)[None])
-        output[row.start:row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+        out = F.scaled_dot_product_attention(
+            q,
+            k.to(q.dtype),
+            v.to(q.dtype),
+            scale=scale,
+            enable_gqa=True,
+            attn_mask=mask.repeat_interleave(group, dim=0)[None],
+        )
+        output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
 
-    def _pool_attention(self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, query: Tensor, key: Tensor,
-                        value: Tensor, kv_cache: Tensor, scale: float, output: Tensor) -> None:
+    def _pool_attention(
+        self,
+        wp: WindowPlan,
+        layer_idx: int,
+        layout: PagedLayout,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+    ) -> None:
         """Pooled heads: one-token rows through the layout's kernel over their heads' regions
         (a full head's m slots, a windowed head's min(m, sink + recent)); a prompt chunk
         over its full heads' slots and its windowed heads' rings put back at their
@@ -253,7 +349,7 @@ class WindowWorker(StaticWorker):
         regions = layout.regions(kv_cache, layer_idx)
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
-            q = query[:wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
+            q = query[: wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
             wp.put(output, layout.region_attention(q, regions, wp.decode_table[:, layer_idx], lens, scale))
         win = self.windowed_heads[layer_idx].to(kv_cache.device)
         bs, dev = kv_cache.shape[2], kv_cache.device
@@ -268,7 +364,7 @@ class WindowWorker(StaticWorker):
                 p = torch.where(s < sink, s, s + (row.done - 1 - s).div(recent, rounding_mode="floor") * recent)
                 kw, vw = k.new_zeros(win.numel(), *k.shape[1:]), v.new_zeros(win.numel(), *v.shape[1:])
                 kw[:, p], vw[:, p] = k[win][:, s], v[win][:, s]
-                kw[:, row.done:], vw[:, row.done:] = key[span, win].transpose(0, 1), value[span, win].transpose(0, 1)
+                kw[:, row.done :], vw[:, row.done :] = key[span, win].transpose(0, 1), value[span, win].transpose(0, 1)
                 k, v = k.index_copy(0, win, kw), v.index_copy(0, win, vw)
             self._chunk_attention(row, windowed, query, k[None], v[None], scale, output)
             # the chunk's windowed keys a later query sees (sinks and the last `recent`) into the rings
@@ -277,9 +373,13 @@ class WindowWorker(StaticWorker):
             if win.numel() and p.numel():
                 slot = torch.where(p >= sink + recent, sink + (p - sink) % recent, p)
                 region = table[win][:, slot // bs]  # [W, n]
-                layout.region_write(regions, region.reshape(-1), (slot % bs).repeat(win.numel()),
-                                    key[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, k.shape[-1]),
-                                    value[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, v.shape[-1]))
+                layout.region_write(
+                    regions,
+                    region.reshape(-1),
+                    (slot % bs).repeat(win.numel()),
+                    key[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, k.shape[-1]),
+                    value[row.start + p - row.done][:, win].transpose(0, 1).reshape(-1, v.shape[-1]),
+                )
 
 
 __all__ = ["StaticWorker", "WindowWorker", "static_worker", "window_heads"]

@@ -159,14 +159,20 @@ class WindowPlan:
         p = m - 1
         ring = np.where(p >= sink + recent, sink + (p - sink) % recent, -1)
         multi = [i for i, r in enumerate(rows) if r.q > 1]
-        return cls(torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
-                   len(one) == len(rows), torch.from_numpy(m).to(dev), bt_dev[one],
-                   torch.from_numpy(ring).to(dev), [rows[i] for i in multi], multi_rows=multi)
+        return cls(
+            torch.tensor([rows[i].start for i in one], dtype=torch.long, device=dev),
+            len(one) == len(rows),
+            torch.from_numpy(m).to(dev),
+            bt_dev[one],
+            torch.from_numpy(ring).to(dev),
+            [rows[i] for i in multi],
+            multi_rows=multi,
+        )
 
     def put(self, output: Tensor, out: Tensor) -> None:
         """The one-token rows' attention [Rd, Hq, D] into the forward's output [T, Hq, D]."""
         if self.all_decode:
-            output[:out.shape[0]] = out.to(output.dtype)
+            output[: out.shape[0]] = out.to(output.dtype)
         else:
             output.index_copy_(0, self.decode, out.to(output.dtype))
 
@@ -191,18 +197,38 @@ class RegimeWorker:
     def plan(self, plan: StepPlan, step: StepInput) -> None:
         """Complete ``plan`` before the stock metadata build."""
 
-    def kv_update(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, key: Tensor,
-                  value: Tensor, kv_cache: Tensor, slot_mapping: Tensor, stock_write) -> None:
+    def kv_update(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        slot_mapping: Tensor,
+        stock_write,
+    ) -> None:
         """Write the forward's new keys/values (and their positions/state) to the cache."""
         raise NotImplementedError
 
-    def attention(self, plan: StepPlan, layer_idx: int, layer_name: str, layout: PagedLayout, query: Tensor,
-                  kv_cache: Tensor, scale: float, output: Tensor, stock_forward, key: Tensor | None,
-                  value: Tensor | None) -> None:
+    def attention(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer_name: str,
+        layout: PagedLayout,
+        query: Tensor,
+        kv_cache: Tensor,
+        scale: float,
+        output: Tensor,
+        stock_forward,
+        key: Tensor | None,
+        value: Tensor | None,
+    ) -> None:
         """Attention of the forward into ``output`` [T, Hq, D], then whatever the layer's cache
         needs after it; ``key``/``value`` [T, H, D] are the forward's new ones."""
         raise NotImplementedError
 
 
-__all__ = ["EvictBatch", "EvictLayer", "RegimeWorker", "ReqState", "RowPlan", "StepInput", "StepPlan",
-           "WindowPlan"]
+__all__ = ["EvictBatch", "EvictLayer", "RegimeWorker", "ReqState", "RowPlan", "StepInput", "StepPlan", "WindowPlan"]

@@ -40,8 +40,9 @@ def _weights_from(source) -> dict[str, torch.Tensor]:
     return dict(source)
 
 
-def verify_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
-                   stacked: dict[str, list[str]], atol: float = 1e-4) -> dict:
+def verify_weights(
+    model: torch.nn.Module, weights: dict[str, torch.Tensor], stacked: dict[str, list[str]], atol: float = 1e-4
+) -> dict:
     """Check the model holds ``weights`` (checkpoint names): plain parameters bitwise,
     repacked linear layers by their forward on a probe input. Raises ValueError."""
     from vllm.model_executor.layers.linear import LinearBase
@@ -51,11 +52,16 @@ def verify_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
     seen = set()
     for name, param in model.named_parameters():
         w = weights.get(name)
-        if w is None or param.numel() == 0 or param.dim() != w.dim() or param.shape[1:] != w.shape[1:] \
-                or param.shape[0] < w.shape[0]:
+        if (
+            w is None
+            or param.numel() == 0
+            or param.dim() != w.dim()
+            or param.shape[1:] != w.shape[1:]
+            or param.shape[0] < w.shape[0]
+        ):
             continue  # absent, repacked (checked below) or stacked under another name
         # vocabulary-parallel embeddings are padded: compare the real rows
-        if not torch.equal(param.detach()[:w.shape[0]].cpu(), w.to(param.dtype)):
+        if not torch.equal(param.detach()[: w.shape[0]].cpu(), w.to(param.dtype)):
             raise ValueError(f"pushed weight {name} did not arrive")
         seen.add(name)
         checked += 1
@@ -129,10 +135,10 @@ class KVRLWorkerExtension:
             emb = weights["model.embed_tokens.weight"]
             head = model.lm_head
             with torch.no_grad():
-                head.weight[:emb.shape[0]].copy_(emb.to(head.weight.dtype))
+                head.weight[: emb.shape[0]].copy_(emb.to(head.weight.dtype))
             head.quant_method.process_weights_after_loading(head)
             x = torch.randn(3, emb.shape[1], generator=torch.Generator().manual_seed(0)).to(head.weight.dtype)
-            got = head.quant_method.apply(head, x)[:, :emb.shape[0]].float()
+            got = head.quant_method.apply(head, x)[:, : emb.shape[0]].float()
             want = x.float() @ emb.float().T
             err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
             if verify and err > 1e-4:
@@ -142,8 +148,10 @@ class KVRLWorkerExtension:
         stacked = getattr(model, "packed_modules_mapping", {}) or {}
         report = verify_weights(model, weights, stacked)
         if report["checked"] + report["functional"] == 0:
-            raise ValueError("no pushed weight could be matched to a model parameter: check the names "
-                             "(checkpoint names, e.g. model.layers.0.self_attn.q_proj.weight)")
+            raise ValueError(
+                "no pushed weight could be matched to a model parameter: check the names "
+                "(checkpoint names, e.g. model.layers.0.self_attn.q_proj.weight)"
+            )
         return report
 
     def kvrl_push_cache_state(self, state: dict) -> str:

@@ -44,19 +44,29 @@ def ops():
             fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
             baton = build / "lock"  # torch's: under our lock, no live kvrl process holds it
             if baton.exists():
-                warnings.warn(f"removed a stale build lock {baton}, left by a process killed while building "
-                              "kvrl's native ops", stacklevel=2)
+                warnings.warn(
+                    f"removed a stale build lock {baton}, left by a process killed while building kvrl's native ops",
+                    stacklevel=2,
+                )
                 baton.unlink()
             # -fno-trapping-math lets GCC if-convert the masked max and exp loops of scores.cpp
             # into vector code (nothing here reads floating-point exception flags).
-            load(name=name, sources=[str(here / s) for s in SOURCES], build_directory=str(build),
-                 extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])], is_python_module=False,
-                 verbose=False)
+            load(
+                name=name,
+                sources=[str(here / s) for s in SOURCES],
+                build_directory=str(build),
+                extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])],
+                is_python_module=False,
+                verbose=False,
+            )
         return torch.ops.kvrl_cpu
     except Exception as exc:  # no compiler, no ninja, an unwritable cache folder
-        warnings.warn(f"kvrl's native CPU ops did not build ({type(exc).__name__}: {exc}); reading and compacting "
-                      "the vLLM cache and the policies' scores fall back to torch ops, 2-4x slower. Install g++ and "
-                      "ninja (pip install ninja) to build them.", stacklevel=2)
+        warnings.warn(
+            f"kvrl's native CPU ops did not build ({type(exc).__name__}: {exc}); reading and compacting "
+            "the vLLM cache and the policies' scores fall back to torch ops, 2-4x slower. Install g++ and "
+            "ninja (pip install ninja) to build them.",
+            stacklevel=2,
+        )
         return None
 
 

@@ -20,5 +20,6 @@ def paged_read(kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) ->
 
 def paged_compact_(kv_cache: Tensor, blocks: Tensor, keep: Tensor, counts: Tensor | None) -> None:
     """:func:`~kvrl.kernels.reference.paged.paged_compact_`."""
-    native.ops().paged_compact_(kv_cache, blocks.long(), keep.long().contiguous(),
-                                None if counts is None else counts.long().contiguous())
+    native.ops().paged_compact_(
+        kv_cache, blocks.long(), keep.long().contiguous(), None if counts is None else counts.long().contiguous()
+    )

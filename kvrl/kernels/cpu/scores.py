@@ -20,16 +20,31 @@ from kvrl.kernels.cpu import native
 from kvrl.kernels.reference import scores as reference
 
 
-def attention_received(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor,
-                       scaling: float, *, gqa: str = "max", order: str = "softmax_then_pool",
-                       candidates_only: bool = False) -> torch.Tensor:
+def attention_received(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
+    *,
+    gqa: str = "max",
+    order: str = "softmax_then_pool",
+    candidates_only: bool = False,
+) -> torch.Tensor:
     """:func:`~kvrl.kernels.reference.scores.attention_received` as one pass over each head's
     logits; torch's masked fill, softmax, pool and sum are a pass each over the
     [B, H, G, W, N] logits, most of an H2O or SnapKV eviction after the matmul."""
     logits = reference.group_logits(queries, keys, scaling, gqa, order)
     groups = queries.shape[1] // keys.shape[1]
-    return native.ops().attention_received(logits, key_pos.contiguous(), query_pos.contiguous(), groups,
-                                           gqa == "mean", order == "pool_then_softmax", candidates_only)
+    return native.ops().attention_received(
+        logits,
+        key_pos.contiguous(),
+        query_pos.contiguous(),
+        groups,
+        gqa == "mean",
+        order == "pool_then_softmax",
+        candidates_only,
+    )
 
 
 def pool_slots(x: torch.Tensor, valid: torch.Tensor, kernel_size: int, mode: str) -> torch.Tensor:
@@ -52,16 +67,22 @@ def _previous_picks(pos, prev):  # a position -> slot table per head
 
 
 def _block_extremes(blk, cols, new_code, code, valid, threshold, last, newest):  # the passes in one, row by row
-    return native.ops().block_extremes(blk, cols.contiguous(), new_code.contiguous(), valid.contiguous(), threshold,
-                                       last, newest)
+    return native.ops().block_extremes(
+        blk, cols.contiguous(), new_code.contiguous(), valid.contiguous(), threshold, last, newest
+    )
 
 
 def _stale_picks(k, pos, prev, stale, new, threshold, last):
     return native.ops().stale_picks(k, pos.contiguous(), prev.contiguous(), stale, new, threshold, last)
 
 
-PASSES = reference.Passes(unit_keys=_unit_keys, redundancy=_redundancy, previous_picks=_previous_picks,
-                          block_extremes=_block_extremes, stale_picks=_stale_picks)
+PASSES = reference.Passes(
+    unit_keys=_unit_keys,
+    redundancy=_redundancy,
+    previous_picks=_previous_picks,
+    block_extremes=_block_extremes,
+    stale_picks=_stale_picks,
+)
 
 
 def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *args, **options) -> torch.Tensor:
@@ -69,7 +90,8 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, *args, **options) ->
     return reference.key_redundancy(keys, valid, *args, passes=PASSES, **options)
 
 
-def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pick: torch.Tensor, *args,
-                          **options) -> tuple[torch.Tensor, torch.Tensor]:
+def key_redundancy_update(
+    keys: torch.Tensor, key_pos: torch.Tensor, previous_pick: torch.Tensor, *args, **options
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~kvrl.kernels.reference.scores.key_redundancy_update` with the C++ passes."""
     return reference.key_redundancy_update(keys, key_pos, previous_pick, *args, passes=PASSES, **options)

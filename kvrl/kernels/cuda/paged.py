@@ -28,8 +28,22 @@ def _compact_kernel(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def kernel(kv_ptr, bt_ptr, keep_ptr, counts_ptr, s_blk, s_head, s_tok, s_ch, bt_stride, keep_sr, keep_sh,
-               block_size, D2: tl.constexpr, BLOCK_C: tl.constexpr):
+    def kernel(
+        kv_ptr,
+        bt_ptr,
+        keep_ptr,
+        counts_ptr,
+        s_blk,
+        s_head,
+        s_tok,
+        s_ch,
+        bt_stride,
+        keep_sr,
+        keep_sh,
+        block_size,
+        D2: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
         r = tl.program_id(0)
         h = tl.program_id(1)
         count = tl.load(counts_ptr + r)
@@ -58,6 +72,19 @@ def flash_compact(kv_cache: Tensor, block_table: Tensor, keep: Tensor, counts: T
     d2 = kv_cache.shape[3]
     kernel = _compact_kernel(os.environ.get("TRITON_INTERPRET", "0") == "1")
     s = kv_cache.stride()
-    kernel[(r, h)](kv_cache, block_table, keep, counts.to(torch.int32).contiguous(), s[0], s[1], s[2], s[3],
-                   block_table.stride(0), keep.stride(0), keep.stride(1), kv_cache.shape[2], D2=d2,
-                   BLOCK_C=triton.next_power_of_2(d2))
+    kernel[(r, h)](
+        kv_cache,
+        block_table,
+        keep,
+        counts.to(torch.int32).contiguous(),
+        s[0],
+        s[1],
+        s[2],
+        s[3],
+        block_table.stride(0),
+        keep.stride(0),
+        keep.stride(1),
+        kv_cache.shape[2],
+        D2=d2,
+        BLOCK_C=triton.next_power_of_2(d2),
+    )

@@ -53,14 +53,14 @@ class _TokenLogprobs(torch.autograd.Function):
         logsum = torch.empty(N, dtype=dt, device=hidden.device)
         ent = torch.empty(N if want_entropy else 0, dtype=dt, device=hidden.device)
         for i in range(0, N, chunk):
-            z = _chunk_logits(hidden[i:i + chunk], weight, bias, temperature)
-            top[i:i + chunk] = m = z.amax(-1)
+            z = _chunk_logits(hidden[i : i + chunk], weight, bias, temperature)
+            top[i : i + chunk] = m = z.amax(-1)
             e = torch.exp(z.sub_(m[:, None]))  # z − max, and its exp
             total = e.sum(-1)
-            logsum[i:i + chunk] = s = total.log()
-            lp[i:i + chunk] = z.gather(-1, targets[i:i + chunk, None]).squeeze(-1) - s
+            logsum[i : i + chunk] = s = total.log()
+            lp[i : i + chunk] = z.gather(-1, targets[i : i + chunk, None]).squeeze(-1) - s
             if want_entropy:  # H = log Σe − Σ e·(z − max) / Σe
-                ent[i:i + chunk] = s - torch.einsum("cv,cv->c", e, z) / total
+                ent[i : i + chunk] = s - torch.einsum("cv,cv->c", e, z) / total
             del z, e
         ctx.save_for_backward(hidden, weight, bias, targets, top, logsum, ent)
         ctx.temperature, ctx.chunk, ctx.want_entropy = temperature, chunk, want_entropy
@@ -83,23 +83,23 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=_math_dtype(weight.dtype), device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=_math_dtype(bias.dtype), device=bias.device) if need_b else None
         for i in range(0, N, chunk):
-            h = hidden[i:i + chunk]
-            z = _chunk_logits(h, weight, bias, T).sub_(lse[i:i + chunk, None])  # log p
+            h = hidden[i : i + chunk]
+            z = _chunk_logits(h, weight, bias, T).sub_(lse[i : i + chunk, None])  # log p
             p = torch.exp(z)
             # d/d logits = (1/T)·[g_lp·(onehot − p) − g_ent·p·(log p + H)]
-            gl = g_lp[i:i + chunk, None] / T
+            gl = g_lp[i : i + chunk, None] / T
             if use_ent:
-                ge = g_ent[i:i + chunk, None].to(z.dtype) / T
-                grad_z = z.mul_(-ge).sub_(ge * ent[i:i + chunk, None] + gl).mul_(p)
+                ge = g_ent[i : i + chunk, None].to(z.dtype) / T
+                grad_z = z.mul_(-ge).sub_(ge * ent[i : i + chunk, None] + gl).mul_(p)
                 del p
             else:
                 grad_z = p.mul_(-gl)
                 del z
-            grad_z.scatter_add_(-1, targets[i:i + chunk, None], gl)
+            grad_z.scatter_add_(-1, targets[i : i + chunk, None], gl)
             gz = grad_z.to(weight.dtype)
             del grad_z
             if need_h:
-                grad_h[i:i + chunk] = (gz @ weight).to(hidden.dtype)
+                grad_h[i : i + chunk] = (gz @ weight).to(hidden.dtype)
             if need_w:
                 grad_w.addmm_(gz.T.to(grad_w.dtype), h.to(grad_w.dtype))
             if need_b:
@@ -112,9 +112,16 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0,
-                   chunk: int = 1024, entropies: bool = True,
-                   bias: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    entropies: bool = True,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
     """Logprob of each target and entropy of each next-token distribution, chunked over rows.
 
     hidden [N, D]: final hidden states (after the final norm) of the positions that predict
@@ -124,14 +131,16 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, temperatu
     forward and backward hold at most a few [chunk, V] float buffers, never [N, V].
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden [N, D] and weight [V, D] expected; got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden [N, D] and weight [V, D] expected; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets [N] expected with N={hidden.shape[0]}; got {tuple(targets.shape)}")
     if chunk < 1:
         raise ValueError(f"chunk={chunk}: must be ≥ 1")
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
-    lp, ent = _TokenLogprobs.apply(hidden, weight, bias, targets.long(), float(temperature), int(chunk),
-                                   bool(entropies))
+    lp, ent = _TokenLogprobs.apply(
+        hidden, weight, bias, targets.long(), float(temperature), int(chunk), bool(entropies)
+    )
     return lp, (ent if entropies else None)

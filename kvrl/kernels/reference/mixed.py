@@ -33,8 +33,18 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 
-def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: Tensor, key_pos: Tensor,
-                         gates: Tensor, *, sink: int, recent: int, scaling: float) -> Tensor:
+def mixed_gate_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    query_pos: Tensor,
+    key_pos: Tensor,
+    gates: Tensor,
+    *,
+    sink: int,
+    recent: int,
+    scaling: float,
+) -> Tensor:
     """Per KV head ``α·softmax-attention(causal) + (1−α)·softmax-attention(sink+recent)``.
 
     Parameters
@@ -80,25 +90,49 @@ def mixed_gate_attention(query: Tensor, key: Tensor, value: Tensor, query_pos: T
     return out.to(query.dtype)
 
 
-def mixed_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0, position_ids=None,
-                    kvrl_mixed=None, kvrl_key_pos: Tensor | None = None, **kwargs):
+def mixed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    scaling,
+    dropout=0.0,
+    position_ids=None,
+    kvrl_mixed=None,
+    kvrl_key_pos: Tensor | None = None,
+    **kwargs,
+):
     """transformers attention function ``"kvrl_mixed"``: query [B, Hq, Q, D], key/value
     [B, H, N, D] (the whole cache) -> (out [B, Q, Hq, D], None). ``kvrl_mixed``: gates
     [layers, kv_heads], sink and recent (:class:`kvrl.policies.Mixed`). ``kvrl_key_pos``
     [B, N]: true key positions (−1 = padding); default: slot i holds position i (un-padded)."""
     if kvrl_mixed is None or position_ids is None:
-        raise ValueError("attn_implementation='kvrl_mixed' needs model(..., position_ids=..., "
-                         "kvrl_mixed=kvrl.policies.Mixed(...))")
+        raise ValueError(
+            "attn_implementation='kvrl_mixed' needs model(..., position_ids=..., kvrl_mixed=kvrl.policies.Mixed(...))"
+        )
     n = key.shape[2]
     if kvrl_key_pos is None:
         key_pos = torch.arange(n, device=key.device).expand(key.shape[0], n)
     elif tuple(kvrl_key_pos.shape) != (key.shape[0], n):
-        raise ValueError(f"kvrl_key_pos has shape {tuple(kvrl_key_pos.shape)}, the keys are {(key.shape[0], n)}: "
-                         "pass the true position of every key slot (a full-sequence forward, no cache)")
+        raise ValueError(
+            f"kvrl_key_pos has shape {tuple(kvrl_key_pos.shape)}, the keys are {(key.shape[0], n)}: "
+            "pass the true position of every key slot (a full-sequence forward, no cache)"
+        )
     else:
         key_pos = kvrl_key_pos
-    out = mixed_gate_attention(query, key, value, position_ids, key_pos, kvrl_mixed.gates[module.layer_idx],
-                               sink=kvrl_mixed.sink, recent=kvrl_mixed.recent, scaling=scaling)
+    out = mixed_gate_attention(
+        query,
+        key,
+        value,
+        position_ids,
+        key_pos,
+        kvrl_mixed.gates[module.layer_idx],
+        sink=kvrl_mixed.sink,
+        recent=kvrl_mixed.recent,
+        scaling=scaling,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

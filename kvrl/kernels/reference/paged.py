@@ -46,7 +46,7 @@ def views(kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     nb, h, bs, d2 = kv_cache.shape
     d = d2 // 2
     flat = kv_cache.view(nb, h, 2 * bs * d)
-    return flat[:, :, :bs * d].view(nb, h, d, bs), flat[:, :, bs * d:].view(nb, h, bs, d)
+    return flat[:, :, : bs * d].view(nb, h, d, bs), flat[:, :, bs * d :].view(nb, h, bs, d)
 
 
 def paged_read(kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -97,17 +97,18 @@ def flash_read(kv_cache: Tensor, blocks: Tensor, n: int, values: bool = True) ->
     bs, d2 = kv_cache.shape[2], kv_cache.shape[3]
     j = torch.arange(n, device=kv_cache.device)
     blk = blocks.to(kv_cache.device)[:, j // bs].long()  # [R, n]
-    x = (kv_cache if values else kv_cache[..., :d2 // 2])[blk, :, j % bs]  # [R, n, H, 2D or D]
-    return x[..., :d2 // 2].transpose(1, 2), x[..., d2 // 2:].transpose(1, 2) if values else None
+    x = (kv_cache if values else kv_cache[..., : d2 // 2])[blk, :, j % bs]  # [R, n, H, 2D or D]
+    return x[..., : d2 // 2].transpose(1, 2), x[..., d2 // 2 :].transpose(1, 2) if values else None
 
 
-def flash_write(kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor,
-                values: Tensor) -> None:
+def flash_write(
+    kv_cache: Tensor, blocks: Tensor, rows: Tensor, heads: Tensor, slots: Tensor, keys: Tensor, values: Tensor
+) -> None:
     """Store keys/values [M, D] at (request ``rows[i]``, head ``heads[i]``, logical slot ``slots[i]``)."""
     bs, d2 = kv_cache.shape[2], kv_cache.shape[3]
     blk, off = blocks.to(kv_cache.device)[rows, slots // bs].long(), slots % bs
-    kv_cache[blk, heads, off, :d2 // 2] = keys.to(kv_cache.dtype)
-    kv_cache[blk, heads, off, d2 // 2:] = values.to(kv_cache.dtype)
+    kv_cache[blk, heads, off, : d2 // 2] = keys.to(kv_cache.dtype)
+    kv_cache[blk, heads, off, d2 // 2 :] = values.to(kv_cache.dtype)
 
 
 def flash_compact(kv_cache: Tensor, block_table: Tensor, keep: Tensor, counts: Tensor) -> None:

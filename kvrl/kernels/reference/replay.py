@@ -63,8 +63,7 @@ def visibility(death_slots: torch.Tensor, key_pos: torch.Tensor, query_pos: torc
     return (k >= 0) & (k <= q) & (q < death_slots[:, :, None, :])
 
 
-def replay_block_mask(death: torch.Tensor, key_pos: torch.Tensor, groups: int,
-                      block_size: int = 128) -> BlockMask:
+def replay_block_mask(death: torch.Tensor, key_pos: torch.Tensor, groups: int, block_size: int = 128) -> BlockMask:
     """flex-attention BlockMask of one layer's trace for a full-sequence forward.
 
     death: [B, H_kv, T] int (one layer); key_pos: [B, S] true positions of the sequence
@@ -81,8 +80,9 @@ def replay_block_mask(death: torch.Tensor, key_pos: torch.Tensor, groups: int,
         k, q = key_pos[b, kv_idx], key_pos[b, q_idx]
         return (k >= 0) & (k <= q) & (q < death_slots[b, h // groups, kv_idx])
 
-    return create_block_mask(mask_mod, B, H * groups, S, S, device=key_pos.device,
-                             BLOCK_SIZE=block_size, _compile=key_pos.is_cuda)
+    return create_block_mask(
+        mask_mod, B, H * groups, S, S, device=key_pos.device, BLOCK_SIZE=block_size, _compile=key_pos.is_cuda
+    )
 
 
 _compiled_flex = None
@@ -99,8 +99,19 @@ def _flex(query, key, value, block_mask, scale):
         return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def replay_attention(module, query, key, value, attention_mask, *, scaling, dropout=0.0,
-                     position_ids=None, kvrl_replay: Replay | None = None, **kwargs):
+def replay_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    scaling,
+    dropout=0.0,
+    position_ids=None,
+    kvrl_replay: Replay | None = None,
+    **kwargs,
+):
     """transformers attention function: query [B, Hq, Q, D], key/value [B, Hkv, K, D]
     -> (out [B, Q, Hq, D], None)."""
     if kvrl_replay is None and kwargs.get("kvrl_mixed") is not None:
@@ -108,11 +119,21 @@ def replay_attention(module, query, key, value, attention_mask, *, scaling, drop
         # recompute in backward (after score() returned) runs the attention its forward ran
         from kvrl.kernels.reference.mixed import mixed_attention
 
-        return mixed_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                               position_ids=position_ids, **kwargs)
+        return mixed_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            position_ids=position_ids,
+            **kwargs,
+        )
     if kvrl_replay is None:
-        raise ValueError("attn_implementation='kvrl_replay' needs model(..., kvrl_replay=Replay(...)) "
-                         "(or kvrl_mixed=Mixed(...))")
+        raise ValueError(
+            "attn_implementation='kvrl_replay' needs model(..., kvrl_replay=Replay(...)) (or kvrl_mixed=Mixed(...))"
+        )
     groups = query.shape[1] // key.shape[1]
     if kvrl_replay.flex:
         if not query.shape[2] == key.shape[2] == kvrl_replay.key_pos.shape[1]:
@@ -129,8 +150,8 @@ def replay_attention(module, query, key, value, attention_mask, *, scaling, drop
     # outputs are never read, but a NaN value would poison real rows through 0 * NaN).
     allowed = allowed | ~allowed.any(-1, keepdim=True)
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed.repeat_interleave(groups, dim=1), scale=scaling,
-        enable_gqa=True)
+        query, key, value, attn_mask=allowed.repeat_interleave(groups, dim=1), scale=scaling, enable_gqa=True
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

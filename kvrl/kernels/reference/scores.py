@@ -24,9 +24,17 @@ _GQA = ("max", "mean")
 _ORDERS = ("softmax_then_pool", "pool_then_softmax")
 
 
-def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
-                     query_pos: torch.Tensor, scaling: float, *, gqa: str = "max",
-                     order: str = "softmax_then_pool", candidates_only: bool = False) -> torch.Tensor:
+def window_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
+    *,
+    gqa: str = "max",
+    order: str = "softmax_then_pool",
+    candidates_only: bool = False,
+) -> torch.Tensor:
     """Attention probabilities of the observation queries over the cache, pooled per KV head.
 
     Parameters
@@ -102,17 +110,26 @@ def window_attention(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.T
     return probs
 
 
-def attention_received(queries: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tensor,
-                       query_pos: torch.Tensor, scaling: float, *, gqa: str = "max",
-                       order: str = "softmax_then_pool", candidates_only: bool = False) -> torch.Tensor:
+def attention_received(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    scaling: float,
+    *,
+    gqa: str = "max",
+    order: str = "softmax_then_pool",
+    candidates_only: bool = False,
+) -> torch.Tensor:
     """The attention each slot received from the observation queries, summed over them:
     ``window_attention(...).sum(2)``, [B, H, N] float32 (same parameters).
 
     H2O, SnapKV, R-KV and G-KV all need only this sum (the CPU accelerator computes it
     without the [B, H, W, N] probabilities: :func:`kvrl.kernels.cpu.scores.attention_received`).
     """
-    return window_attention(queries, keys, key_pos, query_pos, scaling, gqa=gqa, order=order,
-                            candidates_only=candidates_only).sum(2)
+    return window_attention(
+        queries, keys, key_pos, query_pos, scaling, gqa=gqa, order=order, candidates_only=candidates_only
+    ).sum(2)
 
 
 def group_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float, gqa: str, order: str) -> torch.Tensor:
@@ -162,9 +179,17 @@ class Passes(NamedTuple):
     stale_picks: Callable | None  # (k, pos, prev, stale, new, threshold, last) -> kept slots of the stale columns
 
 
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5, *,
-                   retain_direction: str = "last", fallback: bool = False, eps: float = 1e-6,
-                   tile: int | None = None, passes: Passes | None = None) -> torch.Tensor:
+def key_redundancy(
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    threshold: float = 0.5,
+    *,
+    retain_direction: str = "last",
+    fallback: bool = False,
+    eps: float = 1e-6,
+    tile: int | None = None,
+    passes: Passes | None = None,
+) -> torch.Tensor:
     """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` / R-KV's ``cal_similarity``
     (G-KV's and R-KV's redundancy step).
 
@@ -271,10 +296,18 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0
     return _redundancy(passes, k, norm, valid, pick, eps, side)
 
 
-def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pick: torch.Tensor,
-                          threshold: float = 0.5, *, retain_direction: str = "last", fallback: bool = False,
-                          eps: float = 1e-6, tile: int | None = None,
-                          passes: Passes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def key_redundancy_update(
+    keys: torch.Tensor,
+    key_pos: torch.Tensor,
+    previous_pick: torch.Tensor,
+    threshold: float = 0.5,
+    *,
+    retain_direction: str = "last",
+    fallback: bool = False,
+    eps: float = 1e-6,
+    tile: int | None = None,
+    passes: Passes | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`key_redundancy` at an eviction, reusing each slot's exempt row ("pick") from
     the previous eviction instead of comparing all N×N key pairs again.
 
@@ -361,8 +394,17 @@ def key_redundancy_update(keys: torch.Tensor, key_pos: torch.Tensor, previous_pi
         pick[rows] = _exempt_rows(k[rows], valid[rows], threshold, last, tile)
     if n_full < b:
         rows = ~full if n_full else slice(None)
-        pick[rows] = _updated_picks(passes, k[rows], valid[rows], threshold, last, kept[rows], need[rows],
-                                    new[rows], int(need[rows].sum(-1).amax()))
+        pick[rows] = _updated_picks(
+            passes,
+            k[rows],
+            valid[rows],
+            threshold,
+            last,
+            kept[rows],
+            need[rows],
+            new[rows],
+            int(need[rows].sum(-1).amax()),
+        )
     pick_pos = torch.where(pick >= 0, pos.gather(-1, pick.clamp(min=0)), -1).float()
     return _redundancy(passes, k, norm, valid, pick, eps, side), pick_pos.masked_fill_(~valid, float("nan"))
 
@@ -402,8 +444,15 @@ def _previous_picks(pos: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor
     return torch.where(present, at, -1), valid & ~(present | (prev == -1)), valid & prev.isnan()
 
 
-def _redundancy(passes: Passes, k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
-                eps: float, fallback: str | None) -> torch.Tensor:
+def _redundancy(
+    passes: Passes,
+    k: torch.Tensor,
+    norm: torch.Tensor,
+    valid: torch.Tensor,
+    pick: torch.Tensor,
+    eps: float,
+    fallback: str | None,
+) -> torch.Tensor:
     """Row sums of the cosines without the zeroed entries (pick[n], n), ÷ valid count,
     softmax (``passes.redundancy``); k [B, H, D, N] from ``passes.unit_keys``.
     ``fallback`` ("first" or "last"): a valid column without a pick takes the first or last
@@ -418,8 +467,9 @@ def _redundancy(passes: Passes, k: torch.Tensor, norm: torch.Tensor, valid: torc
     return passes.redundancy(k, norm, valid, pick, eps)
 
 
-def _row_sums_softmax(k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor,
-                      eps: float) -> torch.Tensor:
+def _row_sums_softmax(
+    k: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor, pick: torch.Tensor, eps: float
+) -> torch.Tensor:
     """The torch pass of :func:`_redundancy`: row sums without the entries (pick[n], n)
     (−1: none), ÷ valid count, softmax over the valid slots."""
     b, h, d, n = k.shape
@@ -443,8 +493,7 @@ def _block_elements(x: torch.Tensor) -> int:
     return _BLOCK_ELEMENTS["cpu" if x.device.type == "cpu" else "other"]
 
 
-def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool,
-                 tile: int | None) -> torch.Tensor:
+def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool, tile: int | None) -> torch.Tensor:
     """For every column n of the normalised keys k [B, H, D, N] (invalid slots zero): the
     latest (``last``) or earliest valid row m ≠ n with ``cos(m, n) > threshold``; −1 if none.
 
@@ -479,15 +528,24 @@ def _exempt_rows(k: torch.Tensor, valid: torch.Tensor, threshold: float, last: b
             blk.gt_(threshold)
             if threshold < 0:  # invalid slots have cos 0, which passes: mask them explicitly
                 blk.mul_(valid[:, :, i0:i1, None]).mul_(valid[:, :, None, j0:j1])
-            blk.mul_(code[:i1 - i0, :j1 - j0])
+            blk.mul_(code[: i1 - i0, : j1 - j0])
             out[..., j0:j1] = better(out[..., j0:j1], decode(blk.amax(-2).long(), i0, True))
             if j0 < i0:
                 out[..., i0:i1] = better(out[..., i0:i1], decode(blk.amax(-1).long(), j0, False))
     return out if last else out.masked_fill_(out == n, -1)
 
 
-def _updated_picks(passes: Passes, k: torch.Tensor, valid: torch.Tensor, threshold: float, last: bool,
-                   kept: torch.Tensor, need: torch.Tensor, new: torch.Tensor, c: int) -> torch.Tensor:
+def _updated_picks(
+    passes: Passes,
+    k: torch.Tensor,
+    valid: torch.Tensor,
+    threshold: float,
+    last: bool,
+    kept: torch.Tensor,
+    need: torch.Tensor,
+    new: torch.Tensor,
+    c: int,
+) -> torch.Tensor:
     """The exempt rows (slots, −1 if none) of :func:`key_redundancy_update`'s incremental path.
 
     k [B, H, D, N] normalised keys; kept [B, H, N] the slot of each column's previous pick
@@ -510,8 +568,9 @@ def _updated_picks(passes: Passes, k: torch.Tensor, valid: torch.Tensor, thresho
     for c0 in range(0, c, step):
         c1 = min(c0 + step, c)
         blk = _columns(k, cols[..., c0:c1]).transpose(-1, -2) @ k  # [B, H, c1 − c0, N]
-        extreme[..., c0:c1] = passes.block_extremes(blk, cols[..., c0:c1], new_code[..., c0:c1], code, valid,
-                                                    threshold, last, newest)
+        extreme[..., c0:c1] = passes.block_extremes(
+            blk, cols[..., c0:c1], new_code[..., c0:c1], code, valid, threshold, last, newest
+        )
 
     def decode(v: torch.Tensor) -> torch.Tensor:
         v = v.long()
@@ -524,8 +583,16 @@ def _updated_picks(passes: Passes, k: torch.Tensor, valid: torch.Tensor, thresho
     return pick.scatter_(-1, cols, recomputed).masked_fill_(~valid, -1)
 
 
-def _block_extremes(blk: torch.Tensor, cols: torch.Tensor, new_code: torch.Tensor, code: torch.Tensor,
-                    valid: torch.Tensor, threshold: float, last: bool, newest: torch.Tensor) -> torch.Tensor:
+def _block_extremes(
+    blk: torch.Tensor,
+    cols: torch.Tensor,
+    new_code: torch.Tensor,
+    code: torch.Tensor,
+    valid: torch.Tensor,
+    threshold: float,
+    last: bool,
+    newest: torch.Tensor,
+) -> torch.Tensor:
     """One block of :func:`_updated_picks`: blk [B, H, C, N] = cos(columns ``cols`` [B, H, C],
     all rows) → per column the row code ``code`` [N] of its extreme near-duplicate (0: none),
     [B, H, C]; ``newest`` [B, H, N] raised in place, per slot, to the largest ``new_code``
@@ -543,8 +610,13 @@ def _block_extremes(blk: torch.Tensor, cols: torch.Tensor, new_code: torch.Tenso
     return extreme
 
 
-TORCH = Passes(unit_keys=_unit_keys, redundancy=_row_sums_softmax, previous_picks=_previous_picks,
-               block_extremes=_block_extremes, stale_picks=None)
+TORCH = Passes(
+    unit_keys=_unit_keys,
+    redundancy=_row_sums_softmax,
+    previous_picks=_previous_picks,
+    block_extremes=_block_extremes,
+    stale_picks=None,
+)
 
 
 POOL_MODES = ("max", "avg")
