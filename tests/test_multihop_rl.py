@@ -1,9 +1,10 @@
-"""G-KV's RL-Sparse and Distill on the multihop reasoner (``recipes/tiny_multihop_*.yaml``).
+"""G-KV's RL-Sparse, Distill and RL-Full on the multihop reasoner (``recipes/tiny_multihop_*.yaml``).
 
 * partial credit (``MultiHopEnv(partial_credit=w)``) adds w x the share of queries right to the
   exact answer, and gives groups of samples under G-KV a spread where the exact answer gives
   none (the learning signal GRPO needs);
-* each recipe, shrunk, moves its loss on a batch rolled out by the shipped multihop reasoner
+* RL-Full's recipe is RL-Sparse's but for the cache, so that their comparison is the cache's;
+* each G-KV recipe, shrunk, moves its loss on a batch rolled out by the shipped multihop reasoner
   under its G-KV cache, and runs through the RL loop with a signal in its groups and the
   learner replaying the rollout's traces.
 """
@@ -55,6 +56,18 @@ def test_partial_credit_adds_the_share_of_queries_right():
     assert make("kvrl/multihop-v0").score(task, wrong)[0] == 0.0  # the default is the exact answer
     with pytest.raises(ValueError, match="partial_credit"):
         make("kvrl/multihop-v0", partial_credit=-1.0)
+
+
+def test_rl_full_differs_from_rl_sparse_only_in_the_cache():
+    """benchmarks/learning/multihop_gkv.py compares the two as "trained with the full cache" against
+    "trained under G-KV": any other difference (a learning rate, the reward) would be part of that."""
+    full = load_config(["recipe=tiny_multihop_full"])
+    sparse = load_config(["recipe=tiny_multihop_sparse"])
+    assert (full.kv.policy, full.rl.algo, sparse.rl.algo) == ("full", "rl_full", "rl_sparse")
+    for section in ("model", "env", "sampling", "trainer", "workers"):
+        assert getattr(full, section) == getattr(sparse, section), section
+    a, b = vars(full.rl).copy(), vars(sparse.rl).copy()
+    assert {k: v for k, v in a.items() if k != "algo"} == {k: v for k, v in b.items() if k != "algo"}
 
 
 @pytest.mark.slow

@@ -1,14 +1,16 @@
-"""G-KV's post-training on the multihop reasoner: RL-Sparse or Distill under the G-KV cache,
-judged on held-out tasks against the untrained reasoner under the same cache.
+"""G-KV's post-training on the multihop reasoner: RL-Sparse or Distill under the G-KV cache, or
+RL-Full with the full cache, judged on held-out tasks against the untrained reasoner under the
+same G-KV cache.
 
-Training is the formulation's recipe (``recipes/tiny_multihop_sparse.yaml`` or
-``tiny_multihop_distill.yaml``) at ``--budget``, into ``--out/<formulation>_<budget>_lr<lr>`` with
+Training is the formulation's recipe (``recipes/tiny_multihop_sparse.yaml``,
+``tiny_multihop_distill.yaml`` or ``tiny_multihop_full.yaml``) at ``--budget`` (RL-Full trains with
+the full cache at any budget, so its folder is named by the budget it is judged at), into ``--out/<formulation>_<budget>_lr<lr>`` with
 ``resume=auto``: a stopped run continues where it stopped when the command is given again, and
 a finished one is evaluated as it is. Training draws its tasks from seed 0's stream; the
 judged tasks are ``--tasks`` tasks of the test stream (seed 9001), which no choice of
 reward or hyperparameter looked at; those were made on the validation stream (seed 7001:
 ``--stream validation``, and ``benchmarks/learning/multihop_signal.py``). Both models decode greedily under G-KV at the
-recipe's interval, window, sink and kwargs; accuracy is the exact answer with its 95 % Wilson
+RL-Sparse recipe's interval, window, sink and kwargs; accuracy is the exact answer with its 95 % Wilson
 interval, query accuracy beside it.
 
 Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation>[_<budget>].json``
@@ -31,7 +33,8 @@ from kvrl.jobs.rl import main as train
 from kvrl.policies import make_policy
 from kvrl.runlog import setup_process
 
-RECIPES = {"rl_sparse": "tiny_multihop_sparse", "distill": "tiny_multihop_distill"}
+RECIPES = {"rl_sparse": "tiny_multihop_sparse", "distill": "tiny_multihop_distill", "rl_full": "tiny_multihop_full"}
+JUDGE = "tiny_multihop_sparse"  # whose G-KV cache every model is judged under
 VALIDATION_SEED, TEST_SEED = 7001, 9001  # training draws from seed 0's stream
 
 
@@ -53,14 +56,15 @@ def main():
     setup_process()
 
     recipe = load_config([f"recipe={RECIPES[args.formulation]}"])
-    budget = args.budget or recipe.kv.budget
+    kv = load_config([f"recipe={JUDGE}"]).kv
+    budget = args.budget or kv.budget
     steps = args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
     seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
     out = Path(args.out) / f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
     overrides = [
         f"recipe={RECIPES[args.formulation]}",
-        f"kv.budget={budget}",
+        *([] if recipe.kv.policy == "full" else [f"kv.budget={budget}"]),
         f"trainer.steps={steps}",
         f"trainer.lr={lr}",
         f"output_dir={out}",
@@ -76,7 +80,6 @@ def main():
 
     # ---- judge both models greedily under the same G-KV cache, on the test stream
     env, tasks = draw_tasks(cfg.env.id, args.tasks, seed)  # partial_credit 0: the exact answer
-    kv = cfg.kv
     judged = {}
     for name, path in {"untrained": cfg.model.path, "trained": str(out / "model")}.items():
         model, _, engine = reasoner(path)
@@ -90,7 +93,7 @@ def main():
         return round(float(np.mean(values)), 4) if values else None
 
     first, last = records[:5], records[-5:]
-    name = f"multihop_{args.formulation}" + ("" if budget == recipe.kv.budget else f"_{budget}")
+    name = f"multihop_{args.formulation}" + ("" if budget == kv.budget else f"_{budget}")
     line = {
         "benchmark": "multihop_gkv",
         "formulation": args.formulation,
@@ -105,6 +108,7 @@ def main():
             **kv.kwargs,
         },
         "budget": budget,
+        "trained_cache": cfg.kv.policy,
         "trained_acc": judged["trained"]["acc"],
         "trained_ci95": judged["trained"]["ci95"],
         "trained_query_acc": judged["trained"].get("query_acc"),
