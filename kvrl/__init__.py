@@ -17,8 +17,8 @@ of every module, lazy ones included):
                           other trainers (TRL's GRPOTrainer under a kvrl eviction policy)
    10. eval bench         evaluation under KV budgets; what the scripts under benchmarks/ share (models,
                           tasks, clocks, the JSON line)
-   11. gate plan jobs     the checks beyond the config; the dry-run plan; what ``python -m kvrl.run`` starts,
-                          one module per job (with its config section)
+   11. lookup gate plan jobs  what the config names, looked up; the checks beyond it; the dry-run plan;
+                          what ``python -m kvrl.run`` starts, one module per job (with its config section)
    12. config             the typed config: recipes and command line merged over the shared sections and the
                           sections the algorithms and jobs register, and its checks
    13. run                the entry point

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kvrl.config import ConfigError, available_recipes, load_config
-from kvrl.gate import env_problems, hub_problems, model_problems, run_problems
+from kvrl.gate import hub_problems, run_problems
+from kvrl.lookup import env_problems, model_problems
 from kvrl.run import main
 from kvrl.runlog import OutputLock, flatten
 

@@ -198,15 +198,10 @@ def module_imports_anywhere(path: Path, modules: set[str]) -> set[str]:
     return found & modules
 
 
-# The one circle left: two jobs' config rules ask kvrl.gate (cache_limit, env_problems) from inside a
-# function, while kvrl.gate and kvrl.plan read the table of jobs. Empty this when it goes.
-KNOWN = {frozenset({"kvrl.gate", "kvrl.jobs", "kvrl.jobs.eval_config", "kvrl.jobs.self_distill_config", "kvrl.plan"})}
-
-
 def test_no_import_circle_counting_imports_inside_functions():
     paths = {module_name(p): p for p in ROOT.rglob("*.py")}
     graph = {name: module_imports_anywhere(path, set(paths)) for name, path in paths.items()}
-    circles = [c for c in import_circles(graph) if not any(set(c) <= known for known in KNOWN)]
+    circles = import_circles(graph)
     assert not circles, "import circles through imports inside functions:\n" + "\n".join(
         " -> ".join(c) for c in circles
     )

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 from omegaconf import MISSING
 
 from kvrl.algos import ALGOS, algo_class
-from kvrl.gate import cache_limit, env_problems, model_problems, policy_problems
+from kvrl.lookup import cache_limit, env_problems, model_problems, policy_problems
 from kvrl.jobs import JOBS
 from kvrl.section import POLICY_NAMES, ConfigError, checked
 from kvrl.workers.inline import INLINE
@@ -79,7 +79,7 @@ class KVConfig:
     def problems(self, cfg: "Shared") -> list[str]:
         """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: a policy given
         by path imports and takes kv.kwargs; the policy always keeps kv.sink + kv.window tokens and must
-        choose at least one more by score; a budget a sequence never reaches (`kvrl.gate.cache_limit`) never
+        choose at least one more by score; a budget a sequence never reaches (`kvrl.lookup.cache_limit`) never
         evicts. This is the budget's one check on the config path, where it is known earliest (a policy
         built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
         problems = policy_problems(self.policy, self.kwargs)

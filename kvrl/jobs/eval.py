@@ -45,31 +45,27 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
 from transformers import AutoConfig, AutoTokenizer
 from tqdm import tqdm
 
-import kvrl
 from kvrl.engines import make_engine
 from kvrl.engines.base import Sampling, check_prompts
 from kvrl.envs import make
 from kvrl.envs.chat import Chat
 from kvrl.eval.suite import (
-    LOOP_DISTINCT,
-    LOOP_N,
-    LOOP_WINDOW,
-    MODES,
     PolicySpec,
     error_mode,
     kv_usage,
     loops_apply,
     summarise,
-    wilson,
 )
+from kvrl.eval.report import console_line, kvrl_commit, report
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, pyplot, setup_process, sha256_of
+from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, setup_process, sha256_of
 from kvrl.section import ConfigError
 
 
@@ -124,15 +120,9 @@ def point_label(spec: PolicySpec, point) -> str:
     return "-" if point is None else f"s={point:g}" if spec.kind == "heads" else str(point)
 
 
-def main(cfg) -> dict:
-    # ---- the model, the environment, the tasks, what is already done
-    setup_process(cfg.seed, threads=None)
-    out = Path(cfg.output_dir)
-    lock = OutputLock(out)
-    ev = cfg.eval
-    specs = [PolicySpec.of(name, ev.settings) for name in dict.fromkeys(["full", *ev.policies])]
-    weights = resolve_path(cfg.model.path)  # a run directory: the folder of the weights it trained
-    config = AutoConfig.from_pretrained(weights)
+def load_tasks(cfg, weights: str, config) -> tuple:
+    """The environment and its first ``env.num_eval_tasks`` tasks (a data set's first rows, each once), refused
+    as a ConfigError when a row is one the model cannot take (by file:line) or two tasks share an id."""
     try:  # a row the model cannot take (a broken row, a prompt longer than it holds), by file:line, as RL's
         env = make(cfg.env.id, **cfg.env.kwargs)
         env.reset(seed=cfg.seed)
@@ -163,11 +153,16 @@ def main(cfg) -> dict:
             + ("; ..." if len(shared) > 5 else "")
             + "; give every task its own id (a data set's id field) or drop the repeated rows"
         )
-    # ---- what the samples depend on (module docstring): another setting's samples are refused
-    settings_path = out / "settings.json"
-    recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
+    return env, tasks
+
+
+def line_settings(cfg, specs: list[PolicySpec], config, weights: str, known: dict, kv: dict) -> tuple:
+    """What each line's samples depend on (the module docstring): ``({line: {key: value}}, the keys read from
+    the environment with their references, {line: (scorer or gates file, SHA-256)}, {model file: SHA-256})``.
+    A line's scorer or gates are loaded here once, so that one that cannot load is refused before any sample;
+    ``known`` is settings.json's file checksums, updated."""
     local = Path(weights).is_dir()
-    files = model_files(Path(weights), recorded["files"]) if local else {}  # {file: SHA-256}
+    files = model_files(Path(weights), known) if local else {}  # {file: SHA-256}
     run_settings = {
         "model.path": None if local else cfg.model.path,  # a local folder counts by its content
         **{f"model.files.{name}": sha for name, sha in files.items()},
@@ -194,13 +189,7 @@ def main(cfg) -> dict:
     # a value read from the environment (a token, a system prompt) keys the samples but is written down, and
     # shown, as its reference `${oc.env:NAME}` (kvrl.config): settings.json never holds a secret
     hidden = {key: cfg.env_references[key] for key in run_settings if key in cfg.env_references}
-    setting, settings, artefacts = {}, {}, {}
-    kv = {
-        "interval": cfg.kv.interval,
-        "window": cfg.kv.window,
-        "sink": cfg.kv.sink,
-        "budget_ratio": cfg.kv.budget_ratio,
-    }
+    settings, artefacts = {}, {}
     for spec in specs:
         try:  # a scorer or gates that cannot load (damaged, another model's, not finite): refused before any sample
             artefact = spec.artefact()
@@ -217,7 +206,131 @@ def main(cfg) -> dict:
         if artefact is not None:
             artefacts[spec.name] = (artefact, line["artefact_sha256"])
         settings[spec.name] = {**run_settings, **{f"eval.settings.{spec.name}.{k}": v for k, v in line.items()}}
-        setting[spec.name] = digest(settings[spec.name])
+    return settings, hidden, artefacts, files
+
+
+@dataclass
+class Samples:
+    """The samples of every line: those in ``path`` (samples.jsonl), and the missing ones generated and appended,
+    a line at a time (:meth:`line`). Batches and seeds are a fixed grid over (task, sample), so a rerun draws
+    what an uninterrupted run drew, and a batch with every sample on disk is skipped. The engine starts at
+    the first sample to generate; ``traces`` keeps one sample's eviction trace per line and point, for
+    retention.png."""
+
+    cfg: Any
+    env: Any
+    tasks: list
+    config: Any  # the model's transformers config
+    kv: dict  # kv.interval / window / sink / budget_ratio, which a line's own settings replace
+    setting: dict  # line -> the digest of its settings
+    shas: dict  # task id -> task_sha
+    path: Path
+    done: list[dict]  # the samples read from path, and those appended since
+    engine: Any = None
+    traces: dict = field(default_factory=dict)
+    warm: set = field(default_factory=set)
+
+    def __post_init__(self):
+        self.have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in self.done}
+        self.cells = {(t.id, i) for t in self.tasks for i in range(self.cfg.eval.samples)}
+
+    def line(self, spec: PolicySpec, point) -> list[dict]:
+        """This line's samples at ``point``, of this run's tasks and samples (not a larger earlier run's)."""
+        label = point_label(spec, point)
+        # batches and seeds are a fixed grid over (task, sample), so a rerun draws what an
+        # uninterrupted run drew; a batch with every sample on disk is skipped
+        grid = [(t, i) for t in self.tasks for i in range(self.cfg.eval.samples)]
+        bs = self.cfg.sampling.batch_size
+        batches = [
+            lo
+            for lo in range(0, len(grid), bs)
+            if any((spec.name, label, t.id, i) not in self.have for t, i in grid[lo : lo + bs])
+        ]
+        if batches:
+            self.engine = self.engine or make_engine(self.cfg)
+            regime = spec.regime(self.config, point, self.kv)
+            if spec.name not in self.warm:  # untimed: a line's first call pays one-time costs (native builds)
+                self.engine.generate(
+                    [grid[batches[0]][0].prompt],
+                    Sampling(self.cfg.sampling.max_new_tokens, seed=self.cfg.seed),
+                    policy=regime,
+                )
+                self.warm.add(spec.name)
+            bar = tqdm(total=len(batches), desc=f"{spec.name} {label}", leave=False)
+            with disk_full_names(self.path), self.path.open("a") as f:
+                for lo in batches:
+                    chunk = grid[lo : lo + bs]
+                    sampling = Sampling(
+                        max_new_tokens=self.cfg.sampling.max_new_tokens,
+                        temperature=self.cfg.sampling.temperature,
+                        top_p=self.cfg.sampling.top_p,
+                        seed=self.cfg.seed + lo,
+                    )
+                    o = self.engine.generate([t.prompt for t, _ in chunk], sampling, policy=regime)
+                    seconds = o.timing["decode"] / len(chunk)
+                    for b, (task, i) in enumerate(chunk):
+                        if (spec.name, label, task.id, i) in self.have:  # written before an interruption
+                            continue
+                        reward, info = self.env.score(task, o.texts[b])
+                        retention, peak = (
+                            (1.0, float(len(o.prompt_ids[b]) + len(o.tokens[b])))
+                            if o.traces is None
+                            else kv_usage(o.trace(b), len(o.prompt_ids[b]))
+                        )
+                        if o.traces is not None and (spec.name, label) not in self.traces:
+                            self.traces[spec.name, label] = (o.trace(b), len(o.prompt_ids[b]))
+                        s = {
+                            "policy": spec.name,
+                            "point": label,
+                            "setting": self.setting[spec.name],
+                            "task": task.id,
+                            "task_sha": self.shas[task.id],
+                            "sample": i,
+                            "completion": o.texts[b],
+                            "reward": reward,
+                            "info": info,
+                            "tokens": len(o.tokens[b]),
+                            "prompt_tokens": len(o.prompt_ids[b]),
+                            "finish": o.finish_reasons[b],
+                            "mode": error_mode(o.texts[b], reward),
+                            "retention": retention,
+                            "peak_kv": peak,
+                            "seconds": seconds,
+                        }
+                        f.write(json.dumps(s) + "\n")
+                        self.done.append(s)
+                        self.have.add((spec.name, label, task.id, i))
+                    f.flush()
+                    bar.update()
+            bar.close()
+        return [
+            s
+            for s in self.done
+            if s["policy"] == spec.name and s["point"] == label and (s["task"], s["sample"]) in self.cells
+        ]  # this run's tasks and samples, not a larger earlier run's
+
+
+def main(cfg) -> dict:
+    # ---- the model, the environment, the tasks, what is already done
+    setup_process(cfg.seed, threads=None)
+    out = Path(cfg.output_dir)
+    lock = OutputLock(out)
+    ev = cfg.eval
+    specs = [PolicySpec.of(name, ev.settings) for name in dict.fromkeys(["full", *ev.policies])]
+    weights = resolve_path(cfg.model.path)  # a run directory: the folder of the weights it trained
+    config = AutoConfig.from_pretrained(weights)
+    env, tasks = load_tasks(cfg, weights, config)
+    # ---- what the samples depend on (module docstring): another setting's samples are refused
+    settings_path = out / "settings.json"
+    recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
+    kv = {
+        "interval": cfg.kv.interval,
+        "window": cfg.kv.window,
+        "sink": cfg.kv.sink,
+        "budget_ratio": cfg.kv.budget_ratio,
+    }
+    settings, hidden, artefacts, files = line_settings(cfg, specs, config, weights, recorded["files"], kv)
+    setting = {name: digest(value) for name, value in settings.items()}
     samples_path = out / "samples.jsonl"
     done = read_samples(samples_path)
     other = next((s for s in done if s["policy"] in setting and s.get("setting") != setting[s["policy"]]), None)
@@ -253,85 +366,10 @@ def main(cfg) -> dict:
         tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
     with atomic(samples_path) as tmp:  # rewrite without a torn line, then append
         tmp.write_text("".join(json.dumps(s) + "\n" for s in done))
-    have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in done}
-    engine = None
-    traces, warm = {}, set()
-    cells = {(t.id, i) for t in tasks for i in range(ev.samples)}
-
-    def run(spec: PolicySpec, point) -> list[dict]:
-        """This row's samples: the ones on disk, and the missing ones generated and appended."""
-        nonlocal engine
-        label = point_label(spec, point)
-        # batches and seeds are a fixed grid over (task, sample), so a rerun draws what an
-        # uninterrupted run drew; a batch with every sample on disk is skipped
-        grid = [(t, i) for t in tasks for i in range(ev.samples)]
-        bs = cfg.sampling.batch_size
-        batches = [
-            lo
-            for lo in range(0, len(grid), bs)
-            if any((spec.name, label, t.id, i) not in have for t, i in grid[lo : lo + bs])
-        ]
-        if batches:
-            engine = engine or make_engine(cfg)
-            regime = spec.regime(config, point, kv)
-            if spec.name not in warm:  # untimed: a line's first call pays one-time costs (native builds)
-                engine.generate(
-                    [grid[batches[0]][0].prompt], Sampling(cfg.sampling.max_new_tokens, seed=cfg.seed), policy=regime
-                )
-                warm.add(spec.name)
-            bar = tqdm(total=len(batches), desc=f"{spec.name} {label}", leave=False)
-            with disk_full_names(samples_path), samples_path.open("a") as f:
-                for lo in batches:
-                    chunk = grid[lo : lo + bs]
-                    sampling = Sampling(
-                        max_new_tokens=cfg.sampling.max_new_tokens,
-                        temperature=cfg.sampling.temperature,
-                        top_p=cfg.sampling.top_p,
-                        seed=cfg.seed + lo,
-                    )
-                    o = engine.generate([t.prompt for t, _ in chunk], sampling, policy=regime)
-                    seconds = o.timing["decode"] / len(chunk)
-                    for b, (task, i) in enumerate(chunk):
-                        if (spec.name, label, task.id, i) in have:  # written before an interruption
-                            continue
-                        reward, info = env.score(task, o.texts[b])
-                        retention, peak = (
-                            (1.0, float(len(o.prompt_ids[b]) + len(o.tokens[b])))
-                            if o.traces is None
-                            else kv_usage(o.trace(b), len(o.prompt_ids[b]))
-                        )
-                        if o.traces is not None and (spec.name, label) not in traces:
-                            traces[spec.name, label] = (o.trace(b), len(o.prompt_ids[b]))
-                        s = {
-                            "policy": spec.name,
-                            "point": label,
-                            "setting": setting[spec.name],
-                            "task": task.id,
-                            "task_sha": shas[task.id],
-                            "sample": i,
-                            "completion": o.texts[b],
-                            "reward": reward,
-                            "info": info,
-                            "tokens": len(o.tokens[b]),
-                            "prompt_tokens": len(o.prompt_ids[b]),
-                            "finish": o.finish_reasons[b],
-                            "mode": error_mode(o.texts[b], reward),
-                            "retention": retention,
-                            "peak_kv": peak,
-                            "seconds": seconds,
-                        }
-                        f.write(json.dumps(s) + "\n")
-                        done.append(s)
-                        have.add((spec.name, label, task.id, i))
-                    f.flush()
-                    bar.update()
-            bar.close()
-        return [
-            s for s in done if s["policy"] == spec.name and s["point"] == label and (s["task"], s["sample"]) in cells
-        ]  # this run's tasks and samples, not a larger earlier run's
+    sampler = Samples(cfg, env, tasks, config, kv, setting, shas, samples_path, done)
 
     # ---- the full cache first: the reference, and what budget fractions are of
-    full = run(specs[0], None)
+    full = sampler.line(specs[0], None)
     mean_len = sum(s["prompt_tokens"] + s["tokens"] for s in full) / len(full)
     budgets = sorted({round(b * mean_len) if b <= 1 else int(b) for b in ev.budgets})
     if budgets and budgets[0] <= cfg.kv.sink + cfg.kv.window:
@@ -350,7 +388,7 @@ def main(cfg) -> dict:
                 "point": point_label(spec, point),
                 "budget": point if spec.budgeted else None,
                 "budget_ratio": spec.budget_ratio(kv),
-                **summarise(run(spec, point), ev.pass_k),
+                **summarise(sampler.line(spec, point), ev.pass_k),
             }
             if not loops_apply(cfg.sampling.max_new_tokens):
                 row["mode/repetition"] = None  # no output can hold the rule's window: not 0 %, not applicable
@@ -373,382 +411,7 @@ def main(cfg) -> dict:
             tmp.write_text(json.dumps(props, indent=1) + "\n")
 
     # ---- pictures and report.md
-    with disk_full_names(out / "accuracy.png"):  # a full disk names the file, as every atomic write does
-        plot_accuracy(rows, out / "accuracy.png", f"{cfg.model.path} on {cfg.env.id}")
-    with disk_full_names(out / "error_modes.png"):
-        plot_modes(rows, out / "error_modes.png")
-    shown = retention_samples(traces, rows)
-    if shown:
-        with disk_full_names(out / "retention.png"):
-            plot_retention(shown, out / "retention.png")
     evaluated = {"model": (weights, files), "artefacts": artefacts, "kvrl": kvrl_commit()}
-    # what the environment's own metrics are: the first sentence of each reward function's docstring
-    notes = {
-        r.name: " ".join((r.fn.__doc__ or "").replace("``", "`").split()).split(". ")[0].rstrip(".")
-        or "its reward function has no docstring"
-        for r in getattr(env, "rewards", [])
-    }
-    write_report(
-        cfg, rows, mean_len, out, weights, retention=bool(shown), props=props, evaluated=evaluated, notes=notes
-    )
+    report(cfg, env, rows, sampler.traces, mean_len, out, weights, props, evaluated)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}
-
-
-def console_line(row: dict, header: bool = False) -> str:
-    """One row of the console table (or, with ``header``, its header): the line, its budget, accuracy with
-    its 95 % Wilson interval over the tasks, the environment's own metrics, mean generated tokens, KV
-    retention and decode tokens/s."""
-    metrics = [k for k in row if k.startswith("info/")]
-    if header:
-        return (
-            f"{'policy':<12}{'budget':>8}  {'accuracy [95 % CI]':<19}"
-            + "".join(f"  {k[5:]:>9}" for k in metrics)
-            + f"  {'gen len':>7}  {'KV kept':>7}  {'tokens/s':>8}"
-        )
-    lo, hi = wilson(row["accuracy"], row["tasks"])
-    return (
-        f"{row['policy']:<12}{row['point']:>8}  {row['accuracy']:.3f} [{lo:.2f}, {hi:.2f}] "
-        + "".join(f"  {row[k]:>9.3f}" for k in metrics)
-        + f"  {row['gen_tokens']:>7.1f}  {row['kv_retention']:>7.0%}  {row['decode_tokens_per_s']:>8.0f}"
-    )
-
-
-def plot_accuracy(rows: list[dict], path: Path, title: str) -> None:
-    """Accuracy against one measured quantity for every line, the peak KV tokens a sequence
-    held (token budgets, ratio budgets and RLKV sparsities alike), each point labelled with
-    its nominal budget, with its 95 % Wilson interval over the tasks (as report.md gives it;
-    a line at 16/16 still has one, [0.81, 1]). The full cache is a dashed line over its
-    interval's band. Lines are drawn a few points apart sideways, so that lines at the same
-    budget (one budget: every line) do not hide each other."""
-    from matplotlib.transforms import ScaledTranslation
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    names = list(dict.fromkeys(r["policy"] for r in rows if r["kind"] != "full"))
-    for r in rows:
-        if r["kind"] == "full":
-            lo, hi = wilson(r["accuracy"], r["tasks"])
-            ax.axhline(r["accuracy"], color="k", ls="--", lw=1, label=f"full cache (peak {r['peak_kv_tokens']:.0f})")
-            ax.axhspan(lo, hi, color="k", alpha=0.08, lw=0)
-    for i, name in enumerate(names):
-        line = [r for r in rows if r["policy"] == name]
-        shift = ScaledTranslation((i - (len(names) - 1) / 2) * 5 / 72, 0, fig.dpi_scale_trans)  # 5 points apart
-        x, y = [r["peak_kv_tokens"] for r in line], [r["accuracy"] for r in line]
-        ci = [wilson(r["accuracy"], r["tasks"]) for r in line]
-        bars = ax.errorbar(
-            x,
-            y,
-            yerr=[[a - lo for a, (lo, _) in zip(y, ci)], [hi - a for a, (_, hi) in zip(y, ci)]],
-            marker="o",
-            capsize=2,
-            label=name,
-            transform=ax.transData + shift,
-        )
-        ax.update_datalim([(xi, v) for xi, (lo, hi) in zip(x, ci) for v in (lo, hi)])  # a shifted artist is not
-        for r, xi in zip(line, x):
-            ax.annotate(
-                r["point"],
-                (xi, r["accuracy"]),
-                textcoords="offset points",
-                xytext=(3 + (i - (len(names) - 1) / 2) * 5, 3),
-                fontsize=6,
-                color=bars[0].get_color(),
-            )
-    ax.autoscale_view()
-    ax.margins(x=0.08)
-    tasks = sorted({r["tasks"] for r in rows})
-    ax.set(
-        xlabel="peak KV tokens per sequence (measured; labels: nominal budget)", ylabel="accuracy (pass@1)", title=title
-    )
-    ax.text(
-        0.0,
-        -0.2,
-        f"bars and band: 95 % Wilson interval over {', '.join(map(str, tasks))} tasks; lines drawn "
-        "5 points apart sideways so that equal budgets stay visible",
-        transform=ax.transAxes,
-        fontsize=6,
-        va="top",
-    )
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_modes(rows: list[dict], path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(max(6, 0.4 * len(rows)), 4))
-    labels = [f"{r['policy']} {r['point']}" for r in rows]
-    bottom = [0.0] * len(rows)
-    for mode in MODES:
-        share = [r[f"mode/{mode}"] for r in rows]
-        if all(v is None for v in share):
-            ax.bar(labels, [0.0] * len(rows), label=f"{mode} (not applicable: outputs < {LOOP_WINDOW} words)")
-            continue
-        share = [v or 0.0 for v in share]
-        ax.bar(labels, share, bottom=bottom, label=mode)
-        bottom = [b + v for b, v in zip(bottom, share)]
-    ax.set(ylabel="share of samples", title="error modes")
-    ax.tick_params(axis="x", rotation=90, labelsize=7)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def retention_samples(traces: dict, rows: list[dict]) -> list[tuple[str, object, int]]:
-    """One recorded sample per line that evicts: (title, trace, prompt length), at the line's
-    middle point among those whose samples were generated in this run."""
-    shown = []
-    for name in dict.fromkeys(r["policy"] for r in rows):
-        points = [label for policy, label in traces if policy == name]
-        if points:
-            label = points[len(points) // 2]
-            shown.append((f"{name} at {label}", *traces[name, label]))
-    return shown
-
-
-def plot_retention(shown: list[tuple[str, object, int]], path: Path, layer: int = 0, heads: int = 4) -> None:
-    """Per line (a row of panels) and KV head of ``layer`` (up to ``heads``): the key positions
-    (x) held at each decoding step (y) of one sample."""
-    from matplotlib.patches import Patch
-
-    plt = pyplot()
-    cols = min(heads, shown[0][1].full().shape[2])
-    fig, axes = plt.subplots(len(shown), cols, figsize=(2.6 * cols, 2.2 * len(shown) + 0.6), squeeze=False)
-    for i, (title, trace, prompt_len) in enumerate(shown):
-        death = trace.full()[layer, 0].long()  # [H, T]
-        T = int(trace.lengths[0])
-        q = torch.arange(prompt_len, T)[:, None]
-        k = torch.arange(T)[None]
-        for h in range(cols):
-            held = (k <= q) & (q < death[h, :T][None])
-            ax = axes[i, h]
-            ax.imshow(
-                held.numpy(),
-                aspect="auto",
-                cmap="Greys",
-                vmin=0,
-                vmax=1,
-                interpolation="nearest",
-                extent=(0, T, T, prompt_len),
-            )
-            ax.set_title(f"{title}: layer {layer}, KV head {h}", fontsize=7)
-            ax.tick_params(labelsize=6)
-            if i == len(shown) - 1:
-                ax.set_xlabel("key position", fontsize=7)
-            if h == 0:
-                ax.set_ylabel("decoding step", fontsize=7)
-    fig.legend(
-        handles=[
-            Patch(color="black", label="key held in the cache"),
-            Patch(facecolor="white", edgecolor="grey", label="evicted, or not yet generated"),
-        ],
-        loc="lower center",
-        ncol=2,
-        fontsize=7,
-    )
-    fig.tight_layout(rect=(0, 0.5 / (2.2 * len(shown) + 0.6), 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# The orderings the papers report at equal cache budgets, best first (zoo names), with their setting.
-PAPERS = [
-    (
-        "R-KV (Cai et al. 2025)",
-        "R1-Llama-8B / R1-Qwen-14B on AIME24 and MATH-500",
-        "R-KV keeps ~100 % of the full cache's accuracy at 10 % of the cache, SnapKV ~60 %",
-        ["rkv", "snapkv"],
-    ),
-    (
-        "G-KV (Liao et al. 2025)",
-        "R1-Qwen-7B / R1-Llama-8B on AMC23, AIME24, LiveCodeBench",
-        "G-KV > R-KV > SnapKV > StreamingLLM at equal budgets (G-KV ~+20 points on AMC23 at 512)",
-        ["gkv", "rkv", "snapkv", "streaming"],
-    ),
-]
-
-
-def orderings(rows: list[dict]) -> list[str]:
-    """Per budget: the zoo best first with 95 % intervals, and each pair the papers order
-    (a above b): agrees, reversed (intervals apart), or a tie (intervals overlap)."""
-    lines = []
-    points = [r["point"] for r in rows if r["budget"] is not None]
-    for point in dict.fromkeys(points):
-        at = {r["policy"]: r for r in rows if r["point"] == point and r["budget"] is not None}
-        ranked = sorted(at.values(), key=lambda r: -r["accuracy"])
-        text = f"{ranked[0]['policy']} {ranked[0]['accuracy']:.3f}"
-        for above, r in zip(ranked, ranked[1:]):
-            text += f" {'>' if r['accuracy'] < above['accuracy'] else '='} {r['policy']} {r['accuracy']:.3f}"
-        lines.append(f"- budget {point}: {text}")
-        for paper, _, _, order in PAPERS:
-            verdicts = []
-            for a, b in zip(order, order[1:]):
-                if a not in at or b not in at:
-                    continue
-                (alo, ahi), (blo, bhi) = (wilson(at[x]["accuracy"], at[x]["tasks"]) for x in (a, b))
-                verdict = "agrees" if alo > bhi else "reversed" if ahi < blo else "tie"
-                verdicts.append(f"{a} > {b}: {verdict}")
-            if verdicts:
-                lines.append(f"  - {paper}'s order: " + "; ".join(verdicts))
-    return lines
-
-
-PROPERTY_TEXT = {
-    "cot_tokens": "chain-of-thought tokens (mean)",
-    "cot_share": "share of the sequence that is chain of thought",
-    "cot_far_mass": "attention of CoT queries on CoT tokens >= {far} back (re-reading its own conclusions)",
-    "prompt_mass": "attention of CoT queries on the prompt",
-    "near_mass": "attention of CoT queries on the {far} newest tokens",
-    "attention_sparsity": "CoT query-key pairs below 1 % of the query's largest attention weight (G-KV's sparsity)",
-    "redundant_keys": "CoT keys with a near-duplicate key (cosine >= {duplicate_cos}, same KV head)",
-    "repeated_trigrams": "CoT tokens that end a 3-gram already in the sequence",
-    "h2o_recall": "of the {keep:.0%} of tokens the rest of the trace reads most, share in the top by accumulated "
-    "attention so far (H2O's score)",
-    "recent_recall": "... share among the newest tokens",
-    "random_recall": "... share expected of a random choice",
-}
-
-
-def kvrl_commit() -> str:
-    """The git commit of the kvrl that runs (``+ uncommitted changes`` when its checkout has any), or
-    ``unknown`` when kvrl is not a git checkout (an installed wheel; a repository kvrl merely sits in,
-    such as a project's venv, is not kvrl's)."""
-    import subprocess
-
-    here = Path(kvrl.__file__).resolve().parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=30, check=True
-        ).stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() / "kvrl" != here:
-            return "unknown (kvrl is not a git checkout of its own)"
-        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):  # no git, or not a repository
-        return "unknown (kvrl is not a git checkout)"
-    return commit + (" + uncommitted changes" if dirty else "")
-
-
-def write_report(
-    cfg,
-    rows: list[dict],
-    mean_len: float,
-    out: Path,
-    weights: str,
-    retention: bool,
-    props: dict | None = None,
-    evaluated: dict | None = None,
-    notes: dict | None = None,
-) -> None:
-    ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
-    metrics = [k for k in rows[0] if k.startswith("info/")]
-    head = [
-        "policy",
-        "budget",
-        "accuracy [95 % CI]",
-        *[f"pass@{k}" for k in ks],
-        *[k[5:] for k in metrics],
-        "gen tokens",
-        "truncated",
-        *MODES,
-        "KV retention",
-        "peak KV",
-        "tokens/s",
-    ]
-    lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", ""]
-    if weights != cfg.model.path:
-        lines += [f"Weights: {weights}.", ""]
-    lines += [
-        f"{rows[0]['tasks']} tasks x {cfg.eval.samples} samples, temperature {cfg.sampling.temperature:g}, "
-        f"top-p {cfg.sampling.top_p:g}, up to {cfg.sampling.max_new_tokens} new tokens, engine "
-        f"{cfg.workers.engine}; full-cache mean sequence {mean_len:.1f} tokens; kv interval {cfg.kv.interval}, "
-        f"window {cfg.kv.window}, sink {cfg.kv.sink}.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
-    for r in rows:
-        budget = r["point"] if r["budget_ratio"] is None else f"max({r['point']}, {r['budget_ratio']:g}·L)"
-        lo, hi = wilson(r["accuracy"], r["tasks"])
-        cells = [
-            r["policy"],
-            budget,
-            f"{r['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]",
-            *[f"{r[f'pass@{k}']:.3f}" for k in ks],
-            *[f"{r[k]:.3f}" for k in metrics],
-            f"{r['gen_tokens']:.1f}",
-            f"{r['truncated']:.0%}",
-            *["n/a" if r[f"mode/{m}"] is None else f"{r[f'mode/{m}']:.0%}" for m in MODES],
-            f"{r['kv_retention']:.0%}",
-            f"{r['peak_kv_tokens']:.0f}",
-            f"{r['decode_tokens_per_s']:.0f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    if props is not None:
-        lines += [
-            "",
-            f"## The task's properties ({props['tasks']} reference traces, the model's own attention; "
-            "kvrl/eval/properties.py)",
-            "",
-            "| property | value |",
-            "|---|---|",
-        ]
-        lines += [f"| {text.format(**props)} | {props[key]:g} |" for key, text in PROPERTY_TEXT.items()]
-        lines += ["", "## Orderings: this run beside the papers'", ""]
-        lines += [f"- {paper} ({setting}): {claim}." for paper, setting, claim, _ in PAPERS]
-        lines += ["", "This run (greedy accuracy, 95 % Wilson intervals decide agrees / reversed / tie):", ""]
-        lines += orderings(rows)
-    lines += ["", "![accuracy vs budget](accuracy.png)", "", "![error modes](error_modes.png)", ""]
-    if retention:
-        lines += ["![retention](retention.png)", ""]
-    loops = (
-        f"the last {LOOP_WINDOW} words hold at most {LOOP_DISTINCT} distinct {LOOP_N}-grams"
-        if loops_apply(cfg.sampling.max_new_tokens)
-        else f"not applicable (n/a) here: outputs of at most {cfg.sampling.max_new_tokens} tokens cannot hold the "
-        f"rule's {LOOP_WINDOW} words"
-    )
-    lines += [
-        "## What the columns are",
-        "",
-        f"- accuracy: the share of samples with reward > 0 (pass@1), with its 95 % Wilson score interval over "
-        f"the {rows[0]['tasks']} tasks (the accuracy picture's bars).",
-        *(
-            ["- pass@k: the unbiased estimate (Chen et al. 2021) that one of k samples of a task is right."]
-            if ks
-            else []
-        ),
-        *[
-            f"- {k[5:]} (the environment's own metric, mean over samples): "
-            f"{(notes or {}).get(k[5:], 'reported by its reward functions')}."
-            for k in metrics
-        ],
-        "- gen tokens: generated tokens per sample (mean); truncated: the share cut at "
-        f"sampling.max_new_tokens={cfg.sampling.max_new_tokens}.",
-        f"- error modes (kvrl/eval/suite.py): correct = reward > 0; repetition = {loops}; no_answer = no "
-        "\\boxed{} after the thinking block; wrong = otherwise.",
-        "- KV retention: the share of the sequence so far still in the cache, averaged over decoding steps, "
-        "layers and KV heads (100 % = the full cache).",
-        "- peak KV: the most tokens a sequence held at once (mean over layers and KV heads), the accuracy "
-        "picture's x axis.",
-        "- tokens/s: decoding only, each line's untimed warm-up sequence left out.",
-    ]
-    if evaluated is not None:
-        folder, files = evaluated["model"]
-        lines += [
-            "",
-            "## What was evaluated (SHA-256)",
-            "",
-            f"- kvrl {kvrl.__version__}, commit {evaluated['kvrl']}",
-            f"- model `{cfg.model.path}` from `{folder}`" + ("" if files else " (a hub id: files not hashed)"),
-        ]
-        lines += [f"  - `{name}` {sha}" for name, sha in files.items()]
-        lines += [
-            f"- line `{name}`: `{path}` {sha or '(a folder)'}" for name, (path, sha) in evaluated["artefacts"].items()
-        ]
-    with atomic(out / "report.md") as tmp:
-        tmp.write_text("\n".join(lines) + "\n")

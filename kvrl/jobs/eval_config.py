@@ -75,7 +75,7 @@ def problems(cfg) -> list[str]:
             f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
             "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)"
         )
-    from kvrl.gate import cache_limit
+    from kvrl.lookup import cache_limit
 
     limit, why = cache_limit(cfg)
     full = [b for b in ev.budgets if b > 1 and b >= limit]  # > 1: tokens (<= 1: a fraction of the sequence)
