@@ -489,11 +489,16 @@ def plot_rewards(
 ) -> None:
     """The reward curve: per-step mean ± standard error (or ± std without ``count_key``)
     and a 5-step moving average once it has two points (six steps: one point of a line draws
-    nothing, and its legend entry would name a line that is not there)."""
+    nothing, and its legend entry would name a line that is not there). A step that logged no reward
+    (null, as a Distill step of an older kvrl did) is a gap in the line."""
     plt = pyplot()
     steps = [r["step"] for r in records]
-    mean = np.array([r[key] for r in records])
-    spread = np.array([r[std_key] / (np.sqrt(r[count_key]) if count_key else 1.0) for r in records])
+
+    def value(r: dict, k: str) -> float:
+        return np.nan if r.get(k) is None else float(r[k])
+
+    mean = np.array([value(r, key) for r in records])
+    spread = np.array([value(r, std_key) / (np.sqrt(r[count_key]) if count_key else 1.0) for r in records])
     window = 5
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, mean, marker="o", ms=3, lw=0.8, label=f"{ylabel}, mean over the step's samples")

@@ -232,6 +232,18 @@ def test_a_process_set_up_for_kvrl_prints_no_numpy_subnormal_warning():
     assert out.returncode == 0, out.stderr[-2000:]  # a warning is an error here
 
 
+def test_the_reward_picture_leaves_a_gap_for_a_step_without_a_reward(tmp_path):
+    """Before: a resumed run whose earlier steps logged reward_mean null (an older kvrl's Distill) crashed
+    drawing reward.png after training, and exited 1."""
+    from kvrl.runlog import plot_rewards
+
+    records = [{"step": s + 1, "reward_mean": 0.1 * s, "reward_std": 0.2, "samples": 16} for s in range(8)]
+    for r in records[:3]:
+        r["reward_mean"] = r["reward_std"] = None
+    plot_rewards(records, tmp_path / "reward.png", "run")
+    assert (tmp_path / "reward.png").stat().st_size > 1000
+
+
 @pytest.mark.parametrize("steps, average", [(2, None), (5, None), (7, 3)])
 def test_the_reward_picture_draws_its_moving_average_only_with_two_points(tmp_path, monkeypatch, steps, average):
     """Before: a 2-step run's reward.png had a "2-step moving average" legend entry and no line to see."""
