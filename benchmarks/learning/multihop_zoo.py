@@ -12,6 +12,7 @@ the untrained reasoner under G-KV and the trained one in colour, each point with
 full cache as a reference line; into ``--pictures`` (``docs/img/multihop_<formulation>.png``).
 
     python benchmarks/learning/multihop_zoo.py [--tasks 256] [--budgets 117,235]
+    python benchmarks/learning/multihop_zoo.py --redraw   # the pictures from the recorded zoo, after a new result
 """
 
 import argparse
@@ -73,10 +74,16 @@ def main():
     ap.add_argument("--tasks", type=int, default=256)
     ap.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the results files')")
     ap.add_argument("--pictures", default=str(ROOT / "docs" / "img"))
+    ap.add_argument("--redraw", action="store_true", help="draw from benchmarks/results/multihop_zoo.json only")
     args = ap.parse_args()
     setup_process()
 
     results = trained_results()
+    if args.redraw:
+        zoo = json.loads((RESULTS / "multihop_zoo.json").read_text())
+        for formulation, lines in results.items():
+            draw(formulation, lines, zoo, Path(args.pictures) / f"multihop_{formulation}.png")
+        return
     budgets = sorted(
         {int(b) for b in args.budgets.split(",")}
         if args.budgets
