@@ -69,21 +69,8 @@ def draw(formulation: str, lines: list[dict], zoo: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tasks", type=int, default=256)
-    ap.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the results files')")
-    ap.add_argument("--pictures", default=str(ROOT / "docs" / "img"))
-    ap.add_argument("--redraw", action="store_true", help="draw from benchmarks/results/multihop_zoo.json only")
-    args = ap.parse_args()
-    setup_process()
-
-    results = trained_results()
-    if args.redraw:
-        zoo = json.loads((RESULTS / "multihop_zoo.json").read_text())
-        for formulation, lines in results.items():
-            draw(formulation, lines, zoo, Path(args.pictures) / f"multihop_{formulation}.png")
-        return
+def measure(args, results: dict) -> dict:
+    """Every zoo line at every budget on the test stream, as job=eval builds them; recorded."""
     budgets = sorted(
         {int(b) for b in args.budgets.split(",")}
         if args.budgets
@@ -91,8 +78,6 @@ def main():
     )
     if not budgets:
         raise SystemExit("no multihop_gkv results in benchmarks/results/ and no --budgets: say which budgets")
-
-    # ---- every zoo line at every budget, on the test stream, as job=eval builds them
     cfg = load_config(["recipe=tiny_multihop_eval"])
     env, tasks = draw_tasks(cfg.env.id, args.tasks, TEST_SEED)
     model, _, engine = reasoner(cfg.model.path)
@@ -118,6 +103,20 @@ def main():
         "policies": policies,
     }
     record("multihop_zoo", zoo)
+    return zoo
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tasks", type=int, default=256)
+    ap.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the results files')")
+    ap.add_argument("--pictures", default=str(ROOT / "docs" / "img"))
+    ap.add_argument("--redraw", action="store_true", help="draw from benchmarks/results/multihop_zoo.json only")
+    args = ap.parse_args()
+    setup_process()
+
+    results = trained_results()
+    zoo = json.loads((RESULTS / "multihop_zoo.json").read_text()) if args.redraw else measure(args, results)
 
     # ---- a picture per formulation: its trained line over the zoo's
     for formulation, lines in results.items():

@@ -226,20 +226,19 @@ class Samples:
     shas: dict  # task id -> task_sha
     path: Path
     done: list[dict]  # the samples read from path, and those appended since
-    engine: Any = None
-    traces: dict = field(default_factory=dict)
-    warm: set = field(default_factory=set)
+    engine: Any = field(default=None, init=False)
+    traces: dict = field(default_factory=dict, init=False)
+    warm: set = field(default_factory=set, init=False)  # the lines whose untimed warm-up ran
 
     def __post_init__(self):
         self.have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in self.done}
-        self.cells = {(t.id, i) for t in self.tasks for i in range(self.cfg.eval.samples)}
+        self.grid = [(t, i) for t in self.tasks for i in range(self.cfg.eval.samples)]
+        self.cells = {(t.id, i) for t, i in self.grid}
 
     def line(self, spec: PolicySpec, point) -> list[dict]:
         """This line's samples at ``point``, of this run's tasks and samples (not a larger earlier run's)."""
         label = point_label(spec, point)
-        # batches and seeds are a fixed grid over (task, sample), so a rerun draws what an
-        # uninterrupted run drew; a batch with every sample on disk is skipped
-        grid = [(t, i) for t in self.tasks for i in range(self.cfg.eval.samples)]
+        grid = self.grid
         bs = self.cfg.sampling.batch_size
         batches = [
             lo
