@@ -1,4 +1,5 @@
-"""G-KV's RL-Sparse, Distill and RL-Full on the multihop reasoner (``recipes/tiny_multihop_*.yaml``).
+"""The formulations on the multihop reasoner (``recipes/tiny_multihop_*.yaml``): G-KV's RL-Sparse,
+Distill and RL-Full, RLKV and ForesightKV.
 
 * partial credit (``MultiHopEnv(partial_credit=w)``) adds w x the share of queries right to the
   exact answer, and gives groups of samples under G-KV a spread where the exact answer gives
@@ -6,7 +7,9 @@
 * RL-Full's recipe is RL-Sparse's but for the cache, so that their comparison is the cache's;
 * each G-KV recipe, shrunk, moves its loss on a batch rolled out by the shipped multihop reasoner
   under its G-KV cache, and runs through the RL loop with a signal in its groups and the
-  learner replaying the rollout's traces.
+  learner replaying the rollout's traces;
+* RLKV's recipe, shrunk, closes its gates in its loop; ForesightKV's, shrunk, lowers its ranking loss
+  through the whole pipeline.
 """
 
 import json
@@ -184,3 +187,67 @@ def test_multihop_sparse_recipe_runs_with_a_signal(tmp_path):
         assert r["zero_std_groups"] < 1.0 and r["kv_retention"] < 1.0
         assert r["mismatch_max"] <= 1e-3  # float32 replay of the vLLM rollout
     assert Path(out / "model").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_multihop_rlkv_recipe_closes_gates_in_its_loop(tmp_path):
+    """tiny_multihop_rlkv, shrunk to 2 tasks x 4 samples a step, through the RL loop (one vLLM rollout
+    worker, one learner, in this process) at a large lr: the full cache solves the tasks (r̄ > τ), so
+    the penalty closes the gates step by step, and vLLM's mixed attention under the pushed gates
+    equals the learner's. (The curriculum's small tasks would not do: the shipped reasoner, trained
+    to the full size, gets none of them right.)"""
+    pytest.importorskip("vllm")
+    from kvrl.jobs.rlkv import main as train
+    from kvrl.policies.heads import load_gates
+
+    out = tmp_path / "run"
+    train(
+        load_config(
+            [
+                "recipe=tiny_multihop_rlkv",
+                "trainer.steps=3",
+                "trainer.batch_size=8",
+                "sampling.batch_size=8",
+                "trainer.lr=0.2",
+                "rl.checkpoint_every=0",
+                f"output_dir={out}",
+                "workers.address=inline",
+            ]
+        )
+    )
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    means = [r["gate_mean"] for r in records]
+    assert records[0]["reward_mean"] > 0.7 and means[0] == 1.0 and means[2] < means[1] < means[0], records
+    assert all(r["mismatch_max"] < 1e-4 for r in records), [r["mismatch_max"] for r in records]
+    assert tuple(load_gates(out).shape) == (4, 2)
+
+
+@pytest.mark.slow
+def test_multihop_foresight_recipe_learns_its_ranking(tmp_path):
+    """tiny_multihop_foresight, shrunk to 8 traces, through the whole pipeline: the stage-1 ranking loss
+    falls, stage 2 runs on the controller, and every policy is judged."""
+    from kvrl.algos.foresight import RULE_BASED
+    from kvrl.run import main
+
+    args = [
+        "recipe=tiny_multihop_foresight",
+        f"output_dir={tmp_path}",
+        "foresight.traces=8",
+        "foresight.heldout=4",
+        "foresight.shard_size=4",
+        "foresight.sft_steps=30",
+        "foresight.sft_batch_size=4",
+        "trainer.log_every=10",
+        "trainer.steps=2",
+        "trainer.batch_size=8",
+        "rl.group_size=4",
+        "sampling.batch_size=8",
+    ]
+    assert main(args) == 0
+    sft = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in sft if r["stage"] == "sft"]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert set(result["accuracy"]) == {"full", "foresight_sft", "foresight_rl", *RULE_BASED}
+    assert result["accuracy"]["full"]["accuracy"] >= 0.75  # the shipped reasoner, greedy (~0.99 on 256 tasks)
