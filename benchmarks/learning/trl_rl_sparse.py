@@ -2,20 +2,24 @@
 
 Both train the shipped tiny reasoner from the same weights, with ``recipes/tiny_gkv_sparse.yaml``'s
 settings: G-KV at budget 76 (interval 16, window 8, sink 4, alpha 0.8, mix_lambda 0.5), 16 tasks x 8
-samples a step from the counts tasks of seed 0's stream, 64 new tokens at temperature 2, lr 1e-3
+samples a step from the counts tasks of the seed's stream, 64 new tokens at temperature 2, lr 1e-3
 constant, clip 0.2, no KL, token-level loss, group-normalised advantages, a truncated sample scored
 like any other, grad norm 1.0. kvrl's loop runs in this process (``workers.address=inline``, the HF
 engine, one learner), so that both sides' CPU is this process's and both decode with the same engine.
 Then the untrained model and both trained ones are evaluated greedily under the same G-KV cache on
 the same held-out tasks (seed ``--eval-seed``).
 
-Prints one JSON line: each model's held-out accuracy under G-KV with its 95 % Wilson interval, each
-side's gain over the untrained model, the train/inference mismatch (TRL side: the
+Runs every seed of ``--seeds`` (each trains both sides from the same weights, on that seed's task stream
+and sampling seed: RL-Sparse on counts depends on its seed, benchmarks/learning/gkv_sparse_seeds.py).
+Prints one JSON line and records it in ``benchmarks/results/trl_rl_sparse.json``: per seed, each model's
+held-out accuracy under G-KV with its 95 % Wilson interval and its gain over the untrained model; pooled
+over the seeds, each side's accuracy (seeds x tasks) with its interval, and whether the adapter's falls in
+the loop's; the train/inference mismatch (TRL side: the
 ``sampling/sampling_logp_difference`` metric; kvrl: ``mismatch_mean``/``mismatch_max``; the
 worst step's), and samples per CPU-second of each whole training call (its start-up included).
 
-    python benchmarks/learning/trl_rl_sparse.py [--steps 40] [--tasks 128]
-    python benchmarks/learning/trl_rl_sparse.py --steps 1 --tasks 8 --prompts 2 --group 4   # smoke
+    python benchmarks/learning/trl_rl_sparse.py [--steps 40] [--tasks 128] [--seeds 0,1,2]
+    python benchmarks/learning/trl_rl_sparse.py --steps 1 --tasks 8 --prompts 2 --group 4 --seeds 0   # smoke
 """
 
 import argparse
@@ -25,7 +29,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL's notice for rollout_func, which the adapter uses
 
-from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy, timed  # noqa: E402
+from kvrl.bench import draw_tasks, reasoner, recipe_policy, record, timed  # noqa: E402
 from kvrl.config import load_config  # noqa: E402
 from kvrl.eval.budgets import evaluate  # noqa: E402
 from kvrl.eval.suite import wilson  # noqa: E402
@@ -58,7 +62,7 @@ def train_trl(cfg, out: Path) -> dict:
 
     steps, group = cfg.trainer.steps, cfg.rl.group_size
     prompts = cfg.trainer.batch_size // group
-    env, tasks = draw_tasks(cfg.env.id, prompts * steps, cfg.seed, **cfg.env.kwargs)  # kvrl's stream: seed 0
+    env, tasks = draw_tasks(cfg.env.id, prompts * steps, cfg.seed, **cfg.env.kwargs)  # the stream kvrl's loop draws
     tasks = {t.id: t for t in tasks}
     data = Dataset.from_list([{"prompt": t.prompt, "task_id": t.id} for t in tasks.values()])
 
@@ -129,49 +133,73 @@ def main():
     ap.add_argument("--tasks", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=16, help="tasks per step (the recipe's 128 samples / 8)")
     ap.add_argument("--group", type=int, default=8, help="samples per task")
-    ap.add_argument("--eval-seed", type=int, default=4321)  # training draws from seed 0's stream
+    ap.add_argument("--seeds", default="0,1,2", help="training seeds; each trains both sides")
+    ap.add_argument("--eval-seed", type=int, default=4321)  # training draws from the seed's stream
     ap.add_argument("--out", default="outputs/trl_rl_sparse")
     args = ap.parse_args()
     setup_process()
-    out = Path(args.out)
-    cfg = load_config(
-        [
-            f"recipe={RECIPE}",
-            f"trainer.steps={args.steps}",
-            f"output_dir={out / 'kvrl'}",
-            f"trainer.batch_size={args.prompts * args.group}",
-            f"rl.group_size={args.group}",
-            "resume=never",
-            "rl.checkpoint_every=0",
-            "workers.address=inline",
-            "workers.engine=hf",
-            "workers.learners=1",
-            "workers.backend=ddp",
-        ]
-    )
+    seeds = [int(x) for x in args.seeds.split(",")]
 
+    def config(seed: int):
+        return load_config(
+            [
+                f"recipe={RECIPE}",
+                f"seed={seed}",
+                f"trainer.steps={args.steps}",
+                f"output_dir={Path(args.out) / f'seed{seed}' / 'kvrl'}",
+                f"trainer.batch_size={args.prompts * args.group}",
+                f"rl.group_size={args.group}",
+                "resume=never",
+                "rl.checkpoint_every=0",
+                "workers.address=inline",
+                "workers.engine=hf",
+                "workers.learners=1",
+                "workers.backend=ddp",
+            ]
+        )
+
+    cfg = config(seeds[0])
     env, tasks = draw_tasks(cfg.env.id, args.tasks, args.eval_seed, **cfg.env.kwargs)
-    acc = {}
 
-    def held_out(name: str, path: str) -> None:
+    def held_out(path: str) -> float:
         model, _, engine = reasoner(path)
         policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
-        a = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
-        acc[name] = {"acc": round(a, 4), "ci95": [round(x, 4) for x in wilson(a, len(tasks))]}
+        return evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
+
+    def interval(acc: float, n: int) -> dict:
+        return {"acc": round(acc, 4), "ci95": [round(x, 4) for x in wilson(acc, n)]}
 
     # first: it also loads what G-KV's first eviction loads, which would otherwise count in one side's CPU
-    held_out("untrained", cfg.model.path)
-    training = {"trl": train_trl(cfg, out), "kvrl": train_kvrl(cfg)}
-    held_out("trl", str(out / "trl" / "model"))
-    held_out("kvrl", str(out / "kvrl" / "model"))
-    emit(
+    untrained = held_out(cfg.model.path)
+    runs = {}
+    for seed in seeds:
+        cfg = config(seed)
+        out = Path(args.out) / f"seed{seed}"
+        training = {"trl": train_trl(cfg, out), "kvrl": train_kvrl(cfg)}
+        acc = {"trl": held_out(str(out / "trl" / "model")), "kvrl": held_out(str(out / "kvrl" / "model"))}
+        runs[seed] = {
+            "acc_gkv": {side: interval(a, len(tasks)) for side, a in acc.items()},
+            "gain_points": {side: round(100 * (a - untrained), 2) for side, a in acc.items()},
+            "mismatch": {side: {k: t[k] for k in ("mismatch_mean", "mismatch_max")} for side, t in training.items()},
+            "samples_per_cpu_s": {side: round(t["samples"] / t["cpu_s"], 2) for side, t in training.items()},
+            "training": training,
+        }
+    # every seed's held-out tasks pooled: each side's accuracy over seeds x tasks, with its interval
+    pooled = {
+        side: interval(sum(r["acc_gkv"][side]["acc"] for r in runs.values()) / len(runs), len(runs) * len(tasks))
+        for side in ("trl", "kvrl")
+    }
+    record(
+        "trl_rl_sparse",
         {
             "benchmark": "trl_rl_sparse",
             "model": cfg.model.path,
             "tasks": args.tasks,
+            "eval_seed": args.eval_seed,
             "steps": args.steps,
             "samples_per_step": args.prompts * args.group,
-            "seed": cfg.seed,
+            "lr": cfg.trainer.lr,
+            "seeds": seeds,
             "kv": {
                 "policy": cfg.kv.policy,
                 "budget": cfg.kv.budget,
@@ -180,14 +208,12 @@ def main():
                 "sink": cfg.kv.sink,
                 **cfg.kv.kwargs,
             },
-            "acc_gkv": acc,
-            "gain_points": {
-                side: round(100 * (acc[side]["acc"] - acc["untrained"]["acc"]), 2) for side in ("trl", "kvrl")
-            },
-            "mismatch": {side: {k: t[k] for k in ("mismatch_mean", "mismatch_max")} for side, t in training.items()},
-            "samples_per_cpu_s": {side: round(t["samples"] / t["cpu_s"], 2) for side, t in training.items()},
-            "training": training,
-        }
+            "untrained": interval(untrained, len(tasks)),
+            "pooled": pooled,
+            "pooled_gain_points": {side: round(100 * (a["acc"] - untrained), 2) for side, a in pooled.items()},
+            "trl_within_kvrl_interval": pooled["kvrl"]["ci95"][0] <= pooled["trl"]["acc"] <= pooled["kvrl"]["ci95"][1],
+            "per_seed": runs,
+        },
     )
 
 
