@@ -251,3 +251,27 @@ def test_multihop_foresight_recipe_learns_its_ranking(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     assert set(result["accuracy"]) == {"full", "foresight_sft", "foresight_rl", *RULE_BASED}
     assert result["accuracy"]["full"]["accuracy"] >= 0.75  # the shipped reasoner, greedy (~0.99 on 256 tasks)
+
+
+FORMULATIONS = {"rl_sparse", "rl_full", "distill", "foresight", "rlkv"}
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("multihop_*.json")), ids=str
+)
+def test_multihop_results_files_say_what_they_measured(path):
+    """Each formulation's recorded line names what a reader needs to trust it without rerunning hours:
+    the baseline, both accuracies inside their 95 % intervals, the held-out test stream (>= 256 tasks,
+    another seed than training's), and the clean commit it ran at."""
+    line = json.loads(path.read_text())
+    if "formulation" not in line:  # the zoo's line, which the formulations' pictures draw
+        assert line["benchmark"] == "multihop_zoo" and line["tasks"] >= 256
+        return
+    assert line["formulation"] in FORMULATIONS and line["task"] == "multihop", line
+    for key in ("budget", "baseline", "validation_seed", "test_seed", "train_seed"):
+        assert key in line, f"{path.name} has no {key!r}"
+    for side in ("trained", "baseline"):
+        lo, hi = line[f"{side}_ci95"]
+        assert lo <= line[f"{side}_acc"] <= hi, (side, line)
+    assert line["tasks"] >= 256 and line["test_seed"] != line["train_seed"]
+    assert len(line["commit"]) == 40 and int(line["commit"], 16) >= 0, "recorded from a tree with uncommitted changes"
