@@ -108,7 +108,7 @@ def accuracy(result: dict) -> dict:
 
 def record(name: str, line: dict) -> None:
     """:func:`emit` ``line`` and write it, with the commit of the code that ran (``-dirty`` when
-    the tree had uncommitted changes), to ``benchmarks/results/<name>.json``."""
+    the tree had uncommitted changes, listed in ``dirty_files``), to ``benchmarks/results/<name>.json``."""
     import subprocess
     from pathlib import Path
 
@@ -118,9 +118,10 @@ def record(name: str, line: dict) -> None:
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "HEAD") or "unknown"
-    if commit != "unknown" and git("status", "--porcelain", "--untracked-files=no"):
-        commit += "-dirty"
-    line = {**line, "commit": commit, "date": time.strftime("%Y-%m-%d")}
+    dirty = [row[3:] for row in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+    line = {**line, "commit": commit + ("-dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d")}
+    if dirty:  # which files differed from the commit: a reader can tell whether the code that ran did
+        line["dirty_files"] = dirty
     emit(line)
     out = root / "benchmarks" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

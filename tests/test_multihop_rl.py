@@ -262,7 +262,7 @@ FORMULATIONS = {"rl_sparse", "rl_full", "distill", "foresight", "rlkv"}
 def test_multihop_results_files_say_what_they_measured(path):
     """Each formulation's recorded line names what a reader needs to trust it without rerunning hours:
     the baseline, both accuracies inside their 95 % intervals, the held-out test stream (>= 256 tasks,
-    another seed than training's), and the clean commit it ran at."""
+    another seed than training's), and the commit it ran at, with no uncommitted code."""
     line = json.loads(path.read_text())
     if "formulation" not in line:  # the zoo's line, which the formulations' pictures draw
         assert line["benchmark"] == "multihop_zoo" and line["tasks"] >= 256
@@ -274,4 +274,7 @@ def test_multihop_results_files_say_what_they_measured(path):
         lo, hi = line[f"{side}_ci95"]
         assert lo <= line[f"{side}_acc"] <= hi, (side, line)
     assert line["tasks"] >= 256 and line["test_seed"] != line["train_seed"]
-    assert len(line["commit"]) == 40 and int(line["commit"], 16) >= 0, "recorded from a tree with uncommitted changes"
+    commit, dirty = line["commit"].removesuffix("-dirty"), line.get("dirty_files", [])
+    assert len(commit) == 40 and int(commit, 16) >= 0 and (line["commit"].endswith("-dirty") == bool(dirty))
+    code = [f for f in dirty if f.endswith((".py", ".yaml", ".cpp", ".toml", ".cfg"))]
+    assert not code, f"{path.name} was recorded with uncommitted code: {code}; rerun it from a clean tree"
