@@ -3,7 +3,8 @@
 The multihop runs logged a learner step of ~23 s under G-KV (RL-Sparse, Distill at 235) against ~11 s
 for RL-Full, for about the same tokens (~43 K a step). This measures the learner's own work side by side,
 on one batch: ``--tasks`` x ``--group`` samples the shipped multihop reasoner rolled out under
-``tiny_multihop_sparse``'s G-KV cache (HF engine, temperature 1, its training stream), scored and
+``tiny_multihop_sparse``'s G-KV cache (HF engine, temperature 1, its training stream; RL-Sparse's own
+rollout code), scored and
 backpropagated by RL-Sparse's loss (``engine.score`` replaying the batch's eviction traces) and by
 RL-Full's loss on the same samples (no trace: every key visible). Both go through the same
 ``"kvrl_replay"`` attention, the full cache as death times that never come, so a difference is the
@@ -23,13 +24,12 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvrl.algos.base import Sample, collate
+from kvrl.algos.base import collate
 from kvrl.algos.grpo import group_advantages
 from kvrl.algos.rl_full import RLFull
 from kvrl.algos.rl_sparse import RLSparse
 from kvrl.bench import draw_tasks, emit, interleaved, reasoner
 from kvrl.config import load_config
-from kvrl.engines.base import Sampling
 from kvrl.runlog import setup_process
 
 
@@ -46,29 +46,14 @@ def main():
     for algo in (sparse, full):
         algo.setup(engine.model, engine.tokenizer)
 
-    # ---- one batch, rolled out under G-KV
+    # ---- one batch, rolled out under G-KV as a rollout worker rolls it out
     env, tasks = draw_tasks(cfg.env.id, args.tasks, cfg.seed, **cfg.env.kwargs)
-    out = engine.generate(
-        [t.prompt for t in tasks for _ in range(args.group)],
-        Sampling(cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature, seed=cfg.seed),
-        policy=sparse.rollout_policy(engine.model),
-    )
-    rewards = torch.tensor([env.score(tasks[b // args.group], text)[0] for b, text in enumerate(out.texts)])
-    adv = group_advantages(rewards, args.group)
-    samples = [
-        Sample(
-            id=str(b),
-            prompt_ids=out.prompt_ids[b],
-            tokens=out.tokens[b],
-            logprobs=out.logprobs[b],
-            finish_reason=out.finish_reasons[b],
-            text=out.texts[b],
-            version=0,
-            trace=out.trace(b),
-            advantage=float(adv[b]),
-        )
-        for b in range(len(out.texts))
-    ]
+    grouped = [t for t in tasks for _ in range(args.group)]
+    regime = sparse.rollout_policy(engine.model)
+    samples, _ = sparse.generate(engine, regime, env, [str(b) for b in range(len(grouped))], grouped, cfg.seed, 0)
+    adv = group_advantages(torch.tensor([s.reward for s in samples]), args.group)
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = a
     tokens = sum(len(s.tokens) for s in samples)
     batch = collate(samples, tokens, engine.device)
     no_trace = replace(batch, trace=None)
