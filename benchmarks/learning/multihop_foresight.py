@@ -81,7 +81,8 @@ def main():
         ratios = loss_ratios(model, heldout, {"golden": "golden", **scorers, **{n: n for n in RULE_BASED}}, **setting)
         for name, ratio in ratios.items():
             added.setdefault(name, {})[str(budget)] = round((ratio - 1) * full_per_token, 5)
-        zoo = {n: PolicySpec.of(n, {}).regime(model.config, budget, {**setting, "budget_ratio": None}) for n in RULES}
+        schedule = {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "budget_ratio": None}
+        zoo = {n: PolicySpec.of(n, {}).regime(model.config, budget, schedule) for n in RULES}
         for name, policy in {**zoo, **scorers}.items():
             r = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
             acc.setdefault(name, {})[str(budget)] = r
