@@ -106,6 +106,22 @@ def accuracy(result: dict) -> dict:
     return line
 
 
+# The multihop reasoner's held-out task streams (training draws from seed 0's): choices of reward and
+# hyperparameters look at the validation stream only, and every formulation is judged on the test stream.
+VALIDATION_SEED, TEST_SEED = 7001, 9001
+
+
+def column_mean(rows: list[dict], key: str, digits: int = 4) -> float | None:
+    """The mean of ``key`` over the metrics rows (one per training step) that logged it, rounded; None if none did."""
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return round(statistics.fmean(values), digits) if values else None
+
+
+def error_bars(points: list[dict]) -> list[list[float]]:
+    """matplotlib's asymmetric ``yerr`` of points ``{"acc", "ci95": [lo, hi]}``: [below, above]."""
+    return [[p["acc"] - p["ci95"][0] for p in points], [p["ci95"][1] - p["acc"] for p in points]]
+
+
 def record(name: str, line: dict) -> None:
     """:func:`emit` ``line`` and write it, with the commit of the code that ran (``-dirty`` when
     the tree had uncommitted changes, listed in ``dirty_files``), to ``benchmarks/results/<name>.json``."""

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvrl.algos.foresight import RULE_BASED, loss_ratios
-from kvrl.bench import accuracy, draw_tasks, reasoner, record
+from kvrl.bench import TEST_SEED, accuracy, column_mean, draw_tasks, error_bars, reasoner, record
 from kvrl.config import load_config
 from kvrl.data.traces import SPLIT_SEEDS, load_traces
 from kvrl.eval.budgets import evaluate
@@ -39,7 +39,6 @@ from kvrl.policies import make_policy
 from kvrl.runlog import pyplot, setup_process
 
 RECIPE = "tiny_multihop_foresight"
-TEST_SEED = 9001  # multihop_gkv.py's test stream
 BUDGETS = (117, 235)  # 25 and 50 % of the full cache's mean sequence
 RULES = ("window", *RULE_BASED)
 
@@ -119,14 +118,12 @@ def main():
             "sft_steps": cfg.foresight.sft_steps,
             "sft_loss_first_last": [round(sft_loss[0], 5), round(sft_loss[-1], 5)] if sft_loss else None,
             "rl_steps": len(records),
-            "rl_reward_first5": round(float(np.mean([r["reward_mean"] for r in records[:5]])), 5),
-            "rl_reward_last5": round(float(np.mean([r["reward_mean"] for r in records[-5:]])), 5),
+            "rl_reward_first5": column_mean(records[:5], "reward_mean", 5),
+            "rl_reward_last5": column_mean(records[-5:], "reward_mean", 5),
             "pipeline_minutes": round(run["minutes"], 1),
         },
-        "cpu_split": {  # stage 2's mean seconds per step (the other stages: pipeline_minutes)
-            k: round(float(np.mean([r[f"{k}_s"] for r in records if r.get(f"{k}_s") is not None])), 2)
-            for k in ("rollout", "learn", "step")
-        },
+        # stage 2's mean seconds per step (the other stages: pipeline_minutes)
+        "cpu_split": {k: column_mean(records, f"{k}_s", 2) for k in ("rollout", "learn", "step")},
     }
     record("multihop_foresight", line)
     draw(line, Path(args.picture))
@@ -142,13 +139,10 @@ def draw(line: dict, path: Path) -> None:
         if name == "full":
             a.axhline(row["-"]["acc"], color="black", lw=0.8, ls=":", label=f"full cache ({row['-']['acc']:.3f})")
             continue
-        ys = [row[str(x)]["acc"] for x in xs]
+        points = [row[str(x)] for x in xs]
+        ys = [p["acc"] for p in points]
         if name in colours:
-            err = [
-                [y - row[str(x)]["ci95"][0] for x, y in zip(xs, ys)],
-                [row[str(x)]["ci95"][1] - y for x, y in zip(xs, ys)],
-            ]
-            a.errorbar(xs, ys, yerr=err, color=colours[name], marker="o", capsize=3, label=name)
+            a.errorbar(xs, ys, yerr=error_bars(points), color=colours[name], marker="o", capsize=3, label=name)
         else:
             a.plot(xs, ys, color="0.55", lw=0.8, marker=next(markers), ms=4, label=name)
     a.set_xlabel("KV budget (tokens; the full cache's mean sequence is ~470)")

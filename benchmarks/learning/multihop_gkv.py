@@ -24,9 +24,8 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 
-from kvrl.bench import accuracy, draw_tasks, emit, reasoner, record, timed
+from kvrl.bench import TEST_SEED, VALIDATION_SEED, accuracy, column_mean, draw_tasks, emit, reasoner, record, timed
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.jobs.rl import main as train
@@ -35,7 +34,6 @@ from kvrl.runlog import setup_process
 
 RECIPES = {"rl_sparse": "tiny_multihop_sparse", "distill": "tiny_multihop_distill", "rl_full": "tiny_multihop_full"}
 JUDGE = "tiny_multihop_sparse"  # whose G-KV cache every model is judged under
-VALIDATION_SEED, TEST_SEED = 7001, 9001  # training draws from seed 0's stream
 
 
 def main():
@@ -88,10 +86,6 @@ def main():
         )
         judged[name] = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
 
-    def mean(key: str, rows: list) -> float | None:
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return round(float(np.mean(values)), 4) if values else None
-
     first, last = records[:5], records[-5:]
     name = f"multihop_{args.formulation}" + ("" if budget == kv.budget else f"_{budget}")
     line = {
@@ -129,21 +123,21 @@ def main():
             "lr": cfg.trainer.lr,
             "temperature": cfg.sampling.temperature,
             "reward": dict(cfg.env.kwargs),
-            "reward_first5": mean("reward_mean", first),
-            "reward_last5": mean("reward_mean", last),
-            "correct_first5": mean("env/correct", first),
-            "correct_last5": mean("env/correct", last),
-            "query_acc_first5": mean("env/query_acc", first),
-            "query_acc_last5": mean("env/query_acc", last),
-            "zero_std_groups_mean": mean("zero_std_groups", records),
-            "mismatch_max": mean("mismatch_max", records),
+            "reward_first5": column_mean(first, "reward_mean"),
+            "reward_last5": column_mean(last, "reward_mean"),
+            "correct_first5": column_mean(first, "env/correct"),
+            "correct_last5": column_mean(last, "env/correct"),
+            "query_acc_first5": column_mean(first, "env/query_acc"),
+            "query_acc_last5": column_mean(last, "env/query_acc"),
+            "zero_std_groups_mean": column_mean(records, "zero_std_groups"),
+            "mismatch_max": column_mean(records, "mismatch_max"),
             "wall_s_this_call": round(train_wall, 1),
         },
         "cpu_split": {
-            "rollout_s": mean("rollout_s", records),
-            "learn_s": mean("learn_s", records),
-            "step_s": mean("step_s", records),
-            "gen_tokens_per_s": mean("gen_tokens_per_s", records),
+            "rollout_s": column_mean(records, "rollout_s"),
+            "learn_s": column_mean(records, "learn_s"),
+            "step_s": column_mean(records, "step_s"),
+            "gen_tokens_per_s": column_mean(records, "gen_tokens_per_s"),
         },
     }
     record(name, line) if args.stream == "test" else emit(line)

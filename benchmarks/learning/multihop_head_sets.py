@@ -21,14 +21,12 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
-from kvrl.bench import draw_tasks, emit
+from kvrl.bench import VALIDATION_SEED, draw_tasks, emit
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import resolve_path
 from kvrl.policies.heads import head_allocation, load_gates
 from kvrl.runlog import setup_process
-
-VALIDATION_SEED = 7001
 
 
 def main():
@@ -66,7 +64,7 @@ def main():
             results.append(
                 {
                     "heads": [list(c) for c in chosen],
-                    "acc": round(evaluate(engine, env, tasks, 600, policy=alloc)["acc"], 4),
+                    "acc": round(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=alloc)["acc"], 4),
                 }
             )
         results.sort(key=lambda r: -r["acc"])

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvrl.bench import accuracy, draw_tasks, record
+from kvrl.bench import TEST_SEED, VALIDATION_SEED, accuracy, column_mean, draw_tasks, error_bars, record
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.eval.suite import wilson
@@ -40,7 +40,6 @@ from kvrl.policies.heads import head_allocation, load_gates
 from kvrl.runlog import pyplot, setup_process
 
 RECIPE = "tiny_multihop_rlkv"
-VALIDATION_SEED, TEST_SEED = 7001, 9001  # training draws from seed 0's stream
 SPARSITIES = (0.25, 0.5, 0.75)
 
 
@@ -151,14 +150,11 @@ def main():
         "test_seed": TEST_SEED,
         "training": {
             "steps": len(records),
-            "reward_first5": round(float(np.mean([r["reward_mean"] for r in first])), 4),
-            "reward_last5": round(float(np.mean([r["reward_mean"] for r in last])), 4),
+            "reward_first5": column_mean(first, "reward_mean"),
+            "reward_last5": column_mean(last, "reward_mean"),
             "gate_mean_last": records[-1].get("gate_mean"),
         },
-        "cpu_split": {
-            k: round(float(np.mean([r[f"{k}_s"] for r in records if r.get(f"{k}_s") is not None])), 2)
-            for k in ("rollout", "learn", "step")
-        },
+        "cpu_split": {k: column_mean(records, f"{k}_s", 2) for k in ("rollout", "learn", "step")},
     }
     record("multihop_rlkv", line)
     draw(line, Path(args.picture))
@@ -174,9 +170,10 @@ def draw(line: dict, path: Path) -> None:
         ("attention", "attention statistic (window loss)", "tab:orange"),
         ("random", f"random heads (mean of {len(rows[0]['random']['draws'])})", "0.4"),
     ):
-        ys = [r[key]["acc"] for r in rows]
-        err = [[y - r[key]["ci95"][0] for y, r in zip(ys, rows)], [r[key]["ci95"][1] - y for y, r in zip(ys, rows)]]
-        ax.errorbar(xs, ys, yerr=err, color=colour, marker="o", capsize=3, label=label)
+        points = [r[key] for r in rows]
+        ax.errorbar(
+            xs, [p["acc"] for p in points], yerr=error_bars(points), color=colour, marker="o", capsize=3, label=label
+        )
     for x, r in zip(xs, rows):
         ax.scatter([x] * len(r["random"]["draws"]), r["random"]["draws"], color="0.7", s=8, zorder=0)
     ax.axhline(line["full_acc"], color="black", lw=0.8, ls=":", label=f"full cache ({line['full_acc']:.3f})")

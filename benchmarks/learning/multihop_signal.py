@@ -20,7 +20,7 @@ import argparse
 
 import numpy as np
 
-from kvrl.bench import draw_tasks, emit, reasoner, timed
+from kvrl.bench import VALIDATION_SEED, draw_tasks, emit, reasoner, timed
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling
 from kvrl.envs.multihop import query_accuracy
@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--budgets", type=int, nargs="+", default=[235, 117])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
-    ap.add_argument("--seed", type=int, default=7001)  # the validation stream
+    ap.add_argument("--seed", type=int, default=VALIDATION_SEED)
     args = ap.parse_args()
     setup_process()
 

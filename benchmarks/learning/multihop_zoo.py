@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvrl.bench import accuracy, draw_tasks, reasoner, record
+from kvrl.bench import TEST_SEED, accuracy, draw_tasks, error_bars, reasoner, record
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.eval.suite import PolicySpec
@@ -27,7 +27,6 @@ from kvrl.runlog import pyplot, setup_process
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-TEST_SEED = 9001  # multihop_gkv.py's test stream
 COLOURS = {"rl_sparse": "tab:red", "distill": "tab:blue", "rl_full": "tab:green"}
 
 
@@ -54,11 +53,11 @@ def draw(formulation: str, lines: list[dict], zoo: dict, path: Path) -> None:
         ax.plot(xs, [row[str(b)]["acc"] for b in xs], color="0.55", lw=0.8, marker=next(markers), ms=4, label=name)
     colour = COLOURS.get(formulation, "tab:purple")
     for key, label, style in (("baseline", "untrained, G-KV", "--"), ("trained", f"{formulation}, G-KV", "-")):
-        xs = [r["budget"] for r in lines]
-        ys = [r[f"{key}_acc"] for r in lines]
-        lo = [y - r[f"{key}_ci95"][0] for y, r in zip(ys, lines)]
-        hi = [r[f"{key}_ci95"][1] - y for y, r in zip(ys, lines)]
-        ax.errorbar(xs, ys, yerr=[lo, hi], color=colour, ls=style, marker="o", capsize=3, label=label)
+        points = [{"acc": r[f"{key}_acc"], "ci95": r[f"{key}_ci95"]} for r in lines]
+        ys, err = [p["acc"] for p in points], error_bars(points)
+        ax.errorbar(
+            [r["budget"] for r in lines], ys, yerr=err, color=colour, ls=style, marker="o", capsize=3, label=label
+        )
     ax.set_xlabel("KV budget (tokens; the full cache's mean sequence is ~470)")
     ax.set_ylabel("exact accuracy, 95 % interval")
     ax.set_title(f"multihop reasoner, {lines[0]['tasks']} test tasks: {formulation} over the zoo", fontsize=9)
