@@ -171,12 +171,14 @@ def main():
 
     # first: it also loads what G-KV's first eviction loads, which would otherwise count in one side's CPU
     untrained = held_out(cfg.model.path)
-    runs = {}
+    runs, accs = {}, {"trl": [], "kvrl": []}
     for seed in seeds:
         cfg = config(seed)
         out = Path(args.out) / f"seed{seed}"
         training = {"trl": train_trl(cfg, out), "kvrl": train_kvrl(cfg)}
         acc = {"trl": held_out(str(out / "trl" / "model")), "kvrl": held_out(str(out / "kvrl" / "model"))}
+        for side, a in acc.items():
+            accs[side].append(a)
         runs[seed] = {
             "acc_gkv": {side: interval(a, len(tasks)) for side, a in acc.items()},
             "gain_points": {side: round(100 * (a - untrained), 2) for side, a in acc.items()},
@@ -185,10 +187,7 @@ def main():
             "training": training,
         }
     # every seed's held-out tasks pooled: each side's accuracy over seeds x tasks, with its interval
-    pooled = {
-        side: interval(sum(r["acc_gkv"][side]["acc"] for r in runs.values()) / len(runs), len(runs) * len(tasks))
-        for side in ("trl", "kvrl")
-    }
+    pooled = {side: interval(sum(a) / len(a), len(a) * len(tasks)) for side, a in accs.items()}
     record(
         "trl_rl_sparse",
         {
