@@ -232,6 +232,8 @@ class Samples:
 
     def __post_init__(self):
         self.have = {(s["policy"], s["point"], s["task"], s["sample"]) for s in self.done}
+        # batches and seeds are a fixed grid over (task, sample), so a rerun draws what an
+        # uninterrupted run drew; a batch with every sample on disk is skipped
         self.grid = [(t, i) for t in self.tasks for i in range(self.cfg.eval.samples)]
         self.cells = {(t.id, i) for t, i in self.grid}
 
