@@ -2,7 +2,7 @@
 
 Both train the shipped tiny reasoner from the same weights, with ``recipes/tiny_gkv_sparse.yaml``'s
 settings: G-KV at budget 76 (interval 16, window 8, sink 4, alpha 0.8, mix_lambda 0.5), 16 tasks x 8
-samples a step from the counts tasks of the seed's stream, 64 new tokens at temperature 2, lr 1e-3
+samples a step from the counts tasks of the seed's stream, 64 new tokens at temperature 2, lr 1e-4
 constant, clip 0.2, no KL, token-level loss, group-normalised advantages, a truncated sample scored
 like any other, grad norm 1.0. kvrl's loop runs in this process (``workers.address=inline``, the HF
 engine, one learner), so that both sides' CPU is this process's and both decode with the same engine.
