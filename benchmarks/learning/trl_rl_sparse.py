@@ -4,8 +4,9 @@ Both train the shipped tiny reasoner from the same weights, with ``recipes/tiny_
 settings: G-KV at budget 76 (interval 16, window 8, sink 4, alpha 0.8, mix_lambda 0.5), 16 tasks x 8
 samples a step from the counts tasks of the seed's stream, 64 new tokens at temperature 2, lr 1e-4
 constant, clip 0.2, no KL, token-level loss, group-normalised advantages, a truncated sample scored
-like any other, grad norm 1.0. kvrl's loop runs in this process (``workers.address=inline``, the HF
-engine, one learner), so that both sides' CPU is this process's and both decode with the same engine.
+like any other, grad norm 1.0, AdamW with the betas of kvrl's learner (0.9, 0.99). kvrl's loop runs in
+this process (``workers.address=inline``, the HF engine, one learner), so that both sides' CPU is this
+process's and both decode with the same engine.
 Then the untrained model and both trained ones are evaluated greedily under the same G-KV cache on
 the same held-out tasks (seed ``--eval-seed``).
 
@@ -34,6 +35,7 @@ from kvrl.config import load_config  # noqa: E402
 from kvrl.eval.budgets import evaluate  # noqa: E402
 from kvrl.eval.suite import wilson  # noqa: E402
 from kvrl.runlog import setup_process  # noqa: E402
+from kvrl.workers.learner import ADAM_BETAS  # noqa: E402
 
 RECIPE = "tiny_gkv_sparse"
 
@@ -73,6 +75,8 @@ def train_trl(cfg, out: Path) -> dict:
     args = GRPOConfig(
         output_dir=str(out / "trl"),
         learning_rate=cfg.trainer.lr,
+        adam_beta1=ADAM_BETAS[0],
+        adam_beta2=ADAM_BETAS[1],  # TRL's default 0.999 would be another optimizer than the loop's
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_grad_norm=cfg.trainer.max_grad_norm,
@@ -198,6 +202,7 @@ def main():
             "steps": args.steps,
             "samples_per_step": args.prompts * args.group,
             "lr": cfg.trainer.lr,
+            "adam_betas": list(ADAM_BETAS),
             "seeds": seeds,
             "kv": {
                 "policy": cfg.kv.policy,

@@ -30,6 +30,7 @@ from kvrl.models.tiny import load_model
 from kvrl.policies.regime import checksum
 from kvrl.runlog import SUMS, disk_full_names, seal, setup_process
 
+ADAM_BETAS = (0.9, 0.99)  # the learner's AdamW moments (ZeRO steps this same optimizer)
 
 # metrics that add up over micro-batches (each is already divided by the whole step's count)
 SUMMED = ("tokens", "pg_loss", "penalty")
@@ -81,7 +82,7 @@ class Learner:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.engine, self.tokenizer = HFEngine(model, tokenizer), tokenizer
         tr = cfg.trainer
-        self.opt = torch.optim.AdamW(self.params, lr=tr.lr, betas=(0.9, 0.99), weight_decay=tr.weight_decay)
+        self.opt = torch.optim.AdamW(self.params, lr=tr.lr, betas=ADAM_BETAS, weight_decay=tr.weight_decay)
         self.ds = None  # the DeepSpeed engine, backend=deepspeed
         self.version = 0  # number of updates applied = the policy version of the weights
 
