@@ -3,8 +3,8 @@ RL-Full, RL-Sparse and Distill (G-KV, arXiv 2512.00504, §5 Table 1, in miniatur
 
 The three models are trained in this run from the same initial weights with the same
 number of steps, samples per step (16 tasks x 8) and seed, each with its recipe's learning
-rate, by the RL loop (``recipes/tiny_rl_full.yaml``, ``tiny_gkv_sparse.yaml``,
-``tiny_gkv_distill.yaml``: RL-Full's 1e-3 wrecks the model, RL-Sparse's 3e-4 leaves it where it is);
+rate (each recipe's header says why it is that one), by the RL loop (``recipes/tiny_rl_full.yaml``,
+``tiny_gkv_sparse.yaml``, ``tiny_gkv_distill.yaml``);
 then all four are evaluated greedily on the same held-out tasks under the same G-KV cache
 (the sparse recipe's budget, interval, window, sink, α and λ), and with the full cache.
 RL-Full keeps its recipe's sampling temperature (2.5, HF engine: at 2.0 its full-cache
