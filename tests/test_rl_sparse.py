@@ -171,13 +171,10 @@ def test_recipes_pass_the_dry_run(recipe):
     assert "gkv" in run.stdout.split("KV cache")[1]  # the plan prices the G-KV cache
 
 
-@pytest.mark.slow
-def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, tmp_path_factory):
-    """2 steps of tiny_gkv_sparse as shipped (vLLM under G-KV, ZeRO-2 over 2 learners) and
-    the same with one plain learner: the mismatch stays <= 1e-4, and the metrics agree."""
+@pytest.fixture
+def local_ray(tmp_path_factory):
+    """A private 2-CPU Ray for a recipe run as shipped (its temp dir short: socket paths <= 107 bytes)."""
     import ray
-
-    from kvrl.jobs.rl import main as train
 
     ray.init(
         address="local",
@@ -186,27 +183,34 @@ def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, tmp_path_factory):
         object_store_memory=256 * 1024**2,
         log_to_driver=False,
         _temp_dir=str(tmp_path_factory.mktemp("ray")),
-    )  # short: socket paths <= 107 bytes
-    try:
-        runs = {}
-        for name, extra in {"zero2": [], "ddp": ["workers.learners=1", "workers.backend=ddp"]}.items():
-            out = tmp_path / name
-            train(
-                load_config(
-                    [
-                        "recipe=tiny_gkv_sparse",
-                        "trainer.steps=2",
-                        "trainer.batch_size=32",
-                        "sampling.batch_size=16",
-                        f"output_dir={out}",
-                        "workers.timeout_s=300",
-                        *extra,
-                    ]
-                )
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, local_ray):
+    """2 steps of tiny_gkv_sparse as shipped (vLLM under G-KV, ZeRO-2 over 2 learners) and
+    the same with one plain learner: the mismatch stays <= 1e-4, and the metrics agree."""
+    from kvrl.jobs.rl import main as train
+
+    runs = {}
+    for name, extra in {"zero2": [], "ddp": ["workers.learners=1", "workers.backend=ddp"]}.items():
+        out = tmp_path / name
+        train(
+            load_config(
+                [
+                    "recipe=tiny_gkv_sparse",
+                    "trainer.steps=2",
+                    "trainer.batch_size=32",
+                    "sampling.batch_size=16",
+                    f"output_dir={out}",
+                    "workers.timeout_s=300",
+                    *extra,
+                ]
             )
-            runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    finally:
-        ray.shutdown()
+        )
+        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(runs["zero2"], runs["ddp"]):
         # the mismatch is float32 rounding noise (~1e-5), which two reduction orders do not
         # reproduce: each run is held to its bound, not to the other's value
@@ -271,7 +275,7 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
 
 
 @pytest.mark.slow
-def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
+def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     """The first 10 steps of tiny_gkv_sparse as shipped (vLLM rollouts under G-KV, ZeRO-2).
     With G-KV's zeroed advantage for truncated samples the model stopped ending its answers from
     step 7 (truncated 0.02 -> 0.77 -> 0.99 at step 8, every group then all-wrong and the gradient 0);
@@ -281,33 +285,20 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
     RL-Sparse wrecked both of its validation runs by step 20 (0.55 -> 0.16, 0.13; docs/results.md).
     The training batches' own accuracy is no measure of this: each step's 16
     tasks are new, and their accuracy moves by 0.3 from one step to the next."""
-    import ray
-
     from kvrl.bench import reasoner, recipe_policy
     from kvrl.eval.budgets import evaluate
     from kvrl.jobs.rl import main as train
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    cfg = load_config(
+        [
+            "recipe=tiny_gkv_sparse",
+            "trainer.steps=10",
+            f"output_dir={tmp_path}",
+            "rl.checkpoint_every=0",
+            "workers.timeout_s=300",
+        ]
     )
-    try:
-        cfg = load_config(
-            [
-                "recipe=tiny_gkv_sparse",
-                "trainer.steps=10",
-                f"output_dir={tmp_path}",
-                "rl.checkpoint_every=0",
-                "workers.timeout_s=300",
-            ]
-        )
-        train(cfg)
-    finally:
-        ray.shutdown()
+    train(cfg)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     truncated = [r["truncated"] for r in records]
     assert max(truncated) <= 0.25, truncated
@@ -323,7 +314,7 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accuracy(tmp_path, tmp_path_factory):
+def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accuracy(tmp_path, local_ray):
     """The first 10 steps of tiny_gkv_distill as shipped (vLLM rollouts under G-KV, ZeRO-2).
     Distill is for its objective: the student's KL to the full-cache teacher under the replayed
     G-KV trace falls (steps 8-10 at most 0.8x step 1's; measured 0.24 vs 0.38 at the recipe's
@@ -334,33 +325,20 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     after step 13" was the sampled accuracy at temperature 2 of the training batches
     (0.59 -> 0.24 at 1e-3); the held-out greedy accuracy of that run rose (0.77 after 40 steps),
     so this test holds on the old recipe too: there was no loss of accuracy to catch."""
-    import ray
-
     from kvrl.bench import reasoner, recipe_policy
     from kvrl.eval.budgets import evaluate
     from kvrl.jobs.rl import main as train
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    cfg = load_config(
+        [
+            "recipe=tiny_gkv_distill",
+            "trainer.steps=10",
+            f"output_dir={tmp_path}",
+            "rl.checkpoint_every=0",
+            "workers.timeout_s=300",
+        ]
     )
-    try:
-        cfg = load_config(
-            [
-                "recipe=tiny_gkv_distill",
-                "trainer.steps=10",
-                f"output_dir={tmp_path}",
-                "rl.checkpoint_every=0",
-                "workers.timeout_s=300",
-            ]
-        )
-        train(cfg)
-    finally:
-        ray.shutdown()
+    train(cfg)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     kl = [r["kl"] for r in records]
     assert max(r["truncated"] for r in records) <= 0.25, [r["truncated"] for r in records]
