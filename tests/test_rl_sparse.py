@@ -274,6 +274,23 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
         assert torch.allclose(logprobs.grad[b], want, atol=1e-7), (regime, b)
 
 
+def held_out_accuracy(cfg, trained) -> dict:
+    """{"untrained", "trained"}: greedy accuracy under the recipe's cache on the first 64 tasks of
+    benchmarks/learning/gkv_train.py's held-out stream (seed 4321; training draws from seed 0's)."""
+    from kvrl.bench import reasoner, recipe_policy
+    from kvrl.eval.budgets import evaluate
+
+    env = make(cfg.env.id, **cfg.env.kwargs)
+    env.reset(seed=4321)
+    tasks = env.tasks(64)
+    acc = {}
+    for name, path in (("untrained", "tiny"), ("trained", str(trained))):
+        model, _, engine = reasoner(path)
+        policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
+        acc[name] = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
+    return acc
+
+
 @pytest.mark.slow
 def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     """The first 10 steps of tiny_gkv_sparse as shipped (vLLM rollouts under G-KV, ZeRO-2).
@@ -285,8 +302,6 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     RL-Sparse wrecked both of its validation runs by step 20 (0.55 -> 0.16, 0.13; docs/results.md).
     The training batches' own accuracy is no measure of this: each step's 16
     tasks are new, and their accuracy moves by 0.3 from one step to the next."""
-    from kvrl.bench import reasoner, recipe_policy
-    from kvrl.eval.budgets import evaluate
     from kvrl.jobs.rl import main as train
 
     cfg = load_config(
@@ -302,15 +317,8 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     truncated = [r["truncated"] for r in records]
     assert max(truncated) <= 0.25, truncated
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=4321)  # benchmarks/learning/gkv_train.py's held-out stream; training draws from seed 0's
-    tasks = env.tasks(64)
-    acc = {}
-    for name, path in (("untrained", "tiny"), ("rl_sparse", str(tmp_path / "model"))):
-        model, _, engine = reasoner(path)
-        policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
-        acc[name] = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
-    assert acc["rl_sparse"] >= acc["untrained"] - 0.1, acc
+    acc = held_out_accuracy(cfg, tmp_path / "model")
+    assert acc["trained"] >= acc["untrained"] - 0.1, acc
 
 
 @pytest.mark.slow
@@ -325,8 +333,6 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     after step 13" was the sampled accuracy at temperature 2 of the training batches
     (0.59 -> 0.24 at 1e-3); the held-out greedy accuracy of that run rose (0.77 after 40 steps),
     so this test holds on the old recipe too: there was no loss of accuracy to catch."""
-    from kvrl.bench import reasoner, recipe_policy
-    from kvrl.eval.budgets import evaluate
     from kvrl.jobs.rl import main as train
 
     cfg = load_config(
@@ -343,12 +349,5 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     kl = [r["kl"] for r in records]
     assert max(r["truncated"] for r in records) <= 0.25, [r["truncated"] for r in records]
     assert sum(kl[-3:]) / 3 <= 0.8 * kl[0], kl
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=4321)  # benchmarks/learning/gkv_train.py's held-out stream; training draws from seed 0's
-    tasks = env.tasks(64)
-    acc = {}
-    for name, path in (("untrained", "tiny"), ("distill", str(tmp_path / "model"))):
-        model, _, engine = reasoner(path)
-        policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
-        acc[name] = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
-    assert acc["distill"] >= acc["untrained"] - 0.1, acc
+    acc = held_out_accuracy(cfg, tmp_path / "model")
+    assert acc["trained"] >= acc["untrained"] - 0.1, acc
