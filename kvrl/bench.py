@@ -153,6 +153,16 @@ def reasoner(path: str = "tiny", **kwargs):
     return model, tok, HFEngine(model, tok)
 
 
+def evaluate_under_recipe(path: str, cfg, env, tasks) -> dict:
+    """:func:`kvrl.eval.budgets.evaluate`'s result for the model at ``path`` (a shipped reasoner or a
+    trained folder): greedy on ``tasks`` under the cache of the recipe ``cfg``'s ``kv`` section."""
+    from kvrl.eval.budgets import evaluate
+
+    model, _, engine = reasoner(path)
+    policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
+    return evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)
+
+
 def draw_tasks(env_id: str, n: int, seed: int, **kwargs):
     """(environment, its first ``n`` tasks after ``reset(seed)``): the same tasks for every
     line a benchmark compares; training runs draw from seed 0's stream, so held-out sets

@@ -277,18 +277,13 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
 def held_out_accuracy(cfg, trained) -> dict:
     """{"untrained", "trained"}: greedy accuracy under the recipe's cache on the first 64 tasks of
     benchmarks/learning/gkv_train.py's held-out stream (seed 4321; training draws from seed 0's)."""
-    from kvrl.bench import reasoner, recipe_policy
-    from kvrl.eval.budgets import evaluate
+    from kvrl.bench import draw_tasks, evaluate_under_recipe
 
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=4321)
-    tasks = env.tasks(64)
-    acc = {}
-    for name, path in (("untrained", "tiny"), ("trained", str(trained))):
-        model, _, engine = reasoner(path)
-        policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
-        acc[name] = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
-    return acc
+    env, tasks = draw_tasks(cfg.env.id, 64, 4321, **cfg.env.kwargs)
+    return {
+        name: evaluate_under_recipe(path, cfg, env, tasks)["acc"]
+        for name, path in (("untrained", "tiny"), ("trained", str(trained)))
+    }
 
 
 @pytest.mark.slow
@@ -300,8 +295,8 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     0.008). And the greedy accuracy under the G-KV cache on 64 held-out tasks is not below the
     untrained model's by more than 0.1, about 1.6 standard errors of a 64-task accuracy: at lr 1e-3
     RL-Sparse wrecked both of its validation runs by step 20 (0.55 -> 0.16, 0.13; docs/results.md).
-    The training batches' own accuracy is no measure of this: each step's 16
-    tasks are new, and their accuracy moves by 0.3 from one step to the next."""
+    The training batches' own accuracy is no measure of this: each step's 16 tasks are new, and
+    their accuracy moves by 0.3 from one step to the next."""
     from kvrl.jobs.rl import main as train
 
     cfg = load_config(
@@ -329,8 +324,8 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     3e-4, 0.14 vs 0.38 at 1e-3); no step truncates more than a quarter of its samples; and
     the greedy accuracy under the G-KV cache on 64 held-out tasks is not below the untrained
     model's by more than 0.1, about 1.6 standard errors of a 64-task accuracy (measured on 128:
-    0.516 untrained, 0.633 after 10 steps at 3e-4, 0.625 at 1e-3). The issue's "Distill decays
-    after step 13" was the sampled accuracy at temperature 2 of the training batches
+    0.516 untrained, 0.633 after 10 steps at 3e-4, 0.625 at 1e-3). What looked like Distill
+    decaying after step 13 was the sampled accuracy at temperature 2 of the training batches
     (0.59 -> 0.24 at 1e-3); the held-out greedy accuracy of that run rose (0.77 after 40 steps),
     so this test holds on the old recipe too: there was no loss of accuracy to catch."""
     from kvrl.jobs.rl import main as train

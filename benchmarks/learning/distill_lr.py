@@ -11,9 +11,8 @@ import json
 import sys
 from pathlib import Path
 import torch
-from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy, timed
+from kvrl.bench import draw_tasks, emit, evaluate_under_recipe, timed
 from kvrl.config import load_config
-from kvrl.eval.budgets import evaluate
 from kvrl.jobs.rl import main as train
 
 lr, seed, steps, out = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -32,7 +31,6 @@ cfg = load_config(
 )
 _, train_s, _ = timed(lambda: train(cfg))
 recs = [json.loads(l) for l in (root / "metrics.jsonl").read_text().splitlines()]
-kv = cfg.kv
 env, tasks = draw_tasks(cfg.env.id, 128, 4321, **cfg.env.kwargs)
 acc = {}
 ckpts = {0: "tiny"}
@@ -40,9 +38,7 @@ for d in sorted((root / "checkpoints").glob("step_*")):
     if (d / "model").exists():
         ckpts[int(d.name.split("_")[1])] = str(d / "model")
 for step, path in sorted(ckpts.items()):
-    model, _, engine = reasoner(path)
-    policy = recipe_policy("gkv", model.config, kv)
-    acc[step] = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
+    acc[step] = evaluate_under_recipe(path, cfg, env, tasks)["acc"]  # the recipe's cache: G-KV at 76
 emit(
     {
         "lr": lr,

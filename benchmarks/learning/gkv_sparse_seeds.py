@@ -1,6 +1,6 @@
 """How much RL-Sparse on counts (``recipes/tiny_gkv_sparse.yaml``) depends on its seed, rollout engine and lr.
 
-Trains the recipe (40 steps of 128 samples, or ``--steps``; lr 1e-3, or ``--lr``; G-KV at budget 76,
+Trains the recipe (40 steps of 128 samples, or ``--steps``; lr 1e-4, or ``--lr``; G-KV at budget 76,
 temperature 2) at each ``--seeds`` with each ``--engines`` rollout engine, and prints one JSON line: per
 run, the sampled reward (the training batches' mean reward under G-KV) over the first and the last 5 steps.
 The engines sample the same distribution (the tests hold their logprobs equal), so a difference between
@@ -23,10 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvrl.bench import VALIDATION_SEED, draw_tasks, emit, reasoner, recipe_policy, timed
+from kvrl.bench import VALIDATION_SEED, accuracy, draw_tasks, emit, evaluate_under_recipe, timed
 from kvrl.config import load_config
-from kvrl.eval.budgets import evaluate
-from kvrl.eval.suite import wilson
 from kvrl.jobs.rl import main as train
 from kvrl.runlog import setup_process
 
@@ -37,8 +35,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--engines", default="vllm,hf")
-    ap.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the recipe's 1e-3)")
-    ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the recipe's 40)")
+    ap.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the recipe's)")
+    ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the recipe's)")
     ap.add_argument("--inline", action="store_true", help="the loop in this process, one learner")
     ap.add_argument("--val-tasks", type=int, default=0, help="judge saved models on this many validation tasks")
     ap.add_argument("--every", type=int, default=40, help="save (and judge) the model every this many steps")
@@ -67,10 +65,7 @@ def main():
         env, tasks = draw_tasks(cfg.env.id, args.val_tasks, VALIDATION_SEED, **cfg.env.kwargs)
 
         def judge(path: str) -> dict:
-            model, _, engine = reasoner(path)
-            policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
-            acc = evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
-            return {"acc": round(acc, 4), "ci95": [round(x, 4) for x in wilson(acc, len(tasks))]}
+            return accuracy(evaluate_under_recipe(path, cfg, env, tasks))
 
     untrained = judge(cfg.model.path) if judge else None
     runs = []

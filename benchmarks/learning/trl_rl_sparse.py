@@ -30,9 +30,8 @@ from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL's notice for rollout_func, which the adapter uses
 
-from kvrl.bench import draw_tasks, reasoner, recipe_policy, record, timed  # noqa: E402
+from kvrl.bench import draw_tasks, evaluate_under_recipe, record, timed  # noqa: E402
 from kvrl.config import load_config  # noqa: E402
-from kvrl.eval.budgets import evaluate  # noqa: E402
 from kvrl.eval.suite import wilson  # noqa: E402
 from kvrl.runlog import setup_process  # noqa: E402
 from kvrl.workers.learner import ADAM_BETAS  # noqa: E402
@@ -166,9 +165,7 @@ def main():
     env, tasks = draw_tasks(cfg.env.id, args.tasks, args.eval_seed, **cfg.env.kwargs)
 
     def held_out(path: str) -> float:
-        model, _, engine = reasoner(path)
-        policy = recipe_policy(cfg.kv.policy, model.config, cfg.kv)
-        return evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy)["acc"]
+        return evaluate_under_recipe(path, cfg, env, tasks)["acc"]
 
     def interval(acc: float, n: int) -> dict:
         return {"acc": round(acc, 4), "ci95": [round(x, 4) for x in wilson(acc, n)]}
