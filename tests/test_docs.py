@@ -57,3 +57,44 @@ def test_every_benchmark_the_repository_names_exists():
     }
     gone = sorted((m, where) for m, where in named if not (ROOT / m).is_file())
     assert not gone, f"(path, where it is named) of benchmarks that do not exist: {gone}"
+
+
+RENDERED = [ROOT / "README.md", *sorted(DOCS.glob("*.md")), BENCHMARKS / "README.md", ROOT / "CHANGELOG.md"]
+
+
+def outside_fences(text: str) -> tuple[list[str], int]:
+    """(the lines outside code fences, how many fences are left open at the end): CommonMark's rule
+    that a fence closes on a line of at least as many of the same backticks or tildes, with no info string."""
+    lines, fence = [], None
+    for line in text.splitlines():
+        m = re.match(r" {0,3}(`{3,}|~{3,})(.*)$", line)
+        if fence is None and m:
+            fence = m.group(1)
+        elif fence is not None and m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
+            if not m.group(2).strip():
+                fence = None
+        elif fence is None:
+            lines.append(line)
+    return lines, int(fence is not None)
+
+
+@pytest.mark.parametrize("page", RENDERED, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_page_renders_its_headings_and_tables(page):
+    """A Markdown renderer (markdown-it, CommonMark with GitHub's tables) finds every heading and table the
+    page's source has: a stray fence once turned the README's last 68 lines into one code block."""
+    from markdown_it import MarkdownIt
+
+    text = page.read_text()
+    lines, unclosed = outside_fences(text)
+    assert not unclosed, f"{page.name}: a code fence is never closed"
+    headings = [line for line in lines if re.match(r"#{1,6} ", line)]
+    tables = [line for line in lines if re.fullmatch(r"\|?(\s*:?-{3,}:?\s*\|)+\s*:?-*:?\s*\|?", line.strip())]
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    rendered_headings = [t for t in tokens if t.type == "heading_open"]
+    rendered_tables = [t for t in tokens if t.type == "table_open"]
+    assert len(rendered_headings) == len(headings), (
+        f"{page.name}: {len(headings)} headings in the source, {len(rendered_headings)} rendered"
+    )
+    assert len(rendered_tables) == len(tables), (
+        f"{page.name}: {len(tables)} tables in the source, {len(rendered_tables)} rendered"
+    )
