@@ -12,7 +12,8 @@ in one run. This module is the part of that every script would otherwise write a
   run's two times and result, :meth:`Runs.summary` their mean and spread.
 * :func:`emit` — the one JSON line; :func:`record` also writes it to
   ``benchmarks/results/<name>.json`` with the commit it ran at, for the benchmarks whose
-  figures take hours to remake; :func:`accuracy` a judged accuracy with its 95 % interval.
+  figures take hours to remake (standard JSON: a NaN or infinite figure is written as null and
+  named in ``non_finite``); :func:`accuracy` a judged accuracy with its 95 % interval.
 * :func:`reasoner`, :func:`draw_tasks` and :func:`recipe_policy` — a shipped tiny reasoner in
   the reference engine, an environment's task stream at a seed, and a recipe's ``kv``
   section as a policy.
@@ -28,16 +29,21 @@ finds it wherever kvrl is importable (installed, or ``PYTHONPATH=.``) without to
 from __future__ import annotations
 
 import json
+import math
 import resource
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from kvrl.kernels import NEVER
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: its git state, and benchmarks/results/
 
 
 def _clock() -> tuple[float, float]:
@@ -123,25 +129,56 @@ def error_bars(points: list[dict]) -> list[list[float]]:
 
 
 def record(name: str, line: dict) -> None:
-    """:func:`emit` ``line`` and write it, with the commit of the code that ran (``-dirty`` when
-    the tree had uncommitted changes, listed in ``dirty_files``), to ``benchmarks/results/<name>.json``."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
-
-    commit = git("rev-parse", "HEAD") or "unknown"
-    dirty = [row[3:] for row in git("status", "--porcelain", "--untracked-files=no").splitlines()]
-    line = {**line, "commit": commit + ("-dirty" if dirty else ""), "date": time.strftime("%Y-%m-%d")}
+    """:func:`emit` ``line`` and write it to ``benchmarks/results/<name>.json`` with the commit of the
+    code that ran: ``-dirty`` when the tree differed from it (:func:`dirty_files`, listed in
+    ``dirty_files``). A NaN or infinite value is written as null, and named with its value in
+    ``non_finite`` (``{"training.mismatch_max": "inf"}``): the file stays standard JSON, and a
+    reader can tell such a null from a figure that was not measured."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = commit or "unknown"
+    dirty = dirty_files(ROOT)
+    non_finite: dict[str, str] = {}
+    line = {
+        **finite(line, "", non_finite),
+        "commit": commit + ("-dirty" if dirty else ""),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    if non_finite:
+        line["non_finite"] = non_finite
     if dirty:  # which files differed from the commit: a reader can tell whether the code that ran did
         line["dirty_files"] = dirty
     emit(line)
-    out = root / "benchmarks" / "results" / f"{name}.json"
+    out = ROOT / "benchmarks" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(line, indent=1) + "\n")
+    out.write_text(json.dumps(line, indent=1, allow_nan=False) + "\n")
+
+
+def dirty_files(root: Path) -> list[str]:
+    """The files of the git checkout ``root`` that differ from its commit: tracked files with changes,
+    and files git does not know (and does not ignore) under ``kvrl/`` and ``benchmarks/``, which a
+    benchmark may have imported. Untracked results (``benchmarks/results/``) are outputs, not code."""
+
+    def rows(*args: str) -> list[str]:
+        return subprocess.run(
+            ["git", "status", "--porcelain", *args], cwd=root, capture_output=True, text=True
+        ).stdout.splitlines()
+
+    tracked = [row[3:] for row in rows("--untracked-files=no")]
+    scope = ("--", "kvrl", "benchmarks", ":(exclude)benchmarks/results")
+    return tracked + [row[3:] for row in rows("--untracked-files=all", *scope) if row.startswith("??")]
+
+
+def finite(value: Any, where: str, non_finite: dict[str, str]) -> Any:
+    """``value`` with every NaN or infinite float in it (through dicts and lists) replaced by None,
+    each recorded in ``non_finite`` by its path (``a.b[1]``) and value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        non_finite[where] = str(value)
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v, f"{where}.{k}" if where else str(k), non_finite) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v, f"{where}[{i}]", non_finite) for i, v in enumerate(value)]
+    return value
 
 
 def reasoner(path: str = "tiny", **kwargs):

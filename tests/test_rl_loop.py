@@ -169,6 +169,14 @@ def same_metrics(a, b, tol=1e-6, skip=()):
             assert ra[key] == pytest.approx(rb[key], rel=tol, abs=tol), (ra["step"], key)
 
 
+def assert_steps_cover_their_parts(records):
+    """A step's step_s counts its own rollout and its update (inline, the rollouts run one at a time
+    between the updates: step_s once left out its own and counted the next step's). 1e-9: the sum's
+    floating-point rounding."""
+    for r in records:
+        assert r["rollout_s"] + r["learn_s"] <= r["step_s"] + 1e-9, r
+
+
 def same_params(a, b, atol=1e-6, mean_atol=1e-8):
     assert a.keys() == b.keys()
     for k in a:
@@ -209,6 +217,7 @@ def test_metrics_versions_and_learning(reference, random_model):
         ):
             assert np.isfinite(r[key]), key
     assert records[-1]["samples_total"] == 16 * STEPS
+    assert_steps_cover_their_parts(records)
     rewards = [r["reward_mean"] for r in records]
     assert np.mean(rewards[-2:]) > rewards[0] + 0.05, rewards
     assert (out / "reward.png").stat().st_size > 1000
@@ -582,6 +591,7 @@ def test_inline_actors_repeat_the_ray_run_in_this_process(reference, random_mode
     _, ref_records, ref_params = reference
     records, params = train(config(tmp_path / "a", random_model, "workers.address=inline"))
     same_metrics(records, ref_records)
+    assert_steps_cover_their_parts(records)
     same_params(params, ref_params)
     controller = ScoredWhere(
         config(
@@ -606,6 +616,7 @@ def test_inline_one_step_ahead_generates_before_the_update(random_model, tmp_pat
     records, _ = train(config(tmp_path, random_model, "workers.address=inline", "rl.async_steps=1", "trainer.steps=3"))
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
     assert max(r["ratio_max"] for r in records[1:]) > 1.0 + 1e-4
+    assert_steps_cover_their_parts(records)
 
 
 SLOW_S = 0.02
@@ -634,6 +645,7 @@ def test_inline_rollout_time_is_the_time_the_shards_took(random_model, tmp_path)
     for r in records:
         assert r["rollout_s"] >= 16 * SLOW_S, r
         assert r["gen_tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["rollout_s"])
+    assert_steps_cover_their_parts(records)
 
 
 class Box:
@@ -738,6 +750,7 @@ def test_one_step_ahead_async(random_model, tmp_path, monkeypatch):
     assert [r["staleness_max"] for r in records] == [0, 1, 1, 1, 1, 1]
     assert all(r["policy_version"] == r["step"] for r in records)
     assert max(r["ratio_max"] for r in records[1:]) > 1.0 + 1e-4  # off-policy by one update: ratios move
+    assert_steps_cover_their_parts(records)
 
 
 def test_tensorboard_missing_says_how_to_install(tmp_path):

@@ -94,6 +94,7 @@ class Pending:
     start: float
     weights: tuple  # the push the shards were sent to generate with (async: a version behind the learners')
     lives: list[int]  # each worker's incarnation when the shards were sent
+    send_s: float  # the time sending the shards took: inline, the whole rollout (each call runs when made)
 
 
 def connect(cfg) -> bool:
@@ -310,10 +311,10 @@ class Controller:
         if pending is None:
             tqdm.write(f"nothing to train: the checkpoint is at step {self.step} of trainer.steps={steps}")
         while self.step < steps:
-            start = time.perf_counter()
             # ---- 1-2. this step's rollouts (dispatched by the previous step, or just above)
             step = pending.step
             samples, gen = self.collect(pending)
+            collected = time.perf_counter()
             # ---- one step ahead: the next generation starts now, with the weights the
             # workers hold (version t), and runs while the learners train on this step
             pending = self.dispatch(step + 1) if cfg.rl.async_steps and step + 1 < steps else None
@@ -364,7 +365,8 @@ class Controller:
                 "gen_tokens_per_s": gen["tokens"] / gen["seconds"],
                 "rollout_s": gen["seconds"],
                 "learn_s": learn_s,
-                "step_s": time.perf_counter() - start,
+                # its own rollout and what followed it, less the next step's dispatch (inline, that rollout)
+                "step_s": gen["seconds"] + time.perf_counter() - collected - (pending.send_s if pending else 0.0),
                 "restarts": sum(self.restarts),
             }
             self.runlog.log(record)  # a non-finite value is written as null (standard JSON)
@@ -437,8 +439,10 @@ class Controller:
             )
             for i, part in enumerate(parts)
         }
+        sending = time.perf_counter()
         refs = {i: self.workers[i].generate.remote(*args[i]) for i in args}
-        pending = Pending(step, env_state, args, refs, time.perf_counter(), self.push_args, list(self.lives))
+        sent = time.perf_counter()
+        pending = Pending(step, env_state, args, refs, sent, self.push_args, list(self.lives), sent - sending)
         if self.on_dispatch is not None:
             self.on_dispatch(self, step)
         return pending

@@ -7,23 +7,35 @@ G-KV's key redundancy one head at a time. :mod:`kvrl.kernels.cpu.paged` and
 (:mod:`kvrl.kernels.reference`), which the tests compare them with and which runs where
 they cannot be built (:mod:`kvrl.kernels.dispatch` asks :func:`usable`).
 
-The build uses torch's C++ extension loader (a C++ compiler and ninja; about 20 s once, cached
-in ``~/.cache/torch_extensions``, rebuilt when a source changes). Every checkout shares that
-folder; builds are serialised by an ``flock``, which the kernel releases when its holder dies,
-so a process killed mid-build (a Ctrl-C on a first run) cannot leave the others waiting on
-torch's own lock file forever: it is removed, with a warning, by the next process to build.
+The build uses torch's C++ extension loader (a C++ compiler and ninja; about 20 s once on an
+idle machine, minutes on a few busy cores), in ``~/.cache/torch_extensions`` (or
+``TORCH_EXTENSIONS_DIR``). The library's name carries a hash of what went into it (the
+sources' text, the compiler's version, torch's version, the flags; :func:`extension_name`),
+and a library already built under that name is loaded as it is: every checkout with the same
+sources shares one build, and a change to any of them builds another, never over the first.
+A build prints one line on stderr when it starts. Every checkout shares that folder; builds
+are serialised by an ``flock``, which the kernel releases when its holder dies, so a process
+killed mid-build (a Ctrl-C on a first run) cannot leave the others waiting on torch's own
+lock file forever: it is removed, with a warning, by the next process to build.
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).parent
 SOURCES = ("paged.cpp", "scores.cpp")
+# -fno-trapping-math lets GCC if-convert the masked max and exp loops of scores.cpp into vector code
+# (nothing here reads floating-point exception flags).
+CFLAGS = ["-O3", "-fno-trapping-math"]
 # Vector instructions by the capability torch detects at run time; each capability builds
 # its own library (the name carries it), so a cache folder shared by different CPUs holds
 # one per kind instead of code that faults on the other.
@@ -36,9 +48,7 @@ def ops():
     try:
         from torch.utils.cpp_extension import load
 
-        here = Path(__file__).parent
-        capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels use here
-        name = f"kvrl_cpu_{capability.lower()}"
+        name, flags = extension_name(), cflags()
         build = build_dir(name)
         with open(build / "kvrl.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # released by the kernel if this process dies
@@ -49,13 +59,25 @@ def ops():
                     stacklevel=2,
                 )
                 baton.unlink()
-            # -fno-trapping-math lets GCC if-convert the masked max and exp loops of scores.cpp
-            # into vector code (nothing here reads floating-point exception flags).
+            library = build / f"{name}.so"
+            if library.exists():  # the name says what it was built from; torch's loader would rerun ninja,
+                # which rebuilds whenever the sources' paths or times differ (another checkout, a fresh clone)
+                try:
+                    torch.ops.load_library(str(library))
+                    return torch.ops.kvrl_cpu
+                except OSError:  # a link killed half-way left it unreadable: built again below
+                    library.unlink()
+            print(
+                f"kvrl: building the native CPU ops ({name}) in {build}: about 20 s on an idle machine, minutes on "
+                "a few busy cores; once for these sources, compiler and torch",
+                file=sys.stderr,
+                flush=True,
+            )
             load(
                 name=name,
-                sources=[str(here / s) for s in SOURCES],
+                sources=[str(HERE / s) for s in SOURCES],
                 build_directory=str(build),
-                extra_cflags=["-O3", "-fno-trapping-math", *FLAGS.get(capability, [])],
+                extra_cflags=flags,
                 is_python_module=False,
                 verbose=False,
             )
@@ -68,6 +90,34 @@ def ops():
             stacklevel=2,
         )
         return None
+
+
+def cflags() -> list[str]:
+    """The compiler flags for this machine's vector capability."""
+    return [*CFLAGS, *FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+
+
+@functools.cache
+def extension_name() -> str:
+    """The library's name here: ``kvrl_cpu_<capability>_<key>``, the key :func:`build_key` of this
+    checkout's sources, the compiler torch's loader runs (``CXX``, else ``c++``) and the flags."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    compiler = get_cxx_compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+    sources = {s: (HERE / s).read_text() for s in SOURCES}
+    capability = torch.backends.cpu.get_cpu_capability()  # what torch's own kernels use here
+    return f"kvrl_cpu_{capability.lower()}_{build_key(sources, f'{compiler}: {version}', cflags())}"
+
+
+def build_key(sources: dict[str, str], compiler: str, flags: list[str]) -> str:
+    """12 hex digits of a hash of what a build is made of: each source's name and text, the
+    compiler (its command and its ``--version``), torch's version (the headers and the ABI) and
+    the flags. Equal for equal inputs, in any checkout."""
+    digest = hashlib.sha256()
+    for part in (*(x for item in sorted(sources.items()) for x in item), compiler, torch.__version__, *flags):
+        digest.update(part.encode() + b"\0")  # separated: ("ab", "c") and ("a", "bc") differ
+    return digest.hexdigest()[:12]
 
 
 def build_dir(name: str) -> Path:
