@@ -6,6 +6,7 @@ One private Ray instance for the module (2 CPUs, actors at fractional CPUs, ever
 reward (the fraction of digits in the completion) a random model can learn in a few steps.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -304,9 +305,9 @@ def test_resume_refuses_changed_settings_and_a_second_run(random_model, tmp_path
 class ScoredWhere(Controller):
     """Records the process that scored each sample handed to the learners (WhereScoredEnv's info)."""
 
-    def learn(self, samples):
+    def learn(self, samples, update=True):
         self.scored_by = getattr(self, "scored_by", []) + [s.info["pid"] for s in samples]
-        return super().learn(samples)
+        return super().learn(samples, update)
 
 
 def test_rewards_are_scored_on_the_rollout_actors(random_model, tmp_path):
@@ -343,10 +344,10 @@ def test_a_nan_reward_stops_the_run_before_any_update(random_model, tmp_path, en
 class NanAdvantages(Controller):
     """Every update's loss is NaN (as a broken loss or an overflow would make it)."""
 
-    def learn(self, samples):
+    def learn(self, samples, update=True):
         for s in samples:
             s.advantage = float("nan")
-        return super().learn(samples)
+        return super().learn(samples, update=True)  # an update, whatever the rewards' spread
 
 
 def test_non_finite_updates_are_skipped_and_stop_the_run_after_max_in_a_row(random_model, tmp_path, capsys):
@@ -374,17 +375,16 @@ def test_non_finite_updates_are_skipped_and_stop_the_run_after_max_in_a_row(rand
     same_params(saved, start, atol=0, mean_atol=0)
 
 
-def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(random_model, tmp_path):
-    """The learner itself, without Ray: a NaN loss skips the optimizer step (Adam would spread the
-    NaN into every weight and both moments), and save() refuses non-finite state."""
+def learner_and_samples(cfg, model_path):
+    """A learner of ``cfg`` without Ray, and ``samples(advantage)``: 4 chain-task rollouts of the model as
+    the samples of one step, every one with that advantage."""
     from kvrl.algos.base import Sample
-    from kvrl.engines.hf import HFEngine
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.workers.learner import Learner
 
-    cfg = config(tmp_path, random_model)
     learner = Learner.__ray_actor_class__(cfg, 0, 1)
-    model, tok = load_model(random_model)
+    model, tok = load_model(model_path)
     rng = np.random.default_rng(1)
     prompts = [make_chain_task(rng, ChainSpec(4, 8, 1, 3))["prompt"] for _ in range(4)]
     out = HFEngine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=0))
@@ -404,12 +404,19 @@ def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(ran
             for b in range(4)
         ]
 
+    return learner, samples, sum(len(t) for t in out.tokens)
+
+
+def test_a_skipped_update_leaves_the_weights_and_a_nan_weight_is_never_saved(random_model, tmp_path):
+    """The learner itself, without Ray: a NaN loss skips the optimizer step (Adam would spread the
+    NaN into every weight and both moments), and save() refuses non-finite state."""
+    learner, samples, n = learner_and_samples(config(tmp_path, random_model), random_model)
     before = {k: v.clone() for k, v in learner.engine.model.state_dict().items()}
-    metrics = learner.step(samples(float("nan")), sum(len(t) for t in out.tokens))
+    metrics = learner.step(samples(float("nan")), n)
     assert metrics["skipped"] == 1.0 and not np.isfinite(metrics["loss"])
     same_params(learner.engine.model.state_dict(), before, atol=0, mean_atol=0)
     assert not learner.opt.state  # no moments were written
-    metrics = learner.step(samples(1.0), sum(len(t) for t in out.tokens))
+    metrics = learner.step(samples(1.0), n)
     assert metrics["skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
     with torch.no_grad():
         learner.params[0].view(-1)[0] = float("inf")
@@ -471,9 +478,9 @@ def test_an_inline_worker_that_cannot_start_raises_its_error_and_frees_the_outpu
 class Recording(Controller):
     """Records the ids of every sample handed to the learners."""
 
-    def learn(self, samples):
+    def learn(self, samples, update=True):
         self.seen = getattr(self, "seen", []) + [s.id for s in samples]
-        return super().learn(samples)
+        return super().learn(samples, update)
 
 
 def test_killed_rollout_actor_is_restarted_and_its_shard_redone(reference, random_model, tmp_path):
@@ -979,6 +986,29 @@ def test_rl_full_improves_the_tiny_reasoner(tmp_path):
     assert max(r["mismatch_max"] for r in records) < 1e-3
 
 
+def test_a_no_signal_step_leaves_the_weights_and_the_optimizer_state(random_model, tmp_path):
+    """A step whose advantages are all 0 (rl.no_signal=skip) is scored, not taken: the weights and Adam's
+    moments and step count stay as they were. Taken anyway, the momentum of an earlier step moves the weights
+    with no signal behind them, which is why it is skipped."""
+    learner, samples, n = learner_and_samples(config(tmp_path, random_model), random_model)
+    learner.step(samples(1.0), n)  # an update with signal: Adam now has moments
+    weights = {k: v.clone() for k, v in learner.engine.model.state_dict().items()}
+    moments = copy.deepcopy(learner.opt.state_dict())
+    metrics = learner.step(samples(0.0), n, update=False)
+    assert metrics["no_signal"] == 1.0 and metrics["grad_norm"] == 0.0 and metrics["skipped"] == 0.0
+    assert metrics["mismatch_max"] > 0  # still measured (the weights moved since these samples were drawn)
+    same_params(learner.engine.model.state_dict(), weights, atol=0, mean_atol=0)
+    after = learner.opt.state_dict()
+    assert after["state"].keys() == moments["state"].keys()
+    for i, state in moments["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][i][key], value), (i, key)
+    metrics = learner.step(samples(0.0), n)  # the step taken: zero gradient, the weights move all the same
+    assert metrics["no_signal"] == 0.0 and metrics["grad_norm"] == 0.0
+    moved = max((v - weights[k]).abs().max().item() for k, v in learner.engine.model.state_dict().items())
+    assert moved > 0
+
+
 def test_a_full_disk_during_a_checkpoint_names_the_file(random_model, tmp_path, monkeypatch):
     """A full disk while the learner wrote its part of a checkpoint named the checkpoint folder, not the file."""
     import errno
@@ -1011,6 +1041,9 @@ def test_a_run_whose_groups_never_differ_warns_that_it_learns_nothing(random_mod
         config(tmp_path, random_model, f"env.id={__name__}:NoSignalEnv", f"trainer.steps={ZERO_SPREAD_STEPS + 1}")
     )
     assert all(r["zero_std_groups"] == 1.0 and r["adv_abs_mean"] == 0.0 for r in records)
+    assert all(r["no_signal"] == 1.0 and r["grad_norm"] == 0.0 for r in records), [
+        (r.get("no_signal"), r["grad_norm"]) for r in records
+    ]  # rl.no_signal=skip, the default
     err = capsys.readouterr().err
     assert err.count("kvrl: warning:") == 1, err  # once, not at every step after
     assert (

@@ -124,6 +124,9 @@ class Algorithm:
     # its loss reads the rewards (through the advantages): a run whose every group has one reward for
     # all its samples learns nothing (the controller warns); False for a loss that ignores them
     learns_from_rewards: bool = True
+    # its loss has no gradient but the advantages' (a KL to the reference aside): a step whose advantages are
+    # all 0 is skipped under rl.no_signal=skip. False for a loss with a term that trains regardless
+    advantages_only: bool = True
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -38,6 +38,7 @@ class Distill(RLSparse):
     T²·KL(full-cache teacher ‖ sparse student) over the generated tokens' [V] distributions."""
 
     learns_from_rewards = False  # the loss is the teacher's, whatever the rewards
+    advantages_only = False
 
     def __init__(self, cfg):
         super().__init__(cfg)  # the G-KV rollout policy; the rules (rl.kl_coef=0 too) are distill_config.py's

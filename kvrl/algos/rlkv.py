@@ -57,6 +57,8 @@ class RLKV(Algorithm):
     """The algorithm of ``rl.algo=rlkv``: gates α [layers, kv_heads] trained with GRPO
     (no KL) plus :func:`adaptive_penalty`; see the module docstring."""
 
+    advantages_only = False  # the adaptive penalty trains the gates whatever the spread
+
     def __init__(self, cfg):
         super().__init__(cfg)  # its rules (vLLM, kv.policy=full, rl.kl_coef=0) are the config gate's: rlkv_config.py
         self.rl, self.rlkv, self.temperature = cfg.rl, cfg.rlkv, cfg.sampling.temperature

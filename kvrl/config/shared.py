@@ -168,6 +168,11 @@ class RLConfig:
     # PPO clip range above 1: ratio ceiling 1 + eps_high (DAPO's clip-higher: 0.28)
     eps_high: float = checked(0.2, ge=0)
     kl_coef: float = checked(0.0, ge=0)  # weight of the k3 KL to the initial model; 0 = no reference model is kept
+    # a step whose every advantage is 0 (each group's rewards all equal) carries no reward signal: skip takes no
+    # optimizer step there (Adam's momentum and weight decay would still move the weights, with nothing behind
+    # them); step takes it anyway. Algorithms with a term that trains regardless (RLKV's gate penalty,
+    # Distill's teacher) always step
+    no_signal: str = checked("skip", lambda v: v in ("skip", "step"), "must be skip | step")
     # 0 = on-policy; 1 = generate step t+1 while training on step t (staleness <= 1)
     async_steps: int = checked(0, lambda v: v in (0, 1), "must be 0 (on-policy) or 1 (one step ahead)")
     # steps between checkpoints in output_dir/checkpoints; 0 = only the last step

@@ -330,7 +330,9 @@ class Controller:
             staleness = self.version - min(s.version for s in samples)
             assert 0 <= staleness <= cfg.rl.async_steps, f"samples {staleness} versions old"
             learn_start = time.perf_counter()
-            learned = self.learn(samples)
+            # no advantage off 0, no reward signal: rl.no_signal=skip scores the samples but takes no step
+            no_signal = type(self.algo).advantages_only and cfg.rl.no_signal == "skip" and not adv.any()
+            learned = self.learn(samples, update=not no_signal)
             learn_s = time.perf_counter() - learn_start
             # ---- 6. push the new weights; on-policy, the next generation starts only now
             self.version += 1
@@ -524,13 +526,17 @@ class Controller:
 
     # ---- 5-6. update and push -----------------------------------------------------------------
 
-    def learn(self, samples: list[Sample]) -> dict:
-        """One update over all learners; their metrics combined (token-weighted means)."""
+    def learn(self, samples: list[Sample], update: bool = True) -> dict:
+        """One update over all learners (``update`` False: scored only); their metrics combined
+        (token-weighted means)."""
         token_level = self.cfg.rl.aggregation == "token"
         num_items = sum(len(s.tokens) for s in samples) if token_level else len(samples)
         parts = np.array_split(np.arange(len(samples)), len(self.learners))
         results = self.get(
-            [learner.step.remote([samples[k] for k in part], num_items) for learner, part in zip(self.learners, parts)],
+            [
+                learner.step.remote([samples[k] for k in part], num_items, update)
+                for learner, part in zip(self.learners, parts)
+            ],
             "the learners' update",
         )
         trained = [sid for r in results for sid in r.pop("ids")]
@@ -547,7 +553,7 @@ class Controller:
                 out[key] = float(values.min())
             elif key in ("loss", "tokens"):  # each learner's loss is its share of the step's
                 out[key] = float(values.sum())
-            elif key in ("grad_norm", "lr", "version", "skipped"):  # the same on every learner
+            elif key in ("grad_norm", "lr", "version", "skipped", "no_signal"):  # the same on every learner
                 out[key] = float(values[0])
             else:
                 out[key] = float((values * tokens).sum() / max(tokens.sum(), 1.0))

@@ -125,12 +125,15 @@ class Learner:
 
     # ---- the update ------------------------------------------------------------------------
 
-    def step(self, samples: list[Sample], num_items: float) -> dict:
+    def step(self, samples: list[Sample], num_items: float, update: bool = True) -> dict:
         """One optimizer step on this learner's samples; returns its metrics.
 
         The share is scored in micro-batches of at most ``trainer.micro_batch_tokens`` padded
         tokens (:func:`kvrl.algos.base.micro_batches`); each loss is divided by the whole
-        step's ``num_items``, so the summed gradients are the whole share's."""
+        step's ``num_items``, so the summed gradients are the whole share's. With ``update``
+        False (a step without reward signal, ``rl.no_signal=skip``) the share is only scored,
+        for its metrics: no backward, no optimizer step, the weights and the optimizer's state
+        as they were (``no_signal`` 1)."""
         tr = self.cfg.trainer
         parts = micro_batches(samples, tr.micro_batch_tokens)
         rewards = torch.tensor([s.reward for s in samples], device=self.cfg.device)
@@ -143,7 +146,8 @@ class Learner:
         for i, part in enumerate(parts):
             batch = self.algo.collate(part, num_items, self.cfg.device)
             batch.rewards, batch.first = rewards, i == 0
-            loss, scores, metrics = self.algo.loss(self.engine, batch)
+            with torch.set_grad_enabled(update):
+                loss, scores, metrics = self.algo.loss(self.engine, batch)
             with torch.no_grad():
                 # train/inference mismatch before the update: |behaviour − recomputed| per token
                 on = batch.mask.bool()
@@ -153,13 +157,13 @@ class Learner:
                     mismatch_mean=gap.mean().item() if on.any() else 0.0,
                     entropy=scores.entropies.detach()[on].mean().item() if on.any() else 0.0,
                 )
-            if self.ds is not None:
+            if update and self.ds is not None:
                 # DeepSpeed averages gradients over ranks; the loss already divides by the whole
                 # step's count, so scale by the world size to get the sum back. Reduce and step
                 # only after the last micro-batch.
                 self.ds.set_gradient_accumulation_boundary(i == len(parts) - 1)
                 self.ds.backward(loss * self.world)
-            else:
+            elif update:
                 loss.backward()
             total += loss.item()
             results.append((metrics, int(on.sum())))
@@ -167,7 +171,9 @@ class Learner:
         bad = torch.tensor([float(not math.isfinite(total))], device=self.cfg.device)
         if self.world > 1:
             dist.all_reduce(bad)
-        if self.ds is not None:
+        if not update:
+            grad_norm, skipped = 0.0, False
+        elif self.ds is not None:
             if bad.item():
                 raise FloatingPointError(
                     f"the loss is not finite ({total}) at update {self.version + 1}" + DEEPSPEED_STOPS
@@ -205,6 +211,7 @@ class Learner:
             version=self.version,
             micro_batches=len(parts),
             skipped=float(skipped),
+            no_signal=float(not update),
             ids=[s.id for s in samples],
         )
         if self.world > 1:  # the controller checks that data-parallel learners stay identical
