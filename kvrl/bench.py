@@ -152,16 +152,21 @@ T975 = (
 )
 
 
-def mean_interval(values: list[float], digits: int = 4) -> dict:
-    """{"mean", "ci95", "sd", "n"} of independent repeats (training seeds, head sets drawn at random): the
-    mean with Student's t interval over the repeats, clipped to [0, 1] (accuracies). Each repeat is one
-    trial: tasks judged under the same seed or head set are not independent of each other, so pooling
-    them as n x tasks trials would make the interval far too narrow."""
+def mean_interval(values: list[float], tasks: int, digits: int = 4) -> dict:
+    """{"mean", "ci95", "sd", "n"} of accuracies of independent repeats (training seeds, head sets drawn at
+    random), each judged on the same ``tasks`` tasks: the mean with Student's t interval over the repeats,
+    widened to at least the Wilson interval of the pooled ``n x tasks`` judgements and clipped to [0, 1].
+    The repeats are the trials: tasks under one seed or head set are not independent of each other, so
+    the pooled interval alone is far too narrow; it only keeps repeats that all agree (all 0, say) from
+    giving an interval of width 0."""
+    from kvrl.eval.suite import wilson
+
     n = len(values)
     mean = statistics.fmean(values)
     sd = statistics.stdev(values) if n > 1 else math.nan
-    half = T975[min(n - 1, len(T975)) - 1] * sd / math.sqrt(n) if n > 1 else math.nan
-    ci = [max(0.0, mean - half), min(1.0, mean + half)] if n > 1 else [math.nan, math.nan]
+    half = T975[min(n - 1, len(T975)) - 1] * sd / math.sqrt(n) if n > 1 else math.inf
+    pooled = wilson(mean, n * tasks)
+    ci = [max(0.0, min(mean - half, pooled[0])), min(1.0, max(mean + half, pooled[1]))]
     return {"mean": round(mean, digits), "ci95": [round(x, digits) for x in ci], "sd": round(sd, digits), "n": n}
 
 

@@ -69,3 +69,13 @@ def test_non_finite_values_are_written_as_null_and_named(checkout, capsys):
     assert line["n"] == 3
     assert line["non_finite"] == {"acc": "nan", "ci95[1]": "inf", "training.mismatch_max": "-inf"}
     assert strict(capsys.readouterr().out) == line  # the emitted line is the same
+
+
+def test_mean_interval_is_over_the_repeats_not_their_pooled_tasks():
+    """Six random head sets judged on 256 tasks each: the spread between sets decides the interval
+    (pooling 1,536 tasks gave [0.04, 0.06]); sets that all score 0 still get the pooled tasks' width."""
+    over = bench.mean_interval([0.2969, 0.0, 0.0, 0.0039, 0.0, 0.0], 256)
+    assert over["n"] == 6 and over["mean"] == pytest.approx(0.0501, abs=1e-4)
+    assert over["ci95"][0] == 0.0 and over["ci95"][1] == pytest.approx(0.0501 + 2.571 * over["sd"] / 6**0.5, abs=1e-3)
+    zeros = bench.mean_interval([0.0] * 7, 256)
+    assert zeros["ci95"][0] == 0.0 and 0.001 < zeros["ci95"][1] < 0.003  # Wilson's upper bound at 0 of 1,792

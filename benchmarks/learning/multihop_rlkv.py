@@ -72,12 +72,12 @@ def window_loss(model, sequences: list[list[int]], sink: int, recent: int) -> to
     return (total / count).float()
 
 
-def random_heads(accs: list[float], heads: list[list]) -> dict:
+def random_heads(accs: list[float], heads: list[list], tasks: int) -> dict:
     """The random baseline from its draws' accuracies and compressed heads: the mean over the *distinct* head
     sets with Student's t interval over them (a set drawn twice counts once; the tasks under one set are
     not independent trials, so they are not pooled)."""
     distinct = {json.dumps(h): a for h, a in zip(heads, accs)}
-    over = mean_interval(list(distinct.values()))
+    over = mean_interval(list(distinct.values()), tasks)
     return {"acc": over["mean"], "ci95": over["ci95"], "sets": over["n"], "draws": accs, "heads": heads}
 
 
@@ -86,7 +86,7 @@ def restate(path: Path) -> None:
     measured keeps its commit and date as ``measured_commit`` / ``measured_date``."""
     line = json.loads(path.read_text())
     for row in line["sparsities"].values():
-        row["random"] = random_heads(row["random"]["draws"], row["random"]["heads"])
+        row["random"] = random_heads(row["random"]["draws"], row["random"]["heads"], line["tasks"])
     goal = line["sparsities"]["0.5"]
     line.update(
         baseline=f"random heads ({len(goal['random']['draws'])} draws, mean over {goal['random']['sets']} distinct sets)",
@@ -156,7 +156,7 @@ def main():
             "compressed": int(ranked["rlkv"].compressed_mask().sum()),
             **{k: {**judge(a), "heads": a.compressed_mask().nonzero().tolist()} for k, a in ranked.items()},
             "random": random_heads(
-                [judge(d)["acc"] for d in draws], [d.compressed_mask().nonzero().tolist() for d in draws]
+                [judge(d)["acc"] for d in draws], [d.compressed_mask().nonzero().tolist() for d in draws], n
             ),
         }
     full = judge(None)["acc"]
