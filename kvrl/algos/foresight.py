@@ -36,6 +36,7 @@ batch, which is on-policy; ForesightKV takes exactly one update per batch).
 from __future__ import annotations
 
 import copy
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,11 +323,15 @@ class ForesightRL(Algorithm):
         return make_scorer(model, self.cfg.kv)
 
     def generate(self, engine, regime, env, ids, tasks, seed, version):
+        """A shard: one scored episode per (id, task), in order. Each episode draws its evictions from
+        its own generator, seeded by the run's seed and the sample's id alone (not by the shard's
+        ``seed`` and the episode's place in the shard): a sample draws the same evictions whichever
+        actor plays it, in whichever shard, however many rollout workers the run has, Ray or inline."""
         samples, start = [], time.perf_counter()
-        for k, (sid, task) in enumerate(zip(ids, tasks)):
-            ep = rollout(
-                env, regime.policy, task.meta["trace"], sample=True, generator=torch.Generator().manual_seed(seed + k)
-            )
+        for sid, task in zip(ids, tasks):
+            draws = hashlib.sha256(f"{self.cfg.seed}/{sid}".encode()).digest()  # id: step/task/draw
+            generator = torch.Generator().manual_seed(int.from_bytes(draws[:8], "little") >> 1)
+            ep = rollout(env, regime.policy, task.meta["trace"], sample=True, generator=generator)
             samples.append(
                 Sample(
                     id=sid,
