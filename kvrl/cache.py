@@ -255,7 +255,11 @@ class KVCache(Cache):
     def evict(self, layer_idx: int, scaling: float) -> None:
         """Score, select and compact one layer; record the deaths of the evicted keys."""
         start = time.perf_counter()
-        ev = evict(self.policy, self.observation(layer_idx, scaling), sample=self.sample, generator=self.generator)
+        obs = self.observation(layer_idx, scaling)
+        # A forward under autocast (TRL's or accelerate's bf16) would run the policy's matmuls in
+        # bfloat16: policies score in float32, as specified (and as the C++ score ops require)
+        with torch.autocast(obs.key_pos.device.type, enabled=False):
+            ev = evict(self.policy, obs, sample=self.sample, generator=self.generator)
         self._apply(layer_idx, ev)
         if ev.logprob is not None:
             self.logprobs[-1][layer_idx] = ev.logprob

