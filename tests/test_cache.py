@@ -85,11 +85,16 @@ def test_flex_block_mask_equals_dense_replay(engine, batch):
     ids = torch.tensor([[0] * (S - len(s)) + s for s in seqs])
     pos = torch.tensor([[-1] * (S - len(s)) + list(range(len(s))) for s in seqs])
     logits = {}
-    with torch.no_grad():
-        for flex in (False, True):
-            logits[flex] = engine.model(
-                input_ids=ids, position_ids=pos.clamp(min=0), kvrl_replay=out.traces.replay(pos, flex=flex)
-            ).logits
+    attention = engine.model.config._attn_implementation
+    engine.model.set_attn_implementation("kvrl_replay")  # the engine leaves the model's own
+    try:
+        with torch.no_grad():
+            for flex in (False, True):
+                logits[flex] = engine.model(
+                    input_ids=ids, position_ids=pos.clamp(min=0), kvrl_replay=out.traces.replay(pos, flex=flex)
+                ).logits
+    finally:
+        engine.model.set_attn_implementation(attention)
     real = pos >= 0
     torch.testing.assert_close(logits[True][real], logits[False][real], atol=1e-5, rtol=0)
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from kvrl.cache import EvictionTrace, KVCache, generating
 from kvrl.engines.hf import HFEngine
@@ -10,7 +11,7 @@ from kvrl.engines.base import Sampling, nucleus
 from kvrl.envs import make
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.kernels.reference.replay import NEVER
-from kvrl.models.tiny import load_model
+from kvrl.models.tiny import build_tokenizer, load_model, tiny_config
 from kvrl.policies import POLICIES, HeadAllocation, Mixed, Static, Window, make_policy
 
 BUDGET, INTERVAL, WINDOW, SINK, NEW = 24, 4, 4, 2, 28
@@ -45,13 +46,9 @@ def test_unlimited_budget_equals_transformers_generate(engine):
         assert (out.traces.full() == NEVER).all(), "nothing evicted"
     enc = tok(batch, return_tensors="pt", padding=True)
     assert len(set(enc["attention_mask"].sum(-1).tolist())) > 1, "prompts of different lengths"
-    model.set_attn_implementation("sdpa")
-    try:
-        ref = model.generate(
-            **enc, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-        )[:, enc["input_ids"].shape[1] :]
-    finally:
-        model.set_attn_implementation("kvrl_replay")
+    ref = model.generate(  # the engine left the model's own attention
+        **enc, max_new_tokens=NEW, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )[:, enc["input_ids"].shape[1] :]
     eos = tok.eos_token_id  # generate() pads after EOS; the engine keeps EOS and stops there
     assert out.tokens == [row[: row.index(eos) + 1] if eos in row else row for row in ref.tolist()]
 
@@ -315,10 +312,11 @@ def test_model_generate_under_a_policy_gives_the_engines_tokens_and_trace(reason
     model, tok, batch, policy = reasoner
     engine = HFEngine(model, tok)
     ref = engine.generate(batch, Sampling(max_new_tokens=40), policy=policy)
+    attention = model.config._attn_implementation
     gen, _, cache, prompt_lens = generate_with_transformers(model, tok, batch, policy, 40, do_sample=False)
     eos = tok.eos_token_id  # generate() pads after EOS; the engine keeps EOS and stops there
     assert [row[: row.index(eos) + 1] if eos in row else row for row in gen.tolist()] == ref.tokens
-    assert model.config._attn_implementation == "kvrl_replay", "generating() restores the attention"
+    assert model.config._attn_implementation == attention, "generating() restores the attention"
     with generating(model):  # an engine that drives the cache itself is left alone
         assert engine.generate(batch, Sampling(max_new_tokens=40), policy=policy).tokens == ref.tokens
     lengths = prompt_lens + torch.tensor([len(t) for t in ref.tokens])
@@ -356,9 +354,69 @@ def test_a_kvcache_forward_without_positions_names_the_fix(reasoner):
     model, tok, batch, policy = reasoner
     ids = tok(batch[:1], return_tensors="pt")["input_ids"]
     cache = KVCache.for_model(model, 1, ids.shape[1] + 4, policy)
+    attention = model.config._attn_implementation
     model.set_attn_implementation("kvrl_evict")
     try:
         with pytest.raises(ValueError, match="generating"):
             model(input_ids=ids, past_key_values=cache, kvrl_cache=cache)
     finally:
-        model.set_attn_implementation("kvrl_replay")
+        model.set_attn_implementation(attention)
+
+
+def fresh_tiny():
+    """A random tiny model of its own (the module's engine is shared) and its tokenizer."""
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    return LlamaForCausalLM(tiny_config(tok)).eval(), tok
+
+
+def test_the_engine_leaves_the_model_as_it_found_it():
+    """After generate and score (no grad, and under grad without checkpointing: nothing
+    recomputes later), model(...) and model.generate(...) give what they gave before."""
+    model, tok = fresh_tiny()
+    attention = model.config._attn_implementation
+    batch = prompts(3)
+    enc = tok(batch, return_tensors="pt", padding=True)
+
+    @torch.no_grad()
+    def plain():
+        logits = model(**enc).logits
+        return logits, model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+
+    before = plain()
+    engine = HFEngine(model, tok)
+    policy = make_policy("snapkv", budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    out = engine.generate(batch, Sampling(max_new_tokens=8), policy=policy)
+    assert (out.traces.full() < NEVER).any(), "the policy evicted"
+    with torch.no_grad():
+        engine.score(out, trace=out.traces)
+    engine.score(out, trace=out.traces, distributions=True).logprobs.sum().backward()
+    assert model.config._attn_implementation == attention
+    after = plain()
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+
+def test_checkpointed_training_scores_replay_in_backward_and_then_name_the_way_back():
+    """score() under grad on a gradient-checkpointed model: backward recomputes every layer
+    under the replayed trace (the gradient equals the plain one), so the model stays on
+    "kvrl_replay"; a plain forward then names the engine and how to set the attention back."""
+    model, tok = fresh_tiny()
+    attention = model.config._attn_implementation
+    engine = HFEngine(model, tok)
+    batch = prompts(3)
+    policy = make_policy("snapkv", budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    out = engine.generate(batch, Sampling(max_new_tokens=8), policy=policy)
+    grads = []
+    model.train()
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad()
+        engine.score(out, trace=out.traces).logprobs.sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0])
+    enc = tok(batch, return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match=r"HFEngine\.score.*model\.set_attn_implementation\('sdpa'\)"):
+        model(**enc)
+    model.set_attn_implementation(attention)
+    model(**enc)

@@ -112,18 +112,22 @@ def test_decode_under_a_window_is_replayed_by_one_forward(random_model):
     out = engine.generate(prompts, Sampling(max_new_tokens=n_new, temperature=1.0, seed=7), policy=Static(death))
     full = torch.cat([ids, torch.tensor(out.tokens)], 1)
     fpos = torch.cat([pos, pos[:, -1:] + torch.arange(1, n_new + 1)], 1)
-    with torch.no_grad():
-        logits = model(input_ids=full, position_ids=fpos.clamp(min=0), kvrl_replay=Replay(death, fpos)).logits
+    attention = model.config._attn_implementation
+    model.set_attn_implementation("kvrl_replay")  # the engine leaves the model's own attention
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=full, position_ids=fpos.clamp(min=0), kvrl_replay=Replay(death, fpos)).logits
+            # the full-cache forward, which must disagree: the window really bites
+            dense = model(
+                input_ids=full,
+                position_ids=fpos.clamp(min=0),
+                kvrl_replay=Replay(Static(Window.of(model.config, 2, 10**6)).death(T, len(prompts)), fpos),
+            ).logits
+    finally:
+        model.set_attn_implementation(attention)
     logp = torch.log_softmax(logits[:, ids.shape[1] - 1 : -1].float(), -1)
     replayed = logp.gather(-1, torch.tensor(out.tokens)[..., None]).squeeze(-1)
     torch.testing.assert_close(replayed, torch.tensor(out.logprobs), atol=1e-5, rtol=0)
-    # and the window really bites: the full-cache forward disagrees
-    with torch.no_grad():
-        dense = model(
-            input_ids=full,
-            position_ids=fpos.clamp(min=0),
-            kvrl_replay=Replay(Static(Window.of(model.config, 2, 10**6)).death(T, len(prompts)), fpos),
-        ).logits
     assert (dense - logits).abs().max() > 1e-2
 
 

@@ -9,6 +9,8 @@ differs for stateful policies; see the report of issue 4).
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -33,7 +35,7 @@ from kvrl.kernels.cuda.paged import flash_compact  # noqa: E402
 from kvrl.kernels.reference.paged import flash_compact as flash_compact_ref, flash_read, flash_write  # noqa: E402
 from kvrl.kernels.reference.replay import NEVER  # noqa: E402
 from kvrl.models.tiny import build_tokenizer, tiny_config  # noqa: E402
-from kvrl.policies import POLICIES, HeadAllocation, Mixed, make_policy, should_evict  # noqa: E402
+from kvrl.policies import POLICIES, HeadAllocation, KVPolicy, Mixed, make_policy, should_evict  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -864,3 +866,23 @@ def test_cpu_head_attention_kernel_matches_torch():
     fast = CPULayout().head_attention(query, kv, blocks, lens, d**-0.5)
     ref = PagedLayout.head_attention(CPULayout(), query, kv, blocks, lens, d**-0.5)
     assert (fast - ref).abs().max() < 1e-5
+
+
+@dataclass(kw_only=True)
+class NaNAtLayer(KVPolicy):
+    """A user's broken policy: KNorm's scores, NaN at layer ``layer``."""
+
+    layer: int = 1
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "layer"})
+
+    def score(self, obs):
+        scores = -obs.keys.float().norm(dim=-1)
+        return (scores + float("nan") if obs.layer == self.layer else scores), None
+
+
+def test_non_finite_scores_stop_the_engine_naming_the_policy_and_layer(engine):
+    policy = NaNAtLayer(budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    with pytest.raises(ValueError, match=r"NaNAtLayer\.score\(\) returned .* at layer 1, .*after position"):
+        engine.generate(prompts(2), Sampling(max_new_tokens=8), policy=policy)
+    out = engine.generate(prompts(2), Sampling(max_new_tokens=8), policy=token_policy("snapkv"))  # and it serves
+    assert len(out.tokens) == 2

@@ -24,6 +24,7 @@ stops being after an eviction) explicitly; ``model.generate`` does the same insi
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -47,6 +48,12 @@ class HFEngine:
     A float64 model is the oracle: its logprobs stay float64 (generate and score), and its
     RMSNorms are made to compute in float64 (:func:`kvrl.engines.vllm.patches.keep_norms_in_float64`;
     transformers' round to float32, which turns differences of ~1e-16 into jumps of ~1e-8).
+
+    The model keeps its attention implementation: generate and score switch it to kvrl's for
+    their forwards and back, so ``model(...)`` and ``model.generate(...)`` work as before between
+    calls. One exception: ``score`` under grad on a model with gradient checkpointing leaves it
+    on ``"kvrl_replay"``, which its backward recomputes under; set it back after the backward
+    (``model.set_attn_implementation(...)``) to call the model plainly.
     """
 
     def __init__(
@@ -65,7 +72,6 @@ class HFEngine:
         self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", None)
         # fills left padding and the rows that stopped; a tokenizer without a pad token gets a stop id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-        model.set_attn_implementation("kvrl_replay")
         keep_norms_in_float64(model)  # a no-op unless the model is float64
 
     @property
@@ -88,6 +94,19 @@ class HFEngine:
         out = torch.tensor([[self.pad_id] * (P - len(x)) + x for x in ids], device=self.device)
         pos = torch.arange(P, device=self.device) - torch.tensor([P - len(x) for x in ids], device=self.device)[:, None]
         return out, pos.masked_fill(pos < 0, -1)
+
+    @contextmanager
+    def _replaying(self):
+        """The model on ``"kvrl_replay"`` (it runs mixed gates too) for a scoring forward, then on
+        the attention it had. Not after a gradient-checkpointed forward under grad: its layers
+        recompute in backward, after score() returned, and must run the attention they ran here."""
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation("kvrl_replay")
+        try:
+            yield
+        finally:
+            if not (torch.is_grad_enabled() and getattr(self.model, "is_gradient_checkpointing", False)):
+                self.model.set_attn_implementation(previous)
 
     @torch.no_grad()
     def generate(self, prompts: list[str] | list[list[int]], sampling: Sampling, policy=None) -> Rollouts:
@@ -230,7 +249,8 @@ class HFEngine:
         col = (S - n_gen[:, None] + j).clamp(max=S - 1)  # column of generated token j
         if distributions:
             # distillation needs the whole next-token distributions: dense logits [B, S, V]
-            logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits
+            with self._replaying():
+                logits = self.model(input_ids=ids, position_ids=pos.clamp(min=0), **extra).logits
             logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # as generate()
             logp = torch.log_softmax(logits / temperature, -1)
             lp = logp.gather(1, (col - 1)[..., None].expand(-1, -1, logp.shape[-1]))  # [B, G, V]
@@ -255,11 +275,10 @@ class HFEngine:
                     f"score() does not apply the model's {attr}={getattr(self.model.config, attr)} "
                     "(its logits are not the LM head's); use score(..., distributions=True) for it"
                 )
-        # the model stays on "kvrl_replay" (it runs mixed gates too), so that layers checkpointed
-        # for training recompute in backward, after this returns, the attention they ran here
-        hidden = self.model.get_decoder()(
-            input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False, **extra
-        ).last_hidden_state  # no K/V kept: nothing decodes after
+        with self._replaying():
+            hidden = self.model.get_decoder()(
+                input_ids=ids, position_ids=pos.clamp(min=0), use_cache=False, **extra
+            ).last_hidden_state  # no K/V kept: nothing decodes after
         rows = hidden.gather(1, (col - 1)[..., None].expand(-1, -1, hidden.shape[-1]))[mask]  # [N, D]
         lp, ent = token_logprobs(rows, head.weight, ids.gather(1, col)[mask], temperature=temperature, bias=head.bias)
         # float32, or float64 for a float64 model: rounding a float64 oracle's logprobs to float32

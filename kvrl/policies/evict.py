@@ -5,7 +5,8 @@ The HF cache (:class:`kvrl.cache.KVCache`) and the vLLM worker
 rows they evict (batch rows for HF, layer·request rows for vLLM) and act on the
 :class:`Eviction` it returns: compact to ``keep``, record a death for each of ``dead``. Engine
 parity then rests on one copy of this bookkeeping. What differs between the engines stays
-theirs: where K/V live, how the rows are gathered, when the schedule fires.
+theirs: where K/V live, how the rows are gathered, when the schedule fires. A policy's
+non-finite scores stop both engines here, named (:func:`check_scores`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,29 @@ class Eviction:
         return cls(keep, count, mine, dead, state, logprob)
 
 
+def check_scores(policy: KVPolicy, obs: Observation, scores: Tensor, layers: list[int] | None = None) -> None:
+    """Raise ValueError, naming the policy, the layer, the row, the KV head and the positions,
+    if a candidate's keep-score (a valid slot outside the sink and window, the slots
+    :meth:`KVPolicy.select` ranks) is NaN or ±inf. ``layers``: the layers of ``obs``'s rows,
+    in equal consecutive blocks (default ``[obs.layer]``).
+
+    ``torch.topk`` ranks NaN and ties of ±inf anywhere, so such scores would evict arbitrary
+    tokens and the run would go on, its accuracy and rewards those of a broken policy."""
+    bad = ~scores.isfinite() & (obs.key_pos >= 0) & ~policy.always_kept(obs.key_pos)
+    if not bool(bad.any()):  # the one device sync of the check, once per eviction call
+        return
+    r, h, n = (int(i) for i in bad.nonzero()[0])
+    layers = layers or [obs.layer]
+    per = obs.key_pos.shape[0] // len(layers)
+    raise ValueError(
+        f"{type(policy).__name__}.score() returned {int(bad.sum())} non-finite keep-score(s) of cached tokens "
+        f"that select() ranks, first {float(scores[r, h, n])} at layer {layers[r // per]}, batch row {r % per}, "
+        f"KV head {h}, key position {int(obs.key_pos[r, h, n])}, in the eviction after position "
+        f"{int(obs.key_pos[r].max())}: NaN or ±inf cannot be ranked, so the cache would keep arbitrary tokens. "
+        "Make score() return finite values (a learned scorer: check its weights and the scale of its outputs)"
+    )
+
+
 def evict(
     policy: KVPolicy,
     obs: Observation,
@@ -77,11 +101,12 @@ def evict(
     sample: bool = False,
     generator: torch.Generator | list | None = None,
     score_rows: int = 0,
+    layers: list[int] | None = None,
 ) -> Eviction:
     """Score every row of ``obs``, select what each keeps (drawn when ``sample``), and find
     what dies. ``score_rows`` > 0 scores that many rows at a time (rows are independent, so
     the scores are the same; the vLLM worker keeps each group's temporaries in the CPU's
-    caches)."""
+    caches). Non-finite scores stop here (:func:`check_scores`; ``layers`` as there)."""
     if score_rows <= 0 or score_rows >= obs.key_pos.shape[0]:
         scores, state = policy.score(obs)
     else:
@@ -94,5 +119,6 @@ def evict(
         ]
         scores = torch.cat([p[0] for p in parts])
         state = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+    check_scores(policy, obs, scores, layers)
     sel = policy.select(obs, scores, sample=sample, generator=generator)
     return Eviction.of(sel.keep, sel.count, obs.key_pos, state, sel.logprob)

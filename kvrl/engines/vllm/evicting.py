@@ -323,7 +323,12 @@ class EvictingWorker(RegimeWorker):
         # each request's generator draws layer by layer, as at one layer per call
         generators = None if eb.generators is None else eb.generators * len(layers)
         ev = evict(
-            policy, Observation(*fields, layer, scale), sample=self.sample, generator=generators, score_rows=rows
+            policy,
+            Observation(*fields, layer, scale),
+            sample=self.sample,
+            generator=generators,
+            score_rows=rows,
+            layers=[lay.index for lay in layers],  # names the layer of a non-finite score
         )
         keep, counts = ev.keep, ev.count  # [L·R, H, K]; row j keeps keep[j, :, :counts[j]]
         j, h, n = ev.dead

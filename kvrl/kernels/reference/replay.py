@@ -132,7 +132,10 @@ def replay_attention(
         )
     if kvrl_replay is None:
         raise ValueError(
-            "attn_implementation='kvrl_replay' needs model(..., kvrl_replay=Replay(...)) (or kvrl_mixed=Mixed(...))"
+            "attn_implementation='kvrl_replay' needs model(..., kvrl_replay=Replay(...)) (or kvrl_mixed=Mixed(...)). "
+            "kvrl's HFEngine.score leaves a model on it after a gradient-checkpointed training forward (its "
+            "backward recomputes under it), and KVGRPOTrainer keeps its model on it; to call the model plainly, "
+            "set its attention back first: model.set_attn_implementation('sdpa') (or the one it had)"
         )
     groups = query.shape[1] // key.shape[1]
     if kvrl_replay.flex:
