@@ -80,8 +80,10 @@ def test_compact_rejects_a_bad_keep():
         native.ops().paged_compact_(kv, blocks.long(), torch.zeros(2, 2, 3, dtype=torch.long), None)
 
 
-def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch):
+def test_a_failed_build_warns_with_the_fix_and_the_references_run(monkeypatch, tmp_path):
     import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no library built for these sources there
 
     def no_compiler(*a, **k):
         raise RuntimeError("no C++ compiler found")
