@@ -64,6 +64,7 @@ def run_problems(cfg) -> list[str]:
             f"output_dir={cfg.output_dir}: {above} is a file, not a folder, so the run cannot write its "
             "output there; set output_dir=<a folder> (a new one is made)"
         )
+    problems += output_problems(cfg.output_dir, out)
     if job.ray:  # the controller's RunLog opens them (kvrl.runlog); the metrics file has every value anyway
         for key, package in (("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")):
             if getattr(cfg.logging, key.split(".")[1]) and importlib.util.find_spec(package) is None:
@@ -84,6 +85,49 @@ def run_problems(cfg) -> list[str]:
         damaged = seal_problem(cfg.model.path)  # reads the weights once: the job's load finds them cached
         problems += [damaged] if damaged else []
     return problems
+
+
+# what a kvrl job leaves in its output_dir (kvrl.runlog's lock, metrics and checkpoints, job=eval's settings and
+# samples, job=self_distill's tasks, the trace step's traces): a folder holding one is a run's, which a rerun continues
+RUN_FILES = (".lock", "settings.json", "samples.jsonl", "metrics.jsonl", "checkpoints", "tasks.jsonl", "traces")
+
+
+def output_problems(given: str, out: Path) -> list[str]:
+    """output_dir (`given`, which is `out`) is a folder of its own for the run: not the current directory, not
+    kvrl's own files (the package with its shipped models, the recipes, the checkout's .git), and, when it
+    exists, empty or a kvrl run's (`RUN_FILES`). A run writes .lock, settings, samples, checkpoints and
+    plots there, and a rerun takes what it finds there for its own."""
+    fix = "set output_dir=outputs/${run_name} (or another new folder: it is made)"
+    where = out.resolve()
+    checkout = Path(__file__).resolve().parent.parent
+    own = {
+        "package (its code and shipped models)": Path(__file__).resolve().parent,
+        "recipes": checkout / "recipes",
+        "git repository": checkout / ".git",
+    }
+    for what, folder in own.items():
+        if where == folder or folder in where.parents:
+            return [
+                f"output_dir={given} is inside kvrl's {what}, {folder}: the run would write among kvrl's files; {fix}"
+            ]
+    if where == Path.cwd().resolve():
+        return [
+            f"output_dir={given} is the current directory ({where}): the run would write its files (.lock, settings, "
+            f"samples or checkpoints, plots) among whatever is there; {fix}"
+        ]
+    if not where.is_dir() or any(where.joinpath(name).exists() for name in RUN_FILES):
+        return []
+    try:
+        held = sorted(p.name for p in where.iterdir())
+    except PermissionError:  # nothing of the run could be written there either: the job says so when it starts
+        return []
+    if not held:
+        return []
+    return [
+        f"output_dir={given} is a folder that holds {len(held)} file(s) of something else than a kvrl run "
+        f"({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): the run would write among them, and a rerun "
+        f"would take them for its own; {fix}"
+    ]
 
 
 def input_problems(id_key: str, env_id: str, kwargs_key: str, kwargs: dict) -> list[str]:

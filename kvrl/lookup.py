@@ -16,11 +16,14 @@ import inspect
 import json
 import math
 import re
-from pathlib import Path
+import types
+import typing
+from pathlib import Path, PurePath
 from typing import Any, Callable
 
 from kvrl.models import SHIPPED
 from kvrl.runlog import trained_model
+from kvrl.section import cli_value
 
 ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
@@ -155,18 +158,27 @@ def policy_problems(policy: str, kwargs: dict) -> list[str]:
 
 def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: str, kwargs: dict) -> list[str]:
     """`kwargs` (given as `kwargs_key`) fit `factory`'s signature, with `defaults` given besides: no
-    unknown argument, no float that is not finite, every required one given, and the rules of `ENV_ARG_RULES`."""
+    unknown argument, each of the type its annotation names (int, float, bool, str, a path, None, or a union
+    of them; other annotations are not checked), no float that is not finite, each within the inclusive range
+    `factory.arg_bounds` gives it (an environment's sizes: `kvrl.envs.base.Env.arg_bounds`), every required
+    one given, and the rules of `ENV_ARG_RULES`. A value of the wrong type would be a TypeError deep in the
+    constructor; a size out of range, the memory of a task no model holds."""
     name = f"{factory.__module__}:{getattr(factory, '__qualname__', factory)}"
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):  # no signature to read: the constructor will say
         return []
+    try:  # annotations written as strings (`from __future__ import annotations`) read as types
+        annotations = {k: p.annotation for k, p in inspect.signature(factory, eval_str=True).parameters.items()}
+    except Exception:  # noqa: BLE001 (a name the module cannot resolve: its types go unchecked)
+        annotations = {}
     named = {
         p: v
         for p, v in params.items()
         if v.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     }
     listing = f"its arguments: {', '.join(named) or '(none)'}"
+    bounds = getattr(factory, "arg_bounds", {})
     problems = []
     if not any(v.kind is inspect.Parameter.VAR_KEYWORD for v in params.values()):
         for key in kwargs:
@@ -174,11 +186,23 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
                 near = difflib.get_close_matches(key, named, n=1, cutoff=0.6)
                 hint = f" (did you mean {kwargs_key}.{near[0]}?)" if near else ""
                 problems.append(f"{kwargs_key}.{key} is not an argument of {name}{hint}; {listing}")
-    for key, value in kwargs.items():  # a NaN weight or penalty passes every range check a constructor states
-        if isinstance(value, float) and not math.isfinite(value):
-            default = named[key].default if key in named else inspect.Parameter.empty
-            fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
+    for key, value in kwargs.items():
+        default = named[key].default if key in named else inspect.Parameter.empty
+        kinds = accepted(annotations.get(key))
+        if kinds is not None and not fits(value, kinds):
+            fix = integral(value, kinds, bounds.get(key), default)
+            problems.append(
+                f"{kwargs_key}.{key} must be {kinds[0]} ({name} takes {key}: {kinds[1]}; got {value!r})"
+                + (f"; set {kwargs_key}.{key}={cli_value(fix)}" if fix is not inspect.Parameter.empty else "")
+            )
+            continue
+        fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
+        if isinstance(value, float) and not math.isfinite(value):  # a NaN passes every range check a constructor states
             problems.append(f"{kwargs_key}.{key} must be a finite number (got {value}){fix}")
+        elif key in bounds and isinstance(value, (int, float)) and not bounds[key][0] <= value <= bounds[key][1]:
+            low, high = bounds[key]
+            within = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+            problems.append(f"{kwargs_key}.{key} must be {within} for {name} (got {value!r}){fix}")
     given = {**defaults, **kwargs}
     for key, p in named.items():
         if p.default is inspect.Parameter.empty and key not in given:
@@ -189,3 +213,43 @@ def argument_problems(factory: Callable[..., Any], defaults: dict, kwargs_key: s
             fix = f"; set {kwargs_key}.{key}={default}" if default is not inspect.Parameter.empty else ""
             problems.append(f"{kwargs_key}.{key} {rule} (got {given[key]!r}){fix}")
     return problems
+
+
+# what a value from a config may be for a simple annotation: (its Python types, what the message calls it)
+SIMPLE_TYPES: dict[Any, tuple[tuple[type, ...], str]] = {
+    bool: ((bool,), "true or false"),
+    int: ((int,), "an integer"),
+    float: ((int, float), "a number"),
+    str: ((str,), "a string"),
+    Path: ((str, PurePath), "a path"),
+    type(None): ((type(None),), "null"),
+}
+
+
+def accepted(annotation: Any) -> tuple[str, str, tuple[type, ...]] | None:
+    """(what a value must be, the annotation as written, the types that fit) for an annotation made of
+    `SIMPLE_TYPES` (one, or a union of them); None for any other (not checked)."""
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    members = members or (annotation,)
+    if not all(m in SIMPLE_TYPES for m in members):
+        return None
+    types_ = tuple(t for m in members for t in SIMPLE_TYPES[m][0])
+    written = " | ".join("None" if m is type(None) else m.__name__ for m in members)
+    return " or ".join(SIMPLE_TYPES[m][1] for m in members), written, types_
+
+
+def fits(value: Any, kinds: tuple[str, str, tuple[type, ...]]) -> bool:
+    """`value` is of one of the types `kinds` (:func:`accepted`) allows; a bool is no number here (YAML's
+    `true` given for a size)."""
+    if isinstance(value, bool):
+        return bool in kinds[2]
+    return isinstance(value, kinds[2])
+
+
+def integral(value: Any, kinds: tuple[str, str, tuple[type, ...]], bounds: tuple[float, float] | None, default: Any):
+    """The fix to suggest for `value`, not of the types `kinds` allows: the integer a whole float (`1e3`)
+    means, for an integer argument and within `bounds`; else the constructor's `default`."""
+    whole = int in kinds[2] and isinstance(value, float) and value.is_integer()
+    if whole and (bounds is None or bounds[0] <= value <= bounds[1]):
+        return int(value)
+    return default

@@ -51,7 +51,10 @@ def model_config(path: str):
     if path in known:
         fields = dict(known[path])
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
-    local = Path(resolve_path(path))
+    try:
+        local = Path(resolve_path(path))
+    except ValueError as err:  # a damaged sealed folder, a run without model weights: the config's mistake
+        raise ConfigError(str(err)) from None
     if (local / "config.json").exists():
         return AutoConfig.from_pretrained(local)
     try:
@@ -78,7 +81,8 @@ def size(n: float) -> str:
 
 def prompt_tokens(cfg) -> int | None:
     """Mean prompt length of 16 of the environment's tasks; None when the environment (a
-    dataset that is not here) or a local tokenizer (not a hub id: no network wait) is missing."""
+    dataset that is not here) or a local tokenizer (not a hub id: no network wait) is missing, or
+    the environment cannot build those tasks (a prompt that is no text: the run refuses it at start)."""
     from transformers import AutoTokenizer
 
     from kvrl.envs import make
@@ -91,9 +95,9 @@ def prompt_tokens(cfg) -> int | None:
         env = make(cfg.env.id, **cfg.env.kwargs)
         env.reset(seed=cfg.seed)
         tokenizer = AutoTokenizer.from_pretrained(local)
+        prompts = [t.prompt for t in env.tasks(16)]
     except (OSError, ValueError, ImportError):
         return None
-    prompts = [t.prompt for t in env.tasks(16)]
     return round(sum(len(ids) for ids in encode_prompts(tokenizer, prompts, Chat.of(cfg.env))) / len(prompts))
 
 

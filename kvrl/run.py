@@ -7,15 +7,17 @@ it resumes written with its settings, a hub model reachable) and what this machi
 status 2, a message on stderr, no traceback), not a torch/Ray start-up.
 """
 
+import contextlib
 import difflib
 import importlib
+import io
 import sys
 from typing import Sequence
 
 from omegaconf import OmegaConf
 
 from kvrl.config import JOBS, ConfigError, available_recipes, cli_value, load_config, recipes_dir, schema_keys
-from kvrl.config.load import redact, secret_names
+from kvrl.config.load import ENV_REFERENCE, redact, secret_names
 
 USAGE = "usage: python -m kvrl.run [recipe=NAME] [key=value ...]  (print_config=true shows the result)"
 
@@ -42,14 +44,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in args or "--help" in args:
         print(help_text())
         return 0
+    if "--version" in args:
+        import kvrl
+
+        print(f"kvrl {kvrl.__version__}")
+        return 0
     try:
         cfg = load_config(args)
     except ConfigError as err:
         print(f"kvrl: error: {err}", file=sys.stderr)
         return 2
 
+    # what the environment gave (`${oc.env:NAME}` on the command line, where recipe= is read too, or in the recipe)
+    secrets = [*ENV_REFERENCE.findall(" ".join(args)), *secret_names(cfg)]
+
     def refuse(what: str) -> int:  # a value read from the environment is shown as its reference
-        print(redact(f"kvrl: error: {what}", secret_names(cfg)), file=sys.stderr)
+        print(redact(f"kvrl: error: {what}", secrets), file=sys.stderr)
         return 2
 
     if cfg.job not in JOBS:
@@ -66,10 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.dry_run:
         from kvrl.plan import dry_run
 
+        plan = io.StringIO()  # the plan names values (the recipe, the model): printed with the secrets redacted
         try:
-            dry_run(cfg)
+            with contextlib.redirect_stdout(plan):
+                dry_run(cfg)
         except ConfigError as err:
             return refuse(str(err))
+        finally:
+            print(redact(plan.getvalue(), secrets), end="")
         return 0
     from kvrl.gate import machine_problems, run_problems
 
@@ -80,10 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problems:
         return refuse("this machine cannot run the config: " + "\n".join(problems))
     module, _, function = JOBS[cfg.job].entry.partition(":")
+    from kvrl.envs.base import RewardError
+
     try:
         result = getattr(importlib.import_module(module), function)(cfg)
     except ConfigError as err:  # what only the job can know (a data set's prompts), refused before it trains
         return refuse(f"the run cannot start: {err}")
+    except RewardError as err:  # the environment's reward code, not a bug of the run: named, no traceback
+        return refuse(str(err))
     return result if isinstance(result, int) else 0
 
 

@@ -154,25 +154,36 @@ def seal(folder: str | Path) -> None:
         tmp.write_text("".join(f"{sha256_of(p)}  {p.relative_to(folder)}\n" for p in files))
 
 
+WEIGHTS = ("*.safetensors", "*.bin", "*.pt")  # what a sealed folder's SHA256SUMS must list: what a load reads
+
+
 def damage(folder: str | Path, only: str | None = None) -> str | None:
     """Why ``folder`` is not an intact sealed folder, or None when every file matches.
+    Its SHA256SUMS names only files inside it and lists every weight file below it (:data:`WEIGHTS`, as
+    :func:`seal` writes it): a line dropped or pointed elsewhere would let a damaged file load unchecked.
     ``only``: check that one file (a name in ``folder``), which its SHA256SUMS must list."""
     folder = Path(folder)
-    if not (folder / SUMS).is_file():
+    sums = folder / SUMS
+    if not sums.is_file():
         return f"no {SUMS} (the save did not finish)"
-    listed = False
-    for line in (folder / SUMS).read_text().splitlines():
-        digest, _, name = line.partition("  ")
-        if only is not None and name != only:
-            continue
-        listed = True
+    lines = (line.partition("  ") for line in sums.read_text().splitlines())
+    listing = {name: digest for digest, _, name in lines}
+    outside = next((n for n in listing if Path(n).is_absolute() or ".." in Path(n).parts), None)
+    if outside is not None:
+        return f"{sums} names {outside!r}, a file outside {folder}; a {SUMS} lists only files inside its folder"
+    if only is None:
+        weights = sorted(p for pattern in WEIGHTS for p in folder.rglob(pattern) if p.is_file())
+        unlisted = [p for p in weights if not p.name.startswith(".") and str(p.relative_to(folder)) not in listing]
+        if unlisted:
+            return f"{unlisted[0]} is not listed in {sums}, which must list every weight file below its folder"
+    elif only not in listing:
+        return f"{folder / only} is not listed in {sums}, which seals that folder"
+    for name, digest in listing.items() if only is None else [(only, listing[only])]:
         path = folder / name
         if not path.is_file():
             return f"{path} is missing"
         if sha256_of(path) != digest:
-            return f"{path} does not match its checksum in {folder / SUMS}"
-    if not listed and only is not None:
-        return f"{folder / only} is not listed in {folder / SUMS}, which seals that folder"
+            return f"{path} does not match its checksum in {sums}"
     return None
 
 

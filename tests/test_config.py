@@ -109,6 +109,22 @@ def test_help_lists_recipes_jobs_and_keys(capsys):
     assert "pretrain_tiny" in out and "trainer.lr=0.003" in out and "eval.budgets=[0.25,0.5]" in out
 
 
+def test_version_prints_the_package_version(capsys):
+    """`python -m kvrl.run --version` (and the `kvrl` script, the same main) prints kvrl.__version__, the one
+    version setup.cfg reads too, and starts nothing."""
+    import configparser
+
+    import kvrl
+
+    assert main(["--version", "recipe=nope"]) == 0
+    assert capsys.readouterr().out == f"kvrl {kvrl.__version__}\n"
+    proc = run_module("--version")
+    assert proc.returncode == 0 and proc.stdout == f"kvrl {kvrl.__version__}\n", proc.stderr
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    assert setup["metadata"]["version"] == "attr: kvrl.__version__"
+
+
 def test_printed_config_round_trips_as_a_recipe(capsys, tmp_path, monkeypatch):
     assert main(["print_config=true", "kv.budget=64", "env.kwargs.n_digits=12"]) == 0
     printed = capsys.readouterr().out

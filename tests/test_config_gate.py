@@ -241,6 +241,16 @@ CASES = [
         ],
     ),
     (
+        "budget_and_window_over_positions",
+        ["recipe=tiny_multihop_sparse", "kv.window=100000", "kv.budget=100020"],
+        None,
+        [
+            "no kv.budget can evict with kv.window=100000 kv.sink=4: the policy always keeps kv.window + kv.sink + 1 "
+            "= 100005 tokens, at least as many as a sequence holds, so lower kv.window; set kv.window=256 "
+            "kv.budget=512 (below 1024)"
+        ],
+    ),
+    (
         "budget_over_max_model_len",
         ["recipe=tiny_foresight", "kv.budget=300", "model.max_model_len=256"],
         None,
@@ -385,6 +395,38 @@ CASES = [
         ["output_dir={file}/run: {file} is a file, not a folder"],
     ),
     (
+        "output_dir_undecodable",
+        ["recipe=tiny_eval", "output_dir=/tmp/run\udcff"],
+        None,
+        [
+            "command line: output_dir=/tmp/run\\xff holds a byte that is not UTF-8",
+            "set output_dir to a UTF-8 value (a path: rename the folder, or choose one whose name is UTF-8)",
+        ],
+    ),
+    # a folder that is not the run's own: the run wrote settings, samples, .lock and plots among what was there
+    *(
+        (
+            f"output_dir_{name}",
+            ["recipe=tiny_eval", f"output_dir={value}"],
+            None,
+            [said, "set output_dir=outputs/${run_name} (or another new folder: it is made)"],
+        )
+        for name, value, said in [
+            ("cwd", ".", f"output_dir=. is the current directory ({REPO})"),
+            ("root", "/", "output_dir=/ is a folder that holds"),
+            ("cwd_by_path", str(REPO), f"output_dir={REPO} is the current directory"),  # the checkout, here
+            (
+                "package",
+                "kvrl",
+                f"output_dir=kvrl is inside kvrl's package (its code and shipped models), {REPO / 'kvrl'}",
+            ),
+            ("shipped_model", "kvrl/models/weights/tiny_reasoner", "is inside kvrl's package"),
+            ("git", ".git", f"output_dir=.git is inside kvrl's git repository, {REPO / '.git'}"),
+            ("recipes", "recipes/new_run", f"output_dir=recipes/new_run is inside kvrl's recipes, {REPO / 'recipes'}"),
+            ("not_a_run", "{stuff}", "is a folder that holds 1 file(s) of something else than a kvrl run (notes.txt)"),
+        ]
+    ),
+    (
         "eval_sparsity_over_one",
         ["recipe=tiny_eval", "eval.settings.rlkv.sparsities=[1.5]"],
         None,
@@ -419,6 +461,58 @@ CASES = [
         ["recipe=tiny_rl_full", "env.kwargs.overlong_penalty=.nan"],
         None,
         ["env.kwargs.overlong_penalty must be a finite number (got nan); set env.kwargs.overlong_penalty=0.0"],
+    ),
+    # before: a TypeError from the constructor or numpy (a traceback, exit 1), or numpy asking for 745 GiB
+    (
+        "env_size_not_a_number",
+        ["recipe=tiny_rl_full", "env.kwargs.n_digits=abc"],
+        None,
+        [
+            "env.kwargs.n_digits must be an integer (kvrl.envs.counts:CountsEnv takes n_digits: int; got 'abc'); "
+            "set env.kwargs.n_digits=24"
+        ],
+    ),
+    (
+        "env_size_a_whole_float",
+        ["recipe=tiny_rl_full", "env.kwargs.n_digits=1e3"],
+        None,
+        ["env.kwargs.n_digits must be an integer", "got 1000.0); set env.kwargs.n_digits=1000"],
+    ),
+    (
+        "env_size_a_bool",
+        ["recipe=tiny_rl_full", "env.kwargs.n_digits=true"],
+        None,
+        ["env.kwargs.n_digits must be an integer", "got True); set env.kwargs.n_digits=24"],
+    ),
+    (
+        "env_size_a_float_past_its_bound",
+        ["recipe=tiny_rl_full", "env.kwargs.n_digits=1e11"],
+        None,
+        ["env.kwargs.n_digits must be an integer", "got 100000000000.0); set env.kwargs.n_digits=24"],
+    ),
+    (
+        "env_size_past_its_bound",
+        ["recipe=tiny_rl_full", "env.kwargs.n_digits=100000000000"],
+        None,
+        [
+            "env.kwargs.n_digits must be in [1, 65536] for kvrl.envs.counts:CountsEnv (got 100000000000); "
+            "set env.kwargs.n_digits=24"
+        ],
+    ),
+    (
+        "env_optional_argument_mistyped",
+        ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.limit=abc"],
+        None,
+        [
+            "env.kwargs.limit must be an integer or null (kvrl.envs.math:MathEnv takes limit: int | None; got "
+            "'abc'); set env.kwargs.limit=null"
+        ],
+    ),
+    (
+        "env_multihop_statements_past_the_names",
+        ["recipe=tiny_multihop_sparse", "env.kwargs.max_statements=100000"],
+        None,
+        ["env.kwargs.max_statements must be in [2, 52] for kvrl.envs.multihop:MultiHopEnv (got 100000)"],
     ),
     (
         "eval_pass_k_over_samples",
@@ -472,8 +566,10 @@ def outcomes(tmp_recipes, tmp_path_factory) -> dict:
         "{locked}": tmp_path_factory.mktemp("locked"),
         "{run}": tmp_path_factory.mktemp("run"),
         "{file}": tmp_path_factory.mktemp("file") / "a_file",
+        "{stuff}": tmp_path_factory.mktemp("stuff"),
     }
     earlier_run(folders["{run}"])
+    (folders["{stuff}"] / "notes.txt").write_text("a user's file")
     folders["{file}"].write_text("not a folder")
     cases, fresh = [], tmp_path_factory.mktemp("out")
     for id_, argv, recipes, _ in CASES:
@@ -559,6 +655,18 @@ def test_a_resume_may_change_what_config_resumable_names(tmp_path, monkeypatch):
     checkpoint = tmp_path / "checkpoints" / "step_000002"
     [err] = run_problems(load_config([*changed, "resume=never", f"resume={checkpoint}"]))
     assert f"(checkpoint {checkpoint})" in err
+
+
+def test_an_output_dir_of_a_kvrl_run_or_empty_passes(tmp_path, monkeypatch):
+    """What output_dir refuses (a folder of other files) leaves a rerun its own folder: an interrupted job=eval
+    run's (its lock and settings), and an empty folder."""
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    run, empty = tmp_path / "eval", tmp_path / "empty"
+    run.mkdir(), empty.mkdir()
+    (run / ".lock").write_text("")
+    (run / "settings.json").write_text('{"settings": {}, "files": {}}')
+    for folder in (run, empty):
+        assert run_problems(load_config(["recipe=tiny_eval", f"output_dir={folder}"])) == []
 
 
 def test_inputs_are_checked_for_a_run_here_only(tmp_path, monkeypatch):
@@ -729,6 +837,31 @@ def test_a_seed_no_generator_takes_is_refused_by_the_config(monkeypatch):
         load_config(["recipe=tiny_rl_full", "seed=99999999999999999999"])
 
 
+@pytest.mark.parametrize(
+    "kv",
+    [
+        ["kv.window=100000", "kv.budget=100020"],  # before: "set kv.budget=100005 (below 1024)"
+        ["kv.window=100000", "kv.budget=50"],  # before: "set kv.budget=100005 (or lower kv.window / kv.sink)"
+        ["kv.window=100000", "kv.budget=0"],
+        ["kv.sink=5000", "kv.budget=0"],
+        ["kv.window=900", "kv.sink=200", "kv.budget=2000"],
+        ["kv.window=40", "kv.budget=0", "kv.interval=1000"],
+        ["kv.budget=2000"],
+    ],
+)
+def test_the_suggested_kv_settings_pass_every_kv_rule(monkeypatch, kv):
+    """Whatever kv.budget the refusal suggests (with kv.window / kv.sink when no budget fits beside them) is
+    accepted when given back: a budget at least kv.window + kv.sink + 1 and below the 1024 positions."""
+    import re
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    with pytest.raises(ConfigError) as refused:
+        load_config(["recipe=tiny_multihop_sparse", *kv])
+    fix = re.search(r"; set ((?:kv\.\w+=\d+ ?)+)", str(refused.value))
+    assert fix is not None, str(refused.value)
+    load_config(["recipe=tiny_multihop_sparse", *kv, *fix.group(1).split()])
+
+
 def test_the_gates_policy_names_are_the_zoos():
     """The gate names kv.policy's values without importing torch; they must stay the zoo's."""
     from kvrl.section import POLICY_NAMES
@@ -796,6 +929,25 @@ def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, 
     err = capsys.readouterr().err
     assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
     assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err
+
+
+def test_a_data_set_row_that_is_not_utf8_is_refused_at_run_start(tmp_path, monkeypatch, capsys):
+    """A lone surrogate (JSON's "\\ud800") in a row. Before: the row's ValueError as a traceback (exit 1)."""
+    import ray
+
+    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    path = tmp_path / "problems.jsonl"
+    path.write_text('{"question": "1 + 1 = ?", "answer": "2"}\n{"question": "1 + \\ud800 = ?", "answer": "3"}\n')
+    out = tmp_path / "run"
+    env = ["env.id=kvrl/math-v0", f"env.kwargs.path={path}", "env.kwargs.template='{question}'"]
+    assert main(["recipe=tiny_rl_full", f"output_dir={out}", *env]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"kvrl: error: the run cannot start: env.id=kvrl/math-v0: {path}:2: the question holds a lone surrogate "
+        "'\\ud800' at character 5"
+    ), err
+    assert "Traceback" not in err and not ray.is_initialized() and not out.exists()
 
 
 @pytest.mark.parametrize(

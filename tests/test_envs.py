@@ -22,6 +22,7 @@ from kvrl.envs import (
     register,
     registered,
 )
+from kvrl.envs.counts import CountsEnv
 
 # ---- a minimal procedural text env and a minimal trace env -----------------------------
 
@@ -401,8 +402,6 @@ def test_check_env_refuses_a_task_the_tokenizer_cannot_read():
         check_env(SumEnv(), tokenizer=tok)
     with pytest.raises(EnvCheckError, match=r"task 'pair-\d-\d': 1 of the 1 tokens of its answer '\d+' are <pad>"):
         check_env(TinyAnswerEnv(), tokenizer=tok)
-    from kvrl.envs.counts import CountsEnv
-
     check_env(CountsEnv(n_digits=8), tokenizer=tok)  # the tiny reasoner's own task reads
 
 
@@ -420,3 +419,55 @@ def test_a_run_on_a_task_the_model_cannot_read_is_refused_at_start(tmp_path, mon
     assert err.startswith(f"kvrl: error: the run cannot start: env.id={__name__}:SumEnv: task 'sum-"), err
     assert "tokens of its prompt" in err and "the model cannot read this task" in err, err
     assert not ray.is_initialized() and not out.exists()
+
+
+class SurrogateEnv(TextEnv):
+    """Tasks about a third of whose prompts end in a lone surrogate, as text built from JSON's "\\ud800" would."""
+
+    def sample_task(self, rng):
+        n = int(rng.integers(1000))
+        return Task(id=f"s-{n}", prompt=f"{n % 10} ; ?" + (" \ud800" if n % 3 == 0 else ""), answer="1")
+
+
+def test_a_task_whose_text_is_not_utf8_is_an_error_naming_it():
+    """Before: the Task was built, and the tokenizer refused its prompt in a rollout with a bare TypeError."""
+    with pytest.raises(ValueError, match=r"^task 't': its prompt is not valid UTF-8: a lone surrogate '\\ud800' at "):
+        Task(id="t", prompt="1 ; \ud800", answer="1")
+    with pytest.raises(ValueError, match=r"^task 't': its answer is not valid UTF-8: .* at character 2 "):
+        Task(id="t", prompt="1 ; ?", answer="1\udcff")
+    assert Task(id="t", prompt="caf\u00e9 \U0001f600", answer=None).prompt == "caf\u00e9 \U0001f600"
+
+
+def test_a_run_on_a_custom_env_whose_prompt_is_not_utf8_is_refused_at_start(tmp_path, monkeypatch, capsys):
+    import ray
+
+    from kvrl.run import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "run"
+    assert main(["recipe=tiny_rl_full", f"env.id={__name__}:SurrogateEnv", f"output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvrl: error: the run cannot start: env.id={__name__}:SurrogateEnv: task 's-"), err
+    assert "its prompt is not valid UTF-8: a lone surrogate '\\ud800' at character 7" in err, err
+    assert "Traceback" not in err and not ray.is_initialized() and not out.exists()
+
+
+class InfRewardEnv(CountsEnv):
+    """Counts whose one reward is inf for every completion."""
+
+    def __init__(self, n_digits: int = 8):
+        super().__init__(n_digits=n_digits)
+        self.rewards = [Reward(lambda task, completion: float("inf"), 1.0, "judge")]
+
+
+def test_an_inf_reward_stops_a_run_by_name(tmp_path, monkeypatch, capsys):
+    """Before: the run stopped on the rollout's ValueError with a traceback (exit 1)."""
+    from kvrl.run import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    argv = [f"env.id={__name__}:InfRewardEnv", "workers.address=inline", "trainer.steps=1", f"output_dir={tmp_path}"]
+    assert main(["recipe=tiny_rl_full", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"kvrl: error: environment {__name__}:InfRewardEnv: reward function 'judge' returned inf (float)" in err
+    assert "rerun the same command to continue it" in err and "Traceback" not in err, err
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing was trained on it

@@ -1,7 +1,5 @@
 """Typed configuration: schema ⊕ recipe ⊕ command line, validated before anything runs.
 
-Contract:
-
 * The schema is the dataclass `Config`: the shared sections (`kvrl.config.shared`: model, env, kv,
   sampling, trainer, rl, workers, logging and the top-level keys) plus the section each algorithm
   and job declares beside its code and registers (`kvrl.section.register_section`, e.g.
@@ -12,11 +10,10 @@ Contract:
   `kvrl.algos.ALGOS` lists the algorithms, each with the job that runs it, whose registered rules an
   RL job checks too. An algorithm of your own, `rl.algo=pkg.module:Class`, is imported before the
   schema is built (its module may register a section); the job the config names runs it.
-* `load_config(argv)` merges, in this order, the schema (`OmegaConf.structured`), the recipe's
-  base (`base: NAME` in the recipe -> `recipes/base/NAME.yaml`), `recipes/NAME.yaml` (NAME from
-  `recipe=NAME` on the command line, else `Config.recipe`) and the command-line `key=value`
-  dotlist, makes the result read-only, resolves interpolations and converts it to the
-  dataclasses with `OmegaConf.to_object`.
+* `load_config(argv)` merges, in this order, the schema (`OmegaConf.structured`), the recipe's base
+  (`base: NAME` in the recipe -> `recipes/base/NAME.yaml`), `recipes/NAME.yaml` (NAME from `recipe=NAME`
+  on the command line, else `Config.recipe`) and the command-line `key=value` dotlist, makes the result
+  read-only, resolves interpolations and converts it to the dataclasses with `OmegaConf.to_object`.
 * Constructor arguments belong to what they construct (a section pairs the two keys:
   `checked(..., kwargs=FIELD)`, read by `kwargs_of()`): when the command line changes `env.id`,
   `self_distill.source` or `kv.policy`, the recipe's `env.kwargs`, `self_distill.source_kwargs`
@@ -24,13 +21,13 @@ Contract:
   over counts gives MathEnv only `path`), and a mapping given whole on the command line
   (`env.kwargs='{path: data.jsonl}'`, `env.kwargs={}` to clear) replaces the recipe's instead of
   merging into it; `env.kwargs.path=...` merges one key.
-* Recipes live in the repository's `recipes/` folder, or in `$KVRL_RECIPES_DIR`; `recipe=` takes a
-  name there (a path, `../x` or `/x`, is refused), `base:` likewise a name in its `base/`. A recipe
-  of your own loads by path with `recipe_file=PATH` (its stem becomes `recipe`).
+* Recipes live in `recipes/` or `$KVRL_RECIPES_DIR`: `recipe=` and `base:` take a name there (a path
+  is refused); a recipe of your own loads by path with `recipe_file=PATH` (its stem becomes `recipe`).
 * `${oc.env:NAME}` reads an environment variable into the config (the job gets the value), but what
   a run writes down (a checkpoint's config.json, W&B, `print_config`) holds the reference, never
-  the value (`Config.env_references`), and an error message shows `${oc.env:NAME}` where the value
-  would be; a resumed run compares the references.
+  the value (`Config.env_references`), and an error message or the dry-run plan shows `${oc.env:NAME}`
+  wherever the value would be, glued to other text or escaped (`kvrl.config.load.redact`); a resumed
+  run compares the references.
 * Every problem — unknown recipe or base, a recipe that is not UTF-8 or YAML, unknown or renamed
   key (in a recipe or on the command line), wrong type, malformed argument, out-of-range or
   non-finite value, KV geometry the job's policy refuses, a model path or an environment

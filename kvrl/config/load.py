@@ -11,6 +11,7 @@ value read from the environment never appears in a message in the clear.
 
 import difflib
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -84,6 +85,16 @@ def _value_syntax(key: str, value: str) -> str:
 def _parse_cli(argv: Sequence[str]) -> DictConfig:
     for arg in argv:
         key, _, value = arg.partition("=")
+        try:  # a byte of argv that is not UTF-8 arrives as a lone surrogate, which YAML cannot read
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            key = key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            value = value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            raise ConfigError(
+                f"command line: {key}={value} holds a byte that is not UTF-8, and a config is UTF-8 text (its "
+                f"runs write it to settings.json and checkpoints); set {key} to a UTF-8 value (a path: rename the "
+                "folder, or choose one whose name is UTF-8)"
+            ) from None
         if "=" not in arg or not key or "" in key.split("."):
             raise ConfigError(
                 f"malformed argument {arg!r}: arguments are key=value with a dotted key, "
@@ -288,13 +299,24 @@ ENV_REFERENCE = re.compile(r"\$\{oc\.env:([^,}]+)")
 
 
 def redact(text: str, names: Sequence[str]) -> str:
-    """`text` with the value of each environment variable in `names` shown as its reference `${oc.env:NAME}`:
-    what kvrl prints about a config (its errors, and kvrl.run's) never holds a secret in the clear."""
+    """`text` with every occurrence of the value of each environment variable in `names` shown as its reference
+    `${oc.env:NAME}`, whatever surrounds it (glued to other text, inside a word) and however a message quotes it
+    (as is, or inside a repr or JSON string, where a `\\` or a quote is escaped): what kvrl prints about a config
+    (its errors, the dry-run plan) never holds a secret in the clear. By value, not by pattern: a short value
+    is replaced wherever it stands, even where the text meant something else."""
+    forms = {}  # how a value may stand in a message -> its reference
     for name in dict.fromkeys(n.strip() for n in names):
         value = os.environ.get(name)
         if value:
-            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(value)}(?![A-Za-z0-9])", f"${{oc.env:{name}}}", text)
-    return text
+            # repr escapes \ and the quote that delimits it: a ' unless the text holds a ' and no "
+            quoted = [repr(value + "'\"")[1:-4], *([repr("'" + value)[2:-1]] if '"' not in value else [])]
+            for form in (value, *quoted, json.dumps(value)[1:-1]):
+                forms.setdefault(form, f"${{oc.env:{name}}}")
+    if not forms:
+        return text
+    # one pass, longest first: a replaced reference is never searched again (a value may be part of one)
+    pattern = "|".join(re.escape(form) for form in sorted(forms, key=len, reverse=True))
+    return re.sub(pattern, lambda m: forms[m.group()], text)
 
 
 def secret_names(cfg) -> list[str]:

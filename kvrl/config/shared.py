@@ -86,20 +86,21 @@ class KVConfig:
         job = JOBS[cfg.job]
         who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if "rl" in job.sections else "")
         least = self.window + self.sink + 1
-        fix = max(least, 4 * self.interval)
+        limit, why = cache_limit(cfg)
         if self.budget == 0:
             problems.append(
                 f"kv.budget=0 keeps every token, but {who} evicts with kv.policy={self.policy} and needs "
-                f"a budget; set kv.budget={fix}"
+                f"a budget; set {self.budget_fix(limit, 4 * self.interval)}"
             )
         elif self.budget < least:
+            fix = self.budget_fix(limit, 4 * self.interval)
             problems.append(
                 f"kv.budget must be >= kv.window + kv.sink + 1 = {least} (got {self.budget}): the policy "
                 f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
-                f"score; set kv.budget={fix} (or lower kv.window / kv.sink)"
+                f"score; set {fix}" + ("" if "kv.window" in fix else " (or lower kv.window / kv.sink)")
             )
-        elif self.budget >= (limit := cache_limit(cfg))[0]:
-            problems.append(self.never_evicts(*limit, who))
+        elif self.budget >= limit:
+            problems.append(self.never_evicts(limit, why, who))
         elif "budget_ratio" in self.kwargs:
             problems.append(
                 f"kv.kwargs.budget_ratio={self.kwargs['budget_ratio']}: the ratio mode is a kv key, which "
@@ -108,15 +109,36 @@ class KVConfig:
             )
         return problems
 
+    def budget_fix(self, limit: float, prefer: int) -> str:
+        """The kv settings to suggest for a budget: kv.budget as near `prefer` as the rules allow, at least
+        kv.window + kv.sink + 1 and below the `limit` tokens a sequence holds (inf: not known here). When no
+        budget fits between the two, kv.window (and kv.sink) come first, lowered to a quarter of the limit."""
+        window, sink = self.window, self.sink
+        if window + sink + 1 >= limit:
+            window, sink = max(1, min(window, limit // 4)), min(sink, limit // 4)
+        if window + sink + 1 >= limit:  # a sequence of a token or two: no cache is small enough to evict from
+            return "kv.policy=full"
+        kept = {"kv.window": (window, self.window), "kv.sink": (sink, self.sink)}
+        lowered = [f"{key}={new}" for key, (new, old) in kept.items() if new != old]
+        return " ".join([*lowered, f"kv.budget={max(window + sink + 1, min(prefer, limit - 1))}"])
+
     def never_evicts(self, limit: int, why: str, who: str) -> str:
         """The refusal of a kv.budget that a sequence of at most `limit` tokens (`why`) never outgrows: on the
         config path the model's positions (`problems`); at run start, once the data is read, the longest
         prompt + sampling.max_new_tokens (`kvrl.workers.controller.Controller`)."""
-        least = self.window + self.sink + 1
+        least, fix = self.window + self.sink + 1, self.budget_fix(limit, limit // 2)
+        lowered = " and ".join(key for key in ("kv.window", "kv.sink") if key in fix)
+        lower = (
+            ""
+            if least < limit
+            else f"; no kv.budget can evict with kv.window={self.window} kv.sink={self.sink}: the policy always "
+            f"keeps kv.window + kv.sink + 1 = {least} tokens, at least as many as a sequence holds, so "
+            + (f"lower {lowered}" if lowered else "evicting needs longer sequences")
+        )
         return (
             f"kv.budget={self.budget} never evicts: a sequence holds at most {limit} tokens ({why}), so the "
-            f"cache never outgrows the budget and {who} would run the full cache; set "
-            f"kv.budget={max(least, limit // 2)} (below {limit})"
+            f"cache never outgrows the budget and {who} would run the full cache{lower}; set {fix}"
+            + (f" (below {limit})" if "kv.budget" in fix else "")
         )
 
 

@@ -2,7 +2,7 @@
 
 Public API::
 
-    from kvrl.envs import Task, Reward, Env, TextEnv, TraceEnv
+    from kvrl.envs import Task, Reward, RewardError, Env, TextEnv, TraceEnv
     from kvrl.envs import register, make, registered, check_env, EnvCheckError
 
     env = make("kvrl/math-v0", path="aime24.jsonl")   # or make("my_pkg.envs:MyEnv")
@@ -19,7 +19,7 @@ Built-in ids (entry points are imported only by ``make``):
 * ``kvrl/eviction-v0`` -> :class:`kvrl.envs.eviction.EvictionEnv` (ForesightKV's eviction MDP over stored traces)
 """
 
-from kvrl.envs.base import Env, Reward, Task, TextEnv, TraceEnv
+from kvrl.envs.base import Env, Reward, RewardError, Task, TextEnv, TraceEnv
 from kvrl.envs.check import EnvCheckError, check_env
 from kvrl.envs.registry import EnvNotFoundError, make, register, registered
 
@@ -34,6 +34,7 @@ __all__ = [
     "EnvCheckError",
     "EnvNotFoundError",
     "Reward",
+    "RewardError",
     "Task",
     "TextEnv",
     "TraceEnv",

@@ -62,6 +62,27 @@ class Task:
     answer: str | None = None
     meta: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # a lone surrogate (JSON's "\ud800", bytes decoded with surrogateescape) is no text: a tokenizer
+        # refuses it with a bare TypeError, deep in a rollout, naming neither the task nor the character
+        for name in ("prompt", "answer"):
+            text = getattr(self, name)
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"task {self.id!r}: its {name} is not valid UTF-8: a lone surrogate {text[e.start]!r} at "
+                    f"character {e.start + 1} (half a UTF-16 pair, which no tokenizer encodes); build the {name} "
+                    "from decoded text (a file read with encoding='utf-8', a JSON escape of a whole pair)"
+                ) from None
+
+
+class RewardError(ValueError):
+    """A reward that is no finite number (:meth:`TextEnv.score`): the environment's code to fix, named
+    with the environment, the reward function and the task."""
+
 
 @dataclass
 class Reward:
@@ -69,7 +90,7 @@ class Reward:
 
     ``fn(task, completion)`` returns a finite number, or ``(number, extra_info)`` to report
     diagnostics (``extra_info`` is merged into the step's ``info``); anything else (NaN,
-    inf, a string, a tensor) is an error naming the environment, the function and the task.
+    inf, a string, a tensor) is a :class:`RewardError` naming the environment, the function and the task.
     The episode reward is ``Σ weight · fn`` (a weight, and the sum, must be finite: a NaN
     weight is refused here, a sum that overflows by :meth:`TextEnv.score`); ``weight == 0``
     makes the function a metric only: it is reported in ``info[name]`` but never added to the reward.
@@ -112,6 +133,9 @@ class Env(abc.ABC):
 
     id: str | None = None
     kind: str = ""
+    # inclusive ranges of the constructor's numeric arguments, which the config gate checks before the
+    # environment is built (kvrl.lookup.argument_problems); a size's bound keeps a task within memory
+    arg_bounds: dict[str, tuple[float, float]] = {}
 
     _np_random: np.random.Generator | None = None
 
@@ -260,7 +284,7 @@ class TextEnv(Env):
                 info.update(extra)
             # a NaN or inf would be trained on and checkpointed; "0.5" would pass float() silently
             if not isinstance(out, numbers.Real) or not math.isfinite(out):
-                raise ValueError(
+                raise RewardError(
                     f"environment {self.id or type(self).__qualname__}: reward function {r.name!r} "
                     f"returned {out!r} ({type(out).__name__}) for task {task.id!r}; a reward must be a "
                     f"finite number (int or float): fix {r.name}, e.g. return 0.0 where it has no value"
@@ -271,7 +295,7 @@ class TextEnv(Env):
                 total += r.weight * value
         if not math.isfinite(total):  # finite terms whose sum overflows (1e308 + 1e308) would be trained on as inf
             terms = ", ".join(f"{r.weight:g} x {r.name} {info[r.name]:g}" for r in self.rewards if r.weight != 0)
-            raise ValueError(
+            raise RewardError(
                 f"environment {self.id or type(self).__qualname__}: the rewards of task {task.id!r} sum "
                 f"to {total} ({terms}); a reward must be a finite number: scale the reward functions "
                 "(or their weights) to a range whose sum a float holds"

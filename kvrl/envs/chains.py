@@ -98,6 +98,14 @@ class ChainsEnv(TextEnv):
     holds the reference completion, the query chain and the statements (for oracles).
     """
 
+    # one statement a name (ChainSpec says how they relate)
+    arg_bounds = {
+        "min_statements": (2, len(NAMES)),
+        "max_statements": (2, len(NAMES)),
+        "min_depth": (1, len(NAMES) - 1),
+        "max_depth": (1, len(NAMES) - 1),
+    }
+
     def __init__(self, min_statements: int = 28, max_statements: int = 40, min_depth: int = 6, max_depth: int = 11):
         super().__init__(rewards=[Reward(correct, 1.0, "correct"), Reward(exact_cot, 0.0, "exact_cot")])
         self.spec = ChainSpec(min_statements, max_statements, min_depth, max_depth)

@@ -42,12 +42,19 @@ def make_count_task(rng: np.random.Generator, n_digits: int = 24) -> dict:
     }
 
 
+# 2 tokens a digit in the prompt and again in the chain of thought: 65,536 digits are 262,144 tokens, past the
+# context of the models this runs on; 1e11 digits asked numpy for 745 GiB before a token was generated
+MAX_DIGITS = 65536
+
+
 class CountsEnv(TextEnv):
     """Running counts over ``n_digits`` digits; tasks drawn from ``np_random``.
 
     overlong_penalty: the weight of a penalty on text past the reference completion's length
     (:func:`overlong`; 0 = a metric only), for runs where stopping is what is learned.
     """
+
+    arg_bounds = {"n_digits": (1, MAX_DIGITS)}
 
     def __init__(self, n_digits: int = 24, overlong_penalty: float = 0.0):
         if n_digits < 1:

@@ -220,6 +220,18 @@ class MultiHopEnv(TextEnv):
     queries, their chains and the statements (for oracles and the property measurements).
     """
 
+    # one statement a name (MultiHopSpec says how they relate)
+    arg_bounds = {
+        "min_statements": (2, len(NAMES)),
+        "max_statements": (2, len(NAMES)),
+        "min_queries": (1, len(NAMES) - 1),
+        "max_queries": (1, len(NAMES) - 1),
+        "min_depth": (1, len(NAMES) - 1),
+        "max_depth": (1, len(NAMES) - 1),
+        "max_trees": (1, len(NAMES)),
+        "partial_credit": (0, float("inf")),
+    }
+
     def __init__(
         self,
         min_statements: int = 36,

@@ -397,6 +397,7 @@ def write_report(
             "## What was evaluated (SHA-256)",
             "",
             f"- kvrl {kvrl.__version__}, commit {evaluated['kvrl']}",
+            f"- tasks: {evaluated['tasks']}",
             f"- model `{cfg.model.path}` from `{folder}`" + ("" if files else " (a hub id: files not hashed)"),
         ]
         lines += [f"  - `{name}` {sha}" for name, sha in files.items()]

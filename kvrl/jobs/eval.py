@@ -11,25 +11,24 @@ policy's line may set its own: ``eval.settings.rkv.window=8``). In G-KV's
 ratio mode (``kv.budget_ratio``, or a line's ``eval.settings.NAME.budget_ratio``) a budget is
 the floor: an eviction keeps ``max(budget, ⌊ratio·tokens seen⌋)``. The full
 cache always runs first: it is the reference line and the length fractions are of.
-Each task is sampled ``eval.samples`` times (greedy when ``sampling.temperature=0``, else at
-that temperature from the ``sampling.top_p`` nucleus).
+The tasks are the first ``env.num_eval_tasks`` of the environment's stream at ``seed`` + 9001
+(:func:`task_seed`; a data set's first rows), which no run at ``seed`` trains on; a model whose run
+trained on them is warned about (:func:`stream_warning`). Each task is sampled ``eval.samples``
+times (greedy when ``sampling.temperature=0``, else at that temperature from the ``sampling.top_p``
+nucleus).
 
-Writes to ``output_dir``: ``samples.jsonl`` (one line per sample: policy, point, task, sample
-index, completion, reward, info, error mode, KV usage — the checkpoint: a rerun skips every
-sample already there, an interrupted one continues where it stopped), ``settings.json``
-(what the samples depend on, by digest: see below), ``rows.jsonl`` (one
-line per (policy, point), :func:`kvrl.eval.suite.summarise`), ``accuracy.png`` (accuracy with
-its 95 % Wilson interval against the measured peak KV tokens per sequence, each point labelled
-with its nominal budget, full cache as a reference line), ``error_modes.png`` (stacked bars; repetition marked not
-applicable where outputs are shorter than its rule's window), ``retention.png`` (for one sample
-of every line: which key positions each KV head of layer 0 still holds at each decoding step)
-and ``report.md`` gathering them, with what each column is, the evaluated model files, scorers,
-gates and policies of the user's own by checksum, and the kvrl commit. Decode tokens/s leave out each line's first call, an untimed warm-up sequence (a
-first call pays one-time costs: native builds, first dispatches).
+Writes to ``output_dir`` (each file described in ``docs/evaluation.md``): ``samples.jsonl`` (one line
+per sample; the checkpoint: a rerun skips every sample already there, an interrupted one continues
+where it stopped), ``settings.json`` (what the samples depend on, by digest: see below),
+``rows.jsonl`` (one line per (policy, point), :func:`kvrl.eval.suite.summarise`), ``accuracy.png``
+(with 95 % Wilson intervals, against the measured peak KV tokens per sequence), ``error_modes.png``,
+``retention.png`` and ``report.md`` gathering them, with the evaluated model files, scorers, gates
+and policies of the user's own by checksum and the kvrl commit. Decode tokens/s leave out each
+line's first call, an untimed warm-up sequence (it pays one-time costs: native builds).
 
 A sample depends on more than (policy, point, task, sample index): every sample line records
 ``setting``, a digest of the run's settings (the model's files by content checksum, dtype,
-device, engine, seed, sampling, environment, ``kv.*``) and of its line's (the policy, its
+device, engine, seed, task stream, sampling, environment, ``kv.*``) and of its line's (the policy, its
 arguments, the checksum of the scorer or gates it loads), and ``task_sha``, a digest of the
 task's content. A rerun into a folder whose samples of a line it runs have another setting, or
 of a task whose content changed, is refused with the keys that differ (``settings.json`` keeps
@@ -44,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +52,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer
 from tqdm import tqdm
 
+from kvrl.bench import TEST_SEED
 from kvrl.engines import make_engine
 from kvrl.engines.base import Sampling, check_prompts
 from kvrl.envs import make
@@ -120,15 +121,71 @@ def point_label(spec: PolicySpec, point) -> str:
     return "-" if point is None else f"s={point:g}" if spec.kind == "heads" else str(point)
 
 
+def task_seed(cfg) -> int:
+    """The seed of the task stream job=eval judges: ``seed`` + kvrl.bench's TEST_SEED. A run at ``seed`` trains
+    on ``seed``'s stream (kvrl.workers.controller), so at the same seed the two never share a task; at seed 0
+    it is the test stream the benchmarks judge on."""
+    return cfg.seed + TEST_SEED
+
+
+def draw_tasks(cfg) -> tuple:
+    """The environment and the tasks job=eval judges: the first ``env.num_eval_tasks`` of its stream at
+    :func:`task_seed`, or of a data set its first rows, each once (a draw could cross an epoch and repeat one)."""
+    env = make(cfg.env.id, **cfg.env.kwargs)
+    env.reset(seed=task_seed(cfg))
+    data = getattr(env, "data", None)
+    return env, list(data[: cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
+
+
+def trained_on(weights: Path) -> dict | None:
+    """The settings of the kvrl run that trained the model folder ``weights`` (its final ``model/`` or a
+    checkpoint's), as its newest checkpoint's config.json holds them; None for a model no kvrl run trained."""
+    own = weights.parent / "config.json"  # weights is RUN/checkpoints/step_N/model
+    saved = [own] if own.is_file() else sorted(weights.parent.glob("checkpoints/step_*/config.json"))
+    settings = json.loads(saved[-1].read_text()) if saved else {}
+    return settings if "job" in settings and "env.id" in settings else None
+
+
+def stream_warning(cfg, weights: Path, data: bool) -> str | None:
+    """What to tell a user whose model a kvrl run trained on the tasks this evaluation judges (its accuracy
+    there is not held out), else None: the run's environment is this one's and, for a procedural one, its
+    seed is :func:`task_seed` (its stream is this evaluation's), or, for a data set (``data``: whose first rows
+    are judged whatever the seed), its arguments are this one's."""
+    run = trained_on(weights)
+    if run is None or run["env.id"] != cfg.env.id:
+        return None
+    if data:
+        if run.get("env.kwargs") != cfg.env.kwargs:
+            return None
+        return (
+            f"the model {weights} was trained (job={run['job']}) on {cfg.env.id} with these env.kwargs, whose "
+            f"first {cfg.env.num_eval_tasks} rows this evaluation judges: its accuracy is not on held-out tasks; "
+            "judge it on another data set (env.kwargs)"
+        )
+    if run.get("seed") != task_seed(cfg):
+        return None
+    return (
+        f"the model {weights} was trained (job={run['job']}) on {cfg.env.id}'s task stream at seed {run['seed']}, "
+        f"the stream this evaluation judges (seed={cfg.seed} + {TEST_SEED}): its accuracy is not on held-out "
+        f"tasks; set seed=<another value than {cfg.seed}>"
+    )
+
+
+def which_tasks(cfg, data: bool) -> str:
+    """The tasks judged, as report.md and the console name them."""
+    if data:
+        return f"the first {cfg.env.num_eval_tasks} rows of {cfg.env.id}'s data set"
+    return (
+        f"the first {cfg.env.num_eval_tasks} tasks of {cfg.env.id}'s stream at seed {task_seed(cfg)} (seed={cfg.seed} "
+        f"+ {TEST_SEED}; a run at seed={cfg.seed} trains on seed {cfg.seed}'s)"
+    )
+
+
 def load_tasks(cfg, weights: str, config) -> tuple:
-    """The environment and its first ``env.num_eval_tasks`` tasks (a data set's first rows, each once), refused
-    as a ConfigError when a row is one the model cannot take (by file:line) or two tasks share an id."""
+    """:func:`draw_tasks`, refused as a ConfigError when a row is one the model cannot take (by file:line) or two
+    tasks share an id."""
     try:  # a row the model cannot take (a broken row, a prompt longer than it holds), by file:line, as RL's
-        env = make(cfg.env.id, **cfg.env.kwargs)
-        env.reset(seed=cfg.seed)
-        # a data set: its first rows, each once (a draw could cross an epoch and repeat one)
-        data = getattr(env, "data", None)
-        tasks = list(data[: cfg.env.num_eval_tasks]) if data else env.tasks(cfg.env.num_eval_tasks)
+        env, tasks = draw_tasks(cfg)
         check_prompts(
             tasks,
             AutoTokenizer.from_pretrained(weights),
@@ -172,6 +229,7 @@ def line_settings(cfg, specs: list[PolicySpec], config, weights: str, known: dic
         "device": cfg.device,
         "workers.engine": cfg.workers.engine,
         "seed": cfg.seed,
+        "tasks.seed": task_seed(cfg),  # the stream the tasks are drawn from (a data set: its first rows)
         "sampling.max_new_tokens": cfg.sampling.max_new_tokens,
         "sampling.temperature": cfg.sampling.temperature,
         "sampling.top_p": cfg.sampling.top_p,
@@ -321,6 +379,7 @@ def main(cfg) -> dict:
     weights = resolve_path(cfg.model.path)  # a run directory: the folder of the weights it trained
     config = AutoConfig.from_pretrained(weights)
     env, tasks = load_tasks(cfg, weights, config)
+    data = bool(getattr(env, "data", None))
     # ---- what the samples depend on (module docstring): another setting's samples are refused
     settings_path = out / "settings.json"
     recorded = json.loads(settings_path.read_text()) if settings_path.exists() else {"settings": {}, "files": {}}
@@ -367,6 +426,10 @@ def main(cfg) -> dict:
         tmp.write_text(json.dumps(recorded, indent=1, sort_keys=True))
     with atomic(samples_path) as tmp:  # rewrite without a torn line, then append
         tmp.write_text("".join(json.dumps(s) + "\n" for s in done))
+    print(f"kvrl: judging {which_tasks(cfg, data)}", file=sys.stderr)  # after the refusals: they come alone
+    warning = stream_warning(cfg, Path(weights), data)
+    if warning is not None:
+        print(f"kvrl: warning: {warning}", file=sys.stderr)
     sampler = Samples(cfg, env, tasks, config, kv, setting, shas, samples_path, done)
 
     # ---- the full cache first: the reference, and what budget fractions are of
@@ -412,7 +475,12 @@ def main(cfg) -> dict:
             tmp.write_text(json.dumps(props, indent=1) + "\n")
 
     # ---- pictures and report.md
-    evaluated = {"model": (weights, files), "artefacts": artefacts, "kvrl": kvrl_commit()}
+    evaluated = {
+        "model": (weights, files),
+        "artefacts": artefacts,
+        "kvrl": kvrl_commit(),
+        "tasks": which_tasks(cfg, data),
+    }
     report(cfg, env, rows, sampler.traces, mean_len, out, weights, props, evaluated)
     lock.release()
     return {"rows": rows, "mean_seq_len": mean_len}

@@ -54,6 +54,7 @@ from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.grpo import group_advantages, mask_truncated
 from kvrl.engines.base import check_prompts
+from kvrl.envs.base import RewardError
 from kvrl.envs.chat import Chat
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import (
@@ -191,7 +192,10 @@ class Controller:
         kill a worker there)."""
         self.cfg, self.on_dispatch = cfg, on_dispatch
         self.algo = make_algo(cfg)  # a bad algorithm setting fails here, before any actor starts
-        self.env = self.algo.make_env()  # the task stream; the rollout workers score with their own copies
+        try:  # the task stream; the rollout workers score with their own copies
+            self.env = self.algo.make_env()
+        except ValueError as err:  # a data file's bad row, sizes that do not fit together: the user's input
+            raise ConfigError(f"env.id={cfg.env.id}: {err}") from None
         self.env.reset(seed=cfg.seed)
         self.check_prompts_fit()
         self.out = Path(cfg.output_dir)
@@ -261,8 +265,8 @@ class Controller:
         path = resolve_path(cfg.model.path)
         positions = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
         rng = np.random.default_rng(cfg.seed)
-        tasks = data or [self.env.sample_task(rng) for _ in range(PROBE)]
-        try:
+        try:  # a drawn task whose text is not UTF-8 fails as it is built (kvrl.envs.base.Task)
+            tasks = data or [self.env.sample_task(rng) for _ in range(PROBE)]
             longest = check_prompts(
                 tasks, AutoTokenizer.from_pretrained(path), cfg.model.max_model_len or positions, Chat.of(cfg.env)
             )
@@ -289,9 +293,12 @@ class Controller:
 
     def run(self) -> dict:
         """Train to trainer.steps; the last step's metrics. An actor lost for good (a learner, or a
-        rollout worker past workers.max_restarts) ends the run saying that resume=auto continues it."""
+        rollout worker past workers.max_restarts), or a reward that is no finite number (a RewardError),
+        ends the run saying that resume=auto continues it."""
         try:
             return self.loop()
+        except RewardError as err:  # scored on a rollout actor: through Ray, its `cause` is the actor's error
+            raise RewardError(f"{getattr(err, 'cause', err)}; {self.resume_hint()}") from None
         except RayActorError as err:  # Ray's own report names neither the run nor the way back
             raise RuntimeError(
                 f"an actor of the run died after {self.step} steps ({str(err).splitlines()[0]}); {self.resume_hint()}"
