@@ -10,73 +10,29 @@ with tied embeddings), with the prompts rendered through the chat template (``Ch
 1. **float64 replay** (HF engine): sampled rollouts (temperature 1) under every policy of
    ``POLICIES``, ``HeadAllocation(0.5)``, RLKV's ``Mixed`` gates and ``Full()``, scored
    again under their recorded trace (``Mixed``: under the same gates, RLKV's learner), give
-   the behaviour logprobs back to 1e-12, compared in float64 (measured: ≤ 3.6e-15). The HF
-   engine keeps a float64 model's logprobs and RMSNorms in float64: rounded to float32 the
-   comparison could not see an error under ~6e-8, and transformers' norms, which round to
-   float32, turn the replay's ~1e-16 differences into rare jumps of ~1e-8 (7.6e-8 was
-   seen; ``test_hf_engine.py::test_float64_norms_stay_float64``).
+   the behaviour logprobs back to 1e-12, compared in float64 (the HF engine keeps a float64
+   model's logprobs and RMSNorms in float64; ``test_hf_engine.py::test_float64_norms_stay_float64``).
 2. **vLLM vs HF, greedy, float32**: 8 chat prompts of 7 distinct lengths (13-71 tokens),
    1,000 new tokens each (256 on the wider shapes; ``ignore_eos``), budget 64 / interval 16
-   / window 8 / sink 4 (~60 evictions per row, ~12 at 256): identical tokens, identical
-   eviction traces and logprobs within 1e-4 under every regime (measured: ≤ 3.8e-6) —
-   except where G-KV or R-KV hit a selection that float32 rounding decides
-   (:func:`assert_parity_up_to_a_float32_flip`), or where greedy decoding meets two tokens
-   whose logprobs tie within rounding, which a CPU's float32 kernels order: a row may part
-   there, its tokens and logprobs equal up to it and both engines' maxima equal at it
-   (:func:`assert_parity_up_to_a_greedy_tie`).
+   / window 8 / sink 4: identical tokens, identical eviction traces and logprobs within 1e-4
+   under every regime — except where a greedy step meets two tokens whose logprobs tie within
+   rounding (a row may part there, equal up to it and both engines' maxima equal at it:
+   :func:`assert_parity_up_to_a_greedy_tie`), or where G-KV or R-KV hit a selection that
+   float32 rounding decides (:func:`assert_parity_up_to_a_float32_flip`): tokens and logprobs
+   identical up to the first eviction the engines make differently, and there, for every
+   (layer, head) whose kept sets differ, (i) both engines observed the same keys and queries to
+   float32 rounding, (ii) each kept the top-``budget`` of its own scores, and (iii) the keys one
+   kept and the other evicted tie within float32 rounding in both, or the redundancy threshold
+   was crossed between them. Anything else is a bug.
 3. **stop ids**: both engines read the same stop ids from the model folder, and each of
    several ends a row at the same token in both (:func:`test_every_stop_id_ends_both_engines_at_the_same_token`).
 
-vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one engine per shape, with
-32-token blocks: vLLM's CPU attention kernel takes multiples of 32 only (``block_size=16``
-fails at start-up: "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])"), so a
-row spans ~34 blocks under the full cache and 3 once an evicting cache is held at
-budget + interval = 80 entries. The HF reference decodes the 8 rows as one left-padded
-batch; ``test_hf_batch_rows_are_independent`` checks that this equals decoding each row
-alone on the families' shapes.
-
-Which regime runs where: ``ONE_FAMILY`` and ``WIDE`` (with the reasons); the rest is skipped.
-
-Runtime (process CPU, measured on 2 shared cores beside other jobs, so a little high): ~405
-s for the module (74 cases). A vLLM-vs-HF case at 1,000 tokens takes 12-18 s (HF and vLLM
-loops are GIL-bound: a thread running the HF reference beside vLLM gains nothing), at 256
-tokens 3-5 s; a float64 replay ~1 s. The wider matrix added ~121 s (the wider shapes 65 s,
-the mixed regime on the families 53 s, the stop test 4 s), and ``ONE_FAMILY`` removed ~100 s
-(8 cases), so it costs ~20 s more than the one-shape matrix. ``-m "not slow"`` (G-KV, mixed
-and full parity per shape, every float64 replay and stop test) ~255 s. ``llama3`` is left
-out for time.
-
-G-KV (and R-KV, which shares its key redundancy) under float32 rounding
------------------------------------------------------------------------
-An earlier session saw one row in 8 diverge under ``gkv`` after 340-600 tokens. Tried
-here (1,000 tokens, batch 8, all three families): model seeds 0-4, blocks of 32 and 64,
-budget/interval/window 64/16/8, 128/32/16 and 48/8/8, init std 0.05 (shrunk's) and 0.02,
-12 prompt sets: 1 divergence in 48 runs (384 rows). It is reproduced by ``QUESTIONS``
-below (word-shuffled questions, one of the prompt sets tried): r1-llama row 4, at the
-eviction after position 802 (generated token 736), layer 1, KV head 1. There keys 762
-and 763 score -0.17797750 / -0.17797756 in HF and -0.17797747 / -0.17797744 in vLLM: the
-engines' inputs agree to 1.3e-6 (keys) and 9e-7 (queries), their scores to 2.4e-7, and
-the boundary is a near-tie (relative gap 3e-7 in HF, 1.5e-7 in vLLM) that rounding
-orders differently; each engine keeps the other's. The tokens stay equal (the random
-model's text repeats), the logprobs then differ by up to 5e-3. Near-ties come with
-repetitive text (neighbouring repeats score alike): over ~1,900 decisions per family
-(natural-language questions) the closest HF boundary was 1.5e-5 relative, 0.7 % closer
-than 1e-4, while the engines' scores differ by ≤ 3e-6 relative.
-
-A second, rarer mechanism: ``key_redundancy`` counts a key pair as near-duplicates when
-their cosine is > 0.5 (G-KV's and R-KV's hard-coded threshold). A cosine of 0.50000018
-in HF and 0.49999994 in vLLM (r1-llama, natural-language questions, key 720 at the
-eviction after position 732) moved that key's G-KV score by 3e-3
-(the normalised redundancy by 0.6 %): a discontinuity of the policy that rounding crosses
-(G-KV's Triton kernel shows the same between CPU and GPU). There it did not change the kept
-set; where it does, the scores at the boundary need not tie.
-
-So for ``gkv`` and ``rkv`` the test asserts: tokens and logprobs identical up to the first
-eviction the engines make differently; and at that eviction, for every (layer, head)
-whose kept sets differ, (i) the two engines observed the same keys and queries to float32
-rounding, (ii) each engine kept the top-``budget`` of its own scores, and (iii) the keys
-one engine kept and the other evicted tie within float32 rounding in both engines, or
-the redundancy threshold was crossed between them. Anything else is a bug.
+vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one engine per shape, with 32-token
+blocks (vLLM's CPU attention kernel takes multiples of 32 only). The HF reference decodes the 8 rows
+as one left-padded batch (``test_hf_batch_rows_are_independent``). Which regime runs where:
+``ONE_FAMILY`` and ``WIDE`` (with the reasons); the rest is skipped. Runtime: ~405 s of CPU for the
+module (74 cases), ~255 s with ``-m "not slow"``. The float32 near-ties behind (iii), as measured:
+``docs/fidelity.md#the-vllm-engine-against-the-hf-engine``.
 """
 
 from __future__ import annotations

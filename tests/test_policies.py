@@ -477,7 +477,7 @@ def test_redundancy_three_copies():
     col 30 <- 45, col 45 <- 30 — so the cosine pairs left in each copy's row sum are:
     10: (10, 30), (10, 45) -> 2; 30: (30, 10) -> 1; 45: none -> 0. Penalised: 10 by 30 and 45,
     30 by 10, 45 by nothing (R-KV's rule). G-KV's Triton kernel @345e290 gives 2, 1, 1 here
-    (45 by 10; see key_redundancy's docstring). "first_vllm" mirrors "last": 0, 1, 2."""
+    (45 by 10; docs/fidelity.md#key-redundancy). "first_vllm" mirrors "last": 0, 1, 2."""
     n = 48
     keys = torch.eye(n)
     keys[[30, 45]] = keys[10].clone()

@@ -1,7 +1,7 @@
 """tiny_gkv_distill at a given learning rate and seed: its training metrics per step (sampled
 accuracy at temperature 2, KL to the teacher, truncation) and the greedy accuracy under the recipe's
 G-KV cache of every 5-step checkpoint on benchmarks/learning/gkv_train.py's 128 held-out tasks. Prints
-one JSON line. The figures in docs/results.md are seed 0 at 1e-3 and at 3e-4:
+one JSON line. The figures in docs/studies.md are seed 0 at 1e-3 and at 3e-4:
 
     python benchmarks/learning/distill_lr.py 0.001 0 40 outputs/distill_lr
     python benchmarks/learning/distill_lr.py 0.0003 0 40 outputs/distill_lr

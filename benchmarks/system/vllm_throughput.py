@@ -1,55 +1,41 @@
 """kvrl's vLLM engine: what compressed decoding buys, measured side by side in one run.
 
-The model is built here from a config (random weights; EOS ignored, so every request
-decodes exactly ``--new`` tokens): Llama, 8 layers, hidden 512, 8 query / 2 KV heads of
-size 64, float32 — 8 KiB of KV per token, so at the mean context the KV read per decode
-step exceeds the weight read, as for the seed models at reasoning lengths. One torch
-thread. Four settings, one JSON line each:
+The model is built here from a config (random weights; EOS ignored, so every request decodes exactly
+``--new`` tokens): Llama, 8 layers, hidden 512, 8 query / 2 KV heads of size 64, float32 — 8 KiB of KV
+per token, so at the mean context the KV read per decode step exceeds the weight read, as for the seed
+models at reasoning lengths. One torch thread. Four settings, one JSON line each:
 
-``equal``  the same batch (``--batch``, default 16) with the full cache and with each
-    policy, interleaved over ``--repeats`` rounds; each figure is paired within a round and
-    reported as mean, min and max over the rounds (a best-of does not reproduce on a shared machine).
-    ``ratio`` = compressed/full tokens per CPU-second of the process (one thread: CPU time
-    moves less with the machine's load than wall time; ``ratio_wall``: the same in wall
-    time); ``predicted`` = the full cache's own CPU time with each decode step at the
-    compressed mean context (the full run's per-step CPU times fitted linearly against
-    context length, evaluated at the policy's cache lengths); ``achieved_over_predicted`` =
-    ratio / predicted; ``evict_share`` = eviction seconds / decode seconds.
-``fixed``  the papers' setting: KV blocks for ``--full-requests`` full-length requests,
-    ``--requests`` submitted: total tokens/s and peak running requests, full vs each
-    policy (vLLM preempted nothing: ``preemptions``).
-``calls``  microseconds per eviction call (one or, with fewer than 16 requests due, several
-    layers' eviction of every request due in a step), (request, layer) rows per call
-    (``requests_per_call``), microseconds per request and layer, and the eviction share of
-    decode, at each of ``--concurrency``; ``us_per_request_by_phase`` splits the
-    microseconds per request and layer into reading the caches, the policy's ``score`` and
-    ``select``, the compaction and the rest (deaths, positions, state, query ring).
-    ``floor_us_per_request`` times, in the same process after the run, only the matmuls
-    and softmax that the policy's score cannot avoid, at its most frequent score-call shape
-    (:func:`floor_us_per_request`), and ``floor_share`` is the eviction share that alone
-    would cost. StreamingLLM scores nothing (its eviction is the reads, selection and
-    compaction every policy pays), so when it runs too, ``bound_share`` = its share plus a
-    policy's floor share: the least that policy's eviction can cost on this data path.
-    Below 16 concurrent requests (``evicting.EVICT_ROWS``) the same run is repeated with one
-    layer per call: ``speedup_over_one_layer_per_call`` is its microseconds per request and
-    layer over the default's.
-``bookkeeping``  what token mode costs besides eviction: the same batch with the full cache
-    and with StreamingLLM at a budget above every sequence (it never evicts, but plans each
-    step, remaps the slots, writes positions and keeps the query ring), interleaved, best of
-    ``--repeats``; ``overhead`` = 1 − full/no-eviction wall time (``cpu_s``: each one's least
-    CPU seconds). Achieved/predicted in
-    ``equal`` cannot exceed 1 − overhead − the eviction share.
+``equal``  the same batch (``--batch``, default 16) with the full cache and with each policy,
+    interleaved over ``--repeats`` rounds; each figure paired within a round, reported as mean, min and
+    max over the rounds (a best-of does not reproduce on a shared machine). ``ratio`` = compressed/full
+    tokens per CPU-second of the process (CPU time moves less with the machine's load than wall time;
+    ``ratio_wall``: in wall time); ``predicted`` = the full cache's own CPU time with each decode step at
+    the compressed mean context (its per-step CPU times fitted linearly against context length);
+    ``achieved_over_predicted`` = ratio / predicted; ``evict_share`` = eviction / decode seconds.
+``fixed``  the papers' setting: KV blocks for ``--full-requests`` full-length requests, ``--requests``
+    submitted: total tokens/s and peak running requests, full vs each policy (``preemptions``: none).
+``calls``  at each of ``--concurrency``: microseconds per eviction call (one or, with fewer than 16
+    requests due, several layers), ``requests_per_call``, microseconds per request and layer (split by
+    phase in ``us_per_request_by_phase``: reading the caches, ``score``, ``select``, compaction, the
+    rest) and the eviction share of decode. ``floor_us_per_request`` times only the matmuls and softmax
+    the policy's score cannot avoid (:func:`floor_us_per_request`), ``floor_share`` the share that alone
+    costs; with StreamingLLM in the run (it scores nothing), ``bound_share`` = its share plus a policy's
+    floor share, the least that policy's eviction can cost here. Below 16 concurrent requests
+    (``evicting.EVICT_ROWS``) ``speedup_over_one_layer_per_call`` compares with one layer per call.
+``bookkeeping``  what token mode costs besides eviction: the full cache against StreamingLLM at a
+    budget above every sequence (it never evicts, but plans, remaps, writes positions and keeps the
+    query ring), interleaved, best of ``--repeats``; ``overhead`` = 1 − full/no-eviction wall time
+    (``cpu_s``: each one's least CPU seconds). ``equal``'s achieved/predicted cannot exceed
+    1 − overhead − the eviction share.
 
     python benchmarks/system/vllm_throughput.py equal --batch 16
-    python benchmarks/system/vllm_throughput.py equal --batch 64
     python benchmarks/system/vllm_throughput.py fixed
     python benchmarks/system/vllm_throughput.py calls --concurrency 1,16,64
     python benchmarks/system/vllm_throughput.py bookkeeping --batch 64 --new 256 --repeats 3 --policies streaming
 
-Policies: ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``gkv`` at ``--budget``/``--interval``
-(sink 4, window 16), ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent
-64, random gates) and ``mixed`` (RLKV's mixed gates, uniform random, sink 4 + recent 64:
-its rollouts' attention over the full cache).
+Policies: ``streaming``, ``h2o``, ``snapkv``, ``rkv``, ``gkv`` at ``--budget``/``--interval`` (sink 4,
+window 16), ``heads`` (RLKV head reallocation at sparsity 0.5, sink 4 + recent 64, random gates) and
+``mixed`` (RLKV's mixed gates, uniform random, sink 4 + recent 64).
 """
 
 from __future__ import annotations

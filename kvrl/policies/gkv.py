@@ -19,35 +19,25 @@ _MODES = ("max", "mean", "sum")
 class GKV(KVPolicy):
     """G-KV (Liao et al. 2025, https://arxiv.org/abs/2512.00504; microsoft/G-KV@6db3b2e ``ScoreBasedKV``).
 
-    Per eviction, per (batch, KV head), with the candidates = valid slots outside the sink
-    and the last ``window``:
+    Per eviction, per (batch, KV head), the candidates being the valid slots outside the sink and the last ``window``:
 
     1. local score S: softmax of each observation query over all visible keys (window
        included, causal), max over the GQA group, non-candidate columns dropped, mean over
        the queries; then ``S ÷ max_candidates S`` (with ``score_cache`` and ``normalise``);
-    2. global score F from the previous F (state, S = 1) with decay ``alpha`` (with
-       ``score_cache`` only; without it F = S):
-       ``max``: ``max(α·F_old, S)``; ``mean``: ``α·F_old + (1−α)·S``; ``sum`` (H2O mode):
-       ``α·F_old + S``. Tokens without a stored F (NaN) use ``F_old = S`` in max/mean and
-       ``0`` in sum, as the reference;
-    3. optional ``max_pool1d(F, kernel_size)`` over the candidates (off by default;
-       :func:`kvrl.kernels.reference.scores.pool_slots`);
+    2. global score F from the previous F (state) with decay ``alpha`` (with ``score_cache``;
+       else F = S): ``max``: ``max(α·F_old, S)``; ``mean``: ``α·F_old + (1−α)·S``; ``sum``
+       (H2O mode): ``α·F_old + S``; a token without a stored F (NaN) takes ``F_old = S`` in
+       max/mean, ``0`` in sum, as the reference;
+    3. optional ``max_pool1d(F, kernel_size)`` over the candidates (``pool_slots``);
     4. redundancy R (:func:`kvrl.kernels.reference.scores.key_redundancy` with ``threshold``, the
        "last" direction) ÷ its max over candidates (with ``score_cache`` and ``normalise``);
     5. ``score = mix_lambda·F_pooled − (1−mix_lambda)·R``.
 
-    The new state is [F, pick] (S = 2; S = 1, F alone, when ``mix_lambda == 1`` computes
-    no R). F is the pre-pooling F of every candidate; always-kept slots get NaN, like the
-    reference, which stores F only for the kept candidates: the window tokens start from a
-    fresh S when they become candidates. The pick is every valid slot's exempt row of step
-    4 as a true position (−1: none), only a cache:
-    :func:`kvrl.kernels.reference.scores.key_redundancy_update` reuses it at the next eviction
-    instead of comparing all N×N key pairs, with the same R. Finished rows and
-    ``q_len != window`` need no special case.
-
-    Defaults follow the paper's "G-KV" recipe (``scripts/inference.sh``): budget 2048,
-    window 16, interval 128, mix_lambda 0.5, alpha 0.8, max smoothing, no pooling.
-    ``mix_lambda=1`` turns redundancy off. The reference's knobs and what differs from it:
+    The new state is [F, pick] (S = 2; F alone when ``mix_lambda == 1`` computes no R): F
+    before pooling for every candidate, NaN for the always-kept slots (a window token starts
+    from a fresh S as a candidate); the pick, each valid slot's exempt row of step 4 as a true
+    position (−1: none), a cache that ``key_redundancy_update`` reuses for the same R.
+    Defaults: the paper's "G-KV" recipe. The reference's knobs and what differs from it:
     ``docs/fidelity.md``.
 
     Parameters
@@ -59,27 +49,13 @@ class GKV(KVPolicy):
     kernel_size : int, default 0
         0 = no pooling; the reference's ``enable_pooling`` uses 5 (odd values only).
     threshold : float, default 0.5
-        Near-duplicate cosine threshold, in [0, 1]: ``cal_similarity_triton(threshold=0.5)``
-        in ``gkv/utils/compression_score.py`` (``ScoreBasedKV`` never passes it, so 0.5 is
-        the only value the reference runs). There is no ``retain_direction``: the reference
-        stores one (``--retain_direction``) but passes it to neither similarity function.
-        kvrl runs "last", the rule of G-KV's Triton kernel (see the G-KV paragraph of
-        :func:`kvrl.kernels.reference.scores.key_redundancy`).
+        Near-duplicate cosine threshold, in [0, 1] (the reference runs 0.5 only).
     score_cache : bool, default True
-        The reference's ``enable_score_cache`` (``ScoreBasedKV.update_kv``): True is G-KV
-        (``S ÷ max S``, smoothing with the stored F, ``R ÷ max R``); False drops all three,
-        as the reference's own "SnapKV" and "R-KV" recipes run (``scripts/inference.sh``):
-        ``score = mix_lambda·pool(S) − (1 − mix_lambda)·R`` from this eviction alone, with S
-        and R unnormalised. The state is still returned (F = S, and the picks) but never
-        read, so R is computed from all N×N key pairs at every eviction. G-KV's
-        R-KV recipe is ``GKV(score_cache=False, kernel_size=5, mix_lambda=0.1)``, its SnapKV
-        recipe ``GKV(score_cache=False, kernel_size=5, mix_lambda=1.0)`` (``enable_pooling``
-        uses ``ScoreBasedKV``'s kernel_size 5, which the CLI does not expose; the script runs
-        every recipe with window 16).
+        The reference's ``enable_score_cache``: True is G-KV (``S ÷ max S``, smoothing with the
+        stored F, ``R ÷ max R``); False drops all three (``score = mix_lambda·pool(S) −
+        (1 − mix_lambda)·R`` from this eviction alone, R from all N×N key pairs every time).
     normalise : bool, default True
         With ``score_cache``, divide S and R by their max over the candidates (G-KV, eq. 5).
-        False is the reference's ``disable_norm`` (on its CLI, in no script): F smooths the
-        raw S, and R enters raw.
     """
 
     window: int = 16

@@ -26,53 +26,38 @@ class RKV(KVPolicy):
     * importance: the query logits are max-pooled over the GQA group *before* one softmax
       over the candidate keys only (the window's own keys are out of the denominator),
       meaned over the observation queries, then ``max_pool1d(kernel_size, padding=k//2)``
-      along the candidate slots (:func:`kvrl.kernels.reference.scores.pool_slots`; the reference
-      pools ``[:-window]``);
-    * redundancy: :func:`kvrl.kernels.reference.scores.key_redundancy` with ``threshold`` and
-      ``retain_direction``, not normalised.
+      along the candidate slots (``pool_slots``; the reference pools ``[:-window]``);
+    * redundancy: ``key_redundancy`` with ``threshold`` and ``retain_direction``, not normalised.
 
     State (S = 1): each valid slot's exempt row ("pick", the near-duplicate whose entry is
-    zeroed) as a true position, −1 for none (NaN at invalid slots). It is only a cache:
-    :func:`kvrl.kernels.reference.scores.key_redundancy_update` reuses it at the next eviction to
-    compare the new tokens and the tokens whose pick was evicted with the cache, instead of
-    all N×N key pairs, and gives the same redundancy as without state.
+    zeroed) as a true position, −1 for none (NaN at invalid slots); only a cache, which
+    ``key_redundancy_update`` reuses at the next eviction for the same redundancy.
 
-    The reference's knobs (``R1KV`` and ``cal_similarity`` in Zefan-Cai/R-KV@d15c976) and what
-    differs from them: ``docs/fidelity.md``.
-
-    Redundancy is G-KV's padding-aware form (÷ valid length), which equals R-KV's ÷ N
-    without padding.
+    Redundancy is G-KV's padding-aware form (÷ valid length), equal to R-KV's ÷ N without
+    padding. The reference's knobs (``R1KV``, ``cal_similarity`` in Zefan-Cai/R-KV@d15c976)
+    and what differs from them: ``docs/fidelity.md``.
 
     Parameters
     ----------
     mix_lambda : float, default 0.1
-        λ. The class/CLI default is 0.07 but the README, SGLang and HF evaluations use 0.1,
-        and the later vLLM port measured 0.07 losing accuracy at tight buffers.
+        λ, as R-KV's README and evaluations run it (its class and CLI default is 0.07).
     kernel_size : int, default 7
     window : int, default 8
     interval : int, default 128
     threshold : float, default 0.5
-        Near-duplicate cosine threshold: ``cal_similarity(threshold=0.5)`` in R-KV's
-        ``rkv/utils.py`` (``R1KV`` never passes it, so 0.5 is the only value the reference
-        runs). In [0, 1]: below 0 the reference's zeroed diagonal would itself count as a
-        near-duplicate; at 1 no pair qualifies (up to float rounding of exact copies), which
-        leaves the plain mean cosine.
+        Near-duplicate cosine threshold, in [0, 1] (the reference runs 0.5 only): below 0 the
+        zeroed diagonal would itself count as a near-duplicate; at 1 no pair qualifies (up to
+        float rounding of exact copies), which leaves the plain mean cosine.
     retain_direction : {"last", "first", "first_vllm"}, default "last"
-        Which near-duplicate of each token does not count it: R-KV's ``retain_direction``
-        (``R1KV(retain_direction=...)`` → ``cal_similarity``). ``"last"``: the most recent
-        one, so the newest copy of a repeated key survives (both R-KV versions). ``"first"``
-        is the paper's code (``rkv/utils.py``): its min over indices that are j for a
-        near-duplicate j and 0 elsewhere is 0 for every row, so every row's cosine with token 0
-        is zeroed:
-        token 0's redundancy counts nothing (it alone looks unique), every other token's counts
-        all its cosines. ``"first_vllm"`` is R-KV's later
-        vLLM port (``vLLM/rkv/algo.py``), which fixed that: the earliest near-duplicate, so
-        the oldest copy survives. See :func:`kvrl.kernels.reference.scores.key_redundancy`.
+        Which near-duplicate of each token does not count it (R-KV's ``retain_direction``):
+        ``"last"`` the most recent (the newest copy of a repeated key survives; both R-KV
+        versions); ``"first"`` the paper's code (``rkv/utils.py``), where token 0 alone looks
+        unique; ``"first_vllm"`` the vLLM port's (``vLLM/rkv/algo.py``) earliest, so the
+        oldest copy survives. See :func:`kvrl.kernels.reference.scores.key_redundancy`.
     fallback : bool, default False
-        Reproduce the reference's rule for a token with no near-duplicate: zero its cosine
-        with token 0 (the first valid slot; ``"last"``) or with the newest slot
-        (``"first_vllm"``, the port's clamp to N − 1). Off by default, as kvrl always ran;
-        ``fallback=True`` with ``mix_lambda=0.07`` is ``rkv/utils.py`` with ``run_math.py``'s λ.
+        The reference's rule for a token with no near-duplicate: zero its cosine with the first
+        valid slot (``"last"``) or the newest (``"first_vllm"``). ``fallback=True`` with
+        ``mix_lambda=0.07`` is ``rkv/utils.py`` with ``run_math.py``'s λ.
     """
 
     mix_lambda: float = 0.1

