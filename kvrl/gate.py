@@ -19,6 +19,7 @@ import json
 import os
 from pathlib import Path
 
+from kvrl.algos.rl_sparse_config import scorer_problems
 from kvrl.jobs import JOBS
 from kvrl.lookup import HUB_ID
 from kvrl.models import seal_problem
@@ -57,6 +58,8 @@ def run_problems(cfg) -> list[str]:
                     f"eval.settings.{name}.run to the output_dir of the run that trained the line (or "
                     "the file it wrote: a scorer.safetensors, RLKV's gates)"
                 )
+    if "rl" in job.sections:  # RL-Sparse's and Distill's rollouts under a trained scorer (kv.kwargs.run)
+        problems += scorer_problems(cfg)
     out = Path(cfg.output_dir).expanduser()
     above = next(p for p in (out, *out.parents) if p.exists())  # what the run's mkdir would meet first
     if not above.is_dir():  # nothing of the run could be written, nor is a lock or a checkpoint there to read

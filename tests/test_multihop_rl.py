@@ -253,7 +253,16 @@ def test_multihop_foresight_recipe_learns_its_ranking(tmp_path):
     assert result["accuracy"]["full"]["accuracy"] >= 0.75  # the shipped reasoner, greedy (~0.99 on 256 tasks)
 
 
-FORMULATIONS = {"rl_sparse", "rl_full", "distill", "foresight", "rlkv"}
+FORMULATIONS = {
+    "rl_sparse",
+    "rl_full",
+    "distill",
+    "foresight",
+    "foresight_general",
+    "rlkv",
+    "joint_rl_sparse",
+    "joint_distill",
+}
 
 
 @pytest.mark.parametrize(

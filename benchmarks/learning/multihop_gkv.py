@@ -1,6 +1,7 @@
 """G-KV's post-training on the multihop reasoner: RL-Sparse or Distill under the G-KV cache, or
 RL-Full with the full cache, judged on held-out tasks against the untrained reasoner under the
-same G-KV cache.
+same G-KV cache; or RL-Sparse and Distill under a trained ForesightKV scorer, frozen (``joint_rl_sparse``,
+``joint_distill``), judged under that scorer against the untrained reasoner under it.
 
 Training is the formulation's recipe (``recipes/tiny_multihop_sparse.yaml``,
 ``tiny_multihop_distill.yaml`` or ``tiny_multihop_full.yaml``) at ``--budget`` (RL-Full trains with
@@ -10,30 +11,37 @@ a finished one is evaluated as it is. Training draws its tasks from seed 0's str
 judged tasks are ``--tasks`` tasks of the test stream (seed 9001), which no choice of
 reward or hyperparameter looked at; those were made on the validation stream (seed 7001:
 ``--stream validation``, and ``benchmarks/learning/multihop_signal.py``). Both models decode greedily under G-KV at the
-RL-Sparse recipe's interval, window, sink and kwargs; accuracy is the exact answer with its 95 % Wilson
-interval, query accuracy beside it.
+RL-Sparse recipe's interval, window, sink and kwargs (the joint formulations: under their own recipe's
+scorer, ``kv.kwargs.run``, at ``--budget``: train it first with ``benchmarks/learning/multihop_foresight.py``);
+accuracy is the exact answer with its 95 % Wilson interval, query accuracy beside it.
 
 Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation>[_<budget>].json``
 (no suffix at the recipe's budget) with the commit it ran at. ``cpu_split`` is each training
 step's mean wall seconds in rollout and learner (Ray actors' CPU is not this process's).
 
     python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--tasks 256]
+    python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight.py
 """
 
 import argparse
 import json
 from pathlib import Path
 
-
+from kvrl.algos.rl_sparse import RLSparse
 from kvrl.bench import TEST_SEED, VALIDATION_SEED, accuracy, column_mean, draw_tasks, emit, reasoner, record, timed
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.jobs.rl import main as train
-from kvrl.policies import make_policy
 from kvrl.runlog import setup_process
 
-RECIPES = {"rl_sparse": "tiny_multihop_sparse", "distill": "tiny_multihop_distill", "rl_full": "tiny_multihop_full"}
-JUDGE = "tiny_multihop_sparse"  # whose G-KV cache every model is judged under
+RECIPES = {
+    "rl_sparse": "tiny_multihop_sparse",
+    "distill": "tiny_multihop_distill",
+    "rl_full": "tiny_multihop_full",
+    "joint_rl_sparse": "tiny_multihop_joint_sparse",
+    "joint_distill": "tiny_multihop_joint_distill",
+}
+JUDGE = "tiny_multihop_sparse"  # whose G-KV cache the others are judged under; a learned-scorer recipe: its own
 
 
 def main():
@@ -54,7 +62,8 @@ def main():
     setup_process()
 
     recipe = load_config([f"recipe={RECIPES[args.formulation]}"])
-    kv = load_config([f"recipe={JUDGE}"]).kv
+    judge = RECIPES[args.formulation] if recipe.kv.policy == "learned" else JUDGE
+    kv = load_config([f"recipe={judge}"]).kv
     budget = args.budget or kv.budget
     steps = args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
@@ -76,14 +85,13 @@ def main():
     _, train_wall, _ = timed(lambda: None if done else train(cfg))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
 
-    # ---- judge both models greedily under the same G-KV cache, on the test stream
+    # ---- judge both models greedily under the same cache (G-KV, or the joint recipe's scorer), on the test stream
     env, tasks = draw_tasks(cfg.env.id, args.tasks, seed)  # partial_credit 0: the exact answer
+    judging = RLSparse(load_config([f"recipe={judge}", f"kv.budget={budget}"]))  # its rollout policy is the cache
     judged = {}
     for name, path in {"untrained": cfg.model.path, "trained": str(out / "model")}.items():
         model, _, engine = reasoner(path)
-        policy = make_policy(
-            kv.policy, model.config, budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink, **kv.kwargs
-        )
+        policy = judging.rollout_policy(model)
         judged[name] = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
 
     first, last = records[:5], records[-5:]
@@ -106,7 +114,7 @@ def main():
         "trained_acc": judged["trained"]["acc"],
         "trained_ci95": judged["trained"]["ci95"],
         "trained_query_acc": judged["trained"].get("query_acc"),
-        "baseline": "untrained",
+        "baseline": "untrained" + (f", under the scorer of {kv.kwargs['run']}" if kv.policy == "learned" else ""),
         "baseline_acc": judged["untrained"]["acc"],
         "baseline_ci95": judged["untrained"]["ci95"],
         "baseline_query_acc": judged["untrained"].get("query_acc"),

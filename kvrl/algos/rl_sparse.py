@@ -16,7 +16,9 @@ weight push it reuses unchanged):
 * rollouts run under ``make_policy(kv.policy, budget, interval, window, sink, budget_ratio,
   **kv.kwargs)``: the paper's ``kv.policy=gkv`` (α and the mix λ come in ``kv.kwargs``;
   ``kv.budget_ratio`` is G-KV's ratio mode), or any other token policy, a class of your own
-  included (``kv.policy=pkg.module:Class``): the learner replays whatever trace it left. They return their
+  included (``kv.policy=pkg.module:Class``), or ForesightKV's trained scorer (``kv.policy=learned``,
+  ``kv.kwargs.run``: a job=foresight run, the scorer frozen): the learner replays whatever trace it left,
+  and needs no policy. They return their
   :class:`kvrl.cache.EvictionTrace`, O(layers·B·H_kv·T) int death times;
 * the learner's ``engine.score(..., trace=batch.trace)`` replays the trace through the
   ``"kvrl_replay"`` attention (a flex-attention BlockMask built from the death times on
@@ -28,6 +30,7 @@ weight push it reuses unchanged):
 from __future__ import annotations
 
 from kvrl.algos.rl_full import RLFull
+from kvrl.algos import rl_sparse_config
 from kvrl.policies import Evicting, make_policy
 
 
@@ -42,20 +45,32 @@ class RLSparse(RLFull):
         self.kv = cfg.kv
 
     def rollout_policy(self, model) -> Evicting:
-        """``kv.policy`` (G-KV in the paper) with the ``kv`` section's budget, schedule and ``kv.kwargs``."""
+        """``kv.policy`` (G-KV in the paper) with the ``kv`` section's budget, schedule and ``kv.kwargs``.
+        ``kv.policy=learned`` loads the trained scorer ``kv.kwargs.run`` names (frozen: RL-Sparse pushes only
+        the model's weights) onto the model's device; it scores the keys, values and attention of the
+        rollout engine's model, which holds the weights being trained."""
         kv = self.kv
-        return Evicting(
-            make_policy(
-                kv.policy,
-                model.config,
-                budget=kv.budget,
-                interval=kv.interval,
-                window=kv.window,
-                sink=kv.sink,
-                budget_ratio=kv.budget_ratio,
-                **kv.kwargs,
-            )
+        own = dict(kv.kwargs)
+        run = own.pop("run", None) if kv.policy == "learned" else None
+        policy = make_policy(
+            kv.policy,
+            model.config,
+            budget=kv.budget,
+            interval=kv.interval,
+            window=kv.window,
+            sink=kv.sink,
+            budget_ratio=kv.budget_ratio,
+            **own,
         )
+        if kv.policy == "learned":
+            found = None if run is None else rl_sparse_config.scorer_file(run)
+            if found is None:  # the config path and the gate say so before the run: here for a cfg built otherwise
+                rules = rl_sparse_config.scorer_problems(self.cfg) or rl_sparse_config.problems(self.cfg)
+                raise ValueError("; ".join(rules))
+            policy.load_scorer(found)  # refused, naming the fix, when trained on another model
+            if model.device.type != "meta":  # vLLM's worker holds a meta model and moves the scorer itself
+                policy.scorer.to(model.device)
+        return Evicting(policy)
 
     def loss(self, engine, batch):
         if batch.trace is None:  # without it the learner would silently train with the full cache
