@@ -20,19 +20,33 @@ at 50 % (``trained_acc``: Foresight-RL; ``baseline_acc``: the best rule-based po
 ``docs/img/multihop_foresight.png``: accuracy and added NLL against budget.
 
     python benchmarks/learning/multihop_foresight.py [--tasks 256]
+
+One scorer for every budget: ``--recipe tiny_multihop_foresight_general`` (foresight.budgets on) trains the
+general scorer into ``--out`` and, for each of ``--budgets`` (default 117, 176, 235, 352: 25 to 75 %), the
+budget-specific scorer (this recipe at that kv.budget, under ``--specific``: ``run`` at 235, ``budget-B``
+elsewhere; above 235 keeping the traces its eviction MDP can evict from, foresight.min_tokens = B + interval
++ 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
+``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one, the zoo's best and
+every accuracy beside them, and the commits that trained the runs (``train_commit``) and judged them
+(``commit``). ``--set KEY=VALUE`` overrides every run trained and ``--no-record`` prints the lines only (a
+smoke run at tiny sizes)::
+
+    python benchmarks/learning/multihop_foresight.py --recipe tiny_multihop_foresight_general
 """
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from kvrl.algos.foresight import RULE_BASED, loss_ratios
-from kvrl.bench import TEST_SEED, accuracy, column_mean, draw_tasks, error_bars, reasoner, record
+from kvrl.bench import TEST_SEED, accuracy, column_mean, draw_tasks, emit, error_bars, reasoner, record
 from kvrl.config import load_config
 from kvrl.data.traces import SPLIT_SEEDS, load_traces
 from kvrl.eval.budgets import evaluate
+from kvrl.eval.report import kvrl_commit
 from kvrl.eval.suite import PolicySpec
 from kvrl.jobs.foresight import main as train
 from kvrl.policies import make_policy
@@ -40,22 +54,53 @@ from kvrl.runlog import pyplot, setup_process
 
 RECIPE = "tiny_multihop_foresight"
 BUDGETS = (117, 235)  # 25 and 50 % of the full cache's mean sequence
+GENERAL_BUDGETS = (117, 176, 235, 352)  # 25, 37.5, 50 and 75 %
 RULES = ("window", *RULE_BASED)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", type=int, default=256)
-    ap.add_argument("--out", default="outputs/multihop_foresight/run")
+    ap.add_argument("--recipe", default=RECIPE, help="a recipe with foresight.budgets judges one scorer at --budgets")
+    ap.add_argument(
+        "--budgets", help="comma-separated token budgets to judge at (default 117,235; general 117,...,352)"
+    )
+    ap.add_argument("--out", default=None, help="the run (default outputs/multihop_foresight/run, or /general)")
+    ap.add_argument("--specific", default="outputs/multihop_foresight", help="where the budget-specific runs go")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of every run trained")
+    ap.add_argument("--no-record", action="store_true", help="print the lines, write no results file")
     ap.add_argument("--picture", default="docs/img/multihop_foresight.png")
     args = ap.parse_args()
     setup_process()
+    cfg = load_config([f"recipe={args.recipe}", *args.set])
+    general = cfg.foresight.budgets is not None
+    out = Path(args.out or f"outputs/multihop_foresight/{'general' if general else 'run'}")
+    cfg = load_config([f"recipe={args.recipe}", f"output_dir={out}", "resume=auto", *args.set])
+    budgets = (
+        [int(b) for b in args.budgets.split(",")] if args.budgets else list(GENERAL_BUDGETS if general else BUDGETS)
+    )
+    write = emit if args.no_record else None
+    if general:
+        judge_general(args, cfg, out, budgets, write)
+    else:
+        judge_specific(args, cfg, out, budgets, write)
 
-    # ---- train (or resume, or reuse a finished run)
-    out = Path(args.out)
-    cfg = load_config([f"recipe={RECIPE}", f"output_dir={out}", "resume=auto"])
+
+def trained(cfg, out: Path) -> str:
+    """Train ``cfg`` into ``out`` unless finished there (its pipeline resumes a stopped run); the commit that
+    trained it, as this script noted it (``unknown``: a run this script did not train)."""
+    noted = out / "train_commit.txt"
     if not (out / "results.json").exists():
         train(cfg)
+        noted.write_text(kvrl_commit() + "\n")
+    return noted.read_text().strip() if noted.exists() else "unknown"
+
+
+def judge_specific(args, cfg, out: Path, budgets: list[int], write) -> None:
+    """The recipe's scorer (stage 1 and 2), trained at kv.budget, against the zoo at ``budgets``."""
+    if cfg.kv.budget not in budgets:
+        raise SystemExit(f"--budgets must hold the recipe's kv.budget {cfg.kv.budget}: its goal line is there")
+    trained(cfg, out)
     run = json.loads((out / "results.json").read_text())
     records = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     sft_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -70,7 +115,7 @@ def main():
 
     # ---- every policy at every budget: accuracy on the test stream, added NLL on the held-out traces
     acc, added = {"full": {"-": accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens))}}, {}
-    for budget in BUDGETS:
+    for budget in budgets:
         setting = dict(budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink)
         scorers = {}
         for name, stage in (("foresight_sft", "sft"), ("foresight_rl", "rl")):
@@ -101,7 +146,7 @@ def main():
         "baseline_acc": acc[best][goal]["acc"],
         "baseline_ci95": acc[best][goal]["ci95"],
         "gain_points": round(100 * (acc["foresight_rl"][goal]["acc"] - acc[best][goal]["acc"]), 2),
-        "budgets": list(BUDGETS),
+        "budgets": budgets,
         "accuracy": acc,
         "added_nll_per_token": added,
         "full_cache_nll_per_token": round(full_per_token, 6),
@@ -125,8 +170,80 @@ def main():
         # stage 2's mean seconds per step (the other stages: pipeline_minutes)
         "cpu_split": {k: column_mean(records, f"{k}_s", 2) for k in ("rollout", "learn", "step")},
     }
-    record("multihop_foresight", line)
-    draw(line, Path(args.picture))
+    (write or partial(record, "multihop_foresight"))(line)
+    if not write:
+        draw(line, Path(args.picture))
+
+
+def specific_run(args, budget: int) -> tuple:
+    """(config, folder) of the budget-specific scorer at ``budget``: this recipe at that kv.budget, keeping the
+    traces its eviction MDP evicts from where the budget is above the recipe's (long enough for all of it)."""
+    base = load_config([f"recipe={RECIPE}"])
+    out = Path(args.specific) / ("run" if budget == base.kv.budget else f"budget-{budget}")
+    longer = [f"foresight.min_tokens={budget + base.kv.interval + 1}"] if budget > base.kv.budget else []
+    overrides = [f"recipe={RECIPE}", f"kv.budget={budget}", *longer, f"output_dir={out}", "resume=auto", *args.set]
+    return load_config(overrides), out
+
+
+def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
+    """The one scorer of a recipe with foresight.budgets at each of ``budgets``, unchanged, beside the
+    budget-specific scorer trained at that budget and the zoo: one line per budget."""
+    commits = {"general": trained(cfg, out)}
+    specific = {}
+    for budget in budgets:
+        scfg, specific[budget] = specific_run(args, budget)
+        commits[f"specific_{budget}"] = trained(scfg, specific[budget])
+    model, _, engine = reasoner(cfg.model.path)
+    model.requires_grad_(False)
+    env, tasks = draw_tasks(cfg.env.id, args.tasks, TEST_SEED)
+    kv, new_tokens = cfg.kv, cfg.sampling.max_new_tokens
+    full = accuracy(evaluate(engine, env, tasks, new_tokens))
+    for budget in budgets:
+        setting = dict(budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink)
+        scorers = {}
+        for name, run, stage in (
+            ("foresight_general_sft", out, "sft"),
+            ("foresight_general_rl", out, "rl"),
+            ("foresight_specific_rl", specific[budget], "rl"),
+        ):
+            scorers[name] = make_policy("learned", model.config, **setting)
+            scorers[name].load_scorer(run / stage / "scorer.safetensors")
+        schedule = {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "budget_ratio": None}
+        zoo = {n: PolicySpec.of(n, {}).regime(model.config, budget, schedule) for n in RULES}
+        acc = {"full": full}
+        for name, policy in {**zoo, **scorers}.items():
+            acc[name] = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
+        best = max(RULES, key=lambda n: acc[n]["acc"])
+        general, specialist = acc["foresight_general_rl"], acc["foresight_specific_rl"]
+        line = {
+            "benchmark": "multihop_foresight_general",
+            "formulation": "foresight_general",
+            "task": "multihop",
+            "model": cfg.model.path,
+            "recipe": args.recipe,
+            "kv": {"interval": kv.interval, "window": kv.window, "sink": kv.sink},
+            "trained_budget_fractions": list(cfg.foresight.budgets),
+            "budget": budget,
+            "trained_acc": general["acc"],
+            "trained_ci95": general["ci95"],
+            "baseline": f"the budget-specific ForesightKV scorer ({RECIPE} at kv.budget={budget}, stage 2)",
+            "baseline_acc": specialist["acc"],
+            "baseline_ci95": specialist["ci95"],
+            "gain_points": round(100 * (general["acc"] - specialist["acc"]), 2),
+            "zoo_best": best,
+            "zoo_best_acc": acc[best]["acc"],
+            "zoo_best_ci95": acc[best]["ci95"],
+            "accuracy": acc,
+            "n": len(tasks),
+            "tasks": len(tasks),
+            "stream_seed": TEST_SEED,
+            "test_seed": TEST_SEED,
+            "train_seed": cfg.seed,
+            "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
+            "validation_seed": None,  # no choice was made on a stream: the settings are tiny_foresight's
+            "train_commit": {"general": commits["general"], "specific": commits[f"specific_{budget}"]},
+        }
+        (write or partial(record, f"multihop_foresight_general_{budget}"))(line)
 
 
 def draw(line: dict, path: Path) -> None:

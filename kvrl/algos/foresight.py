@@ -7,6 +7,10 @@ with the LLM frozen — the pieces; the pipeline that runs them is ``kvrl/jobs/f
 * stage 2 (:func:`rollout`, :func:`collate`, :func:`rl_loss`): episodes of the eviction MDP
   (``kvrl/eviction-v0``) and the GRPO loss over their decisions with the KL to stage 1;
 * evaluation (:func:`evaluate`, :func:`loss_ratios`): held-out loss ratios;
+* one scorer for every budget (``foresight.budgets: [lo, hi]``; off: every replay and episode at
+  kv.budget): each Golden replay and each GRPO group draws its budget, a fraction of its trace's
+  length (:func:`drawn_budget`). The scorer's input holds no budget (its ranking is the same whatever
+  K is kept; the budget only sets how many slots go), so it serves any budget untrained;
 * :class:`ForesightRL` (``rl.algo=foresight``): stage 2 as an algorithm of the shared Ray
   loop, episodes played on the rollout actors and the scorer trained on the learners.
 
@@ -63,6 +67,21 @@ def make_scorer(model, kv) -> LearnedScorer:
     )
 
 
+def drawn_budget(cfg, length: int, key: str) -> int | None:
+    """The budget of one Golden replay or one GRPO group's episodes under ``foresight.budgets`` = [lo, hi]:
+    None when the key is unset (every replay and episode at kv.budget); else ⌊f·length⌉ tokens for a fraction f
+    drawn uniformly from [lo, hi] by the run's seed and ``key`` alone (a trace's or a group's id: the same
+    draw whichever process makes it), kept where it evicts: at least kv.window + kv.sink + 1 and below the
+    trace's ``length`` − kv.interval."""
+    if cfg.foresight.budgets is None:
+        return None
+    lo, hi = cfg.foresight.budgets
+    digest = hashlib.sha256(f"{cfg.seed}/budget/{key}".encode()).digest()
+    fraction = lo + (hi - lo) * int.from_bytes(digest[:8], "little") / 2**64
+    kv = cfg.kv
+    return max(kv.window + kv.sink + 1, min(round(fraction * length), length - kv.interval - 1))
+
+
 def scorer_state(policy: LearnedScorer) -> dict[str, Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in policy.scorer.state_dict().items()}
 
@@ -81,12 +100,14 @@ def pad_stack(tensors: list[Tensor], value) -> Tensor:
 
 
 @torch.no_grad()
-def golden_replay(model, trace: Trace, features: LearnedScorer) -> dict:
-    """Replay Golden Eviction over one trace: ``{"steps": [...], "death": ...}`` with, per
+def golden_replay(model, trace: Trace, features: LearnedScorer, budget: int | None = None) -> dict:
+    """Replay Golden Eviction over one trace at ``budget`` tokens (None: ``features.budget``):
+    ``{"steps": [...], "death": ..., "budget": ...}`` with, per
     eviction step, the scorer's features ``x`` [layers, H, N, F], the oracle's keep-scores
     ``label`` [layers, H, N] and the ``candidates`` mask (ForesightKV replays the oracle's
-    drops and supervises every step), and the eviction trace the oracle induces
-    (:class:`kvrl.cache.EvictionTrace` death [layers, 1, H, T])."""
+    drops and supervises every step), the eviction trace the oracle induces
+    (:class:`kvrl.cache.EvictionTrace` death [layers, 1, H, T]) and the budget replayed."""
+    features = features if budget is None else features.at_budget(budget)
     kv = dict(budget=features.budget, interval=features.interval, window=features.window, sink=features.sink)
     attention = record_attention(model, torch.tensor(trace.ids), trace.prompt_len, features.interval)
     golden = GoldenEviction(**kv, attention=attention)
@@ -101,7 +122,7 @@ def golden_replay(model, trace: Trace, features: LearnedScorer) -> dict:
             run.apply(obs.layer, golden.select(obs, label).keep, state)
             xs.append(x[0]), labels.append(label[0]), cands.append(candidates[0])
         steps.append({"x": torch.stack(xs), "label": torch.stack(labels), "candidates": torch.stack(cands)})
-    return {"steps": steps, "death": run.cache.trace(torch.tensor([len(trace.ids)])).death}
+    return {"steps": steps, "death": run.cache.trace(torch.tensor([len(trace.ids)])).death, "budget": kv["budget"]}
 
 
 # ---- stage 1: SFT with the pairwise ranking loss -------------------------------------------------------------
@@ -131,11 +152,13 @@ def evict_scores(policy: LearnedScorer, x: Tensor) -> Tensor:
 
 @dataclass
 class Episode:
-    """One eviction trajectory: reward and info from the environment, and per decision
-    (eviction step × layer, each over H heads) what the learner needs to re-score it."""
+    """One eviction trajectory: reward and info from the environment, the budget it evicted down to
+    (its n_evict carry it to the learner: every drawn set is re-scored with its own size), and per
+    decision (eviction step × layer, each over H heads) what the learner needs to re-score it."""
 
     reward: float
     info: dict
+    budget: int
     x: Tensor  # [D, H, N, F] features
     layer: Tensor  # [D] layer of each decision
     candidates: Tensor  # [D, H, N]
@@ -146,16 +169,24 @@ class Episode:
 
 @torch.no_grad()
 def rollout(
-    env: EvictionEnv, policy: LearnedScorer, trace: int, *, sample: bool, generator: torch.Generator | None = None
+    env: EvictionEnv,
+    policy: LearnedScorer,
+    trace: int,
+    *,
+    sample: bool,
+    generator: torch.Generator | None = None,
+    budget: int | None = None,
 ) -> Episode:
-    """Play one episode of ``env`` on ``trace`` with the scorer choosing every eviction."""
-    obs, _ = env.reset(options={"trace": trace})
+    """Play one episode of ``env`` on ``trace`` at ``budget`` tokens (None: the env's) with the scorer
+    choosing every eviction."""
+    obs, _ = env.reset(options={"trace": trace, "budget": budget})
+    actor = policy.at_budget(obs.budget)  # the episode's K slots kept, whatever budget the policy was built at
     record = {k: [] for k in ("x", "layer", "candidates", "n_evict", "drawn", "logprob")}
     while True:
         keeps = []
         for layer in range(obs.features.shape[0]):
             scores = -policy.scorer(layer, obs.features[layer])
-            draw = policy.act(obs.key_pos[layer], scores, sample=sample, generator=generator)
+            draw = actor.act(obs.key_pos[layer], scores, sample=sample, generator=generator)
             keeps.append(draw.keep)
             for k, v in (
                 ("x", obs.features[layer, 0]),
@@ -173,7 +204,7 @@ def rollout(
         k: (pad_stack(v, 0.0 if k == "x" else False) if k in ("x", "candidates", "drawn") else torch.stack(v))
         for k, v in record.items()
     }
-    return Episode(reward, info, **stacked)
+    return Episode(reward, info, actor.budget, **stacked)
 
 
 def decision_logprobs(policy: LearnedScorer, ep: dict) -> tuple[Tensor, Tensor]:
@@ -326,12 +357,16 @@ class ForesightRL(Algorithm):
         """A shard: one scored episode per (id, task), in order. Each episode draws its evictions from
         its own generator, seeded by the run's seed and the sample's id alone (not by the shard's
         ``seed`` and the episode's place in the shard): a sample draws the same evictions whichever
-        actor plays it, in whichever shard, however many rollout workers the run has, Ray or inline."""
+        actor plays it, in whichever shard, however many rollout workers the run has, Ray or inline.
+        Under ``foresight.budgets`` a GRPO group (the id's step/task) draws one budget for its episodes
+        (:func:`drawn_budget`): the group's advantages then compare evictions, not budgets."""
         samples, start = [], time.perf_counter()
         for sid, task in zip(ids, tasks):
             draws = hashlib.sha256(f"{self.cfg.seed}/{sid}".encode()).digest()  # id: step/task/draw
             generator = torch.Generator().manual_seed(int.from_bytes(draws[:8], "little") >> 1)
-            ep = rollout(env, regime.policy, task.meta["trace"], sample=True, generator=generator)
+            trace = task.meta["trace"]
+            budget = drawn_budget(self.cfg, len(env.traces[trace].ids), sid.rpartition("/")[0])
+            ep = rollout(env, regime.policy, trace, sample=True, generator=generator, budget=budget)
             samples.append(
                 Sample(
                     id=sid,

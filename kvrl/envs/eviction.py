@@ -172,9 +172,11 @@ class EvictionEnv(TraceEnv):
 
     ``reset(options={"trace": i})`` starts an episode on trace i (GRPO rolls several
     episodes of one trace, drawn with :meth:`next_trace`); otherwise the next trace of the
-    stream. ``info`` of the last
+    stream. ``options={"budget": k}`` evicts that episode down to k tokens instead of ``budget``
+    (ForesightKV trained over a range of budgets, ``foresight.budgets``); k must leave something to
+    evict (window + sink + 1 <= k < the trace's length − interval). ``info`` of the last
     step: ``penalty``, ``hurt`` (|E|), ``loss_sum`` and ``full_loss_sum`` (over the generated
-    tokens) and their ratio ``loss_ratio``.
+    tokens), their ratio ``loss_ratio`` and the episode's ``budget``.
     """
 
     def __init__(
@@ -211,6 +213,7 @@ class EvictionEnv(TraceEnv):
         longest = max(len(t.ids) for t in self.traces)
         self.max_steps = 1 + -(-longest // interval)  # an eviction per chunk at most, plus the end
         self._order, self._pos, self._run, self._trace, self._step = None, 0, None, None, 0
+        self._features = self.features  # the episode's schedule (reset's options may set its budget)
 
     # ---- trace stream ----
 
@@ -239,29 +242,45 @@ class EvictionEnv(TraceEnv):
         index = (options or {}).get("trace")
         index = self.next_trace() if index is None else int(index)
         self._trace = self.traces[index]
-        self._run = ChunkedPass(self.model, torch.tensor(self._trace.ids), self._trace.prompt_len, self.features)
+        self._features = self._episode_features((options or {}).get("budget"), index)
+        self._run = ChunkedPass(self.model, torch.tensor(self._trace.ids), self._trace.prompt_len, self._features)
         self._step = 0
         self._states = None
         return self._observe(self._run.advance()), {"trace": index}
 
+    def _episode_features(self, budget: int | None, index: int) -> LearnedScorer:
+        """The schedule of an episode on trace ``index``: ``budget`` tokens (None: the env's)."""
+        if budget is None:
+            return self.features
+        budget, f = int(budget), self.features
+        length = len(self.traces[index].ids)
+        if not f.window + f.sink + 1 <= budget < length - f.interval:
+            raise ValueError(
+                f"options budget={budget} on trace {index} ({length} tokens): an episode's budget must be at "
+                f"least window + sink + 1 = {f.window + f.sink + 1} and below the trace's length − interval = "
+                f"{length - f.interval}, or nothing is evicted; pass a budget in that range"
+            )
+        return f.at_budget(budget)
+
     def _observe(self, due: bool) -> EvictionObs | None:
         if not due:
             return None
-        feats, states = zip(*(self.features.features(o) for o in self._run.observations()))
+        features = self._features
+        feats, states = zip(*(features.features(o) for o in self._run.observations()))
         self._states = states
         key_pos = torch.stack([layer.key_pos for layer in self._run.cache.layers])
         valid = key_pos >= 0
-        candidates = valid & ~self.features.always_kept(key_pos)
-        n_evict = (valid.sum(-1) - min(self.features.budget, key_pos.shape[-1])).clamp(min=0)
+        candidates = valid & ~features.always_kept(key_pos)
+        n_evict = (valid.sum(-1) - min(features.budget, key_pos.shape[-1])).clamp(min=0)
         x = torch.stack(feats).masked_fill(~valid[..., None], 0.0)
-        return EvictionObs(x, key_pos, candidates, n_evict, self._step, self.features.budget)
+        return EvictionObs(x, key_pos, candidates, n_evict, self._step, features.budget)
 
     def step(self, action: Tensor) -> tuple[EvictionObs | None, float, bool, bool, dict]:
         """action: keep-slot indices [layers, 1, H, K] (sink and window slots among them)."""
         if self._run is None or self._states is None:
             raise RuntimeError("call reset() before step(), and stop once an episode terminated")
         action = torch.as_tensor(action)
-        k = min(self.features.budget, self._run.cache.layers[0].key_pos.shape[-1])
+        k = min(self._features.budget, self._run.cache.layers[0].key_pos.shape[-1])
         if action.shape != (len(self._states), 1, self.features.kv_heads, k):
             raise ValueError(f"action must be keep indices [layers, 1, kv_heads, {k}], got {tuple(action.shape)}")
         for layer, (keep, state) in enumerate(zip(action, self._states)):
@@ -285,6 +304,7 @@ class EvictionEnv(TraceEnv):
             "loss_sum": float(loss.sum()),
             "full_loss_sum": float(full.sum()),
             "loss_ratio": float(loss.sum() / full.sum().clamp(min=1e-30)),
+            "budget": self._features.budget,
         }
         self._run = None
         return None, -penalty, True, False, info

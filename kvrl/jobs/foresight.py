@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from kvrl.algos.foresight import (
     RULE_BASED,
+    drawn_budget,
     evict_scores,
     golden_replay,
     loss_ratios,
@@ -62,11 +63,15 @@ from kvrl.workers.traces import write_splits
 SFT_WARMUP = 10  # ForesightKV's stage 1 warm-up steps before the cosine decay
 
 
-def build_ranking_data(model, traces, features: LearnedScorer, path: Path) -> list[dict]:
-    """Golden replays of every training trace, cached in ``path``."""
+def build_ranking_data(model, traces, features: LearnedScorer, path: Path, cfg) -> list[dict]:
+    """Golden replays of every training trace, cached in ``path``: at kv.budget, or under
+    ``foresight.budgets`` each at the budget its trace draws (:func:`drawn_budget`, keyed by the task id)."""
     if path.exists():
         return torch.load(path)
-    data = [golden_replay(model, t, features) for t in tqdm(traces, desc="golden replays", unit="trace")]
+    data = [
+        golden_replay(model, t, features, drawn_budget(cfg, len(t.ids), f"golden/{t.task_id}"))
+        for t in tqdm(traces, desc="golden replays", unit="trace")
+    ]
     save_torch(data, path)
     return data
 
@@ -178,7 +183,7 @@ def pipeline(cfg, out: Path, started: float) -> dict:
     sft_path = out / "sft" / "scorer.safetensors"
     sft_trained = not (sft_path.exists() and cfg.resume != "never")
     if sft_trained:
-        data = build_ranking_data(model, train, policy, out / "golden" / "ranking.pt")
+        data = build_ranking_data(model, train, policy, out / "golden" / "ranking.pt", cfg)
         runlog = RunLog(out, fresh=True)  # SFT starts over, and RL after it: so do their logs
         train_sft(policy, data, cfg, runlog.log)
         sft_path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,9 @@ rules too); stage 2 uses trainer.* (steps, lr, batch_size = traces x rl.group_si
 """
 
 from dataclasses import dataclass
+from typing import List, Optional
 
-from kvrl.section import checked, register_section
+from kvrl.section import checked, cli_value, register_section
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ForesightConfig:
     eta: float = checked(1.5, ge=0)  # stage 2 reward: a token counts when its loss rose by more than eta
     # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
     low_entropy: float = checked(0.8, lambda v: 0 < v <= 1, "must be a fraction in (0, 1]")
+    # one scorer for every budget: [lo, hi] fractions of each trace's length; each Golden replay (stage 1) and
+    # each GRPO group (stage 2) draws its budget from them. null: all at kv.budget (the held-out judging stays there)
+    budgets: Optional[List[float]] = None
 
 
 def problems(cfg) -> list[str]:
@@ -41,6 +45,7 @@ def problems(cfg) -> list[str]:
             "the fixed kv.budget; set kv.budget_ratio=null (job=eval runs a trained scorer in ratio "
             "mode: eval.settings.NAME: {policy: learned, run: DIR, budget_ratio: R})"
         )
+    found += budget_range_problems(cfg.foresight.budgets)
     g, n = cfg.rl.group_size, cfg.trainer.batch_size
     if n % g or n < g:
         found.append(
@@ -49,6 +54,25 @@ def problems(cfg) -> list[str]:
             f"{max(1, round(n / g)) * g}"
         )
     return found
+
+
+def budget_range_problems(budgets) -> list[str]:
+    """foresight.budgets is null or [lo, hi] with 0 < lo <= hi < 1: fractions of a trace's length (at 1 the
+    cache holds the whole trace and nothing is evicted), not token counts."""
+    if budgets is None:
+        return []
+    values = list(budgets)
+    if len(values) == 2 and 0 < values[0] <= values[1] < 1:
+        return []
+    if len(values) == 2 and all(0 < v < 1 for v in values):
+        fix = sorted(values)
+    else:
+        fix = [0.25, 0.75]
+    return [
+        f"foresight.budgets={cli_value(values)}: the range of budgets to train over is two fractions of each trace's "
+        f"length, 0 < lo <= hi < 1 (a fraction of 1 evicts nothing; token counts are kv.budget's unit, not this "
+        f"key's); set foresight.budgets={cli_value(fix)} (or foresight.budgets=null: train at kv.budget)"
+    ]
 
 
 register_section("foresight", ForesightConfig, problems)

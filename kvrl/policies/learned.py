@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -129,6 +129,13 @@ class LearnedScorer(KVPolicy):
                 f"{self.kv_heads} KV heads, head_dim {self.head_dim}, group {self.group}): {found}; it "
                 "was trained on another model: evaluate it with that run's model.path"
             ) from None
+
+    def at_budget(self, budget: int) -> LearnedScorer:
+        """This policy evicting down to ``budget`` tokens with the same scorer (its weights shared, not
+        copied): the features and the ranking do not read the budget, only how many slots are kept does."""
+        other = replace(self, budget=budget)
+        other.scorer = self.scorer
+        return other
 
     @property
     def observe(self) -> int:
