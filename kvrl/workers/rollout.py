@@ -33,6 +33,7 @@ from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.push import Push
 from kvrl.engines import make_engine
+from kvrl.kernels.cpu import native
 from kvrl.models.tiny import resolve_path
 from kvrl.policies import as_regime
 from kvrl.policies.regime import checksum
@@ -46,6 +47,8 @@ class RolloutWorker:
         self.cfg, self.rank = cfg, rank
         self.algo = make_algo(cfg)
         self.engine = make_engine(cfg, kind=self.algo.rollout_engine)
+        if torch.device(cfg.device).type == "cpu":  # built (or loaded) here, not inside step 1's timed rollout
+            native.ops()
         model = getattr(self.engine, "model", None)
         self.env = self.algo.make_env(model)  # scores the samples here, in parallel across the actors
         if model is None:  # vLLM holds the weights; the policy needs the architecture only
