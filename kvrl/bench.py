@@ -170,6 +170,17 @@ def mean_interval(values: list[float], tasks: int, digits: int = 4) -> dict:
     return {"mean": round(mean, digits), "ci95": [round(x, digits) for x in ci], "sd": round(sd, digits), "n": n}
 
 
+def train_commits(run: str | Path) -> list[str]:
+    """The kvrl commits that trained the run in folder ``run``, in order, each once (a resumed run may
+    have more than one): what its :class:`kvrl.runlog.RunLog` noted at each start; ``["unknown"]``
+    for a run trained before runs noted it."""
+    from kvrl.runlog import COMMITS
+
+    path = Path(run) / COMMITS
+    lines = path.read_text().split("\n") if path.exists() else []
+    return list(dict.fromkeys(line for line in lines if line)) or ["unknown"]
+
+
 def column_mean(rows: list[dict], key: str, digits: int = 4) -> float | None:
     """The mean of ``key`` over the metrics rows (one per training step) that logged it, rounded; None if none did."""
     values = [r[key] for r in rows if r.get(key) is not None]

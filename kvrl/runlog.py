@@ -40,6 +40,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -135,6 +136,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 SUMS = "SHA256SUMS"
+COMMITS = "commits.txt"  # a run folder's: the kvrl commit of each start (kvrl_commit), one a line
 
 
 def sha256_of(path: Path) -> str:
@@ -380,6 +382,26 @@ def lock_holder(out: str | Path) -> str | None:
     return None
 
 
+def kvrl_commit() -> str:
+    """The git commit of the kvrl that runs (``+ uncommitted changes`` when its checkout has any), or
+    ``unknown`` when kvrl is not a git checkout (an installed wheel; a repository kvrl merely sits in,
+    such as a project's venv, is not kvrl's)."""
+    here = Path(__file__).resolve().parent  # kvrl/
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() / "kvrl" != here:
+            return "unknown (kvrl is not a git checkout of its own)"
+        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):  # no git, or not a repository
+        return "unknown (kvrl is not a git checkout)"
+    return commit + (" + uncommitted changes" if dirty else "")
+
+
 class RunLog:
     """``output_dir/metrics.jsonl`` and its mirrors (see the module docstring).
 
@@ -402,6 +424,9 @@ class RunLog:
         self.path = self.out / "metrics.jsonl"
         if fresh:
             self.path.unlink(missing_ok=True)
+            (self.out / COMMITS).unlink(missing_ok=True)
+        with open(self.out / COMMITS, "a") as f:  # the code of each start: what trained the run, resumes included
+            f.write(kvrl_commit() + "\n")
         self.writer = tensorboard_writer(self.out / "tensorboard") if tensorboard else None
         self.wandb = wandb_run(self.out, name, config, fresh) if wandb else None
 

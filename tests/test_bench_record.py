@@ -79,3 +79,18 @@ def test_mean_interval_is_over_the_repeats_not_their_pooled_tasks():
     assert over["ci95"][0] == 0.0 and over["ci95"][1] == pytest.approx(0.0501 + 2.571 * over["sd"] / 6**0.5, abs=1e-3)
     zeros = bench.mean_interval([0.0] * 7, 256)
     assert zeros["ci95"][0] == 0.0 and 0.001 < zeros["ci95"][1] < 0.003  # Wilson's upper bound at 0 of 1,792
+
+
+def test_a_run_folder_notes_the_commit_of_each_start(tmp_path):
+    """Results name the commits that trained a run (train_commits), not only the one that judged it."""
+    from kvrl.runlog import COMMITS, RunLog, kvrl_commit
+
+    assert bench.train_commits(tmp_path) == ["unknown"]  # a run trained before runs noted it
+    RunLog(tmp_path, fresh=True)
+    RunLog(tmp_path, fresh=False)  # a resume: its start is noted too
+    assert (tmp_path / COMMITS).read_text().splitlines() == [kvrl_commit()] * 2
+    assert bench.train_commits(tmp_path) == [kvrl_commit()]
+    (tmp_path / COMMITS).write_text("abc\ndef\nabc\n")
+    assert bench.train_commits(tmp_path) == ["abc", "def"]
+    RunLog(tmp_path, fresh=True)  # a run that starts over forgets what trained the old one
+    assert bench.train_commits(tmp_path) == [kvrl_commit()]

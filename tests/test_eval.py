@@ -584,7 +584,8 @@ def test_the_kvrl_commit_is_unknown_outside_its_own_checkout(tmp_path, monkeypat
     import subprocess
 
     import kvrl
-    from kvrl.eval.report import kvrl_commit
+    from kvrl import runlog
+    from kvrl.runlog import kvrl_commit
 
     here = kvrl_commit()
     top = subprocess.run(
@@ -593,12 +594,12 @@ def test_the_kvrl_commit_is_unknown_outside_its_own_checkout(tmp_path, monkeypat
     if top.returncode == 0:  # a clone: its HEAD
         assert here.split()[0] == top.stdout.strip()
     (tmp_path / "plain" / "kvrl").mkdir(parents=True)  # an installed copy, no repository around it
-    monkeypatch.setattr(kvrl, "__file__", str(tmp_path / "plain" / "kvrl" / "__init__.py"))
+    monkeypatch.setattr(runlog, "__file__", str(tmp_path / "plain" / "kvrl" / "runlog.py"))
     assert kvrl_commit() == "unknown (kvrl is not a git checkout)"
     venv = tmp_path / "project" / "venv" / "site-packages" / "kvrl"  # inside a user's repository: not kvrl's
     venv.mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(tmp_path / "project")], check=True)
-    monkeypatch.setattr(kvrl, "__file__", str(venv / "__init__.py"))
+    monkeypatch.setattr(runlog, "__file__", str(venv / "runlog.py"))
     assert kvrl_commit() == "unknown (kvrl is not a git checkout of its own)"
 
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from kvrl.policies import RULE_BASED
-from kvrl.bench import mean_interval, record
+from kvrl.bench import mean_interval, record, train_commits
 
 RECIPE = "tiny_foresight"
 
@@ -68,6 +68,7 @@ def main():
         "loss_ratio_rl": [round(results[s]["loss_ratio"]["foresight_rl"], 4) for s in seeds],
         "n": n,
         "seeds": seeds,
+        "train_commits": {seed: train_commits(Path(args.out) / f"seed_{seed}") for seed in seeds},
         "minutes_per_seed": minutes,
     }
     record("main_job_seeds", line)

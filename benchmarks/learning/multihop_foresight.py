@@ -27,7 +27,7 @@ budget-specific scorer (this recipe at that kv.budget, under ``--specific``: ``r
 elsewhere; above 235 keeping the traces its eviction MDP can evict from, foresight.min_tokens = B + interval
 + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
 ``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one, the zoo's best and
-every accuracy beside them, and the commits that trained the runs (``train_commit``) and judged them
+every accuracy beside them, and the commits that trained the runs (``train_commits``) and judged them
 (``commit``). ``--set KEY=VALUE`` overrides every run trained and ``--no-record`` prints the lines only (a
 smoke run at tiny sizes)::
 
@@ -42,11 +42,20 @@ from pathlib import Path
 import numpy as np
 
 from kvrl.algos.foresight import RULE_BASED, loss_ratios
-from kvrl.bench import TEST_SEED, accuracy, column_mean, draw_tasks, emit, error_bars, reasoner, record
+from kvrl.bench import (
+    TEST_SEED,
+    accuracy,
+    column_mean,
+    draw_tasks,
+    emit,
+    error_bars,
+    reasoner,
+    record,
+    train_commits,
+)
 from kvrl.config import load_config
 from kvrl.data.traces import SPLIT_SEEDS, load_traces
 from kvrl.eval.budgets import evaluate
-from kvrl.eval.report import kvrl_commit
 from kvrl.eval.suite import PolicySpec
 from kvrl.jobs.foresight import main as train
 from kvrl.policies import make_policy
@@ -86,21 +95,19 @@ def main():
         judge_specific(args, cfg, out, budgets, write)
 
 
-def trained(cfg, out: Path) -> str:
-    """Train ``cfg`` into ``out`` unless finished there (its pipeline resumes a stopped run); the commit that
-    trained it, as this script noted it (``unknown``: a run this script did not train)."""
-    noted = out / "train_commit.txt"
+def trained(cfg, out: Path) -> list[str]:
+    """Train ``cfg`` into ``out`` unless finished there (its pipeline resumes a stopped run); the commits that
+    trained it (:func:`kvrl.bench.train_commits`)."""
     if not (out / "results.json").exists():
         train(cfg)
-        noted.write_text(kvrl_commit() + "\n")
-    return noted.read_text().strip() if noted.exists() else "unknown"
+    return train_commits(out)
 
 
 def judge_specific(args, cfg, out: Path, budgets: list[int], write) -> None:
     """The recipe's scorer (stage 1 and 2), trained at kv.budget, against the zoo at ``budgets``."""
     if cfg.kv.budget not in budgets:
         raise SystemExit(f"--budgets must hold the recipe's kv.budget {cfg.kv.budget}: its goal line is there")
-    trained(cfg, out)
+    commits = trained(cfg, out)
     run = json.loads((out / "results.json").read_text())
     records = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     sft_rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -155,6 +162,7 @@ def judge_specific(args, cfg, out: Path, budgets: list[int], write) -> None:
         "tasks": len(tasks),
         "stream_seed": TEST_SEED,
         "train_seed": cfg.seed,
+        "train_commits": commits,
         "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
         "validation_seed": None,  # no choice was made on a stream: the settings are tiny_foresight's
         "test_seed": TEST_SEED,
@@ -241,7 +249,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "train_seed": cfg.seed,
             "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
             "validation_seed": None,  # no choice was made on a stream: the settings are tiny_foresight's
-            "train_commit": {"general": commits["general"], "specific": commits[f"specific_{budget}"]},
+            "train_commits": {"general": commits["general"], "specific": commits[f"specific_{budget}"]},
         }
         (write or partial(record, f"multihop_foresight_general_{budget}"))(line)
 

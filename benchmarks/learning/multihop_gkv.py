@@ -28,7 +28,18 @@ import json
 from pathlib import Path
 
 from kvrl.algos.rl_sparse import RLSparse
-from kvrl.bench import TEST_SEED, VALIDATION_SEED, accuracy, column_mean, draw_tasks, emit, reasoner, record, timed
+from kvrl.bench import (
+    TEST_SEED,
+    VALIDATION_SEED,
+    accuracy,
+    column_mean,
+    draw_tasks,
+    emit,
+    reasoner,
+    record,
+    timed,
+    train_commits,
+)
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.jobs.rl import main as train
@@ -123,6 +134,7 @@ def main():
         "tasks": args.tasks,
         "stream_seed": seed,
         "train_seed": cfg.seed,
+        "train_commits": train_commits(out),
         "validation_seed": VALIDATION_SEED,
         "test_seed": TEST_SEED,
         "training": {

@@ -39,6 +39,7 @@ from kvrl.bench import (
     error_bars,
     mean_interval,
     record,
+    train_commits,
 )
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
@@ -185,6 +186,7 @@ def main():
         "tasks": n,
         "stream_seed": TEST_SEED,
         "train_seed": cfg.seed,
+        "train_commits": train_commits(out),
         "validation_seed": VALIDATION_SEED,
         "test_seed": TEST_SEED,
         "training": {

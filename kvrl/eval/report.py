@@ -265,28 +265,6 @@ PROPERTY_TEXT = {
 }
 
 
-def kvrl_commit() -> str:
-    """The git commit of the kvrl that runs (``+ uncommitted changes`` when its checkout has any), or
-    ``unknown`` when kvrl is not a git checkout (an installed wheel; a repository kvrl merely sits in,
-    such as a project's venv, is not kvrl's)."""
-    import subprocess
-
-    here = Path(kvrl.__file__).resolve().parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=30, check=True
-        ).stdout.strip()
-
-    try:
-        if Path(git("rev-parse", "--show-toplevel")).resolve() / "kvrl" != here:
-            return "unknown (kvrl is not a git checkout of its own)"
-        commit, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):  # no git, or not a repository
-        return "unknown (kvrl is not a git checkout)"
-    return commit + (" + uncommitted changes" if dirty else "")
-
-
 def write_report(
     cfg,
     rows: list[dict],

@@ -64,9 +64,9 @@ from kvrl.eval.suite import (
     loops_apply,
     summarise,
 )
-from kvrl.eval.report import console_line, kvrl_commit, report
+from kvrl.eval.report import console_line, report
 from kvrl.models.tiny import resolve_path
-from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, setup_process, sha256_of
+from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, kvrl_commit, setup_process, sha256_of
 from kvrl.section import ConfigError
 
 
