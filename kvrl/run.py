@@ -1,9 +1,9 @@
 """The only entry point: `python -m kvrl.run recipe=NAME key=value ...`.
 
 The config is loaded and validated first (`kvrl.config`), then, for a job that runs here,
-what the run needs (`kvrl.gate.run_problems`: its input files, its output_dir free, the checkpoint
+what the run needs (`kvrl.preflight.machine.run_problems`: its input files, its output_dir free, the checkpoint
 it resumes written with its settings, a hub model reachable) and what this machine must give it
-(`kvrl.gate.machine_problems`: CUDA, the CPUs of a local Ray's actors); only then is the job's module imported, so a mistake costs well under a second (exit
+(`kvrl.preflight.machine.machine_problems`: CUDA, the CPUs of a local Ray's actors); only then is the job's module imported, so a mistake costs well under a second (exit
 status 2, a message on stderr, no traceback), not a torch/Ray start-up.
 """
 
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # heavy imports (torch, transformers, ray) start here, after the config is known good
     if cfg.dry_run:
-        from kvrl.plan import dry_run
+        from kvrl.preflight.plan import dry_run
 
         plan = io.StringIO()  # the plan names values (the recipe, the model): printed with the secrets redacted
         try:
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             print(redact(plan.getvalue(), secrets), end="")
         return 0
-    from kvrl.gate import machine_problems, run_problems
+    from kvrl.preflight.machine import machine_problems, run_problems
 
     problems = run_problems(cfg)
     if problems:

@@ -326,7 +326,7 @@ def test_an_id_is_found_through_the_package_its_namespace_names(user_package, mo
     """`env.id=kvtasks/partial-counts-v0` works with nothing imported by hand: the
     namespace `kvtasks` is imported, and its __init__ registers the id (in the driver and in
     every Ray worker, where the package is a py_module or on PYTHONPATH)."""
-    from kvrl.lookup import env_problems
+    from kvrl.preflight.names import env_problems
 
     monkeypatch.syspath_prepend(str(user_package))
     assert env_problems("env.id", "kvtasks/partial-counts-v0", "env.kwargs", {}) == []
@@ -348,7 +348,7 @@ def test_an_id_is_found_through_an_installed_packages_entry_points(tmp_path, mon
 
 
 def test_an_unregistered_user_id_says_how_to_register_it(monkeypatch):
-    from kvrl.lookup import env_problems
+    from kvrl.preflight.names import env_problems
 
     [problem] = env_problems("env.id", "nolab/thing-v0", "env.kwargs", {})
     assert "nothing importable named 'nolab' registers it" in problem

@@ -3,7 +3,7 @@
 import pytest
 
 from kvrl.config import load_config
-from kvrl.plan import plan
+from kvrl.preflight.plan import plan
 from kvrl.run import main
 
 
@@ -57,7 +57,7 @@ CLUSTER = [
 
 @pytest.mark.parametrize("recipe", CLUSTER)
 def test_every_cluster_recipe_fits_80_gb_gpus(recipe, capsys):
-    from kvrl.plan import dry_run
+    from kvrl.preflight.plan import dry_run
 
     p = dry_run(load_config([f"recipe={recipe}"]))
     out = capsys.readouterr().out
@@ -68,7 +68,7 @@ def test_every_cluster_recipe_fits_80_gb_gpus(recipe, capsys):
 
 def test_a_learner_that_would_not_fit_is_warned_with_the_fix(capsys):
     """G-KV's learner share (32 samples x ~4K tokens) in one pass keeps ~665 GB of activations."""
-    from kvrl.plan import dry_run
+    from kvrl.preflight.plan import dry_run
 
     p = dry_run(
         load_config(["recipe=gkv_r1_qwen_7b", "trainer.micro_batch_tokens=0", "trainer.gradient_checkpointing=false"])
@@ -80,7 +80,7 @@ def test_a_learner_that_would_not_fit_is_warned_with_the_fix(capsys):
 def test_the_trace_actors_are_planned_and_vllm_sizing_its_own_cache_is_warned(capsys):
     """A ForesightKV trace actor holds vLLM and the HF scorer; vLLM's own sizing fills 90 % of
     the GPU, so the recipes give it workers.kv_cache_gib."""
-    from kvrl.plan import dry_run
+    from kvrl.preflight.plan import dry_run
 
     p = dry_run(load_config(["recipe=foresight_qwen3_4b", "workers.kv_cache_gib=0"]))
     parts = p["memory"]["trace actor"]
@@ -151,7 +151,7 @@ def test_the_rlkv_learners_plan_counts_its_attention_masks(tmp_path):
     import sys
 
     from kvrl.models import shrunk
-    from kvrl.plan import memory, model_config
+    from kvrl.preflight.plan import memory, model_config
 
     rows, seq = 2, 1024
     path = shrunk.build("r1-llama", tmp_path / "model")
@@ -192,7 +192,7 @@ def test_the_rlkv_learners_plan_counts_its_attention_masks(tmp_path):
 
 def test_foresight_counts_the_gpu_its_stage_1_runs_on(capsys):
     """Before: 3 GPUs planned, while stage 1 ran in the driver on a GPU the total did not count."""
-    from kvrl.plan import allocation_problems, dry_run
+    from kvrl.preflight.plan import allocation_problems, dry_run
 
     p = dry_run(load_config(["recipe=foresight_qwen3_4b"]))
     assert (p["actor_gpus"], p["driver_gpus"], p["gpus"]) == (3, 1, 4)

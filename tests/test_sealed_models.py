@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from kvrl.config import load_config
-from kvrl.gate import run_problems
+from kvrl.preflight.machine import run_problems
 from kvrl.models import SHIPPED
 from kvrl.run import main
 from kvrl.runlog import SUMS, damage

@@ -4,7 +4,7 @@ It has no keys of its own: the eviction is the kv section's (kv.budget, kv.inter
 kv.sink, kv.budget_ratio, kv.kwargs), whose rules (`uses=("kv",)`: a bounded budget that leaves
 room for one token chosen by score) run with these. Under kv.policy=learned the rollouts evict with a
 trained ForesightKV scorer, frozen, named by kv.kwargs.run as job=eval's learned lines name theirs
-(eval.settings.NAME.run): on the config path the key must be set; just before the run, `kvrl.gate` asks
+(eval.settings.NAME.run): on the config path the key must be set; just before the run, `kvrl.preflight.machine` asks
 `scorer_problems` whether it holds a trained scorer. Light on purpose (no torch): the config gate imports it.
 """
 
@@ -46,7 +46,7 @@ def scorer_file(run) -> Path | None:
 
 
 def scorer_problems(cfg) -> list[str]:
-    """`kvrl.gate.run_problems`' (it looks outside the config): an RL job whose rl.algo evicts with kv.* under
+    """`kvrl.preflight.machine.run_problems`' (it looks outside the config): an RL job whose rl.algo evicts with kv.* under
     kv.policy=learned names, in kv.kwargs.run, a folder (or file) that holds a trained scorer."""
     section = SECTIONS.get(cfg.rl.algo)
     if section is None or "kv" not in section.uses or cfg.kv.policy != "learned" or "run" not in cfg.kv.kwargs:

@@ -31,11 +31,11 @@
 * Every problem — unknown recipe or base, a recipe that is not UTF-8 or YAML, unknown or renamed
   key (in a recipe or on the command line), wrong type, malformed argument, out-of-range or
   non-finite value, KV geometry the job's policy refuses, a model path or an environment
-  argument that cannot work (`kvrl.gate`) — raises `ConfigError` whose message names the key,
+  argument that cannot work (`kvrl.preflight.names`) — raises `ConfigError` whose message names the key,
   where it came from, and the fix (`kvrl.config.load`, `kvrl.config.checks`). Nothing here imports
-  torch or Ray; `kvrl.run` adds what a run here needs (`kvrl.gate.run_problems`: input files, a free
+  torch or Ray; `kvrl.run` adds what a run here needs (`kvrl.preflight.machine.run_problems`: input files, a free
   output_dir, a resumable checkpoint, a reachable hub model) and the machine's checks
-  (`kvrl.gate.machine_problems`) just before a job starts.
+  (`kvrl.preflight.machine.machine_problems`) just before a job starts.
 
 This package re-exports the names that code and tests import from `kvrl.config`.
 """

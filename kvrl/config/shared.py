@@ -5,7 +5,7 @@ Contract: each field's range rule sits beside it (`checked`), a section's cross-
 `problems(cfg)` method, run when a job names the section (`kvrl.jobs.JOBS`) or its rl.algo `uses` it
 (`kvrl.section`). An algorithm's or a job's own section is not here: it sits beside its code and
 registers itself; `kvrl.config.schema` assembles the whole schema. No torch, no Ray: the gate's
-checks that look outside the config (a model folder, an environment's constructor) are in `kvrl.gate`.
+checks that look outside the config (a model folder, an environment's constructor) are in `kvrl.preflight.names`.
 """
 
 import difflib
@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Dict, List, Optional
 from omegaconf import MISSING
 
 from kvrl.algos import ALGOS, algo_class
-from kvrl.lookup import cache_limit, env_problems, model_problems, policy_problems
+from kvrl.budget import budget_evicts, least_budget
+from kvrl.preflight.names import cache_limit, env_problems, model_problems, policy_problems
 from kvrl.jobs import JOBS
 from kvrl.section import POLICY_NAMES, ConfigError, checked
 from kvrl.workers.inline import INLINE
@@ -79,13 +80,13 @@ class KVConfig:
     def problems(self, cfg: "Shared") -> list[str]:
         """Checked by the jobs (and rl.algo values) whose token policy is built from kv.*: a policy given
         by path imports and takes kv.kwargs; the policy always keeps kv.sink + kv.window tokens and must
-        choose at least one more by score; a budget a sequence never reaches (`kvrl.lookup.cache_limit`) never
+        choose at least one more by score; a budget a sequence never reaches (`kvrl.preflight.names.cache_limit`) never
         evicts. This is the budget's one check on the config path, where it is known earliest (a policy
         built in Python checks its own arguments: `KVPolicy.__post_init__`)."""
         problems = policy_problems(self.policy, self.kwargs)
         job = JOBS[cfg.job]
         who = f"job={cfg.job}" + (f" rl.algo={cfg.rl.algo}" if "rl" in job.sections else "")
-        least = self.window + self.sink + 1
+        least = least_budget(self.window, self.sink)
         limit, why = cache_limit(cfg)
         if self.budget == 0:
             problems.append(
@@ -99,7 +100,7 @@ class KVConfig:
                 f"always keeps the kv.sink first and kv.window newest tokens and chooses at least one by "
                 f"score; set {fix}" + ("" if "kv.window" in fix else " (or lower kv.window / kv.sink)")
             )
-        elif self.budget >= limit:
+        elif not budget_evicts(self.budget, limit):
             problems.append(self.never_evicts(limit, why, who))
         elif "budget_ratio" in self.kwargs:
             problems.append(
@@ -114,23 +115,24 @@ class KVConfig:
         kv.window + kv.sink + 1 and below the `limit` tokens a sequence holds (inf: not known here). When no
         budget fits between the two, kv.window (and kv.sink) come first, lowered to a quarter of the limit."""
         window, sink = self.window, self.sink
-        if window + sink + 1 >= limit:
+        if not budget_evicts(least_budget(window, sink), limit):
             window, sink = max(1, min(window, limit // 4)), min(sink, limit // 4)
-        if window + sink + 1 >= limit:  # a sequence of a token or two: no cache is small enough to evict from
+        # a sequence of a token or two: no cache is small enough to evict from
+        if not budget_evicts(least_budget(window, sink), limit):
             return "kv.policy=full"
         kept = {"kv.window": (window, self.window), "kv.sink": (sink, self.sink)}
         lowered = [f"{key}={new}" for key, (new, old) in kept.items() if new != old]
-        return " ".join([*lowered, f"kv.budget={max(window + sink + 1, min(prefer, limit - 1))}"])
+        return " ".join([*lowered, f"kv.budget={max(least_budget(window, sink), min(prefer, limit - 1))}"])
 
     def never_evicts(self, limit: int, why: str, who: str) -> str:
         """The refusal of a kv.budget that a sequence of at most `limit` tokens (`why`) never outgrows: on the
         config path the model's positions (`problems`); at run start, once the data is read, the longest
         prompt + sampling.max_new_tokens (`kvrl.workers.controller.Controller`)."""
-        least, fix = self.window + self.sink + 1, self.budget_fix(limit, limit // 2)
+        least, fix = least_budget(self.window, self.sink), self.budget_fix(limit, limit // 2)
         lowered = " and ".join(key for key in ("kv.window", "kv.sink") if key in fix)
         lower = (
             ""
-            if least < limit
+            if budget_evicts(least, limit)
             else f"; no kv.budget can evict with kv.window={self.window} kv.sink={self.sink}: the policy always "
             f"keeps kv.window + kv.sink + 1 = {least} tokens, at least as many as a sequence holds, so "
             + (f"lower {lowered}" if lowered else "evicting needs longer sequences")

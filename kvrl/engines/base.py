@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvrl.budget import budget_evicts
 from kvrl.cache import EvictionTrace
 from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.envs.check import unreadable
@@ -131,7 +132,8 @@ def check_request(prompt_lens: list[int], sampling: Sampling, regime, positions:
             f"{positions} positions: shorten it (or filter such tasks from the data set)"
         )
     end = longest + sampling.max_new_tokens
-    if isinstance(regime, Evicting) and regime.policy.budget_at(end) >= end:  # budget_ratio=1 never evicts either
+    # budget_ratio=1 never evicts either
+    if isinstance(regime, Evicting) and not budget_evicts(regime.policy.budget_at(end), end):
         warnings.warn(
             f"kv budget {regime.policy.budget_at(end)} >= the longest sequence ({longest} prompt + "
             f"{sampling.max_new_tokens} new tokens): the policy will never evict",

@@ -134,7 +134,7 @@ class Env(abc.ABC):
     id: str | None = None
     kind: str = ""
     # inclusive ranges of the constructor's numeric arguments, which the config gate checks before the
-    # environment is built (kvrl.lookup.argument_problems); a size's bound keeps a task within memory
+    # environment is built (kvrl.preflight.names.argument_problems); a size's bound keeps a task within memory
     arg_bounds: dict[str, tuple[float, float]] = {}
 
     _np_random: np.random.Generator | None = None

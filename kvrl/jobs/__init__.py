@@ -24,10 +24,10 @@ class Job:
     # whose registered rules (and the shared sections it uses) apply too
     sections: tuple[str, ...] = ()
     # runs actors (workers.*, whose rules apply): on Ray, where a local Ray must host them
-    # (kvrl.gate.machine_problems), or inline in this process (workers.address=inline)
+    # (kvrl.preflight.machine.machine_problems), or inline in this process (workers.address=inline)
     ray: bool = False
     # resumes from output_dir/checkpoints/step_*, whose config.json the run's settings must match but for
-    # Config.RESUMABLE (kvrl.gate.resume_problems compares them before the job starts)
+    # Config.RESUMABLE (kvrl.preflight.machine.resume_problems compares them before the job starts)
     resumes: bool = False
 
 

@@ -10,6 +10,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
+from kvrl.budget import budget_evicts, least_budget
 from kvrl.section import POLICY_NAMES, checked, cli_value, register_section
 
 
@@ -75,10 +76,11 @@ def problems(cfg) -> list[str]:
             f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
             "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)"
         )
-    from kvrl.lookup import cache_limit
+    from kvrl.preflight.names import cache_limit
 
     limit, why = cache_limit(cfg)
-    full = [b for b in ev.budgets if b > 1 and b >= limit]  # > 1: tokens (<= 1: a fraction of the sequence)
+    # > 1: tokens (<= 1: a fraction of the sequence)
+    full = [b for b in ev.budgets if b > 1 and not budget_evicts(b, limit)]
     if full:
         kept = [b for b in ev.budgets if b not in full] or [limit // 2]
         found.append(
@@ -242,7 +244,7 @@ def value_problems(cfg) -> list[str]:
         args = {**fixed, **given}
         if cls is not HeadAllocation:
             window, sink = args["window"], args["sink"]
-            args["budget"] = window + sink + 1 if isinstance(window, int) and isinstance(sink, int) else 0
+            args["budget"] = least_budget(window, sink) if isinstance(window, int) and isinstance(sink, int) else 0
         try:
             cls(**args)
         except (ValueError, TypeError) as err:

@@ -31,7 +31,7 @@ class SelfDistillConfig:
 
 
 def problems(cfg) -> list[str]:
-    from kvrl.lookup import env_problems  # the source resolves and its kwargs fit, as env.id's
+    from kvrl.preflight.names import env_problems  # the source resolves and its kwargs fit, as env.id's
 
     sd = cfg.self_distill
     found = env_problems("self_distill.source", sd.source, "self_distill.source_kwargs", sd.source_kwargs)

@@ -20,6 +20,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from kvrl.budget import least_budget
+
 
 @dataclass
 class Observation:
@@ -225,10 +227,11 @@ class KVPolicy:
         if self.interval < 1:
             raise ValueError(f"interval={self.interval}: must be ≥ 1 (evict every `interval` tokens)")
         # a policy built in Python (make_policy, a user's script) is checked here; on the config path the
-        # kv section states the rule for kv.* before torch is imported (kvrl.config.shared.KVConfig)
-        if self.budget < self.window + self.sink + 1:
+        # kv section checks kv.* by the same rule (kvrl.budget) before torch is imported (kvrl.config.shared.KVConfig)
+        least = least_budget(self.window, self.sink)
+        if self.budget < least:
             raise ValueError(
-                f"budget={self.budget}: must be ≥ window + sink + 1 = {self.window + self.sink + 1} "
+                f"budget={self.budget}: must be ≥ window + sink + 1 = {least} "
                 f"so that at least one slot is chosen by score; raise budget or lower window/sink"
             )
         if self.budget_ratio is not None and not 0 < self.budget_ratio <= 1:

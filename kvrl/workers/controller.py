@@ -53,6 +53,7 @@ from tqdm import tqdm
 from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.grpo import group_advantages, mask_truncated
+from kvrl.budget import budget_evicts
 from kvrl.engines.base import check_prompts
 from kvrl.envs.base import RewardError
 from kvrl.envs.chat import Chat
@@ -275,7 +276,7 @@ class Controller:
         end = longest + cfg.sampling.max_new_tokens
         if data and not cfg.model.max_model_len:  # the engines size their KV checks for what this data needs
             cfg.model.max_model_len = min(end, positions) if positions else end
-        if evicts and cfg.kv.budget >= end:
+        if evicts and not budget_evicts(cfg.kv.budget, end):
             whence = (
                 f"the longest prompt of env.id={cfg.env.id}'s data set"
                 if data

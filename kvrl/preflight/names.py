@@ -3,7 +3,7 @@ trained one, a known architecture or a hub id) and the positions it holds, an en
 id or pkg.module:Class) and whether its kwargs fit its constructor, a KV policy class given by path.
 
 The config's sections call these from their `problems(cfg)` (`kvrl.config.shared`, the jobs'
-`<job>_config.py`); `kvrl.gate` checks what a run needs beyond them. Each returns messages in the
+`<job>_config.py`); `kvrl.preflight.machine` checks what a run needs beyond them. Each returns messages in the
 config's style ("KEY must be ... (got VALUE); set KEY=VALUE"). Nothing here imports torch or Ray: an
 environment's (or a kv.policy class's) module is imported only to read its constructor's signature
 (nothing is built: building may need data files), and a model's config is read as JSON.
@@ -25,7 +25,7 @@ from kvrl.models import SHIPPED
 from kvrl.runlog import trained_model
 from kvrl.section import cli_value
 
-ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"  # the dry runs' known hub ids
+ARCHITECTURES = Path(__file__).parents[1] / "models" / "architectures.json"  # the dry runs' known hub ids
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")  # org/name
 
 # rules on an environment's arguments that its signature cannot say: class path -> argument ->

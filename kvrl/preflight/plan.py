@@ -38,7 +38,7 @@ from kvrl.policies.base import budget_at, geometry
 from kvrl.section import ConfigError
 from kvrl.workers.inline import INLINE
 
-ARCHITECTURES = Path(__file__).parent / "models" / "architectures.json"
+ARCHITECTURES = Path(__file__).parents[1] / "models" / "architectures.json"
 
 
 def model_config(path: str):

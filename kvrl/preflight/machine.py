@@ -9,7 +9,7 @@ returns messages in the config's style ("KEY must be ... (got VALUE); set KEY=VA
 imports Ray; torch is imported to ask about CUDA when a CUDA device or GPUs are asked for and, for a
 local Ray, by the memory plan; the network is asked once, for a hub model.path that is not cached, unless
 HF_HUB_OFFLINE. What the config itself names (a model, an environment, a policy class) is checked by
-:mod:`kvrl.lookup`, which the config's sections call.
+:mod:`kvrl.preflight.names`, which the config's sections call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvrl.algos.rl_sparse_config import scorer_problems
 from kvrl.jobs import JOBS
-from kvrl.lookup import HUB_ID
+from kvrl.preflight.names import HUB_ID
 from kvrl.models import seal_problem
 from kvrl.runlog import flatten, intact_checkpoint, lock_holder, resume_changes
 from kvrl.workers.inline import INLINE
@@ -102,9 +102,10 @@ def output_problems(given: str, out: Path) -> list[str]:
     plots there, and a rerun takes what it finds there for its own."""
     fix = "set output_dir=outputs/${run_name} (or another new folder: it is made)"
     where = out.resolve()
-    checkout = Path(__file__).resolve().parent.parent
+    package = Path(__file__).resolve().parents[1]  # kvrl/, which holds kvrl/preflight/
+    checkout = package.parent
     own = {
-        "package (its code and shipped models)": Path(__file__).resolve().parent,
+        "package (its code and shipped models)": package,
         "recipes": checkout / "recipes",
         "git repository": checkout / ".git",
     }
@@ -281,10 +282,10 @@ def machine_problems(cfg, ray: bool) -> list[str]:
 
 def host_memory_problems(cfg) -> list[str]:
     """The local Ray's CPU actors must fit in this machine's memory, by the dry-run plan's
-    estimate (:func:`kvrl.plan.memory`): sizes that cannot run (``sampling.batch_size=10**9``,
+    estimate (:func:`kvrl.preflight.plan.memory`): sizes that cannot run (``sampling.batch_size=10**9``,
     a ``trainer.batch_size`` whose learner share cannot be held) are refused before any actor
     climbs to an out-of-memory kill."""
-    from kvrl.plan import memory, model_config, plan, size
+    from kvrl.preflight.plan import memory, model_config, plan, size
 
     w = cfg.workers
     on_host = {
