@@ -102,7 +102,7 @@ def family_shape(family: str) -> Shape:
 # The wider matrix, 2 layers each, 256 new tokens per row in the parity tests
 # (12-15 evictions per row): head_dim decoupled from hidden / heads (Qwen3 and Llama, whose
 # vLLM models read config.head_dim; vLLM's Qwen2 does not, and VLLMEngine refuses it:
-# test_vllm_engine.py::test_a_model_vllm_would_read_with_another_head_dim_is_refused),
+# test_vllm_engine_parts.py::test_a_model_vllm_would_read_with_another_head_dim_is_refused),
 # head_dim 64 and 128, query heads per KV head 4, 7 and 8, one KV head, and Qwen2 with tied
 # embeddings (Qwen3's default shape ties them already).
 # For time (CI's budget) these shapes replay in float64 one evicting policy (G-KV: the

@@ -35,11 +35,9 @@ already initialised and use it.
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
-import ray
 
 from kvrl.config import load_config
 from kvrl.data.traces import load_traces
@@ -54,7 +52,7 @@ except Exception as exc:  # noqa: BLE001 - any import failure means "not usable 
         f"vllm cannot be imported ({type(exc).__name__}: {exc}); install the `cpu` extra", allow_module_level=True
     )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.usefixtures("module_ray")]  # actors import this module
 
 STEPS = 2
 
@@ -65,23 +63,6 @@ class AnyAnswerMathEnv(MathEnv):
 
     def correct(self, task, completion):
         return 1.0, {"verify_timeout": False}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_local(tmp_path_factory):
-    here = str(Path(__file__).parent)  # actors can import this module, as a user's env module
-    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,10 @@
 """The config gate: whatever can be known before Ray starts exits 2 with the key and the fix.
 
 Every case runs through `kvrl.run.main` in one fresh interpreter, which must not have imported
-Ray when the case is refused (that the gate comes before Ray is what makes it fast)."""
+Ray when the case is refused (that the gate comes before Ray is what makes it fast). What the
+gate lets through is in test_config_gate_passes.py, what is refused at run start in
+test_config_gate_run_start.py.
+"""
 
 import json
 import os
@@ -11,15 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from kvrl.config import ConfigError, available_recipes, load_config
-from kvrl.gate import hub_problems, run_problems
-from kvrl.lookup import env_problems, model_problems
+from kvrl.config import available_recipes
 from kvrl.run import main
-from kvrl.runlog import OutputLock, flatten
+from kvrl.runlog import OutputLock
 
-REPO = Path(__file__).resolve().parent.parent
+from gate_cases import REPO, earlier_run
+
+
 CORES = os.cpu_count() or 1
 MANY = 2 * CORES + 2  # rollout actors at 0.5 CPU each that no machine of CORES cores hosts
+
 
 # (id, arguments, recipes folder: None = the repository's | "tmp" = the one the fixture writes, what stderr says)
 CASES = [
@@ -266,7 +270,7 @@ CASES = [
             "set eval.budgets=[0.5,64]",
         ],
     ),
-    # what a run here needs (kvrl.gate.run_problems: never for dry_run / print_config, which plan for another machine)
+    # what a run here needs (kvrl.preflight.machine.run_problems: never for dry_run / print_config, which plan for another machine)
     (
         "env_data_file_missing",
         ["recipe=tiny_rl_full", "env.id=kvrl/math-v0", "env.kwargs.path=/no/such/aime.jsonl"],
@@ -525,6 +529,7 @@ CASES = [
     ),
 ]
 
+
 SCRIPT = r"""
 import contextlib, io, json, os, sys
 from kvrl.run import main
@@ -547,16 +552,6 @@ def tmp_recipes(tmp_path_factory) -> Path:
     (folder / "latin1.yaml").write_bytes("# Caf\xe9 recipe\njob: eval\n".encode("latin-1"))
     (folder / "bare_rl.yaml").write_text("# RL with the schema's defaults\njob: rl\n")
     return folder
-
-
-def earlier_run(out: Path, *args: str) -> None:
-    """What an RL run in `out` leaves for resume=auto: a sealed checkpoint with its config (no weights: the gate
-    reads none)."""
-    checkpoint = out / "checkpoints" / "step_000002"
-    checkpoint.mkdir(parents=True)
-    cfg = load_config(["recipe=tiny_rl_full", f"output_dir={out}", *args])
-    (checkpoint / "config.json").write_text(json.dumps(flatten(cfg)))
-    (checkpoint / "SHA256SUMS").write_text("")
 
 
 @pytest.fixture(scope="module")
@@ -611,162 +606,6 @@ def test_each_case_exits_2_before_ray_with_the_fix(outcomes, case, expected):
         assert text in err, (text, err)
 
 
-# --- what the gate lets through ---
-
-
-def test_every_recipe_passes_the_gate_without_ray():
-    script = (
-        "import sys; from kvrl.config import available_recipes, load_config\n"
-        "for name in available_recipes(): load_config([f'recipe={name}'])\n"
-        "assert 'ray' not in sys.modules\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "KVRL_RECIPES_DIR"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-
-
-@pytest.mark.parametrize(
-    "path", ["tiny", "Qwen/Qwen3-4B", "deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "my-org/my.model_2"]
-)
-def test_model_paths_that_can_work(path):
-    assert model_problems(path) == []
-
-
-def test_a_saved_model_folder_passes(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    assert model_problems(str(tmp_path)) == []
-    assert model_problems(str(tmp_path / "config.json"))  # a file is not a model folder
-
-
-def test_a_resume_may_change_what_config_resumable_names(tmp_path, monkeypatch):
-    """The gate compares a checkpoint's settings as the job does: trainer.steps (Config.RESUMABLE) may change,
-    resume=never starts afresh, a run over a data set derives model.max_model_len when it is 0; trainer.lr may not."""
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    earlier_run(tmp_path, "model.max_model_len=300")
-    assert run_problems(load_config(["recipe=tiny_rl_full", f"output_dir={tmp_path}", "trainer.steps=80"])) == []
-    assert run_problems(load_config(["recipe=tiny_rl_full", f"output_dir={tmp_path}", "model.max_model_len=300"])) == []
-    changed = ["recipe=tiny_rl_full", f"output_dir={tmp_path}", "model.max_model_len=256"]
-    [err] = run_problems(load_config(changed))
-    assert "model.max_model_len: 300 -> 256" in err
-    assert run_problems(load_config([*changed, "resume=never"])) == []
-    checkpoint = tmp_path / "checkpoints" / "step_000002"
-    [err] = run_problems(load_config([*changed, "resume=never", f"resume={checkpoint}"]))
-    assert f"(checkpoint {checkpoint})" in err
-
-
-def test_an_output_dir_of_a_kvrl_run_or_empty_passes(tmp_path, monkeypatch):
-    """What output_dir refuses (a folder of other files) leaves a rerun its own folder: an interrupted job=eval
-    run's (its lock and settings), and an empty folder."""
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    run, empty = tmp_path / "eval", tmp_path / "empty"
-    run.mkdir(), empty.mkdir()
-    (run / ".lock").write_text("")
-    (run / "settings.json").write_text('{"settings": {}, "files": {}}')
-    for folder in (run, empty):
-        assert run_problems(load_config(["recipe=tiny_eval", f"output_dir={folder}"])) == []
-
-
-def test_inputs_are_checked_for_a_run_here_only(tmp_path, monkeypatch):
-    """dry_run plans for another machine, where the data is: a missing data file is no error there."""
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    args = [
-        "recipe=tiny_rl_full",
-        "env.id=kvrl/math-v0",
-        "env.kwargs.path=/no/such/aime.jsonl",
-        f"output_dir={tmp_path}",
-    ]
-    assert main([*args, "dry_run=true"]) == 0
-    assert main([*args, "print_config=true"]) == 0
-
-
-def test_an_unreachable_hub_is_refused(monkeypatch):
-    """A hub id that is not cached, with the network allowed but no answer: refused with the fix, not left to
-    the download's retries. (An endpoint that refuses connections: no network is needed.)"""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
-    [err] = hub_problems("kvrl-test/no-such-model")
-    assert "model.path=kvrl-test/no-such-model is not in the local Hugging Face cache" in err
-    assert "the hub (http://127.0.0.1:9) cannot be reached (" in err and "set model.path=DIR" in err
-    assert hub_problems("tiny") == hub_problems("/no/such/folder/") == []  # not hub ids
-
-
-def test_top_p_is_for_eval():
-    assert load_config(["recipe=tiny_eval", "sampling.temperature=0.6", "sampling.top_p=0.9"]).sampling.top_p == 0.9
-    assert load_config(["recipe=eval_math_qwen3_4b"]).sampling.top_p == 0.95  # the papers' sampling
-
-
-def test_run_directories_as_model_path(tmp_path):
-    """The output_dir of a run that saved model weights passes; an RLKV or ForesightKV run is
-    refused with the eval policy to use instead and its base model; a run without a sealed
-    model yet says so. Nothing is read but names (kvrl.runlog.trained_model, verify=False)."""
-
-    def checkpoint(run, step, config, model=False):
-        folder = run / "checkpoints" / f"step_{step:06d}"
-        (folder / "model").mkdir(parents=True) if model else folder.mkdir(parents=True)
-        (folder / "config.json").write_text(json.dumps(config))
-        if model:
-            (folder / "model" / "SHA256SUMS").write_text("")
-        (folder / "SHA256SUMS").write_text("")
-
-    sparse = tmp_path / "sparse"
-    checkpoint(sparse, 10, {"job": "rl", "rl.algo": "rl_sparse", "model.path": "tiny"}, model=True)
-    assert model_problems(str(sparse)) == []
-    rlkv = tmp_path / "rlkv"
-    checkpoint(rlkv, 5, {"job": "rlkv", "rl.algo": "rlkv", "model.path": "Qwen/Qwen3-4B"})
-    (rlkv / "gates.safetensors").write_bytes(b"")
-    [err] = model_problems(str(rlkv))
-    assert "is an RLKV run: it trained per-head gates, not model weights" in err
-    assert f"set model.path=Qwen/Qwen3-4B and eval.settings.NAME='{{policy: heads, run: {rlkv}}}'" in err
-    foresight = tmp_path / "foresight"
-    (foresight / "sft").mkdir(parents=True)
-    (foresight / "sft" / "scorer.safetensors").write_bytes(b"")
-    checkpoint(foresight / "rl", 20, {"job": "foresight", "rl.algo": "foresight", "model.path": "tiny"})
-    for run in (foresight, foresight / "rl"):
-        [err] = model_problems(str(run))
-        assert f"set model.path=tiny and eval.settings.NAME='{{policy: learned, run: {run}}}'" in err, err
-    early = tmp_path / "early"
-    early.mkdir()
-    (early / "metrics.jsonl").write_text("")
-    [err] = model_problems(str(early))
-    assert "holds no trained model yet" in err and f"rerun it with output_dir={early}" in err
-
-
-def test_readme_example_math_env_on_an_rl_recipe(tmp_path, monkeypatch):
-    """`env.id=kvrl/math-v0 env.kwargs.path=FILE` on a recipe over counts: the recipe's n_digits is dropped."""
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    data = tmp_path / "problems.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n" for i in range(3)))
-    cfg = load_config(["recipe=tiny_rl_full", "env.id=kvrl/math-v0", f"env.kwargs.path={data}"])
-    assert (cfg.env.id, cfg.env.kwargs) == ("kvrl/math-v0", {"path": str(data)})
-    from kvrl.envs import make
-
-    env = make(cfg.env.id, **cfg.env.kwargs)
-    env.reset(seed=0)
-    assert len(env.tasks(3)) == 3
-
-
-@pytest.mark.parametrize(
-    "args, kwargs",
-    [
-        ([], {"n_digits": 24}),  # the recipe's
-        (["env.kwargs.n_digits=8"], {"n_digits": 8}),  # one key merges
-        (["env.kwargs={}"], {}),  # a mapping given whole replaces the recipe's: {} clears it
-        (["env.kwargs={n_digits: 8}"], {"n_digits": 8}),
-        (["env.id=kvrl/counts-v0"], {"n_digits": 24}),  # the same environment keeps its arguments
-        (["env.id=kvrl/chains-v0"], {}),  # another environment drops them
-        (["env.id=kvrl/chains-v0", "env.kwargs.min_depth=2"], {"min_depth": 2}),
-    ],
-)
-def test_the_command_line_owns_the_kwargs_of_what_it_changes(monkeypatch, args, kwargs):
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    assert load_config(["recipe=tiny_rl_full", *args]).env.kwargs == kwargs
-
-
 def test_help_lists_a_broken_recipe_with_a_note(tmp_recipes, monkeypatch, capsys):
     monkeypatch.setenv("KVRL_RECIPES_DIR", str(tmp_recipes))
     assert main(["--help"]) == 0
@@ -777,274 +616,9 @@ def test_help_lists_a_broken_recipe_with_a_note(tmp_recipes, monkeypatch, capsys
     assert "latin1" in available_recipes()
 
 
-def test_env_arguments_a_class_takes_through_kwargs_are_not_second_guessed():
-    assert env_problems("env.id", "kvrl.data.self_distill:SelfDistilledEnv", "env.kwargs", {"path": "x"}) == []
-    missing = env_problems("env.id", "kvrl.data.self_distill:SelfDistilledEnv", "env.kwargs", {})
-    assert missing == [
-        "env.kwargs.path is required by kvrl.data.self_distill:SelfDistilledEnv (its arguments: "
-        "path, env, env_kwargs); set env.kwargs.path=..."
-    ]
-    assert "cannot be imported" in env_problems("env.id", "no_such_pkg.envs:Env", "env.kwargs", {})[0]
-
-
-def test_a_type_hint_is_valid_for_the_job(monkeypatch):
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    with pytest.raises(ConfigError, match=r"set e\.g\. sampling\.temperature=2\.5$"):
-        load_config(["recipe=tiny_rl_full", "sampling.temperature=hot"])
-
-
-@pytest.mark.parametrize(
-    "amx, dtype, refused", [(True, "bfloat16", True), (True, "float32", False), (False, "bfloat16", False)]
-)
-def test_vllm_bf16_on_an_amx_cpu_is_refused_before_the_engine_starts(monkeypatch, amx, dtype, refused):
-    """vLLM's CPU attention stores a bf16 cache in its AMX layout where the CPU has AMX; kvrl's
-    eviction cannot read that layout, so the gate refuses the combination with the fix."""
-    import torch
-
-    from kvrl.gate import machine_problems
-
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    cfg = load_config(
-        ["recipe=tiny_rl_full", "workers.engine=vllm", "sampling.temperature=1.0", f"model.dtype={dtype}"]
-    )
-    problems = [p for p in machine_problems(cfg, ray=True) if "AMX" in p]
-    assert bool(problems) == refused
-    if refused:
-        assert "set model.dtype=float32" in problems[0]
-
-
-@pytest.mark.parametrize(
-    "override, refused",
-    [([], False), (["sampling.batch_size=1000000000"], True), (["trainer.batch_size=1000000000000"], True)],
-)
-def test_sizes_this_machine_cannot_hold_are_refused_before_any_actor_starts(monkeypatch, override, refused):
-    """sampling.batch_size=10**9 used to dry-run to a 217,437 GiB KV estimate and start; a huge
-    trainer.batch_size climbed in memory until killed. The gate compares the plan's estimate of
-    the local Ray's CPU actors with this machine's memory."""
-    from kvrl.gate import machine_problems
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    cfg = load_config(["recipe=tiny_rl_full", *override])
-    problems = [p for p in machine_problems(cfg, ray=True) if "CPU actors need" in p]
-    assert bool(problems) == refused
-    if refused:
-        assert "lower sampling.batch_size" in problems[0] and "dry_run=true shows the estimate" in problems[0]
-
-
-def test_a_seed_no_generator_takes_is_refused_by_the_config(monkeypatch):
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    with pytest.raises(ConfigError, match=r"seed must be in \[0, 2\*\*32\) \(got 99999999999999999999\); set seed=0"):
-        load_config(["recipe=tiny_rl_full", "seed=99999999999999999999"])
-
-
-@pytest.mark.parametrize(
-    "kv",
-    [
-        ["kv.window=100000", "kv.budget=100020"],  # before: "set kv.budget=100005 (below 1024)"
-        ["kv.window=100000", "kv.budget=50"],  # before: "set kv.budget=100005 (or lower kv.window / kv.sink)"
-        ["kv.window=100000", "kv.budget=0"],
-        ["kv.sink=5000", "kv.budget=0"],
-        ["kv.window=900", "kv.sink=200", "kv.budget=2000"],
-        ["kv.window=40", "kv.budget=0", "kv.interval=1000"],
-        ["kv.budget=2000"],
-    ],
-)
-def test_the_suggested_kv_settings_pass_every_kv_rule(monkeypatch, kv):
-    """Whatever kv.budget the refusal suggests (with kv.window / kv.sink when no budget fits beside them) is
-    accepted when given back: a budget at least kv.window + kv.sink + 1 and below the 1024 positions."""
-    import re
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    with pytest.raises(ConfigError) as refused:
-        load_config(["recipe=tiny_multihop_sparse", *kv])
-    fix = re.search(r"; set ((?:kv\.\w+=\d+ ?)+)", str(refused.value))
-    assert fix is not None, str(refused.value)
-    load_config(["recipe=tiny_multihop_sparse", *kv, *fix.group(1).split()])
-
-
 def test_the_gates_policy_names_are_the_zoos():
     """The gate names kv.policy's values without importing torch; they must stay the zoo's."""
     from kvrl.section import POLICY_NAMES
     from kvrl.policies import POLICIES
 
     assert set(POLICY_NAMES) == {"full", *POLICIES}
-
-
-@pytest.mark.parametrize("data", [False, True], ids=["procedural", "data_set"])
-def test_a_budget_no_sequence_outgrows_is_refused_at_run_start(tmp_path, monkeypatch, capsys, data):
-    """What only the prompts tell: kv.budget >= the longest prompt + sampling.max_new_tokens
-    would run RL-Sparse on the full cache. The run stops with exit 2 before Ray starts or output_dir is made."""
-    import ray
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    out = tmp_path / "run"
-    argv = ["recipe=tiny_gkv_sparse", f"output_dir={out}", "kv.budget=500"]
-    if data:  # three short problems: the recipe's own budget (76) outlasts every sequence
-        path = tmp_path / "problems.jsonl"
-        path.write_text(
-            "".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n" for i in range(3))
-        )
-        # the bare question: the tiny reasoner's tokenizer reads no English instruction
-        argv = argv[:2] + ["env.id=kvrl/math-v0", f"env.kwargs.path={path}", "env.kwargs.template='{question}'"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    budget = 76 if data else 500
-    whence = (
-        "the longest prompt of env.id=kvrl/math-v0's data set"
-        if data
-        else "the longest of 256 prompts drawn from env.id=kvrl/counts-v0"
-    )
-    assert err.startswith(
-        f"kvrl: error: the run cannot start: kv.budget={budget} never evicts: a sequence holds at most "
-    ), err
-    assert whence in err and "sampling.max_new_tokens=64" in err and "rl.algo=rl_sparse" in err, err
-    limit = int(err.split("holds at most ")[1].split()[0])
-    assert limit < budget + 1 and f"set kv.budget={max(13, limit // 2)} (below {limit})" in err, err
-    assert not ray.is_initialized() and not out.exists()
-
-
-def test_a_data_set_row_the_model_cannot_hold_is_refused_at_run_start(tmp_path, monkeypatch, capsys):
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    path = tmp_path / "problems.jsonl"
-    path.write_text(
-        json.dumps({"question": "1 + 1 = ?", "answer": "2"})
-        + "\n"
-        + json.dumps({"question": " ".join(["3"] * 40), "answer": "3"})
-        + "\n"
-    )
-    assert (
-        main(
-            [
-                "recipe=tiny_rl_full",
-                "env.id=kvrl/math-v0",
-                f"env.kwargs.path={path}",
-                "model.max_model_len=32",
-                "env.kwargs.template='{question}'",
-                f"output_dir={tmp_path / 'run'}",
-            ]
-        )
-        == 2
-    )
-    err = capsys.readouterr().err
-    assert "the run cannot start: " in err and "problems.jsonl:2: the prompt has" in err, err
-    assert "the model holds 32 positions; drop or shorten that row" in err and "Traceback" not in err, err
-
-
-def test_a_data_set_row_that_is_not_utf8_is_refused_at_run_start(tmp_path, monkeypatch, capsys):
-    """A lone surrogate (JSON's "\\ud800") in a row. Before: the row's ValueError as a traceback (exit 1)."""
-    import ray
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    path = tmp_path / "problems.jsonl"
-    path.write_text('{"question": "1 + 1 = ?", "answer": "2"}\n{"question": "1 + \\ud800 = ?", "answer": "3"}\n')
-    out = tmp_path / "run"
-    env = ["env.id=kvrl/math-v0", f"env.kwargs.path={path}", "env.kwargs.template='{question}'"]
-    assert main(["recipe=tiny_rl_full", f"output_dir={out}", *env]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(
-        f"kvrl: error: the run cannot start: env.id=kvrl/math-v0: {path}:2: the question holds a lone surrogate "
-        "'\\ud800' at character 5"
-    ), err
-    assert "Traceback" not in err and not ray.is_initialized() and not out.exists()
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}", "dry_run=true"],
-        ["recipe=tiny_rl_full", "env.id=os:system", "env.kwargs.command=touch {marker}"],
-        [
-            "recipe=tiny_self_distill",
-            "self_distill.source=os:system",
-            "self_distill.source_kwargs.command=touch {marker}",
-        ],
-    ],
-    ids=["env_dry_run", "env_run", "self_distill_source"],
-)
-def test_an_env_path_to_anything_but_an_env_class_is_refused_before_it_is_called(tmp_path, monkeypatch, capsys, argv):
-    """env.id=os:system with env.kwargs.command: the gate read the signature, found `command`, passed it, and the
-    dry run's plan called os.system. A dotted path must name an Env class, refused before anything is called."""
-    from kvrl.envs import make
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    marker = tmp_path / "PWNED"
-    argv = [a.replace("{marker}", str(marker)) for a in argv] + [f"output_dir={tmp_path / 'run'}"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    key = "self_distill.source" if "source" in argv[1] else "env.id"
-    assert (
-        f"{key}='os:system' cannot be used: 'os:system' is a builtin_function_or_method, not a kvrl.envs.Env "
-        "class" in err
-    ), err
-    assert "Traceback" not in err and not marker.exists() and not (tmp_path / "run").exists()
-    with pytest.raises(TypeError, match="not a kvrl.envs.Env class"):
-        make("os:system", command=f"touch {marker}")
-    assert not marker.exists()
-
-
-@pytest.mark.parametrize("dry_run", ["true", "false"])
-def test_an_empty_output_dir_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, dry_run):
-    """`output_dir=` wrote checkpoints/, model/, metrics.jsonl and .lock into the current directory."""
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    monkeypatch.chdir(tmp_path)
-    assert main(["recipe=tiny_rl_full", "output_dir=", f"dry_run={dry_run}"]) == 2
-    err = capsys.readouterr().err
-    assert "output_dir must name a folder (empty would write the run into the current directory) (got '')" in err
-    assert "set output_dir=outputs/${run_name}" in err and list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("key, package", [("logging.tensorboard", "tensorboard"), ("logging.wandb", "wandb")])
-def test_a_logger_that_is_not_installed_is_refused_before_the_run_starts(tmp_path, monkeypatch, key, package):
-    """logging.tensorboard=true without tensorboard was an ImportError after Ray and the actors had started."""
-    import sys
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    monkeypatch.setitem(sys.modules, package, None)  # what an interpreter without the package finds
-    cfg = load_config(["recipe=tiny_rl_full", f"{key}=true", f"output_dir={tmp_path / 'run'}"])
-    assert (
-        f"{key}=true needs the {package} package, which is not installed here: pip install {package}, or set "
-        f"{key}=false" in "\n".join(run_problems(cfg))
-    )
-    cfg = load_config(["recipe=tiny_rl_full", f"{key}=false", f"output_dir={tmp_path / 'run'}"])
-    assert package not in "\n".join(run_problems(cfg))
-
-
-def test_a_run_folder_reached_through_a_symlink_or_copied_continues_as_documented(tmp_path, monkeypatch, capsys):
-    """Resume through a symlink to the run folder, or from a copied run folder, was refused because output_dir
-    differed, with a fix pointing at the original. A symlink is the same folder; a copy continues with
-    resume=<its checkpoint>, which the refusal names; the original folder is only read."""
-    import shutil
-
-    monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    args = [
-        "recipe=tiny_pretrain",
-        "trainer.batch_size=2",
-        "trainer.log_every=1",
-        "pretrain.eval_tasks=1",
-        "pretrain.checkpoint_every=1",
-        "pretrain.layers=1",
-        "pretrain.hidden=32",
-        "pretrain.kv_heads=1",
-        "pretrain.intermediate=32",
-    ]
-    real = tmp_path / "real"
-    assert main([*args, f"output_dir={real}", "trainer.steps=2"]) == 0  # step_000001 (the last step: model/ only)
-    copy = Path(shutil.copytree(real, tmp_path / "copy", symlinks=True))
-    link = tmp_path / "link"
-    link.symlink_to(real)
-    capsys.readouterr()
-    assert main([*args, f"output_dir={link}", "trainer.steps=3"]) == 0
-    assert "resumed from" in capsys.readouterr().out
-    before = {p: p.read_bytes() for p in real.rglob("*") if p.is_file()}
-    assert main([*args, f"output_dir={copy}", "trainer.steps=4"]) == 2
-    err = capsys.readouterr().err
-    checkpoint = copy / "checkpoints" / "step_000001"
-    assert (
-        f"output_dir: '{real}' -> '{copy}' (this folder holds a run written as output_dir={real}: copied or moved "
-        f"here; to continue it here, set resume={checkpoint}, which continues that checkpoint" in err
-    ), err
-    assert main([*args, f"output_dir={copy}", "trainer.steps=4", f"resume={checkpoint}"]) == 0
-    assert "resumed from" in capsys.readouterr().out and (copy / "checkpoints" / "step_000003").is_dir()
-    assert {p: p.read_bytes() for p in real.rglob("*") if p.is_file()} == before  # the original is untouched

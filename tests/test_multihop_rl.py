@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvrl.algos.base import Sample, collate
 from kvrl.algos.distill import Distill
 from kvrl.algos.grpo import group_advantages
 from kvrl.algos.rl_sparse import RLSparse
@@ -28,6 +27,8 @@ from kvrl.engines.base import Sampling
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
 from kvrl.models.tiny import load_model
+
+from batches import learner_batch
 
 # tasks of the pretraining curriculum's middle sizes (~130-token sequences), under a budget that evicts
 SMALL_TASKS = [
@@ -110,21 +111,7 @@ def multihop_batch(engine, cfg, algo, n_tasks=4, group=4, seed=0):
     )
     rewards = torch.tensor([env.score(tasks[b // group], out.texts[b])[0] for b in range(len(out.texts))])
     adv = group_advantages(rewards, group)
-    samples = [
-        Sample(
-            id=str(b),
-            prompt_ids=out.prompt_ids[b],
-            tokens=out.tokens[b],
-            logprobs=out.logprobs[b],
-            finish_reason=out.finish_reasons[b],
-            text=out.texts[b],
-            version=0,
-            trace=out.trace(b),
-            advantage=float(adv[b]),
-        )
-        for b in range(len(out.texts))
-    ]
-    return collate(samples, sum(len(s.tokens) for s in samples), engine.device)
+    return learner_batch(out, [float(a) for a in adv], engine.device)
 
 
 @pytest.mark.parametrize(

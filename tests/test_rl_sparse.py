@@ -24,8 +24,8 @@ from kvrl.algos.rl_sparse import RLSparse
 from kvrl.config import ConfigError, load_config
 from kvrl.engines.base import Sampling
 from kvrl.envs import make
-from kvrl.algos.base import collate
-from kvrl.algos.base import Sample
+
+from batches import learner_batch
 
 REPO = Path(__file__).resolve().parent.parent
 # a random model's sequences: 50-token prompts + 40 tokens; budget 40 evicts half of them
@@ -41,21 +41,7 @@ def rollout_batch(engine, cfg, algo, n=4, seed=0):
     out = engine.generate(
         prompts, Sampling(40, temperature=cfg.sampling.temperature, seed=seed), policy=algo.rollout_policy(engine.model)
     )
-    samples = [
-        Sample(
-            id=str(b),
-            prompt_ids=out.prompt_ids[b],
-            tokens=out.tokens[b],
-            logprobs=out.logprobs[b],
-            finish_reason=out.finish_reasons[b],
-            text=out.texts[b],
-            version=0,
-            trace=out.trace(b),
-            advantage=float(b % 2) - 0.5,
-        )
-        for b in range(n)
-    ]
-    return collate(samples, sum(len(s.tokens) for s in samples), engine.device)
+    return learner_batch(out, [float(b % 2) - 0.5 for b in range(n)], engine.device)
 
 
 @pytest.mark.parametrize("policy", ["gkv", "rkv", "snapkv"])
@@ -171,23 +157,6 @@ def test_recipes_pass_the_dry_run(recipe):
     assert "gkv" in run.stdout.split("KV cache")[1]  # the plan prices the G-KV cache
 
 
-@pytest.fixture
-def local_ray(tmp_path_factory):
-    """A private 2-CPU Ray for a recipe run as shipped (its temp dir short: socket paths <= 107 bytes)."""
-    import ray
-
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-    )
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, local_ray):
     """2 steps of tiny_gkv_sparse as shipped (vLLM under G-KV, ZeRO-2 over 2 learners) and
@@ -246,21 +215,7 @@ def test_the_stop_token_enters_the_loss_as_every_other_token(engine, regime):
     out = HFEngine(model, tok, stop_ids=[stop]).generate(prompts, sampling, policy=policy)
     stopped = [b for b, r in enumerate(out.finish_reasons) if r == "stop"]
     assert stopped and all(out.tokens[b][-1] == stop for b in stopped)
-    samples = [
-        Sample(
-            str(b),
-            out.prompt_ids[b],
-            out.tokens[b],
-            out.logprobs[b],
-            out.finish_reasons[b],
-            out.texts[b],
-            0,
-            trace=None if out.traces is None else out.trace(b),
-            advantage=(b % 3) - 1.0,
-        )
-        for b in range(len(prompts))
-    ]
-    batch = collate(samples, sum(len(s.tokens) for s in samples), "cpu")
+    batch = learner_batch(out, [(b % 3) - 1.0 for b in range(len(prompts))], "cpu")
     scores = engine.score(batch.sequences, batch.prompt_lens, policy=policy, trace=batch.trace, temperature=1.0)
     logprobs = scores.logprobs.detach().requires_grad_(True)
     loss, _ = grpo_loss(logprobs, batch.old_logprobs, batch.advantages, scores.mask, num_items=batch.num_items)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 from transformers import DynamicCache
 
@@ -339,32 +338,21 @@ def test_paper_hyperparameters_per_model():
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_tiny_rlkv_loop_pushes_gates_and_exports(tmp_path, tmp_path_factory):
+def test_tiny_rlkv_loop_pushes_gates_and_exports(tmp_path, local_ray):
     """Three steps of the tiny recipe with a large lr, so the gates move 0.2 per step: a
     worker generating with stale gates would show a logprob mismatch far above fp tolerance."""
     pytest.importorskip("vllm")
     from kvrl.jobs.rlkv import main
 
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=256 * 1024**2,
-        log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-    )  # short: Ray's socket paths
-    try:
-        cfg = rlkv_config(
-            f"output_dir={tmp_path / 'run'}",
-            "trainer.steps=3",
-            "trainer.batch_size=16",
-            "sampling.batch_size=16",
-            "trainer.lr=0.2",
-            "workers.timeout_s=300",
-        )
-        main(cfg)
-    finally:
-        ray.shutdown()
+    cfg = rlkv_config(
+        f"output_dir={tmp_path / 'run'}",
+        "trainer.steps=3",
+        "trainer.batch_size=16",
+        "sampling.batch_size=16",
+        "trainer.lr=0.2",
+        "workers.timeout_s=300",
+    )
+    main(cfg)
     out = tmp_path / "run"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in records] == [1, 2, 3]
