@@ -33,11 +33,20 @@ from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
 from kvrl.algos.push import Push
 from kvrl.engines import make_engine
-from kvrl.kernels.cpu import native
 from kvrl.models.tiny import resolve_path
 from kvrl.policies import as_regime
 from kvrl.policies.regime import checksum
 from kvrl.runlog import setup_process
+
+
+def build_native_ops(device: str) -> None:
+    """Build (or load) the CPU kernels as the worker starts, not inside step 1's timed rollout. A function of
+    its own: Ray pickles the actor class by value, and a name ``ops`` in ``__init__`` beside its global
+    ``torch`` makes cloudpickle take ``torch.ops`` along, which does not pickle."""
+    if str(device).split(":")[0] == "cpu":
+        from kvrl.kernels.cpu.native import ops
+
+        ops()
 
 
 @ray.remote
@@ -47,8 +56,7 @@ class RolloutWorker:
         self.cfg, self.rank = cfg, rank
         self.algo = make_algo(cfg)
         self.engine = make_engine(cfg, kind=self.algo.rollout_engine)
-        if torch.device(cfg.device).type == "cpu":  # built (or loaded) here, not inside step 1's timed rollout
-            native.ops()
+        build_native_ops(cfg.device)
         model = getattr(self.engine, "model", None)
         self.env = self.algo.make_env(model)  # scores the samples here, in parallel across the actors
         if model is None:  # vLLM holds the weights; the policy needs the architecture only
