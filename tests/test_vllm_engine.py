@@ -604,6 +604,28 @@ def test_kv_manager_caps_blocks_per_request(engine):
     assert evict_peak <= 4 * prompt_blocks + 1 < full_peak, (evict_peak, full_peak)
 
 
+@dataclass(kw_only=True)
+class NaNAtLayer(KVPolicy):
+    """A user's broken policy: KNorm's scores, NaN at layer ``layer``."""
+
+    layer: int = 1
+    reads: ClassVar[frozenset[str]] = frozenset({"keys", "layer"})
+
+    def score(self, obs):
+        scores = -obs.keys.float().norm(dim=-1)
+        return (scores + float("nan") if obs.layer == self.layer else scores), None
+
+
+def test_non_finite_scores_stop_the_engine_naming_the_policy_and_layer(engine):
+    policy = NaNAtLayer(budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    with pytest.raises(ValueError, match=r"NaNAtLayer\.score\(\) returned .* at layer 1, .*after position"):
+        engine.generate(prompts(2), Sampling(max_new_tokens=8), policy=policy)
+    out = engine.generate(prompts(2), Sampling(max_new_tokens=8), policy=token_policy("snapkv"))  # and it serves
+    assert len(out.tokens) == 2
+
+
+# the last test on the shared engine: closing a second engine tears down vLLM's process-wide
+# parallel state, and the shared one cannot generate after it
 def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, hf, model_dir):
     """Inline rollout workers (``workers.address=inline``) are two engines in one process. Each
     keeps its own worker context (requests, traces, installed regime): decoding under
@@ -630,23 +652,3 @@ def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, h
                 assert torch.equal(out.trace(b).death, trace.death), (name, b)
     finally:
         second.close()
-
-
-@dataclass(kw_only=True)
-class NaNAtLayer(KVPolicy):
-    """A user's broken policy: KNorm's scores, NaN at layer ``layer``."""
-
-    layer: int = 1
-    reads: ClassVar[frozenset[str]] = frozenset({"keys", "layer"})
-
-    def score(self, obs):
-        scores = -obs.keys.float().norm(dim=-1)
-        return (scores + float("nan") if obs.layer == self.layer else scores), None
-
-
-def test_non_finite_scores_stop_the_engine_naming_the_policy_and_layer(engine):
-    policy = NaNAtLayer(budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
-    with pytest.raises(ValueError, match=r"NaNAtLayer\.score\(\) returned .* at layer 1, .*after position"):
-        engine.generate(prompts(2), Sampling(max_new_tokens=8), policy=policy)
-    out = engine.generate(prompts(2), Sampling(max_new_tokens=8), policy=token_policy("snapkv"))  # and it serves
-    assert len(out.tokens) == 2

@@ -6,7 +6,8 @@ inside vLLM through a ``vllm.general_plugins`` plugin (no fork).
 * :mod:`.runtime` — the worker context: requests, side stores, query ring, shared by every
   backend; it plans each forward's rows and delegates the rest to the installed regime.
 * :mod:`.full`, :mod:`.evicting`, :mod:`.static`, :mod:`.mixed` — one module per cache
-  regime: its plan, KV write and attention. :mod:`.steps` — the per-step plan types.
+  regime: its plan, KV write and attention. :mod:`.steps` — the per-step plan types and
+  the per-layer call (``LayerCall``) every regime's KV write and attention receive.
 * :mod:`.shim` — the builder/implementation overrides both backends share;
   :mod:`.layout`, :mod:`.cpu_backend`, :mod:`.cuda_backend` — how a paged cache stores K/V;
   :mod:`.kv_manager` — per-request block caps.

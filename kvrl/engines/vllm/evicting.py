@@ -32,8 +32,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvrl.engines.vllm.layout import PagedLayout, SideStores
-from kvrl.engines.vllm.steps import EvictBatch, EvictLayer, RegimeWorker, ReqState, RowPlan, StepInput, StepPlan
+from kvrl.engines.vllm.layout import SideStores
+from kvrl.engines.vllm.steps import (
+    EvictBatch,
+    EvictLayer,
+    LayerCall,
+    RegimeWorker,
+    ReqState,
+    RowPlan,
+    StepInput,
+    StepPlan,
+)
 from kvrl.kernels import NEVER, gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
 from kvrl.policies.evict import evict
@@ -222,24 +231,14 @@ class EvictingWorker(RegimeWorker):
             min(per_call, self.geometry[0]),
         )
 
-    def kv_update(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        stock_write,
-    ) -> None:
+    def kv_update(self, call: LayerCall) -> None:
         """vLLM's write at the remapped slots, then the new tokens' positions (and NaN state)."""
-        side = self.sides.for_layer(layer_name, kv_cache)
-        stock_write()  # with the remapped slot_mapping
+        plan, kv_cache = call.plan, call.kv_cache
+        side = self.sides.for_layer(call.name, kv_cache)
+        call.stock()  # with the remapped slot_mapping
         if plan.side_addr is None:  # the same for every layer of the forward
             bs, h = kv_cache.shape[2], kv_cache.shape[1]
-            slots = slot_mapping[: plan.positions.shape[0]].long()
+            slots = call.slot_mapping[: plan.positions.shape[0]].long()
             heads = torch.arange(h, device=slots.device)
             flat = ((slots // bs)[:, None] * h + heads) * bs + (slots % bs)[:, None]  # [T, H]
             plan.side_addr = (flat.view(-1), plan.positions.to(torch.int32).repeat_interleave(h))
@@ -248,28 +247,15 @@ class EvictingWorker(RegimeWorker):
         if side.state is not None:
             side.state.view(-1, side.state.shape[-1]).index_fill_(0, flat, float("nan"))
 
-    def attention(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-        stock_forward,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-    ) -> None:
+    def attention(self, call: LayerCall) -> None:
         """vLLM's attention over the packed caches, the queries into the ring, then the eviction."""
-        stock_forward()
-        self._observe(plan, layer_idx, query)
-        eb = plan.evict
+        call.stock()
+        self._observe(call.plan, call.index, call.query)
+        eb = call.plan.evict
         if eb is not None:
             # Layers hold their own caches, so a layer's eviction may wait for later layers'
             # attention and run with theirs (EVICT_ROWS); the last layer runs what is left.
-            eb.layers.append(EvictLayer(layer_idx, layer_name, layout, kv_cache, scale))
+            eb.layers.append(EvictLayer(call.index, call.name, call.layout, call.kv_cache, call.scale))
             eb.attended += 1
             if len(eb.layers) == eb.per_call or eb.attended == self.geometry[0]:
                 self._evict(eb, eb.layers)

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvrl.engines.vllm.layout import PagedLayout
-from kvrl.engines.vllm.steps import RegimeWorker, StepInput, StepPlan, WindowPlan
+from kvrl.engines.vllm.steps import LayerCall, RegimeWorker, StepInput, StepPlan, WindowPlan
 from kvrl.kernels.reference.mixed import mixed_gate_attention
 from kvrl.policies.regime import Mixed
 
@@ -26,41 +25,14 @@ class MixedWorker(RegimeWorker):
     def plan(self, plan: StepPlan, step: StepInput) -> None:
         plan.window = WindowPlan.of(plan.rows, step.cm.block_table_tensor, self.mixed.sink, self.mixed.recent)
 
-    def kv_update(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        stock_write,
-    ) -> None:
-        stock_write()
-
-    def attention(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-        stock_forward,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-    ) -> None:
-        mg, wp = self.mixed, plan.window
+    def attention(self, call: LayerCall) -> None:
+        mg, wp, query, output = self.mixed, call.plan.window, call.query, call.output
         if wp.decode.numel():
             q = query[: wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-            wp.put(output, self._decode(wp, layer_idx, layout, q, kv_cache, scale))
+            wp.put(output, self._decode(call, q))
         for row in wp.multi:
-            k, v = layout.read(kv_cache, row.blocks[None], row.m)
-            qpos = plan.positions[row.start : row.start + row.q]
+            k, v = call.layout.read(call.kv_cache, row.blocks[None], row.m)
+            qpos = call.plan.positions[row.start : row.start + row.q]
             q = query[row.start : row.start + row.q].transpose(0, 1)[None]
             out = mixed_gate_attention(
                 q,
@@ -68,20 +40,19 @@ class MixedWorker(RegimeWorker):
                 v,
                 qpos[None],
                 torch.arange(row.m, device=q.device)[None],
-                mg.gates[layer_idx],
+                mg.gates[call.index],
                 sink=mg.sink,
                 recent=mg.recent,
-                scaling=scale,
+                scaling=call.scale,
             )
             output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
 
-    def _decode(
-        self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, q: Tensor, kv_cache: Tensor, scale: float
-    ) -> Tensor:
+    def _decode(self, call: LayerCall, q: Tensor) -> Tensor:
         """Mixed gates for one-token rows q [R, Hq, D]: α·(every slot, the layout's kernel) +
         (1 − α)·(the sink slots and the last ``recent``, gathered) per KV head, as
         :func:`kvrl.kernels.reference.mixed.mixed_gate_attention` computes it."""
-        mg, h = self.mixed, kv_cache.shape[1]
+        mg, wp, layout, kv_cache, scale = self.mixed, call.plan.window, call.layout, call.kv_cache, call.scale
+        h = kv_cache.shape[1]
         full = layout.head_attention(q, kv_cache, wp.blocks, wp.m[:, None].expand(-1, h), scale)
         w = torch.arange(mg.sink + mg.recent, device=q.device)
         m = wp.m[:, None]
@@ -92,7 +63,7 @@ class MixedWorker(RegimeWorker):
         window = F.scaled_dot_product_attention(
             q[:, :, None], k.to(q.dtype), v.to(q.dtype), scale=scale, enable_gqa=True, attn_mask=valid[:, None, None, :]
         )[:, :, 0]
-        alpha = mg.gates[layer_idx].to(q.device, torch.float32).repeat_interleave(group)[None, :, None]
+        alpha = mg.gates[call.index].to(q.device, torch.float32).repeat_interleave(group)[None, :, None]
         return alpha * full.float() + (1 - alpha) * window.float()
 
 

@@ -52,10 +52,10 @@ from torch import Tensor
 from kvrl.engines.vllm.evicting import EvictingWorker, QueryRing
 from kvrl.engines.vllm.full import FullWorker
 from kvrl.engines.vllm.kv_manager import parse_pool
-from kvrl.engines.vllm.layout import PagedLayout, SideStores
+from kvrl.engines.vllm.layout import SideStores
 from kvrl.engines.vllm.mixed import MixedWorker
 from kvrl.engines.vllm.static import static_worker
-from kvrl.engines.vllm.steps import RegimeWorker, ReqState, RowPlan, StepInput, StepPlan
+from kvrl.engines.vllm.steps import LayerCall, RegimeWorker, ReqState, RowPlan, StepInput, StepPlan
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum
 
 
@@ -244,40 +244,14 @@ class WorkerContext:
 
     # ---- layer side ----
 
-    def kv_update(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        stock_write,
-    ) -> None:
-        """Write the forward's new keys/values (and their positions/state) to the cache."""
-        self.worker.kv_update(plan, layer_idx, layer_name, layout, key, value, kv_cache, slot_mapping, stock_write)
+    def kv_update(self, call: LayerCall) -> None:
+        """Write the forward's new keys/values (and their positions/state) to the layer's cache."""
+        self.worker.kv_update(call)
 
-    def attention(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-        stock_forward,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-    ) -> None:
-        """Attention of the forward into ``output`` [T, Hq, D], then this layer's eviction;
-        ``key``/``value`` [T, H, D] are the forward's new ones (pooled prompt chunks read them)."""
-        self.worker.attention(
-            plan, layer_idx, layer_name, layout, query, kv_cache, scale, output, stock_forward, key, value
-        )
+    def attention(self, call: LayerCall) -> None:
+        """Attention of the forward into ``call.output`` [T, Hq, D], then this layer's eviction;
+        ``call.key``/``call.value`` [T, H, D] are the forward's new ones (pooled prompt chunks read them)."""
+        self.worker.attention(call)
 
 
 def check_config(vllm_config) -> None:

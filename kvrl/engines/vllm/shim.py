@@ -19,6 +19,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from kvrl.engines.vllm.kv_manager import KVRLSpec
 from kvrl.engines.vllm.layout import PagedLayout
 from kvrl.engines.vllm.runtime import context, layer_index
+from kvrl.engines.vllm.steps import LayerCall
 
 
 class KVRLBuilderMixin:
@@ -70,9 +71,10 @@ class KVRLImplMixin:
         if plan is None:
             return stock()
         self._check_layout(layer, kv_cache)
-        meta.kvrl_context.kv_update(
-            plan, self._index(layer), layer.layer_name, self.LAYOUT, key, value, kv_cache, slot_mapping, stock
+        call = LayerCall(
+            plan, self._index(layer), layer.layer_name, self.LAYOUT, kv_cache, key, value, stock, slot_mapping
         )
+        meta.kvrl_context.kv_update(call)
 
     def forward(
         self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None
@@ -84,19 +86,20 @@ class KVRLImplMixin:
         if plan is None:
             return stock()
         n = attn_metadata.num_actual_tokens
-        attn_metadata.kvrl_context.attention(
+        call = LayerCall(
             plan,
             self._index(layer),
             layer.layer_name,
             self.LAYOUT,
-            query[:n],
             kv_cache,
-            self.scale,
-            output[:n],
+            None if key is None else key[:n],
+            None if value is None else value[:n],
             stock,
-            key=None if key is None else key[:n],
-            value=None if value is None else value[:n],
+            query=query[:n],
+            output=output[:n],
+            scale=self.scale,
         )
+        attn_metadata.kvrl_context.attention(call)
         return output
 
 

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvrl.engines.vllm.layout import HeadPool, PagedLayout, SideStores
-from kvrl.engines.vllm.steps import RegimeWorker, ReqState, RowPlan, StepInput, StepPlan, WindowPlan
+from kvrl.engines.vllm.layout import HeadPool, SideStores
+from kvrl.engines.vllm.steps import LayerCall, RegimeWorker, ReqState, RowPlan, StepInput, StepPlan, WindowPlan
 from kvrl.policies.regime import Static
 
 
@@ -67,45 +67,24 @@ class StaticWorker(RegimeWorker):
         for row in plan.rows:  # lens: updated by the layers
             row.lens = row.req.lens.clone()
 
-    def kv_update(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        stock_write,
-    ) -> None:
-        side = self.sides.for_layer(layer_name, kv_cache)
+    def kv_update(self, call: LayerCall) -> None:
+        layout, kv_cache, key, value = call.layout, call.kv_cache, call.key, call.value
+        side = self.sides.for_layer(call.name, kv_cache)
         h, dev = kv_cache.shape[1], kv_cache.device
-        for row in plan.rows:
-            lens = row.lens[layer_idx].to(dev)  # [H]
+        for row in call.plan.rows:
+            lens = row.lens[call.index].to(dev)  # [H]
             j = torch.arange(row.q, device=dev)
             slots = (lens[:, None] + j[None, :]).reshape(-1)
             heads = torch.arange(h, device=dev).repeat_interleave(row.q)
             toks = j.repeat(h) + row.start
             zero = torch.zeros_like(heads)
             layout.write(kv_cache, row.blocks[None], zero, heads, slots, key[toks, heads], value[toks, heads])
-            side.write(row.blocks[None], zero, heads, slots, plan.positions[toks], None)
+            side.write(row.blocks[None], zero, heads, slots, call.plan.positions[toks], None)
 
-    def attention(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-        stock_forward,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-    ) -> None:
-        side = self.sides[layer_name]
+    def attention(self, call: LayerCall) -> None:
+        plan, layer_idx, layout, kv_cache = call.plan, call.index, call.layout, call.kv_cache
+        query, output = call.query, call.output
+        side = self.sides[call.name]
         h = kv_cache.shape[1]
         group = query.shape[1] // h
         for row in plan.rows:
@@ -129,7 +108,7 @@ class StaticWorker(RegimeWorker):
                 keys[None],
                 values[None],
                 attn_mask=allowed.repeat_interleave(group, dim=0)[None],
-                scale=scale,
+                scale=call.scale,
                 enable_gqa=True,
             )
             output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
@@ -178,48 +157,24 @@ class WindowWorker(StaticWorker):
             )
             wp.nblk = max(-(-max(r.m for r in rows) // bs), self.pool.ring_blocks)
 
-    def kv_update(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        stock_write,
-    ) -> None:
-        wp = plan.window
+    def kv_update(self, call: LayerCall) -> None:
+        wp = call.plan.window
         if wp.pool is not None:
-            self._pool_write(wp, layer_idx, layout, key, value, kv_cache)
+            self._pool_write(call)
             return
-        stock_write()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
+        call.stock()  # vLLM's own slots; then the one-token rows' windowed heads into their rings
         rows = (wp.ring >= 0).nonzero().squeeze(-1)
-        heads = self.windowed_heads[layer_idx].to(kv_cache.device)
+        heads = self.windowed_heads[call.index].to(call.kv_cache.device)
         if rows.numel() and heads.numel():
             r, hh = rows.repeat_interleave(heads.numel()), heads.repeat(rows.numel())
             tok = wp.decode[r]
-            layout.write(kv_cache, wp.blocks, r, hh, wp.ring[r], key[tok, hh], value[tok, hh])
+            call.layout.write(call.kv_cache, wp.blocks, r, hh, wp.ring[r], call.key[tok, hh], call.value[tok, hh])
 
-    def attention(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-        stock_forward,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-    ) -> None:
-        if plan.window.pool is not None:
-            self._pool_attention(plan.window, layer_idx, layout, query, key, value, kv_cache, scale, output)
+    def attention(self, call: LayerCall) -> None:
+        if call.plan.window.pool is not None:
+            self._pool_attention(call)
         else:
-            self._window_attention(plan.window, layer_idx, layout, query, kv_cache, scale, output)
+            self._window_attention(call)
 
     def _pool_tables(self, wp: WindowPlan, kv_cache: Tensor) -> None:
         """The step's region ids (the same for every layer), at its first layer: the layer's
@@ -231,13 +186,13 @@ class WindowWorker(StaticWorker):
         region = wp.decode_table.gather(-1, (slots // bs)[..., None]).squeeze(-1)
         wp.write_at = (region, slots % bs)
 
-    def _pool_write(
-        self, wp: WindowPlan, layer_idx: int, layout: PagedLayout, key: Tensor, value: Tensor, kv_cache: Tensor
-    ) -> None:
+    def _pool_write(self, call: LayerCall) -> None:
         """Pooled heads: a one-token row's new key in every head at its slot (vLLM's write,
         which would put every head at slot = position, is skipped); a prompt chunk's keys
         in its full heads (its windowed heads' go to their rings after the chunk's attention,
         which still reads the window they overwrite)."""
+        wp, layer_idx, layout, kv_cache = call.plan.window, call.index, call.layout, call.kv_cache
+        key, value = call.key, call.value
         if wp.table is None:
             self._pool_tables(wp, kv_cache)
         regions = layout.regions(kv_cache, layer_idx)
@@ -270,25 +225,17 @@ class WindowWorker(StaticWorker):
                 value[span, full].transpose(0, 1).reshape(-1, d),
             )
 
-    def _window_attention(
-        self,
-        wp: WindowPlan,
-        layer_idx: int,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-    ) -> None:
+    def _window_attention(self, call: LayerCall) -> None:
+        wp, layer_idx, layout, kv_cache, query = call.plan.window, call.index, call.layout, call.kv_cache, call.query
         sink, recent = self.sink, self.recent
         windowed = self.windowed[layer_idx].to(kv_cache.device)
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
             q = query[: wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-            wp.put(output, layout.head_attention(q, kv_cache, wp.blocks, lens, scale))
+            wp.put(call.output, layout.head_attention(q, kv_cache, wp.blocks, lens, call.scale))
         for row in wp.multi:  # sink + recent mask over the stock layout (ring slots hold only dead keys)
             k, v = layout.read(kv_cache, row.blocks[None], row.m)
-            self._chunk_attention(row, windowed, query, k, v, scale, output)
+            self._chunk_attention(call, row, windowed, k, v)
             # the last `recent` new keys of the windowed heads into their rings, after the attention
             heads = self.windowed_heads[layer_idx].to(k.device)
             first = max(row.done, row.m - recent, sink + recent)
@@ -305,9 +252,7 @@ class WindowWorker(StaticWorker):
                     v[0, hh, pp],
                 )
 
-    def _chunk_attention(
-        self, row: RowPlan, windowed: Tensor, query: Tensor, k: Tensor, v: Tensor, scale: float, output: Tensor
-    ) -> None:
+    def _chunk_attention(self, call: LayerCall, row: RowPlan, windowed: Tensor, k: Tensor, v: Tensor) -> None:
         """A prompt chunk's queries over keys ``k``/``v`` [1, H, m, D] at positions 0..m−1
         (a windowed head's dead ones may hold anything) with the pattern's mask."""
         sink, recent = self.sink, self.recent
@@ -316,41 +261,32 @@ class WindowWorker(StaticWorker):
         causal = kpos[None, :] <= qpos[:, None]
         window = causal & ((kpos[None, :] < sink) | (qpos[:, None] < kpos[None, :] + recent))
         mask = torch.where(windowed[:, None, None], window[None], causal[None])  # [H, Q, N]
-        q = query[row.start : row.start + row.q].transpose(0, 1)[None]
+        q = call.query[row.start : row.start + row.q].transpose(0, 1)[None]
         group = q.shape[1] // k.shape[1]
         out = F.scaled_dot_product_attention(
             q,
             k.to(q.dtype),
             v.to(q.dtype),
-            scale=scale,
+            scale=call.scale,
             enable_gqa=True,
             attn_mask=mask.repeat_interleave(group, dim=0)[None],
         )
-        output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(output.dtype)
+        call.output[row.start : row.start + row.q] = out[0].transpose(0, 1).to(call.output.dtype)
 
-    def _pool_attention(
-        self,
-        wp: WindowPlan,
-        layer_idx: int,
-        layout: PagedLayout,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-    ) -> None:
+    def _pool_attention(self, call: LayerCall) -> None:
         """Pooled heads: one-token rows through the layout's kernel over their heads' regions
         (a full head's m slots, a windowed head's min(m, sink + recent)); a prompt chunk
         over its full heads' slots and its windowed heads' rings put back at their
         positions, plus the chunk's own keys; then the chunk's windowed keys into the rings."""
+        wp, layer_idx, layout, kv_cache = call.plan.window, call.index, call.layout, call.kv_cache
+        key, value = call.key, call.value
         sink, recent = self.sink, self.recent
         windowed = self.windowed[layer_idx].to(kv_cache.device)
         regions = layout.regions(kv_cache, layer_idx)
         if wp.decode.numel():
             lens = torch.where(windowed[None, :], wp.m.clamp(max=sink + recent)[:, None], wp.m[:, None])
-            q = query[: wp.decode.numel()] if wp.all_decode else query.index_select(0, wp.decode)
-            wp.put(output, layout.region_attention(q, regions, wp.decode_table[:, layer_idx], lens, scale))
+            q = call.query[: wp.decode.numel()] if wp.all_decode else call.query.index_select(0, wp.decode)
+            wp.put(call.output, layout.region_attention(q, regions, wp.decode_table[:, layer_idx], lens, call.scale))
         win = self.windowed_heads[layer_idx].to(kv_cache.device)
         bs, dev = kv_cache.shape[2], kv_cache.device
         for i, row in zip(wp.multi_rows, wp.multi):
@@ -366,7 +302,7 @@ class WindowWorker(StaticWorker):
                 kw[:, p], vw[:, p] = k[win][:, s], v[win][:, s]
                 kw[:, row.done :], vw[:, row.done :] = key[span, win].transpose(0, 1), value[span, win].transpose(0, 1)
                 k, v = k.index_copy(0, win, kw), v.index_copy(0, win, vw)
-            self._chunk_attention(row, windowed, query, k[None], v[None], scale, output)
+            self._chunk_attention(call, row, windowed, k[None], v[None])
             # the chunk's windowed keys a later query sees (sinks and the last `recent`) into the rings
             p = torch.arange(row.done, row.m, device=dev)
             p = p[(p < sink) | (p >= row.m - recent)]

@@ -6,12 +6,13 @@ forward, ``WorkerContext.plan_step`` reads vLLM's metadata into a :class:`StepIn
 :class:`RegimeWorker` completes: the evicting regime with an :class:`EvictBatch` (the
 requests that evict after the forward, an :class:`EvictLayer` per layer waiting for its
 eviction), the sink + recent patterns and mixed gates with a :class:`WindowPlan`. Every
-layer's KV write and attention then read the plan. Plain data and an interface: no vLLM,
-no policy.
+layer's KV write and attention then call the regime's hooks with a :class:`LayerCall` (the
+plan, the layer, its tensors). Plain data and an interface: no vLLM, no policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -177,6 +178,26 @@ class WindowPlan:
             output.index_copy_(0, self.decode, out.to(output.dtype))
 
 
+@dataclass
+class LayerCall:
+    """One attention layer's call into the installed regime, what every regime's hook reads:
+    :mod:`.shim` makes one for the layer's KV write (:meth:`RegimeWorker.kv_update`) and one
+    for its attention (:meth:`RegimeWorker.attention`) in every planned forward."""
+
+    plan: StepPlan
+    index: int  # the layer's index in the model
+    name: str  # vLLM's layer name (the side stores are kept by it)
+    layout: PagedLayout  # how the layer's cache stores K and V
+    kv_cache: Tensor
+    key: Tensor | None  # [T, H, D] the forward's new keys and values
+    value: Tensor | None
+    stock: Callable[[], object]  # vLLM's own KV write (kv_update) or attention (attention)
+    slot_mapping: Tensor | None = None  # kv_update: vLLM's cache slot of each new token
+    query: Tensor | None = None  # attention: [T, Hq, D]
+    output: Tensor | None = None  # attention: [T, Hq, D], written in place
+    scale: float = 1.0  # attention: the softmax scale
+
+
 class RegimeWorker:
     """The installed cache regime's part of a worker; ``WorkerContext`` keeps the requests,
     the side stores and the query ring, and delegates to one of these (one module per regime:
@@ -197,38 +218,25 @@ class RegimeWorker:
     def plan(self, plan: StepPlan, step: StepInput) -> None:
         """Complete ``plan`` before the stock metadata build."""
 
-    def kv_update(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        key: Tensor,
-        value: Tensor,
-        kv_cache: Tensor,
-        slot_mapping: Tensor,
-        stock_write,
-    ) -> None:
-        """Write the forward's new keys/values (and their positions/state) to the cache."""
-        raise NotImplementedError
+    def kv_update(self, call: LayerCall) -> None:
+        """Write the forward's new keys/values (and their positions/state) to the layer's
+        cache; by default vLLM's own write (slot = position)."""
+        call.stock()
 
-    def attention(
-        self,
-        plan: StepPlan,
-        layer_idx: int,
-        layer_name: str,
-        layout: PagedLayout,
-        query: Tensor,
-        kv_cache: Tensor,
-        scale: float,
-        output: Tensor,
-        stock_forward,
-        key: Tensor | None,
-        value: Tensor | None,
-    ) -> None:
-        """Attention of the forward into ``output`` [T, Hq, D], then whatever the layer's cache
-        needs after it; ``key``/``value`` [T, H, D] are the forward's new ones."""
+    def attention(self, call: LayerCall) -> None:
+        """Attention of the forward into ``call.output`` [T, Hq, D], then whatever the layer's
+        cache needs after it."""
         raise NotImplementedError
 
 
-__all__ = ["EvictBatch", "EvictLayer", "RegimeWorker", "ReqState", "RowPlan", "StepInput", "StepPlan", "WindowPlan"]
+__all__ = [
+    "EvictBatch",
+    "EvictLayer",
+    "LayerCall",
+    "RegimeWorker",
+    "ReqState",
+    "RowPlan",
+    "StepInput",
+    "StepPlan",
+    "WindowPlan",
+]
