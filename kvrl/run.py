@@ -12,7 +12,7 @@ import difflib
 import importlib
 import io
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 

@@ -42,9 +42,9 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -59,7 +59,7 @@ def setup_process(seed: int | None = None, threads: int | None = 1) -> None:
     # numpy measures each float type's limits once, lazily; measured after the flush it finds a
     # smallest subnormal of 0 and warns about it in every process that asks (pandas, matplotlib)
     for kind in (np.float16, np.float32, np.float64):
-        np.finfo(kind).smallest_subnormal
+        _ = np.finfo(kind).smallest_subnormal
     torch.set_flush_denormal(True)
     if seed is not None:
         torch.manual_seed(seed)

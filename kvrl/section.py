@@ -20,8 +20,9 @@ Contract:
 """
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, is_dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -67,8 +68,8 @@ def cli_value(value: Any) -> str:
 @dataclass(frozen=True)
 class Section:
     name: str  # the config key of its fields (`rlkv.l1_coef`), and the rl.algo or section a job names
-    schema: Optional[type] = None  # a dataclass of the section's keys; None = rules only
-    problems: Optional[Callable[[Any], list[str]]] = None  # cross-field rules over the whole typed config
+    schema: type | None = None  # a dataclass of the section's keys; None = rules only
+    problems: Callable[[Any], list[str]] | None = None  # cross-field rules over the whole typed config
     uses: tuple[str, ...] = ()  # shared sections whose rules apply with this one ("kv")
 
 
@@ -78,8 +79,8 @@ SECTIONS: dict[str, Section] = {}
 
 def register_section(
     name: str,
-    schema: Optional[type] = None,
-    problems: Optional[Callable[[Any], list[str]]] = None,
+    schema: type | None = None,
+    problems: Callable[[Any], list[str]] | None = None,
     *,
     uses: tuple[str, ...] = (),
 ) -> None:

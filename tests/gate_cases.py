@@ -3,10 +3,8 @@
 import json
 from pathlib import Path
 
-
 from kvrl.config import load_config
 from kvrl.runlog import flatten
-
 
 REPO = Path(__file__).resolve().parent.parent
 

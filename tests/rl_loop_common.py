@@ -14,7 +14,6 @@ from kvrl.envs.base import Reward, Task, TextEnv
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.workers.controller import TIMINGS, Controller
 
-
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 

@@ -45,8 +45,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs.chat import Chat
 from kvrl.kernels.reference.replay import NEVER
 from kvrl.models import shrunk

@@ -170,8 +170,8 @@ def test_vllm_runs_the_qwen2_family_without_head_dim(built, monkeypatch):
     """R1-Distill-Qwen (no head_dim, q/k/v bias, an inactive sliding window) in kvrl's vLLM
     engine: greedy tokens match the HF engine, and an evicting policy is accepted."""
     pytest.importorskip("vllm")
-    from kvrl.engines.hf import HFEngine
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.engines.vllm.engine import VLLMEngine
     from kvrl.policies import make_policy
 

@@ -13,13 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from gate_cases import REPO, earlier_run
 
 from kvrl.config import available_recipes
 from kvrl.run import main
 from kvrl.runlog import OutputLock
-
-from gate_cases import REPO, earlier_run
-
 
 CORES = os.cpu_count() or 1
 MANY = 2 * CORES + 2  # rollout actors at 0.5 CPU each that no machine of CORES cores hosts
@@ -618,7 +616,7 @@ def test_help_lists_a_broken_recipe_with_a_note(tmp_recipes, monkeypatch, capsys
 
 def test_the_gates_policy_names_are_the_zoos():
     """The gate names kv.policy's values without importing torch; they must stay the zoo's."""
-    from kvrl.section import POLICY_NAMES
     from kvrl.policies import POLICIES
+    from kvrl.section import POLICY_NAMES
 
     assert set(POLICY_NAMES) == {"full", *POLICIES}

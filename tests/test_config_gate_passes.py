@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 import pytest
+from gate_cases import REPO, earlier_run
 
 from kvrl.config import ConfigError, load_config
 from kvrl.preflight.machine import hub_problems, run_problems
 from kvrl.preflight.names import env_problems, model_problems
 from kvrl.run import main
-
-from gate_cases import REPO, earlier_run
 
 
 def test_every_recipe_passes_the_gate_without_ray():

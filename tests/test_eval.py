@@ -607,8 +607,8 @@ def test_the_accuracy_picture_draws_95_percent_intervals_side_by_side(tmp_path, 
     """Before: bars of ±1 standard error, none for a line at 16/16, and lines at one budget on one x."""
     import matplotlib.figure
 
-    from kvrl.eval.suite import wilson
     from kvrl.eval.report import plot_accuracy
+    from kvrl.eval.suite import wilson
 
     figures, save = [], matplotlib.figure.Figure.savefig
     monkeypatch.setattr(

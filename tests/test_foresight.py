@@ -13,8 +13,8 @@ from kvrl.algos import foresight as fk
 from kvrl.algos.grpo import group_advantages
 from kvrl.config import load_config
 from kvrl.data.traces import Trace, load_traces
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs import check_env, make
 from kvrl.envs.eviction import EvictionEnv, hurt_penalty, run_policy
 from kvrl.jobs import foresight as fj

@@ -6,8 +6,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from kvrl.cache import EvictionTrace, KVCache, generating
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling, nucleus
+from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.kernels.reference.replay import NEVER

@@ -10,8 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pandas as pd
 import pytest
 
-from kvrl.envs import check_env, make
-from kvrl.envs import verify
+from kvrl.envs import check_env, make, verify
 from kvrl.envs.math import MathEnv
 from kvrl.envs.verify import check_answer, extract_boxed, math_equal
 

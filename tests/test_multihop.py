@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvrl.config import load_config
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs import check_env, make
 from kvrl.envs.base import correct
 from kvrl.envs.multihop import MultiHopSpec, make_multihop_task, query_accuracy

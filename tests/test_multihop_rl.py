@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from batches import learner_batch
 
 from kvrl.algos.distill import Distill
 from kvrl.algos.grpo import group_advantages
@@ -27,8 +28,6 @@ from kvrl.engines.base import Sampling
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
 from kvrl.models.tiny import load_model
-
-from batches import learner_batch
 
 # tasks of the pretraining curriculum's middle sizes (~130-token sequences), under a budget that evicts
 SMALL_TASKS = [

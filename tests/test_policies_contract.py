@@ -8,11 +8,9 @@ import math
 
 import pytest
 import torch
+from policy_cases import INVALID, POLICY_KWARGS, B, H, N, make_obs
 
 from kvrl.policies import KVPolicy, Observation, make_policy
-
-from policy_cases import B, H, INVALID, N, POLICY_KWARGS, make_obs
-
 
 # Non-default knobs that reference recipes need, through the same contract.
 VARIANTS = {

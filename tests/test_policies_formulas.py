@@ -14,11 +14,10 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from policy_cases import make_obs, softmax
 
 from kvrl.kernels import gather_slots, window_attention
 from kvrl.policies import GKV, H2O, LearnedScorer, Observation, StreamingLLM, make_policy, should_evict
-
-from policy_cases import make_obs, softmax
 
 
 def test_gqa_pooling_order():

@@ -10,11 +10,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from policy_cases import softmax
 
 from kvrl.kernels import key_redundancy, key_redundancy_update
 from kvrl.policies import GKV, RKV, Observation
-
-from policy_cases import softmax
 
 
 def duplicate_keys():

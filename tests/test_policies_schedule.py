@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from policy_cases import POLICY_KWARGS, make_obs
 
 from kvrl.policies import (
     GKV,
@@ -28,8 +29,6 @@ from kvrl.policies import (
     plackett_luce_logprob,
     should_evict,
 )
-
-from policy_cases import POLICY_KWARGS, make_obs
 
 
 def test_should_evict_schedule():

@@ -18,6 +18,16 @@ import numpy as np
 import pytest
 import ray
 import torch
+from rl_loop_common import (
+    STEPS,
+    DigitsEnv,
+    assert_steps_cover_their_parts,
+    config,
+    digits,
+    same_metrics,
+    same_params,
+    train,
+)
 from safetensors.torch import load_file
 
 from kvrl.config import ConfigError, load_config
@@ -25,17 +35,6 @@ from kvrl.envs.base import Reward, RewardError, TextEnv
 from kvrl.models.tiny import TINY_PATH, load_model
 from kvrl.run import main as run_main
 from kvrl.workers.controller import Controller
-
-from rl_loop_common import (
-    STEPS,
-    digits,
-    DigitsEnv,
-    config,
-    train,
-    same_metrics,
-    assert_steps_cover_their_parts,
-    same_params,
-)
 
 
 def nothing(task, completion):
@@ -488,8 +487,8 @@ def test_rl_learns_to_stop(tmp_path):
     GRPO with an overlong penalty (kvrl/counts-v0's ``overlong_penalty``), truncated samples
     kept, makes it stop again: the mean completion length falls while the reward rises, and
     the stop token's logprob is in every step's train/inference mismatch."""
-    from kvrl.engines.hf import HFEngine
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.envs import make
     from kvrl.models.tiny import load_model
 

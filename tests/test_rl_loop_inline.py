@@ -11,11 +11,10 @@ import time
 import pytest
 import ray
 import torch
+from rl_loop_common import ROOT, DigitsEnv, assert_steps_cover_their_parts, config, digits, train
 
 from kvrl.envs.base import Reward, TextEnv
 from kvrl.workers.controller import Controller
-
-from rl_loop_common import ROOT, digits, DigitsEnv, config, train, assert_steps_cover_their_parts
 
 
 class FailsAfterTheDriver(DigitsEnv):

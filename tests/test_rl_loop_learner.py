@@ -8,12 +8,11 @@ import copy
 import numpy as np
 import pytest
 import torch
+from rl_loop_common import config, same_params
 
 from kvrl.envs.chains import ChainSpec, make_chain_task
 from kvrl.models.tiny import load_model
 from kvrl.runlog import tensorboard_writer
-
-from rl_loop_common import config, same_params
 
 
 def learner_and_samples(cfg, model_path):
@@ -80,12 +79,11 @@ def test_tensorboard_missing_says_how_to_install(tmp_path):
 def test_collated_traces_replay_the_rollouts(random_model):
     """Per-sample traces from two generate calls of different lengths, stacked by
     collate(), make engine.score reproduce the behaviour logprobs (what G-KV needs)."""
-    from kvrl.engines.hf import HFEngine
+    from kvrl.algos.base import Sample, collate
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.models.tiny import load_model
     from kvrl.policies import make_policy
-    from kvrl.algos.base import collate
-    from kvrl.algos.base import Sample
 
     model, tok = load_model(random_model)
     engine = HFEngine(model, tok)
@@ -122,8 +120,8 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
     position that predicted it (which predicts nothing else)."""
     from kvrl.algos import make_algo
     from kvrl.algos.base import Sample, collate
-    from kvrl.engines.hf import HFEngine
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.models.tiny import load_model
 
     model, tok = load_model(random_model)
@@ -175,12 +173,11 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
 def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     """rl.kl_coef > 0: the reference is a frozen copy of the initial weights; KL is 0 until
     the model moves, and positive after."""
+    from kvrl.algos.base import Sample, collate
     from kvrl.algos.rl_full import RLFull
-    from kvrl.engines.hf import HFEngine
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.models.tiny import load_model
-    from kvrl.algos.base import collate
-    from kvrl.algos.base import Sample
 
     algo = RLFull(config(tmp_path, random_model, "rl.kl_coef=0.1"))
     model, tok = load_model(random_model)

@@ -18,14 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from batches import learner_batch
 
 from kvrl.algos.distill import Distill
 from kvrl.algos.rl_sparse import RLSparse
 from kvrl.config import ConfigError, load_config
 from kvrl.engines.base import Sampling
 from kvrl.envs import make
-
-from batches import learner_batch
 
 REPO = Path(__file__).resolve().parent.parent
 # a random model's sequences: 50-token prompts + 40 tokens; budget 40 evicts half of them

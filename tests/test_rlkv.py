@@ -11,16 +11,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvrl.algos.base import Sample, collate
 from kvrl.algos.rlkv import RLKV, adaptive_penalty
-from kvrl.policies.heads import export_gates, head_allocation, load_gates, ranking
 from kvrl.config import ConfigError, load_config
 from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
-from kvrl.envs import Task, TextEnv
 from kvrl.engines.base import Sampling
+from kvrl.envs import Task, TextEnv
 from kvrl.policies import Mixed
-from kvrl.policies.heads import HeadAllocation
-from kvrl.algos.base import collate
-from kvrl.algos.base import Sample
+from kvrl.policies.heads import HeadAllocation, export_gates, head_allocation, load_gates, ranking
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_RECIPES = ["rlkv_r1_llama_8b", "rlkv_r1_qwen_7b", "rlkv_qwen3_4b_thinking"]

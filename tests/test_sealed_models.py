@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from kvrl.config import load_config
-from kvrl.preflight.machine import run_problems
 from kvrl.models import SHIPPED
+from kvrl.preflight.machine import run_problems
 from kvrl.run import main
 from kvrl.runlog import SUMS, damage
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs.chains import ChainSpec, make_chain_task
-from kvrl.policies import Static, Window
 from kvrl.kernels.reference.replay import Replay
 from kvrl.models.tiny import TINY_PATH, build_tokenizer, load_model, tiny_config
+from kvrl.policies import Static, Window
 
 
 def needed_prompt_tokens(meta: dict) -> list[int]:
@@ -38,7 +38,7 @@ def test_chain_task_is_consistent():
             seen.add(lhs)
 
         def value(v):
-            return int(defs[v]) if defs[v].isdigit() else (value(defs[v]) + 1) % 10
+            return int(defs[v]) if defs[v].isdigit() else (value(defs[v]) + 1) % 10  # noqa: B023 - called in this pass
 
         assert t["answer"] == str(value(t["chain"][0]))
         assert t["completion"].endswith(f"\\boxed{{ {t['answer']} }}")

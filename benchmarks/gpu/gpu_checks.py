@@ -197,8 +197,8 @@ QUESTIONS = [
 def replay(args, device) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvrl.engines.hf import HFEngine
     from kvrl.engines.base import Sampling
+    from kvrl.engines.hf import HFEngine
     from kvrl.envs.chat import Chat
     from kvrl.models import shrunk
 

@@ -10,7 +10,9 @@ one JSON line. The figures in docs/studies.md are seed 0 at 1e-3 and at 3e-4:
 import json
 import sys
 from pathlib import Path
+
 import torch
+
 from kvrl.bench import draw_tasks, emit, evaluate_under_recipe, timed
 from kvrl.config import load_config
 from kvrl.jobs.rl import main as train

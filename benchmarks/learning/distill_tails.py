@@ -8,8 +8,10 @@ sampled at T=2 (4 seeds), untrained vs Distill checkpoints; and the share of pro
 model puts outside its top token at T=1 and T=2 under the full cache (its tails)."""
 
 import sys
+
 import numpy as np
 import torch
+
 from kvrl.bench import draw_tasks, emit, reasoner, recipe_policy
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling

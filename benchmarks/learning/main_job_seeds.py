@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from kvrl.policies import RULE_BASED
 from kvrl.bench import mean_interval, record, train_commits
+from kvrl.policies import RULE_BASED
 
 RECIPE = "tiny_foresight"
 

@@ -23,8 +23,8 @@ import numpy as np
 from kvrl.bench import VALIDATION_SEED, draw_tasks, emit, reasoner, timed
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling
-from kvrl.envs.multihop import query_accuracy
 from kvrl.envs.base import correct
+from kvrl.envs.multihop import query_accuracy
 from kvrl.policies import make_policy
 from kvrl.runlog import setup_process
 

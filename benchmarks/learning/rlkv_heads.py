@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from kvrl.bench import draw_tasks, emit, reasoner
-from kvrl.policies.heads import head_allocation, load_gates
 from kvrl.eval.budgets import evaluate
 from kvrl.models.tiny import resolve_path
+from kvrl.policies.heads import head_allocation, load_gates
 from kvrl.runlog import setup_process
 
 

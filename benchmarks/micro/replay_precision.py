@@ -32,8 +32,8 @@ import torch
 from kvrl.bench import draw_tasks, emit, reasoner
 from kvrl.cache import EvictionTrace
 from kvrl.config import load_config
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Rollouts, Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.kernels.reference.replay import NEVER
 from kvrl.models.tiny import resolve_path
 from kvrl.policies import make_policy

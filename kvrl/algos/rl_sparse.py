@@ -29,8 +29,8 @@ weight push it reuses unchanged):
 
 from __future__ import annotations
 
-from kvrl.algos.rl_full import RLFull
 from kvrl.algos import rl_sparse_config
+from kvrl.algos.rl_full import RLFull
 from kvrl.policies import Evicting, make_policy
 
 

@@ -14,8 +14,9 @@ import io
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, get_origin
+from typing import Any, get_origin
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf

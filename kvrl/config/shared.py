@@ -12,14 +12,14 @@ import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
 from kvrl.algos import ALGOS, algo_class
 from kvrl.budget import budget_evicts, least_budget
-from kvrl.preflight.names import cache_limit, env_problems, model_problems, policy_problems
 from kvrl.jobs import JOBS
+from kvrl.preflight.names import cache_limit, env_problems, model_problems, policy_problems
 from kvrl.section import POLICY_NAMES, ConfigError, checked
 from kvrl.workers.inline import INLINE
 
@@ -32,7 +32,7 @@ class ModelConfig:
     path: str = "tiny"  # "tiny" = the shipped kvrl/models/weights/tiny_reasoner; else a dir or hub id
     dtype: str = checked("float32", lambda v: v in DTYPES, f"must be one of {' | '.join(DTYPES)}")  # parameter dtype
     # ids that end a sample; [] = all of the generation config's eos_token_id and the tokenizer's EOS
-    stop_ids: List[int] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
     # prompt + generated tokens a sequence may hold (vLLM sizes its KV cache check by it); 0 = the longest
     # prompt of a data set + sampling.max_new_tokens, else the model's max_position_embeddings
     max_model_len: int = checked(0, ge=0)
@@ -44,7 +44,7 @@ class ModelConfig:
 @dataclass
 class EnvConfig:
     id: str = checked("kvrl/counts-v0", kwargs="kwargs")  # registered environment id, or a dotted path pkg.mod:Class
-    kwargs: Dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the environment's constructor
     chat_template: bool = True  # render prompts with the tokenizer's chat template when it has one; false = raw
     system_prompt: str = ""  # the chat's system message; "" = none
     thinking: bool = True  # Qwen3's enable_thinking (other templates ignore it)
@@ -70,10 +70,10 @@ class KVConfig:
     sink: int = checked(4, ge=0)  # leading tokens that are never evicted
     # G-KV's ratio mode: an eviction keeps max(kv.budget, floor(ratio x tokens seen so far, prompt included));
     # null = the fixed kv.budget. job=eval applies it to its token-policy lines at every eval.budgets floor
-    budget_ratio: Optional[float] = checked(
+    budget_ratio: float | None = checked(
         None, lambda v: v is None or 0 < v <= 1, "must be null (a fixed budget) or a fraction in (0, 1]"
     )
-    kwargs: Dict[str, Any] = field(
+    kwargs: dict[str, Any] = field(
         default_factory=dict
     )  # the policy's own arguments, e.g. {alpha: 0.8, mix_lambda: 0.5}
 
@@ -334,7 +334,7 @@ class Shared:
     # a value read from the environment (`${oc.env:NAME}`, directly or through another key) -> how it reads with
     # the reference unresolved: what checkpoints, W&B and print_config show instead (set by load_config; the
     # resolved value stays in the field for the job to use)
-    env_references: ClassVar[Dict[str, Any]] = {}
+    env_references: ClassVar[dict[str, Any]] = {}
     recipe: str = "tiny_foresight"  # recipe name (file stem in the recipes folder); the default is the main job
     recipe_file: str = ""  # a recipe of your own, by path (instead of recipe=NAME); its stem becomes recipe
     job: str = MISSING  # which job runs (see `python -m kvrl.run --help`)

@@ -20,9 +20,8 @@ def make_engine(cfg, tokenizer=None, kind: str | None = None):
     """
     import os
 
-    from kvrl.models.tiny import load_model, resolve_path
-
     from kvrl.envs.chat import Chat
+    from kvrl.models.tiny import load_model, resolve_path
 
     m = cfg.model
     limits = {"stop_ids": m.stop_ids or None, "max_model_len": m.max_model_len or None, "chat": Chat.of(cfg.env)}

@@ -32,8 +32,9 @@ import hashlib
 import json
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -169,7 +170,7 @@ class Env(abc.ABC):
         rng.bit_generator.state = state["rng"]
         self._np_random = rng
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most environments hold nothing to release
         """Release resources (files, worker processes). Idempotent."""
 
 

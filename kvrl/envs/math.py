@@ -258,11 +258,11 @@ def _stamp(f) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _jsonl_rows(path: Path, f, lineno: int = 1):
+def _jsonl_rows(path: Path, f, first: int = 1):
     """Yield ``(line number, byte offset, dict)`` for each non-empty line of ``f`` from its
-    position on (line ``lineno``); errors name ``file:line``."""
+    position on (line ``first``); errors name ``file:line``."""
     offset = f.tell()
-    for lineno, raw in enumerate(iter(f.readline, b""), start=lineno):
+    for lineno, raw in enumerate(iter(f.readline, b""), start=first):
         start, offset = offset, offset + len(raw)
         try:  # a byte-order mark may open the file
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")

@@ -40,8 +40,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from kvrl.envs.base import Reward, Task, TextEnv, correct, exact_cot
-from kvrl.envs.verify import extract_boxed
 from kvrl.envs.chains import NAMES
+from kvrl.envs.verify import extract_boxed
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class MultiHopSpec:
         if self.max_trees < 1:
             raise ValueError(f"max_trees must be >= 1, got {self.max_trees}")
 
-    def scaled(self, frac: float) -> "MultiHopSpec":
+    def scaled(self, frac: float) -> MultiHopSpec:
         """The spec at ``frac`` ∈ [0, 1] of a curriculum that grows every size from its
         smallest sensible value (2 statements per query link, one query of depth 1) to this
         spec's; ``frac >= 1`` is this spec."""

@@ -25,8 +25,9 @@ import importlib
 import importlib.metadata
 import importlib.util
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kvrl.envs.base import Env
 

@@ -101,7 +101,7 @@ class _Worker:
     def check(self, gold: str, pred: str, timeout: float) -> Verdict:
         request = json.dumps({"gold": gold, "pred": pred, "timeout": timeout}).encode() + b"\n"
         with self._lock:
-            for attempt in range(2):  # one retry when the worker died between calls
+            for _ in range(2):  # one retry when the worker died between calls
                 self._ensure_started()
                 try:
                     self._proc.stdin.write(request)

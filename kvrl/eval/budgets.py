@@ -8,13 +8,13 @@ head allocation) and scores them with the environment. The budget table job is
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from tqdm import tqdm
 
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs.base import Task
 
 PolicyFn = Callable[[list[Task], int], object]

@@ -49,14 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer
 from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer
 
 from kvrl.bench import TEST_SEED
 from kvrl.engines import make_engine
 from kvrl.engines.base import Sampling, check_prompts
 from kvrl.envs import make
 from kvrl.envs.chat import Chat
+from kvrl.eval.report import console_line, report
 from kvrl.eval.suite import (
     PolicySpec,
     error_mode,
@@ -64,7 +65,6 @@ from kvrl.eval.suite import (
     loops_apply,
     summarise,
 )
-from kvrl.eval.report import console_line, report
 from kvrl.models.tiny import resolve_path
 from kvrl.runlog import OutputLock, atomic, config_changes, disk_full_names, kvrl_commit, setup_process, sha256_of
 from kvrl.section import ConfigError

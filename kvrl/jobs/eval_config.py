@@ -8,7 +8,7 @@ keys an eval.settings entry may hold) only when job=eval is checked.
 import difflib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any
 
 from kvrl.budget import budget_evicts, least_budget
 from kvrl.section import POLICY_NAMES, checked, cli_value, register_section
@@ -18,18 +18,18 @@ from kvrl.section import POLICY_NAMES, checked, cli_value, register_section
 class EvalConfig:
     # job=eval's lines: zoo names (full streaming h2o snapkv rkv gkv learned), window, or eval.settings entries
     # (a policy of your own: eval.settings.NAME.policy=pkg.module:Class)
-    policies: List[str] = checked(
+    policies: list[str] = checked(
         [n for n in POLICY_NAMES if n != "learned"], lambda v: len(v) > 0, "must name at least one policy"
     )
     # per-line settings {name: {policy: KIND, run: DIR, sparsities: [...], <the policy's own arguments>}};
     # a token policy's own interval / window / sink replace kv's for its line
-    settings: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     # KV budgets: <= 1 a fraction of the full cache's mean sequence length, > 1 a number of tokens
-    budgets: List[float] = checked(
+    budgets: list[float] = checked(
         [0.25, 0.5], lambda v: len(v) > 0 and all(b > 0 for b in v), "must be fractions in (0, 1] or token counts > 1"
     )
     samples: int = checked(1, ge=1)  # samples per task; accuracy is their mean (pass@1)
-    pass_k: List[int] = checked([1], lambda v: all(k >= 1 for k in v), "must be >= 1")  # pass@k for k <= samples
+    pass_k: list[int] = checked([1], lambda v: all(k >= 1 for k in v), "must be >= 1")  # pass@k for k <= samples
     # also measure the task's properties on the model's attention (kvrl.eval.properties; the env's tasks must
     # carry their reference chain of thought in meta["completion"]) and set them beside the papers' orderings
     properties: bool = False

@@ -8,7 +8,6 @@ rules too); stage 2 uses trainer.* (steps, lr, batch_size = traces x rl.group_si
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from kvrl.section import checked, cli_value, register_section
 
@@ -31,7 +30,7 @@ class ForesightConfig:
     low_entropy: float = checked(0.8, lambda v: 0 < v <= 1, "must be a fraction in (0, 1]")
     # one scorer for every budget: [lo, hi] fractions of each trace's length; each Golden replay (stage 1) and
     # each GRPO group (stage 2) draws its budget from them. null: all at kv.budget (the held-out judging stays there)
-    budgets: Optional[List[float]] = None
+    budgets: list[float] | None = None
 
 
 def problems(cfg) -> list[str]:

@@ -34,8 +34,8 @@ import torch
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from kvrl.engines.hf import HFEngine
 from kvrl.engines.base import Sampling
+from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
 from kvrl.envs.base import correct
 from kvrl.kernels.reference.replay import NEVER, Replay

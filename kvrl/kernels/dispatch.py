@@ -17,7 +17,7 @@ the library is loaded. The functions below are the ops the rest of kvrl calls (e
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -273,7 +273,7 @@ def _corpus(n: int = 2000, seed: int = 0):
         yield sentence.capitalize() + rng.choice([".", "?", "!", ",", ":", "\n"])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bpe(split: str) -> str:
     """The trained byte-level BPE (no added tokens) as tokenizer.json text; once per process."""
     tok = Tokenizer(models.BPE())

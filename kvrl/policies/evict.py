@@ -52,7 +52,7 @@ class Eviction:
         key_pos: Tensor,
         state: Tensor | None = None,
         logprob: Tensor | None = None,
-    ) -> "Eviction":
+    ) -> Eviction:
         """The eviction that keeps ``keep`` (``count`` per row, None = all) of slots at
         positions ``key_pos`` [R, H, N] (−1 = empty): also an action chosen outside a policy
         (ForesightKV's MDP, Golden Eviction)."""

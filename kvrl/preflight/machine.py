@@ -21,8 +21,8 @@ from pathlib import Path
 
 from kvrl.algos.rl_sparse_config import scorer_problems
 from kvrl.jobs import JOBS
-from kvrl.preflight.names import HUB_ID
 from kvrl.models import seal_problem
+from kvrl.preflight.names import HUB_ID
 from kvrl.runlog import flatten, intact_checkpoint, lock_holder, resume_changes
 from kvrl.workers.inline import INLINE
 

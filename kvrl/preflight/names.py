@@ -18,8 +18,9 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path, PurePath
-from typing import Any, Callable
+from typing import Any
 
 from kvrl.models import SHIPPED
 from kvrl.runlog import trained_model

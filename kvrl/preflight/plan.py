@@ -312,7 +312,7 @@ def dry_run(cfg) -> dict:
             )
         lines += [
             f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
-            f"{w.learners} learner ({w.backend}{' ZeRO-%d' % w.zero_stage if w.backend == 'deepspeed' else ''}, "
+            f"{w.learners} learner ({w.backend}{f' ZeRO-{w.zero_stage}' if w.backend == 'deepspeed' else ''}, "
             f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): "
             + (
                 "objects in this process, one after another (workers.address=inline)"

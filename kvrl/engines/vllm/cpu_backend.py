@@ -167,12 +167,12 @@ class CPULayout(PagedLayout):
 LAYOUT = CPULayout()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def layout_for(isa: str) -> CPULayout:
     return CPULayout(isa)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def check_layout(isa: str, dtype: torch.dtype, head_size: int, block_size: int) -> None:
     """Write known values with the stock op and read them back with :class:`CPULayout`."""
     h, nb = 2, 3

@@ -46,11 +46,12 @@ import torch
 from kvrl.cache import EvictionTrace
 from kvrl.engines.base import Rollouts, Sampling, check_request, default_stop_ids, finish
 from kvrl.engines.vllm import plugin
-from kvrl.envs.chat import Chat, encode_prompts
-from kvrl.engines.vllm.kv_manager import pooled_blocks, request_id as kv_request_id
+from kvrl.engines.vllm.kv_manager import pooled_blocks
+from kvrl.engines.vllm.kv_manager import request_id as kv_request_id
 from kvrl.engines.vllm.layout import HeadPool
 from kvrl.engines.vllm.patches import apply_patches
 from kvrl.engines.vllm.static import window_heads
+from kvrl.envs.chat import Chat, encode_prompts
 from kvrl.kernels.reference.replay import NEVER
 from kvrl.policies.base import geometry
 from kvrl.policies.regime import Evicting, Full, Mixed, Static, as_regime, checksum

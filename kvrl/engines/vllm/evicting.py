@@ -47,7 +47,6 @@ from kvrl.kernels import NEVER, gather_slots
 from kvrl.policies.base import KVPolicy, Observation, should_evict
 from kvrl.policies.evict import evict
 
-
 # Query-key logits per policy.score call at an eviction (2 MiB of float32): requests are
 # scored in groups that fit (see EvictingWorker._evict): groups that stay in a core's L2/L3 are
 # scored fastest (`benchmarks/system/vllm_throughput.py calls` at 64 requests, with this constant

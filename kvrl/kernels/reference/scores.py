@@ -15,10 +15,11 @@ as in transformers' ``repeat_kv`` and vLLM).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
-
-from typing import Callable, NamedTuple
 
 _GQA = ("max", "mean")
 _ORDERS = ("softmax_then_pool", "pool_then_softmax")
