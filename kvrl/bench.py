@@ -171,6 +171,29 @@ def mean_interval(values: list[float], tasks: int, digits: int = 4) -> dict:
     return {"mean": round(mean, digits), "ci95": [round(x, digits) for x in ci], "sd": round(sd, digits), "n": n}
 
 
+def streams(stream_seed: int, train_seed: int, commits, validation_seed: int | None = VALIDATION_SEED) -> dict:
+    """What a multihop results line says of its data and code: the stream it was judged on, the training
+    stream's seed and the commits that trained it, the validation stream choices looked at (None: no choice
+    looked at any stream) and the test stream."""
+    return {
+        "stream_seed": stream_seed,
+        "train_seed": train_seed,
+        "train_commits": commits,
+        "validation_seed": validation_seed,
+        "test_seed": TEST_SEED,
+    }
+
+
+def save_figure(fig, path: Path) -> None:
+    """A benchmark's picture, laid out and written to ``path`` (its folder made), then closed."""
+    from kvrl.runlog import pyplot
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
 def train_commits(run: str | Path) -> list[str]:
     """The kvrl commits that trained the run in folder ``run``, in order, each once (a resumed run may
     have more than one): what its :class:`kvrl.runlog.RunLog` noted at each start; ``["unknown"]``

@@ -117,3 +117,13 @@ def user_package(tmp_path):
     for name, text in USER_PACKAGE.items():
         (root / "kvtasks" / name).write_text(text)
     return root
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The shipped tiny reasoner, frozen: (model, tokenizer)."""
+    from kvrl.models.tiny import load_model
+
+    model, tok = load_model("tiny")
+    model.requires_grad_(False)
+    return model, tok

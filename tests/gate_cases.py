@@ -7,6 +7,18 @@ from kvrl.config import load_config
 from kvrl.runlog import flatten
 
 REPO = Path(__file__).resolve().parent.parent
+# the tiny pretraining recipe at its smallest: a run of a few steps in seconds
+SMALL_PRETRAIN = [
+    "recipe=tiny_pretrain",
+    "trainer.batch_size=2",
+    "trainer.log_every=1",
+    "pretrain.eval_tasks=1",
+    "pretrain.checkpoint_every=1",
+    "pretrain.layers=1",
+    "pretrain.hidden=32",
+    "pretrain.kv_heads=1",
+    "pretrain.intermediate=32",
+]
 
 
 def earlier_run(out: Path, *args: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from gate_cases import SMALL_PRETRAIN
 
 from kvrl.config import Config, ConfigError, available_recipes, load_config, recipes_dir
 from kvrl.run import JOBS, main
@@ -304,20 +305,7 @@ def test_a_value_from_the_environment_is_never_written_or_shown(monkeypatch, tmp
 
     secret = "s3cr3t-T0KEN-value"
     monkeypatch.setenv("KVRL_TEST_TOKEN", secret)
-    args = [
-        "recipe=tiny_pretrain",
-        "run_name=${oc.env:KVRL_TEST_TOKEN}",
-        f"output_dir={tmp_path}",
-        "trainer.steps=2",
-        "trainer.batch_size=2",
-        "trainer.log_every=1",
-        "pretrain.eval_tasks=1",
-        "pretrain.checkpoint_every=1",
-        "pretrain.layers=1",
-        "pretrain.hidden=32",
-        "pretrain.kv_heads=1",
-        "pretrain.intermediate=32",
-    ]
+    args = [*SMALL_PRETRAIN, "run_name=${oc.env:KVRL_TEST_TOKEN}", f"output_dir={tmp_path}", "trainer.steps=2"]
     cfg = load_config(args)
     assert cfg.run_name == secret  # the job has the value
     assert flatten(cfg)["run_name"] == "${oc.env:KVRL_TEST_TOKEN}"

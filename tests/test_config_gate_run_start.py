@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from gate_cases import SMALL_PRETRAIN
 
 from kvrl.config import ConfigError, load_config
 from kvrl.preflight.machine import run_problems
@@ -232,17 +233,7 @@ def test_a_run_folder_reached_through_a_symlink_or_copied_continues_as_documente
     import shutil
 
     monkeypatch.delenv("KVRL_RECIPES_DIR", raising=False)
-    args = [
-        "recipe=tiny_pretrain",
-        "trainer.batch_size=2",
-        "trainer.log_every=1",
-        "pretrain.eval_tasks=1",
-        "pretrain.checkpoint_every=1",
-        "pretrain.layers=1",
-        "pretrain.hidden=32",
-        "pretrain.kv_heads=1",
-        "pretrain.intermediate=32",
-    ]
+    args = SMALL_PRETRAIN
     real = tmp_path / "real"
     assert main([*args, f"output_dir={real}", "trainer.steps=2"]) == 0  # step_000001 (the last step: model/ only)
     copy = Path(shutil.copytree(real, tmp_path / "copy", symlinks=True))

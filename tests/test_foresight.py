@@ -8,17 +8,17 @@ import math
 
 import pytest
 import torch
+from batches import counts_traces
 
 from kvrl.algos import foresight as fk
 from kvrl.algos.grpo import group_advantages
 from kvrl.config import load_config
-from kvrl.data.traces import Trace, load_traces
+from kvrl.data.traces import load_traces
 from kvrl.engines.base import Sampling
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import check_env, make
 from kvrl.envs.eviction import EvictionEnv, hurt_penalty, run_policy
 from kvrl.jobs import foresight as fj
-from kvrl.models.tiny import load_model
 from kvrl.policies import Observation, make_policy
 from kvrl.policies.learned import topk_set_logprob
 
@@ -129,27 +129,9 @@ def test_deterministic_action_is_select():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_model("tiny")
-    model.requires_grad_(False)
-    return model, tok
-
-
-@pytest.fixture(scope="module")
 def traces(tiny):
     """8 full-cache traces of the counts task, with their full-cache losses and entropies."""
-    model, tok = tiny
-    engine = HFEngine(model, tok)
-    env = make("kvrl/counts-v0")
-    env.reset(seed=123)
-    tasks = env.tasks(8)
-    out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens=64))
-    with torch.no_grad():
-        s = engine.score(out)
-    return [
-        Trace(t.id, p + g, len(p), s.losses[i, : len(g)].tolist(), s.entropies[i, : len(g)].tolist())
-        for i, (t, p, g) in enumerate(zip(tasks, out.prompt_ids, out.tokens))
-    ]
+    return counts_traces(*tiny, 8, 64)
 
 
 @pytest.mark.parametrize("name", ["streaming", "rkv", "learned"])

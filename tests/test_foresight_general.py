@@ -7,17 +7,14 @@ import re
 
 import pytest
 import torch
+from batches import counts_traces
 
 from kvrl.algos import foresight as fk
 from kvrl.algos.grpo import group_advantages
 from kvrl.config import ConfigError, load_config
-from kvrl.data.traces import Trace
-from kvrl.engines.base import Sampling
-from kvrl.engines.hf import HFEngine
-from kvrl.envs import Task, make
+from kvrl.envs import Task
 from kvrl.envs.eviction import EvictionEnv
 from kvrl.jobs import foresight as fj
-from kvrl.models.tiny import load_model
 from kvrl.policies.regime import as_regime
 
 BUDGET, INTERVAL, WINDOW, SINK = 48, 16, 8, 4  # tiny_foresight's kv section
@@ -25,27 +22,9 @@ GENERAL = ["recipe=tiny_foresight", "foresight.budgets=[0.3,0.7]"]
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_model("tiny")
-    model.requires_grad_(False)
-    return model, tok
-
-
-@pytest.fixture(scope="module")
 def traces(tiny):
     """4 full-cache traces of the counts task long enough to evict at 30-70 % of their length."""
-    model, tok = tiny
-    engine = HFEngine(model, tok)
-    env = make("kvrl/counts-v0")
-    env.reset(seed=123)
-    tasks = env.tasks(4)
-    out = engine.generate([t.prompt for t in tasks], Sampling(max_new_tokens=128))
-    with torch.no_grad():
-        s = engine.score(out)
-    made = [
-        Trace(t.id, p + g, len(p), s.losses[i, : len(g)].tolist(), s.entropies[i, : len(g)].tolist())
-        for i, (t, p, g) in enumerate(zip(tasks, out.prompt_ids, out.tokens))
-    ]
+    made = counts_traces(*tiny, 4, 128)
     assert all(len(t.ids) > 100 for t in made), [len(t.ids) for t in made]
     return made
 

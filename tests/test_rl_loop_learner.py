@@ -8,6 +8,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from batches import rollout_samples
 from rl_loop_common import config, same_params
 
 from kvrl.envs.chains import ChainSpec, make_chain_task
@@ -18,7 +19,6 @@ from kvrl.runlog import tensorboard_writer
 def learner_and_samples(cfg, model_path):
     """A learner of ``cfg`` without Ray, and ``samples(advantage)``: 4 chain-task rollouts of the model as
     the samples of one step, every one with that advantage."""
-    from kvrl.algos.base import Sample
     from kvrl.engines.base import Sampling
     from kvrl.engines.hf import HFEngine
     from kvrl.workers.learner import Learner
@@ -30,19 +30,7 @@ def learner_and_samples(cfg, model_path):
     out = HFEngine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=1.0, seed=0))
 
     def samples(advantage):
-        return [
-            Sample(
-                f"0/{b}/0",
-                out.prompt_ids[b],
-                out.tokens[b],
-                out.logprobs[b],
-                out.finish_reasons[b],
-                out.texts[b],
-                0,
-                advantage=advantage,
-            )
-            for b in range(4)
-        ]
+        return rollout_samples(out, [advantage] * 4, ids=[f"0/{b}/0" for b in range(4)])
 
     return learner, samples, sum(len(t) for t in out.tokens)
 
@@ -79,7 +67,7 @@ def test_tensorboard_missing_says_how_to_install(tmp_path):
 def test_collated_traces_replay_the_rollouts(random_model):
     """Per-sample traces from two generate calls of different lengths, stacked by
     collate(), make engine.score reproduce the behaviour logprobs (what G-KV needs)."""
-    from kvrl.algos.base import Sample, collate
+    from kvrl.algos.base import collate
     from kvrl.engines.base import Sampling
     from kvrl.engines.hf import HFEngine
     from kvrl.models.tiny import load_model
@@ -93,19 +81,7 @@ def test_collated_traces_replay_the_rollouts(random_model):
     for call, new in enumerate((10, 16)):
         prompts = [make_chain_task(rng, ChainSpec(4, 8, 1, 3))["prompt"] for _ in range(3)]
         out = engine.generate(prompts, Sampling(max_new_tokens=new, temperature=1.0, seed=call), policy=policy)
-        samples += [
-            Sample(
-                f"{call}/{b}",
-                out.prompt_ids[b],
-                out.tokens[b],
-                out.logprobs[b],
-                out.finish_reasons[b],
-                out.texts[b],
-                0,
-                out.trace(b),
-            )
-            for b in range(3)
-        ]
+        samples += rollout_samples(out, [0.0] * 3, ids=[f"{call}/{b}" for b in range(3)])
     batch = collate(samples, 1.0, "cpu")
     assert batch.trace is not None and (batch.trace.retention() < 1).any()
     with torch.no_grad():
@@ -119,7 +95,7 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
     (its recomputed logprob equals the behaviour one) and the loss's gradient reaches the
     position that predicted it (which predicts nothing else)."""
     from kvrl.algos import make_algo
-    from kvrl.algos.base import Sample, collate
+    from kvrl.algos.base import collate
     from kvrl.engines.base import Sampling
     from kvrl.engines.hf import HFEngine
     from kvrl.models.tiny import load_model
@@ -132,19 +108,7 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
     out = HFEngine(model, tok, stop_ids=[stop]).generate(prompts, Sampling(max_new_tokens=12))
     stopped = [b for b, r in enumerate(out.finish_reasons) if r == "stop"]
     assert stopped and all(out.tokens[b][-1] == stop for b in stopped)
-    samples = [
-        Sample(
-            f"0/{b}/0",
-            out.prompt_ids[b],
-            out.tokens[b],
-            out.logprobs[b],
-            out.finish_reasons[b],
-            out.texts[b],
-            0,
-            advantage=1.0,
-        )
-        for b in range(4)
-    ]
+    samples = rollout_samples(out, [1.0] * 4, ids=[f"0/{b}/0" for b in range(4)])
     algo = make_algo(config(tmp_path, random_model, "sampling.temperature=1.0"))  # greedy logprobs are at T=1
     model.train()
     engine = HFEngine(model, tok)
@@ -173,7 +137,7 @@ def test_the_learner_trains_the_stop_token(random_model, tmp_path):
 def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     """rl.kl_coef > 0: the reference is a frozen copy of the initial weights; KL is 0 until
     the model moves, and positive after."""
-    from kvrl.algos.base import Sample, collate
+    from kvrl.algos.base import collate
     from kvrl.algos.rl_full import RLFull
     from kvrl.engines.base import Sampling
     from kvrl.engines.hf import HFEngine
@@ -185,19 +149,7 @@ def test_rl_full_kl_to_the_initial_model(random_model, tmp_path):
     assert len(params) == len(list(model.parameters())) and algo.ref.model is not model
     engine = HFEngine(model, tok)
     out = engine.generate(["1 ; 2 ; ?", "3 ; ?"], Sampling(max_new_tokens=6, temperature=1.0))
-    samples = [
-        Sample(
-            str(b),
-            out.prompt_ids[b],
-            out.tokens[b],
-            out.logprobs[b],
-            out.finish_reasons[b],
-            out.texts[b],
-            0,
-            advantage=1.0,
-        )
-        for b in range(2)
-    ]
+    samples = rollout_samples(out, [1.0] * 2)
     batch = collate(samples, 12.0, "cpu")
     _, _, metrics = algo.loss(engine, batch)
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)

@@ -156,29 +156,23 @@ def test_recipes_pass_the_dry_run(recipe):
     assert "gkv" in run.stdout.split("KV cache")[1]  # the plan prices the G-KV cache
 
 
+def run_recipe(out, *overrides) -> tuple:
+    """A recipe run of kvrl's RL job into ``out`` (Ray: the ``local_ray`` fixture): (its config, its metrics rows)."""
+    from kvrl.jobs.rl import main as train
+
+    cfg = load_config([*overrides, f"output_dir={out}", "workers.timeout_s=300"])
+    train(cfg)
+    return cfg, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.slow
 def test_rl_sparse_loop_vllm_zero2_two_learners(tmp_path, local_ray):
     """2 steps of tiny_gkv_sparse as shipped (vLLM under G-KV, ZeRO-2 over 2 learners) and
     the same with one plain learner: the mismatch stays <= 1e-4, and the metrics agree."""
-    from kvrl.jobs.rl import main as train
-
     runs = {}
     for name, extra in {"zero2": [], "ddp": ["workers.learners=1", "workers.backend=ddp"]}.items():
-        out = tmp_path / name
-        train(
-            load_config(
-                [
-                    "recipe=tiny_gkv_sparse",
-                    "trainer.steps=2",
-                    "trainer.batch_size=32",
-                    "sampling.batch_size=16",
-                    f"output_dir={out}",
-                    "workers.timeout_s=300",
-                    *extra,
-                ]
-            )
-        )
-        runs[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        overrides = ["recipe=tiny_gkv_sparse", "trainer.steps=2", "trainer.batch_size=32", "sampling.batch_size=16"]
+        runs[name] = run_recipe(tmp_path / name, *overrides, *extra)[1]
     for a, b in zip(runs["zero2"], runs["ddp"]):
         # the mismatch is float32 rounding noise (~1e-5), which two reduction orders do not
         # reproduce: each run is held to its bound, not to the other's value
@@ -251,19 +245,8 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     RL-Sparse wrecked both of its validation runs by step 20 (0.55 -> 0.16, 0.13; docs/results.md).
     The training batches' own accuracy is no measure of this: each step's 16 tasks are new, and
     their accuracy moves by 0.3 from one step to the next."""
-    from kvrl.jobs.rl import main as train
-
-    cfg = load_config(
-        [
-            "recipe=tiny_gkv_sparse",
-            "trainer.steps=10",
-            f"output_dir={tmp_path}",
-            "rl.checkpoint_every=0",
-            "workers.timeout_s=300",
-        ]
-    )
-    train(cfg)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    overrides = ["recipe=tiny_gkv_sparse", "trainer.steps=10", "rl.checkpoint_every=0"]
+    cfg, records = run_recipe(tmp_path, *overrides)
     truncated = [r["truncated"] for r in records]
     assert max(truncated) <= 0.25, truncated
     acc = held_out_accuracy(cfg, tmp_path / "model")
@@ -282,19 +265,8 @@ def test_distill_recipe_moves_the_student_toward_the_teacher_and_keeps_its_accur
     decaying after step 13 was the sampled accuracy at temperature 2 of the training batches
     (0.59 -> 0.24 at 1e-3); the held-out greedy accuracy of that run rose (0.77 after 40 steps),
     so this test holds on the old recipe too: there was no loss of accuracy to catch."""
-    from kvrl.jobs.rl import main as train
-
-    cfg = load_config(
-        [
-            "recipe=tiny_gkv_distill",
-            "trainer.steps=10",
-            f"output_dir={tmp_path}",
-            "rl.checkpoint_every=0",
-            "workers.timeout_s=300",
-        ]
-    )
-    train(cfg)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    overrides = ["recipe=tiny_gkv_distill", "trainer.steps=10", "rl.checkpoint_every=0"]
+    cfg, records = run_recipe(tmp_path, *overrides)
     kl = [r["kl"] for r in records]
     assert max(r["truncated"] for r in records) <= 0.25, [r["truncated"] for r in records]
     assert sum(kl[-3:]) / 3 <= 0.8 * kl[0], kl

@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from batches import rollout_samples
 from transformers import DynamicCache
 
-from kvrl.algos.base import Sample, collate
+from kvrl.algos.base import collate
 from kvrl.algos.rlkv import RLKV, adaptive_penalty
 from kvrl.config import ConfigError, load_config
 from kvrl.data.self_distill import SelfDistilledEnv, bucket_of, select
@@ -147,20 +148,8 @@ def test_gradients_reach_only_the_gates(engine):
         ["3 1 4 1 5 ;", "9 2 6 ;", "5 3 5 8 9 7 ;", "2 ;"], Sampling(max_new_tokens=8, temperature=1.0, seed=3)
     )
     rewards = [1.0, 0.0, 1.0, 1.0]
-    samples = [
-        Sample(
-            id=f"0/{b // 2}/{b % 2}",
-            prompt_ids=out.prompt_ids[b],
-            tokens=out.tokens[b],
-            logprobs=out.logprobs[b],
-            finish_reason=out.finish_reasons[b],
-            text=out.texts[b],
-            version=0,
-            reward=r,
-            advantage=a,
-        )
-        for b, (r, a) in enumerate(zip(rewards, [0.7, -0.7, 0.0, 0.0]))
-    ]
+    ids = [f"0/{b // 2}/{b % 2}" for b in range(4)]
+    samples = rollout_samples(out, [0.7, -0.7, 0.0, 0.0], ids=ids, rewards=rewards)
     batch = collate(samples, sum(len(s.tokens) for s in samples), "cpu")
     loss, scores, metrics = algo.loss(engine, batch)
     # clamped to [0, 1] before the update, as the reference does

@@ -51,6 +51,8 @@ from kvrl.bench import (
     error_bars,
     reasoner,
     record,
+    save_figure,
+    streams,
     train_commits,
 )
 from kvrl.config import load_config
@@ -160,12 +162,9 @@ def judge_specific(args, cfg, out: Path, budgets: list[int], write) -> None:
         "heldout_traces": len(heldout),
         "mean_trace_tokens": round(float(np.mean([len(t.ids) for t in heldout])), 1),
         "tasks": len(tasks),
-        "stream_seed": TEST_SEED,
-        "train_seed": cfg.seed,
-        "train_commits": commits,
+        # no choice looked at a stream (validation None): the settings are tiny_foresight's
+        **streams(TEST_SEED, cfg.seed, commits, validation_seed=None),
         "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
-        "validation_seed": None,  # no choice was made on a stream: the settings are tiny_foresight's
-        "test_seed": TEST_SEED,
         "training": {
             "traces": cfg.foresight.traces,
             "sft_steps": cfg.foresight.sft_steps,
@@ -244,12 +243,13 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "accuracy": acc,
             "n": len(tasks),
             "tasks": len(tasks),
-            "stream_seed": TEST_SEED,
-            "test_seed": TEST_SEED,
-            "train_seed": cfg.seed,
+            **streams(
+                TEST_SEED,
+                cfg.seed,
+                {"general": commits["general"], "specific": commits[f"specific_{budget}"]},
+                validation_seed=None,
+            ),
             "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
-            "validation_seed": None,  # no choice was made on a stream: the settings are tiny_foresight's
-            "train_commits": {"general": commits["general"], "specific": commits[f"specific_{budget}"]},
         }
         (write or partial(record, f"multihop_foresight_general_{budget}"))(line)
 
@@ -285,10 +285,7 @@ def draw(line: dict, path: Path) -> None:
     b.set_title(f"{line['heldout_traces']} held-out traces, teacher-forced", fontsize=9)
     b.legend(fontsize=7)
     fig.suptitle(f"multihop reasoner: ForesightKV (trained at {line['budget']}) over the zoo", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from kvrl.bench import (
     emit,
     reasoner,
     record,
+    streams,
     timed,
     train_commits,
 )
@@ -132,11 +133,7 @@ def main():
         "gain_points": round(100 * (judged["trained"]["acc"] - judged["untrained"]["acc"]), 2),
         "stream": args.stream,
         "tasks": args.tasks,
-        "stream_seed": seed,
-        "train_seed": cfg.seed,
-        "train_commits": train_commits(out),
-        "validation_seed": VALIDATION_SEED,
-        "test_seed": TEST_SEED,
+        **streams(seed, cfg.seed, train_commits(out)),
         "training": {
             "steps": len(records),
             "samples": records[-1]["samples_total"],

@@ -39,6 +39,8 @@ from kvrl.bench import (
     error_bars,
     mean_interval,
     record,
+    save_figure,
+    streams,
     train_commits,
 )
 from kvrl.config import load_config
@@ -184,11 +186,7 @@ def main():
         "gates": [[round(v, 4) for v in row] for row in gates.tolist()],
         "window_loss": [[round(v, 4) for v in row] for row in stat.tolist()],
         "tasks": n,
-        "stream_seed": TEST_SEED,
-        "train_seed": cfg.seed,
-        "train_commits": train_commits(out),
-        "validation_seed": VALIDATION_SEED,
-        "test_seed": TEST_SEED,
+        **streams(TEST_SEED, cfg.seed, train_commits(out)),
         "training": {
             "steps": len(records),
             "reward_first5": column_mean(first, "reward_mean"),
@@ -223,10 +221,7 @@ def draw(line: dict, path: Path) -> None:
     ax.set_ylabel("exact accuracy, 95 % interval")
     ax.set_title(f"multihop reasoner, {line['tasks']} test tasks: RLKV's head ranking", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvrl.bench import TEST_SEED, accuracy, draw_tasks, error_bars, reasoner, record
+from kvrl.bench import TEST_SEED, accuracy, draw_tasks, error_bars, reasoner, record, save_figure
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.eval.suite import PolicySpec
@@ -62,10 +62,7 @@ def draw(formulation: str, lines: list[dict], zoo: dict, path: Path) -> None:
     ax.set_ylabel("exact accuracy, 95 % interval")
     ax.set_title(f"multihop reasoner, {lines[0]['tasks']} test tasks: {formulation} over the zoo", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def measure(args, results: dict) -> dict:
