@@ -174,34 +174,9 @@ class Learner:
         if not update:
             grad_norm, skipped = 0.0, False
         elif self.ds is not None:
-            if bad.item():
-                raise FloatingPointError(
-                    f"the loss is not finite ({total}) at update {self.version + 1}" + DEEPSPEED_STOPS
-                )
-            self.ds.step()
-            grad_norm = float(self.ds.get_global_grad_norm() or 0.0)
-            if not math.isfinite(grad_norm):
-                raise FloatingPointError(
-                    f"the gradient norm is not finite ({grad_norm}) at update {self.version + 1}" + DEEPSPEED_STOPS
-                )
-            skipped = False
+            grad_norm, skipped = self.deepspeed_update(total, bool(bad.item())), False
         else:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            if self.world > 1:
-                flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per step
-                dist.all_reduce(flat)
-                offset = 0
-                for p, g in zip(self.params, grads):
-                    p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-                    offset += g.numel()
-            max_norm = tr.max_grad_norm if tr.max_grad_norm > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
-            # the reduced gradients' norm is the same on every rank, so the ranks skip together
-            skipped = bool(bad.item()) or not math.isfinite(grad_norm)
-            if skipped:  # Adam would write the NaN into every weight and both moments for good
-                self.opt.zero_grad(set_to_none=True)
-            else:
-                self.opt.step()
+            grad_norm, skipped = self.ddp_update(bool(bad.item()))
         self.version += 1  # a skipped update still counts: versions stay the controller's step count
         metrics = merge_metrics(results)
         metrics.update(
@@ -217,6 +192,40 @@ class Learner:
         if self.world > 1:  # the controller checks that data-parallel learners stay identical
             metrics["checksum"] = checksum(self.algo.state(self.engine.model))
         return metrics
+
+    def deepspeed_update(self, total: float, bad: bool) -> float:
+        """ZeRO's step on the reduced gradients (it clips inside); its gradient norm. A non-finite loss
+        (``bad`` on any rank) or norm stops the run: ZeRO cannot skip an update."""
+        if bad:
+            raise FloatingPointError(f"the loss is not finite ({total}) at update {self.version + 1}" + DEEPSPEED_STOPS)
+        self.ds.step()
+        grad_norm = float(self.ds.get_global_grad_norm() or 0.0)
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(
+                f"the gradient norm is not finite ({grad_norm}) at update {self.version + 1}" + DEEPSPEED_STOPS
+            )
+        return grad_norm
+
+    def ddp_update(self, bad: bool) -> tuple[float, bool]:
+        """Sum the ranks' gradients, clip, and step; (the gradient norm, whether the update was skipped: a
+        non-finite loss on any rank, ``bad``, or a non-finite norm)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.world > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per step
+            dist.all_reduce(flat)
+            offset = 0
+            for p, g in zip(self.params, grads):
+                p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+                offset += g.numel()
+        max_norm = self.cfg.trainer.max_grad_norm if self.cfg.trainer.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm).item()
+        # the reduced gradients' norm is the same on every rank, so the ranks skip together
+        skipped = bad or not math.isfinite(grad_norm)
+        if skipped:  # Adam would write the NaN into every weight and both moments for good
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            self.opt.step()
+        return grad_norm, skipped
 
     # ---- weights out, checkpoints -------------------------------------------------------------
 
