@@ -276,8 +276,39 @@ def write_report(
     evaluated: dict | None = None,
     notes: dict | None = None,
 ) -> None:
+    """``out/report.md``: the run's header, the table of ``rows``, the task's properties beside the papers'
+    orderings (with ``props``), the pictures, what the columns are and what was evaluated (with ``evaluated``)."""
     ks = [k for k in cfg.eval.pass_k if f"pass@{k}" in rows[0]]
     metrics = [k for k in rows[0] if k.startswith("info/")]
+    lines = report_header(cfg, rows, mean_len, weights) + results_table(rows, ks, metrics)
+    if props is not None:
+        lines += properties_section(rows, props)
+    lines += ["", "![accuracy vs budget](accuracy.png)", "", "![error modes](error_modes.png)", ""]
+    if retention:
+        lines += ["![retention](retention.png)", ""]
+    lines += column_notes(cfg, rows, ks, metrics, notes)
+    if evaluated is not None:
+        lines += evaluated_section(cfg, evaluated)
+    with atomic(out / "report.md") as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
+
+
+def report_header(cfg, rows: list[dict], mean_len: float, weights: str) -> list[str]:
+    """report.md's title, the weights when they are not model.path's, and the sampling and kv settings."""
+    lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", ""]
+    if weights != cfg.model.path:
+        lines += [f"Weights: {weights}.", ""]
+    return lines + [
+        f"{rows[0]['tasks']} tasks x {cfg.eval.samples} samples, temperature {cfg.sampling.temperature:g}, "
+        f"top-p {cfg.sampling.top_p:g}, up to {cfg.sampling.max_new_tokens} new tokens, engine "
+        f"{cfg.workers.engine}; full-cache mean sequence {mean_len:.1f} tokens; kv interval {cfg.kv.interval}, "
+        f"window {cfg.kv.window}, sink {cfg.kv.sink}.",
+        "",
+    ]
+
+
+def results_table(rows: list[dict], ks: list[int], metrics: list[str]) -> list[str]:
+    """The markdown table of ``rows``, one per line and point, with pass@k for ``ks`` and the ``metrics``."""
     head = [
         "policy",
         "budget",
@@ -291,18 +322,7 @@ def write_report(
         "peak KV",
         "tokens/s",
     ]
-    lines = [f"# Evaluation: {cfg.model.path} on {cfg.env.id}", ""]
-    if weights != cfg.model.path:
-        lines += [f"Weights: {weights}.", ""]
-    lines += [
-        f"{rows[0]['tasks']} tasks x {cfg.eval.samples} samples, temperature {cfg.sampling.temperature:g}, "
-        f"top-p {cfg.sampling.top_p:g}, up to {cfg.sampling.max_new_tokens} new tokens, engine "
-        f"{cfg.workers.engine}; full-cache mean sequence {mean_len:.1f} tokens; kv interval {cfg.kv.interval}, "
-        f"window {cfg.kv.window}, sink {cfg.kv.sink}.",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         budget = r["point"] if r["budget_ratio"] is None else f"max({r['point']}, {r['budget_ratio']:g}·L)"
         lo, hi = wilson(r["accuracy"], r["tasks"])
@@ -320,30 +340,36 @@ def write_report(
             f"{r['decode_tokens_per_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    if props is not None:
-        lines += [
-            "",
-            f"## The task's properties ({props['tasks']} reference traces, the model's own attention; "
-            "kvrl/eval/properties.py)",
-            "",
-            "| property | value |",
-            "|---|---|",
-        ]
-        lines += [f"| {text.format(**props)} | {props[key]:g} |" for key, text in PROPERTY_TEXT.items()]
-        lines += ["", "## Orderings: this run beside the papers'", ""]
-        lines += [f"- {paper} ({setting}): {claim}." for paper, setting, claim, _ in PAPERS]
-        lines += ["", "This run (greedy accuracy, 95 % Wilson intervals decide agrees / reversed / tie):", ""]
-        lines += orderings(rows)
-    lines += ["", "![accuracy vs budget](accuracy.png)", "", "![error modes](error_modes.png)", ""]
-    if retention:
-        lines += ["![retention](retention.png)", ""]
+    return lines
+
+
+def properties_section(rows: list[dict], props: dict) -> list[str]:
+    """The task's properties (:mod:`kvrl.eval.properties`) and this run's orderings beside the papers'."""
+    lines = [
+        "",
+        f"## The task's properties ({props['tasks']} reference traces, the model's own attention; "
+        "kvrl/eval/properties.py)",
+        "",
+        "| property | value |",
+        "|---|---|",
+    ]
+    lines += [f"| {text.format(**props)} | {props[key]:g} |" for key, text in PROPERTY_TEXT.items()]
+    lines += ["", "## Orderings: this run beside the papers'", ""]
+    lines += [f"- {paper} ({setting}): {claim}." for paper, setting, claim, _ in PAPERS]
+    lines += ["", "This run (greedy accuracy, 95 % Wilson intervals decide agrees / reversed / tie):", ""]
+    return lines + orderings(rows)
+
+
+def column_notes(cfg, rows: list[dict], ks: list[int], metrics: list[str], notes: dict | None) -> list[str]:
+    """The section "What the columns are": each column of the table, the environment's ``metrics`` by
+    ``notes``."""
     loops = (
         f"the last {LOOP_WINDOW} words hold at most {LOOP_DISTINCT} distinct {LOOP_N}-grams"
         if loops_apply(cfg.sampling.max_new_tokens)
         else f"not applicable (n/a) here: outputs of at most {cfg.sampling.max_new_tokens} tokens cannot hold the "
         f"rule's {LOOP_WINDOW} words"
     )
-    lines += [
+    return [
         "## What the columns are",
         "",
         f"- accuracy: the share of samples with reward > 0 (pass@1), with its 95 % Wilson score interval over "
@@ -368,19 +394,21 @@ def write_report(
         "picture's x axis.",
         "- tokens/s: decoding only, each line's untimed warm-up sequence left out.",
     ]
-    if evaluated is not None:
-        folder, files = evaluated["model"]
-        lines += [
-            "",
-            "## What was evaluated (SHA-256)",
-            "",
-            f"- kvrl {kvrl.__version__}, commit {evaluated['kvrl']}",
-            f"- tasks: {evaluated['tasks']}",
-            f"- model `{cfg.model.path}` from `{folder}`" + ("" if files else " (a hub id: files not hashed)"),
-        ]
-        lines += [f"  - `{name}` {sha}" for name, sha in files.items()]
-        lines += [
-            f"- line `{name}`: `{path}` {sha or '(a folder)'}" for name, (path, sha) in evaluated["artefacts"].items()
-        ]
-    with atomic(out / "report.md") as tmp:
-        tmp.write_text("\n".join(lines) + "\n")
+
+
+def evaluated_section(cfg, evaluated: dict) -> list[str]:
+    """The section "What was evaluated": kvrl's version and commit, and the SHA-256 of the tasks, the model's
+    files and each line's artefact."""
+    folder, files = evaluated["model"]
+    lines = [
+        "",
+        "## What was evaluated (SHA-256)",
+        "",
+        f"- kvrl {kvrl.__version__}, commit {evaluated['kvrl']}",
+        f"- tasks: {evaluated['tasks']}",
+        f"- model `{cfg.model.path}` from `{folder}`" + ("" if files else " (a hub id: files not hashed)"),
+    ]
+    lines += [f"  - `{name}` {sha}" for name, sha in files.items()]
+    return lines + [
+        f"- line `{name}`: `{path}` {sha or '(a folder)'}" for name, (path, sha) in evaluated["artefacts"].items()
+    ]

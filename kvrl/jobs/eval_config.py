@@ -35,14 +35,22 @@ class EvalConfig:
     properties: bool = False
 
 
+# the kinds with no ratio mode, as a message names them
+NO_RATIO = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation", "full": "the full cache"}
+
+
 def problems(cfg) -> list[str]:
     """The eval job's budgets are eval.budgets, not kv.budget; every line names a known kind, and its
     eval.settings entry holds only the keys that kind reads (a typo would be ignored: the papers' line
     would run at kv's settings)."""
-    from kvrl.eval.suite import KINDS
-    from kvrl.policies import POLICIES, policy_class
-    from kvrl.policies.heads import head_allocation
+    found = ignored_kv_problems(cfg) + budget_problems(cfg)
+    lines, classes = line_problems(cfg)
+    return found + lines + setting_key_problems(cfg.eval, classes) + pass_k_problems(cfg.eval) + value_problems(cfg)
 
+
+def ignored_kv_problems(cfg) -> list[str]:
+    """A kv.policy or kv.kwargs other than the kv section's defaults, which job=eval ignores, named with the
+    eval.policies / eval.settings lines that would compare it."""
     ev, found = cfg.eval, []
     if cfg.kv.policy != "full" or cfg.kv.kwargs:  # the kv section's defaults: eval's lines are eval.policies
         policy, own = cfg.kv.policy, cfg.kv.kwargs
@@ -69,15 +77,21 @@ def problems(cfg) -> list[str]:
                 else f" (eval.policies already runs {name})"
             )
         )
-    classes = {}  # the policies of the user's own, by path: imported and type-checked before anything runs
+    return found
+
+
+def budget_problems(cfg) -> list[str]:
+    """A kv.budget (job=eval evaluates eval.budgets instead), and token budgets of eval.budgets that never
+    evict at the model's cache limit."""
+    from kvrl.preflight.names import cache_limit
+
+    ev, found = cfg.eval, []
     if cfg.kv.budget > 0:
         found.append(
             f"kv.budget={cfg.kv.budget} would be ignored: job={cfg.job} evaluates the budgets of "
             f"eval.budgets ({cli_value(ev.budgets)}: fractions of the mean sequence length or "
             "tokens); set kv.budget=0 (and eval.budgets to what to evaluate)"
         )
-    from kvrl.preflight.names import cache_limit
-
     limit, why = cache_limit(cfg)
     # > 1: tokens (<= 1: a fraction of the sequence)
     full = [b for b in ev.budgets if b > 1 and not budget_evicts(b, limit)]
@@ -88,17 +102,28 @@ def problems(cfg) -> list[str]:
             f"{limit} tokens ({why}), so those lines would repeat the full cache; set eval.budgets="
             f"[{','.join(f'{b:g}' for b in kept)}]"
         )
-    no_ratio = {"window": "a fixed sink + recent window", "heads": "RLKV's head reallocation", "full": "the full cache"}
+    return found
+
+
+def line_problems(cfg) -> tuple[list[str], dict[str, type]]:
+    """Per eval.policies line: a ratio where its kind has none, a kind that is neither known nor an importable
+    class, a learned or heads line without its run; and the policies of the user's own, by path, that imported
+    and type-checked."""
+    from kvrl.eval.suite import KINDS
+    from kvrl.policies import policy_class
+
+    ev, found = cfg.eval, []
+    classes = {}  # the policies of the user's own, by path: imported and type-checked before anything runs
     for name in ev.policies:
         kind = ev.settings.get(name, {}).get("policy", name)
-        if kind in no_ratio and "budget_ratio" in ev.settings.get(name, {}):
+        if kind in NO_RATIO and "budget_ratio" in ev.settings.get(name, {}):
             found.append(
-                f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
+                f"eval.policies entry {name!r} is {NO_RATIO[kind]}, which has no ratio mode, but "
                 f"eval.settings.{name}.budget_ratio is set; drop it"
             )
         elif kind == "window" and cfg.kv.budget_ratio is not None:
             found.append(
-                f"eval.policies entry {name!r} is {no_ratio[kind]}, which has no ratio mode, but "
+                f"eval.policies entry {name!r} is {NO_RATIO[kind]}, which has no ratio mode, but "
                 f"kv.budget_ratio is set; drop {name} from eval.policies, or give the ratio to the "
                 "token-policy lines only (eval.settings.NAME.budget_ratio)"
             )
@@ -131,29 +156,45 @@ def problems(cfg) -> list[str]:
                 f"eval.policies entry {name!r} is a {kind} line, which loads what a run trained, but "
                 f"eval.settings.{name}.run is not set; set eval.settings.{name}.run=<output_dir of that run>"
             )
+    return found, classes
+
+
+def line_keys(kind: str, classes: dict[str, type]) -> tuple[str, ...]:
+    """The keys an eval.settings entry of `kind` (a known kind or one of `classes`) may hold."""
+    from kvrl.policies import POLICIES
+    from kvrl.policies.heads import head_allocation
+
+    # what kvrl.eval.suite.PolicySpec reads: a token policy's constructor arguments but its budget (the
+    # sweep's point), which replace kv's for its line; a heads line's run, sparsities and window
+    if kind == "heads":
+        return (
+            "policy",
+            "run",
+            "sparsities",
+            *(p.name for p in inspect.signature(head_allocation).parameters.values() if p.kind is p.KEYWORD_ONLY),
+        )
+    if kind in POLICIES or kind in classes:
+        return (
+            "policy",
+            *(p for p in inspect.signature(classes.get(kind) or POLICIES[kind]).parameters if p != "budget"),
+            *(("run",) if kind == "learned" else ()),
+        )
+    return ("policy",)  # full, window: kv's settings only
+
+
+def setting_key_problems(ev: EvalConfig, classes: dict[str, type]) -> list[str]:
+    """Each eval.settings key its line's kind does not read, with the near key or the fix (a line of an unknown
+    kind is named by `line_problems`)."""
+    from kvrl.eval.suite import KINDS
+
+    found = []
     for name, own in ev.settings.items():
         kind = own.get("policy", name)
         if kind not in KINDS and kind not in classes:
-            continue  # named above when the line is evaluated
-        # what kvrl.eval.suite.PolicySpec reads: a token policy's constructor arguments but its budget (the
-        # sweep's point), which replace kv's for its line; a heads line's run, sparsities and window
-        if kind == "heads":
-            keys = (
-                "policy",
-                "run",
-                "sparsities",
-                *(p.name for p in inspect.signature(head_allocation).parameters.values() if p.kind is p.KEYWORD_ONLY),
-            )
-        elif kind in POLICIES or kind in classes:
-            keys = (
-                "policy",
-                *(p for p in inspect.signature(classes.get(kind) or POLICIES[kind]).parameters if p != "budget"),
-                *(("run",) if kind == "learned" else ()),
-            )
-        else:
-            keys = ("policy",)  # full, window: kv's settings only
+            continue  # named by line_problems
+        keys = line_keys(kind, classes)
         for key, value in own.items():
-            if key in keys or (key == "budget_ratio" and kind in no_ratio):  # a ratio where none is: said above
+            if key in keys or (key == "budget_ratio" and kind in NO_RATIO):  # a ratio where none is: line_problems
                 continue
             near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
             fix = (
@@ -167,14 +208,20 @@ def problems(cfg) -> list[str]:
                 f"eval.settings.{name}.{key} is not a setting of a line of kind {kind} (got "
                 f"{cli_value(value)}); {fix}; its settings: {', '.join(keys)}"
             )
+    return found
+
+
+def pass_k_problems(ev: EvalConfig) -> list[str]:
+    """An eval.pass_k whose k exceeds eval.samples."""
     too_many = [k for k in ev.pass_k if k > ev.samples]
-    if too_many:  # pass@k of fewer than k samples is not defined: summarise would leave the column out
-        found.append(
-            f"eval.pass_k={cli_value(ev.pass_k)} asks for pass@{too_many[0]} but eval.samples={ev.samples} "
-            f"draws fewer samples per task; set eval.samples={max(ev.pass_k)} (or eval.pass_k="
-            f"{cli_value([k for k in ev.pass_k if k <= ev.samples] or [1])})"
-        )
-    return found + value_problems(cfg)
+    if not too_many:
+        return []
+    # pass@k of fewer than k samples is not defined: summarise would leave the column out
+    return [
+        f"eval.pass_k={cli_value(ev.pass_k)} asks for pass@{too_many[0]} but eval.samples={ev.samples} "
+        f"draws fewer samples per task; set eval.samples={max(ev.pass_k)} (or eval.pass_k="
+        f"{cli_value([k for k in ev.pass_k if k <= ev.samples] or [1])})"
+    ]
 
 
 def kind_of(default: Any) -> tuple[type, ...]:
