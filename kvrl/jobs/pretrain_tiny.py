@@ -111,11 +111,10 @@ def draw(env, spec, rng: np.random.Generator, n: int, frac: float):
     return [env.sample_task(rng) for _ in range(n)]
 
 
-def main(cfg) -> dict:
-    # ---- one thread on a CPU: reproducible, and robust to other processes on the cores
-    tr, pc = cfg.trainer, cfg.pretrain
-    setup_process(cfg.seed, threads=1 if cfg.device == "cpu" else None)
-    out_dir = Path(cfg.output_dir)
+def task_streams(cfg):
+    """``env.id``'s training environment, its size spec (None: none) and ``pretrain.eval_tasks`` held-out tasks
+    (seeded apart from training); a ValueError when ``pretrain.curriculum`` has no spec to grow."""
+    pc = cfg.pretrain
     env = make(cfg.env.id, **cfg.env.kwargs)
     spec = getattr(env, "spec", None)
     if pc.curriculum > 0 and not hasattr(spec, "scaled"):
@@ -125,8 +124,13 @@ def main(cfg) -> dict:
     held_env = make(cfg.env.id, **cfg.env.kwargs)
     held_env.reset(seed=10**6 + cfg.seed)
     held_out = held_env.tasks(pc.eval_tasks)
-    tokenizer = build_tokenizer()
-    new_tokens = max(len(tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"]) for t in held_out) + 8
+    return env, spec, held_out
+
+
+def build_model(cfg, tokenizer, attention: str):
+    """A fresh tiny Llama of ``pretrain``'s shape on ``cfg.device`` with ``attention``, its AdamW optimizer
+    and its schedule: linear warm-up over ``trainer.warmup_steps``, then cosine down to 5 % at ``trainer.steps``."""
+    tr, pc = cfg.trainer, cfg.pretrain
     model = LlamaForCausalLM(
         tiny_config(
             tokenizer,
@@ -138,7 +142,6 @@ def main(cfg) -> dict:
         )
     )
     model = model.to(cfg.device)
-    attention = "kvrl_replay" if pc.eviction_dropout > 0 else "sdpa"
     model.set_attn_implementation(attention)
     opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, betas=(0.9, 0.95), weight_decay=tr.weight_decay)
 
@@ -149,11 +152,14 @@ def main(cfg) -> dict:
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    rng = np.random.default_rng(cfg.seed)
-    start, tokens, elapsed = 0, 0, 0.0
+    return model, opt, sched
 
-    # ---- resume: the newest intact checkpoint of this output_dir, if its settings are this run's
-    settings = json.loads(json.dumps(flatten(cfg)))
+
+def resume_from(cfg, out_dir: Path, settings: dict, model, opt, sched, rng: np.random.Generator):
+    """(checkpoint, step, tokens, elapsed_s) of the run ``cfg.resume`` continues, its state loaded into
+    model, opt, sched, rng and torch's RNG; (None, 0, 0, 0.0) for a fresh run. A ValueError, with
+    the fix, when the checkpoint's settings differ from ``settings`` beyond ``cfg.RESUMABLE``."""
+    start, tokens, elapsed = 0, 0, 0.0
     path = (
         intact_checkpoint(out_dir / "checkpoints")
         if cfg.resume == "auto"
@@ -178,28 +184,91 @@ def main(cfg) -> dict:
         torch.set_rng_state(state["torch_rng"])
         start, tokens, elapsed = state["step"], state["tokens"], state["elapsed_s"]
         print(f"resumed from {path} at step {start}")
+    return path, start, tokens, elapsed
+
+
+def checkpoint(
+    out_dir: Path, settings: dict, model, opt, sched, rng: np.random.Generator, step: int, tokens: int, elapsed_s: float
+) -> None:
+    """Write, seal and mark as the latest ``<out_dir>/checkpoints/step_<step>``: everything
+    :func:`resume_from` restores, and the run's ``settings``."""
+    folder = out_dir / "checkpoints" / f"step_{step:06d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    save_torch(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "sched": sched.state_dict(),
+            "rng": rng.bit_generator.state,
+            "torch_rng": torch.get_rng_state(),
+            "step": step,
+            "tokens": tokens,
+            "elapsed_s": elapsed_s,
+        },
+        folder / "state.pt",
+    )
+    write_json(folder / "config.json", settings)
+    seal(folder)
+    mark_latest(folder)
+
+
+def train_step(cfg, model, opt, sched, tokenizer, tasks, rng: np.random.Generator):
+    """One optimizer step on ``tasks`` (loss on the chain of thought, rows under eviction dropout when
+    ``pretrain.eviction_dropout`` > 0); returns the model's output, the input ids and the labels."""
+    tr, pc = cfg.trainer, cfg.pretrain
+    ids, labels = encode_batch(tokenizer, tasks)
+    ids, labels = ids.to(cfg.device), labels.to(cfg.device)
+    pos = torch.arange(ids.shape[1], device=cfg.device).expand_as(ids)
+    extra = {}
+    if pc.eviction_dropout > 0:
+        death = eviction_dropout(
+            rng,
+            tasks,
+            ids.shape[1],
+            model.config.num_hidden_layers,
+            model.config.num_key_value_heads,
+            pc.eviction_dropout,
+        ).to(cfg.device)
+        extra = {"kvrl_replay": Replay(death, pos)}
+    out = model(input_ids=ids, labels=labels, position_ids=pos, **extra)
+    loss = out.loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tr.max_grad_norm or float("inf"))
+    opt.step()
+    sched.step()
+    return out, ids, labels
+
+
+def save_model(model, tokenizer, out_dir: Path) -> None:
+    """The model (default sdpa attention, on the CPU) and tokenizer, sealed, in ``<out_dir>/model``: the shipped layout."""
+    model.eval()
+    model.set_attn_implementation("sdpa")  # the saved config's default attention
+    model.cpu().save_pretrained(out_dir / "model")
+    tokenizer.save_pretrained(out_dir / "model")
+    seal(out_dir / "model")  # whole: model.path=<output_dir> loads it (kvrl.runlog.trained_model)
+    print(f"saved {out_dir / 'model'}; ship it with: cp -r {out_dir / 'model'}/. kvrl/models/weights/<name>/")
+
+
+def main(cfg) -> dict:
+    """Pretrain the tiny reasoner on ``env.id`` for ``trainer.steps`` steps (continuing a run per ``resume``),
+    save it to ``<output_dir>/model`` and return the last logged row."""
+    # ---- one thread on a CPU: reproducible, and robust to other processes on the cores
+    tr, pc = cfg.trainer, cfg.pretrain
+    setup_process(cfg.seed, threads=1 if cfg.device == "cpu" else None)
+    out_dir = Path(cfg.output_dir)
+    env, spec, held_out = task_streams(cfg)
+    tokenizer = build_tokenizer()
+    new_tokens = max(len(tokenizer(t.meta["completion"], add_special_tokens=False)["input_ids"]) for t in held_out) + 8
+    attention = "kvrl_replay" if pc.eviction_dropout > 0 else "sdpa"
+    model, opt, sched = build_model(cfg, tokenizer, attention)
+    rng = np.random.default_rng(cfg.seed)
+
+    # ---- resume: the newest intact checkpoint of this output_dir, if its settings are this run's
+    settings = json.loads(json.dumps(flatten(cfg)))
+    path, start, tokens, elapsed = resume_from(cfg, out_dir, settings, model, opt, sched, rng)
     log = RunLog(out_dir, fresh=path is None)
     log.trim(lambda row: row["step"] < start)
-
-    def checkpoint(step: int) -> None:
-        folder = out_dir / "checkpoints" / f"step_{step:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_torch(
-            {
-                "model": model.state_dict(),
-                "opt": opt.state_dict(),
-                "sched": sched.state_dict(),
-                "rng": rng.bit_generator.state,
-                "torch_rng": torch.get_rng_state(),
-                "step": step,
-                "tokens": tokens,
-                "elapsed_s": elapsed + time.time() - t0,
-            },
-            folder / "state.pt",
-        )
-        write_json(folder / "config.json", settings)
-        seal(folder)
-        mark_latest(folder)
 
     t0 = time.time()
     rec: dict = {}
@@ -209,27 +278,7 @@ def main(cfg) -> dict:
         model.train()
         frac = step / (pc.curriculum * tr.steps) if pc.curriculum > 0 else 1.0
         tasks = draw(env, spec, rng, tr.batch_size, frac)
-        ids, labels = encode_batch(tokenizer, tasks)
-        ids, labels = ids.to(cfg.device), labels.to(cfg.device)
-        pos = torch.arange(ids.shape[1], device=cfg.device).expand_as(ids)
-        extra = {}
-        if pc.eviction_dropout > 0:
-            death = eviction_dropout(
-                rng,
-                tasks,
-                ids.shape[1],
-                model.config.num_hidden_layers,
-                model.config.num_key_value_heads,
-                pc.eviction_dropout,
-            ).to(cfg.device)
-            extra = {"kvrl_replay": Replay(death, pos)}
-        out = model(input_ids=ids, labels=labels, position_ids=pos, **extra)
-        loss = out.loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), tr.max_grad_norm or float("inf"))
-        opt.step()
-        sched.step()
+        out, ids, labels = train_step(cfg, model, opt, sched, tokenizer, tasks, rng)
         tokens += ids.numel()
         # ---- logging; greedy held-out accuracy a few times per run
         last = step == tr.steps - 1
@@ -237,7 +286,7 @@ def main(cfg) -> dict:
             now = elapsed + time.time() - t0
             rec = {
                 "step": step,
-                "loss": loss.item(),
+                "loss": out.loss.item(),
                 "lr": sched.get_last_lr()[0],
                 "frac": min(frac, 1.0),
                 "cot_acc": cot_accuracy(out.logits.detach(), labels),
@@ -252,13 +301,7 @@ def main(cfg) -> dict:
             log.log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3g}", cot=f"{rec['cot_acc']:.3f}", acc=rec.get("held_out_acc", "-"))
         if pc.checkpoint_every and (step + 1) % pc.checkpoint_every == 0 and not last:
-            checkpoint(step + 1)
-    # ---- save in the shipped layout
+            checkpoint(out_dir, settings, model, opt, sched, rng, step + 1, tokens, elapsed + time.time() - t0)
     log.close()
-    model.eval()
-    model.set_attn_implementation("sdpa")  # the saved config's default attention
-    model.cpu().save_pretrained(out_dir / "model")
-    tokenizer.save_pretrained(out_dir / "model")
-    seal(out_dir / "model")  # whole: model.path=<output_dir> loads it (kvrl.runlog.trained_model)
-    print(f"saved {out_dir / 'model'}; ship it with: cp -r {out_dir / 'model'}/. kvrl/models/weights/<name>/")
+    save_model(model, tokenizer, out_dir)
     return rec

@@ -257,9 +257,8 @@ def trace_memory(cfg, config, p: dict) -> dict[str, float]:
     }
 
 
-def dry_run(cfg) -> dict:
-    p = plan(cfg)
-    w, tr = cfg.workers, cfg.trainer
+def kv_lines(cfg, p: dict) -> list[str]:
+    """The plan's opening lines: the model and the KV cache of a sequence and of a batch, full and as kept."""
     budget = (
         f"budget {cfg.kv.budget}"
         if cfg.kv.budget_ratio is None
@@ -273,7 +272,7 @@ def dry_run(cfg) -> dict:
     if cfg.job == "rlkv":
         r = cfg.rlkv
         kept = f"deployed at rlkv.sparsity={r.sparsity:g} (sink {r.eval_sink} + recent {r.eval_recent})"
-    lines = [
+    return [
         f"dry run of recipe={cfg.recipe} (job={cfg.job}); nothing is loaded or started",
         f"model      {p['model']}: {p['params'] / 1e6:,.1f} M parameters, {size(p['weights_bytes'])} in "
         f"{cfg.model.dtype}; {p['layers']} layers x {p['kv_heads']} KV heads",
@@ -289,6 +288,78 @@ def dry_run(cfg) -> dict:
         f"           a batch of {cfg.sampling.batch_size} sequences: full {size(p['kv_full_bytes_per_batch'])}, "
         f"compressed {size(p['kv_kept_bytes_per_batch'])}",
     ]
+
+
+def actor_lines(cfg, p: dict) -> list[str]:
+    """The RL loop's actors (and ForesightKV's stage 1 in this process), what they ask of the cluster, and its steps."""
+    w, tr = cfg.workers, cfg.trainer
+    lines = []
+    engine = w.engine
+    if cfg.job == "foresight":
+        from kvrl.algos.foresight import ForesightRL
+
+        engine = ForesightRL.rollout_engine
+        lines.append(
+            f"stage 1    Golden Eviction and SFT in this process, on {cfg.device}; stage 2 "
+            "(eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors"
+        )
+    lines += [
+        f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
+        f"{w.learners} learner ({w.backend}{f' ZeRO-{w.zero_stage}' if w.backend == 'deepspeed' else ''}, "
+        f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): "
+        + (
+            "objects in this process, one after another (workers.address=inline)"
+            if w.address == INLINE
+            else f"the Ray cluster needs {p['cpus']:g} CPUs and {p['actor_gpus']:g} GPUs"
+            + (
+                f", plus {p['driver_gpus']} GPU for stage 1 in this process: {p['gpus']:g} GPUs in all"
+                if p["driver_gpus"]
+                else ""
+            )
+        ),
+        f"steps      {tr.steps} x {tr.batch_size} samples ({tr.batch_size // cfg.rl.group_size} tasks x "
+        f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
+        f"new tokens each",
+    ]
+    return lines
+
+
+def memory_lines(cfg, p: dict, traces: bool) -> list[str]:
+    """Each Ray actor's peak memory by part, with a warning and its fix where a GPU's does not fit;
+    sets ``p["memory"]`` (:func:`memory`, plus the trace actor's when ``traces``)."""
+    w, lines = cfg.workers, []
+    fixes = {
+        "learner": "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing"
+        "=true, or more learners with workers.backend=deepspeed",
+        "rollout": "lower sampling.batch_size or kv.budget",
+        "trace actor": "set workers.kv_cache_gib (vLLM's cache: it then runs fewer sequences at once) so that "
+        "the HF scorer fits beside it"
+        if w.engine == "vllm"
+        else "lower sampling.batch_size or set workers.engine=vllm",
+    }
+    config = model_config(cfg.model.path)
+    p["memory"] = {} if cfg.job == "foresight_traces" else memory(cfg, config, p)
+    if traces:
+        p["memory"]["trace actor"] = trace_memory(cfg, config, p)
+    for k, (actor, parts) in enumerate(p["memory"].items()):
+        total = sum(parts.values())
+        gpus = w.learner_gpus if actor == "learner" else w.rollout_gpus
+        fit = f" of the {w.gpu_gib:g} GiB GPU (workers.gpu_gib)" if gpus else " (no GPU: host memory)"
+        lines.append(
+            f"{'memory' if k == 0 else '':<10} {actor} peak ~{size(total)}{fit}: "
+            + " + ".join(f"{name} {size(v)}" for name, v in parts.items() if v)
+        )
+        if gpus and total > w.gpu_gib * 2**30:
+            lines.append(f"WARNING    the {actor} does not fit: {fixes[actor]}")
+    return lines
+
+
+def dry_run(cfg) -> dict:
+    """Print what ``cfg``'s recipe would ask of a cluster and return its figures (:func:`plan`, with
+    ``"memory"`` per actor for the Ray jobs)."""
+    p = plan(cfg)
+    w, tr = cfg.workers, cfg.trainer
+    lines = kv_lines(cfg, p)
     traces = cfg.job in ("foresight", "foresight_traces")
     if traces:  # the data step's actors
         fs = cfg.foresight
@@ -301,57 +372,9 @@ def dry_run(cfg) -> dict:
             "prompts per actor at a time"
         )
     if JOBS[cfg.job].ray and cfg.job != "foresight_traces":  # the RL loop's actors
-        engine = w.engine
-        if cfg.job == "foresight":
-            from kvrl.algos.foresight import ForesightRL
-
-            engine = ForesightRL.rollout_engine
-            lines.append(
-                f"stage 1    Golden Eviction and SFT in this process, on {cfg.device}; stage 2 "
-                "(eviction-MDP GRPO) on the Ray actors below, episodes on the rollout actors"
-            )
-        lines += [
-            f"actors     {w.rollout} rollout ({engine}, {w.rollout_cpus:g} CPU + {w.rollout_gpus:g} GPU each), "
-            f"{w.learners} learner ({w.backend}{f' ZeRO-{w.zero_stage}' if w.backend == 'deepspeed' else ''}, "
-            f"{w.learner_cpus:g} CPU + {w.learner_gpus:g} GPU each): "
-            + (
-                "objects in this process, one after another (workers.address=inline)"
-                if w.address == INLINE
-                else f"the Ray cluster needs {p['cpus']:g} CPUs and {p['actor_gpus']:g} GPUs"
-                + (
-                    f", plus {p['driver_gpus']} GPU for stage 1 in this process: {p['gpus']:g} GPUs in all"
-                    if p["driver_gpus"]
-                    else ""
-                )
-            ),
-            f"steps      {tr.steps} x {tr.batch_size} samples ({tr.batch_size // cfg.rl.group_size} tasks x "
-            f"{cfg.rl.group_size}) = {tr.steps * tr.batch_size} samples, up to {cfg.sampling.max_new_tokens} "
-            f"new tokens each",
-        ]
+        lines += actor_lines(cfg, p)
     if JOBS[cfg.job].ray:
-        fixes = {
-            "learner": "set trainer.micro_batch_tokens (smaller micro-batches) and trainer.gradient_checkpointing"
-            "=true, or more learners with workers.backend=deepspeed",
-            "rollout": "lower sampling.batch_size or kv.budget",
-            "trace actor": "set workers.kv_cache_gib (vLLM's cache: it then runs fewer sequences at once) so that "
-            "the HF scorer fits beside it"
-            if w.engine == "vllm"
-            else "lower sampling.batch_size or set workers.engine=vllm",
-        }
-        config = model_config(cfg.model.path)
-        p["memory"] = {} if cfg.job == "foresight_traces" else memory(cfg, config, p)
-        if traces:
-            p["memory"]["trace actor"] = trace_memory(cfg, config, p)
-        for k, (actor, parts) in enumerate(p["memory"].items()):
-            total = sum(parts.values())
-            gpus = w.learner_gpus if actor == "learner" else w.rollout_gpus
-            fit = f" of the {w.gpu_gib:g} GiB GPU (workers.gpu_gib)" if gpus else " (no GPU: host memory)"
-            lines.append(
-                f"{'memory' if k == 0 else '':<10} {actor} peak ~{size(total)}{fit}: "
-                + " + ".join(f"{name} {size(v)}" for name, v in parts.items() if v)
-            )
-            if gpus and total > w.gpu_gib * 2**30:
-                lines.append(f"WARNING    the {actor} does not fit: {fixes[actor]}")
+        lines += memory_lines(cfg, p, traces)
     elif cfg.job == "eval":
         ev = cfg.eval
         lines.append(
