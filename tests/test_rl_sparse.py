@@ -242,7 +242,7 @@ def test_rl_sparse_recipe_keeps_ending_its_answers(tmp_path, local_ray):
     with rl.truncated=keep no step truncates more than a quarter of its samples (measured: at most
     0.008). And the greedy accuracy under the G-KV cache on 64 held-out tasks is not below the
     untrained model's by more than 0.1, about 1.6 standard errors of a 64-task accuracy: at lr 1e-3
-    RL-Sparse wrecked both of its validation runs by step 20 (0.55 -> 0.16, 0.13; docs/results.md).
+    RL-Sparse wrecked both of its validation runs by step 20 (0.55 -> 0.16, 0.13; docs/studies.md).
     The training batches' own accuracy is no measure of this: each step's 16 tasks are new, and
     their accuracy moves by 0.3 from one step to the next."""
     overrides = ["recipe=tiny_gkv_sparse", "trainer.steps=10", "rl.checkpoint_every=0"]
