@@ -136,6 +136,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 SUMS = "SHA256SUMS"
+# where a job=foresight run keeps its trained scorer, the later stage first
+SCORER_FILES = ("rl/scorer.safetensors", "sft/scorer.safetensors")
 COMMITS = "commits.txt"  # a run folder's: the kvrl commit of each start (kvrl_commit), one a line
 
 
@@ -268,9 +270,7 @@ def trained_model(run: str | Path, verify: bool = True) -> tuple[Path, str] | No
             f"policy of job=eval: set {base} and eval.settings.NAME='{{policy: heads, run: {run}}}' "
             "with NAME in eval.policies"
         )
-    if saved.get("job") == "foresight" or any(
-        (run / p).is_file() for p in ("scorer.safetensors", "rl/scorer.safetensors", "sft/scorer.safetensors")
-    ):
+    if saved.get("job") == "foresight" or any((run / p).is_file() for p in ("scorer.safetensors", *SCORER_FILES)):
         raise ValueError(
             f"{run} is a ForesightKV run: it trained an eviction scorer, not model weights. Its scorer "
             f"is a cache policy of job=eval: set {base} and eval.settings.NAME='{{policy: learned, run: "
@@ -400,6 +400,13 @@ def kvrl_commit() -> str:
     except (OSError, subprocess.SubprocessError):  # no git, or not a repository
         return "unknown (kvrl is not a git checkout)"
     return commit + (" + uncommitted changes" if dirty else "")
+
+
+def scorer_file(run) -> Path | None:
+    """The trained ForesightKV scorer ``run`` names: the file itself, else the run folder's
+    :data:`SCORER_FILES`; None if none is there."""
+    run = Path(str(run)).expanduser()
+    return next((p for p in (run, *(run / f for f in SCORER_FILES)) if p.is_file()), None)
 
 
 class RunLog:

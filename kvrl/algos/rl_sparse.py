@@ -32,6 +32,7 @@ from __future__ import annotations
 from kvrl.algos import rl_sparse_config
 from kvrl.algos.rl_full import RLFull
 from kvrl.policies import Evicting, make_policy
+from kvrl.runlog import scorer_file
 
 
 class RLSparse(RLFull):
@@ -63,7 +64,7 @@ class RLSparse(RLFull):
             **own,
         )
         if kv.policy == "learned":
-            found = None if run is None else rl_sparse_config.scorer_file(run)
+            found = None if run is None else scorer_file(run)
             if found is None:  # the config path and the gate say so before the run: here for a cfg built otherwise
                 rules = rl_sparse_config.scorer_problems(self.cfg) or rl_sparse_config.problems(self.cfg)
                 raise ValueError("; ".join(rules))

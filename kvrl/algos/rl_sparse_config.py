@@ -10,10 +10,10 @@ trained ForesightKV scorer, frozen, named by kv.kwargs.run as job=eval's learned
 
 from pathlib import Path
 
+from kvrl.runlog import SCORER_FILES, scorer_file
 from kvrl.section import SECTIONS, register_section
 
 # where a job=foresight run's output_dir holds its trained scorer: stage 2's, else stage 1's (kvrl.jobs.foresight)
-SCORER_FILES = ("rl/scorer.safetensors", "sft/scorer.safetensors")
 TRAIN_ONE = (
     "train one with job=foresight on the same model.path (python -m kvrl.run recipe=tiny_foresight output_dir=DIR "
     "for model.path=tiny, recipe=tiny_multihop_foresight for tiny-multihop: benchmarks/learning/multihop_foresight.py "
@@ -36,13 +36,6 @@ def problems(cfg) -> list[str]:
             f"kv.kwargs.run does not name one; {TRAIN_ONE}, or set kv.policy=gkv"
         ]
     return []
-
-
-def scorer_file(run) -> Path | None:
-    """The trained scorer a kv.kwargs.run names, found as job=eval finds a learned line's
-    (`kvrl.eval.suite.PolicySpec`): the file itself, else the run's `SCORER_FILES`; None if none is there."""
-    run = Path(str(run)).expanduser()
-    return next((p for p in (run, *(run / f for f in SCORER_FILES)) if p.is_file()), None)
 
 
 def scorer_problems(cfg) -> list[str]:

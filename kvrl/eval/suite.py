@@ -40,7 +40,7 @@ from kvrl.envs.chat import after_thinking
 from kvrl.envs.verify import extract_boxed
 from kvrl.policies import POLICIES, Full, Static, Window, make_policy, policy_class
 from kvrl.policies.heads import GATES_FILE, head_allocation
-from kvrl.runlog import SUMS, damage
+from kvrl.runlog import SUMS, damage, scorer_file
 
 KINDS = ("full", "window", "heads", *POLICIES)
 MODES = ("correct", "wrong", "no_answer", "repetition")
@@ -146,24 +146,23 @@ class PolicySpec:
 
     def _scorer(self) -> Path:
         run = self._run()
-        for path in (run, run / "rl" / "scorer.safetensors", run / "sft" / "scorer.safetensors"):
-            if not path.is_file():
-                continue
-            # a folder sealed by a SHA256SUMS (the shipped tiny_artefacts) vouches for its files
-            why = damage(path.parent, only=path.name) if (path.parent / SUMS).is_file() else None
-            if why is not None:
-                raise ValueError(
-                    f"the ForesightKV scorer {path} is damaged: {why}; restore the file (shipped with "
-                    f"kvrl: reinstall kvrl, or `git checkout -- {path}` in a clone) or regenerate it "
-                    "with the run that wrote it (python -m kvrl.run recipe=tiny_foresight writes "
-                    "rl/scorer.safetensors)"
-                )
-            return path
-        raise FileNotFoundError(
-            f"no ForesightKV scorer in {run} (rl/scorer.safetensors or sft/scorer.safetensors): "
-            f"run `python -m kvrl.run recipe=tiny_foresight output_dir={run}` or point "
-            f"eval.settings.{self.name}.run at a scorer.safetensors"
-        )
+        path = scorer_file(run)
+        if path is None:
+            raise FileNotFoundError(
+                f"no ForesightKV scorer in {run} (rl/scorer.safetensors or sft/scorer.safetensors): "
+                f"run `python -m kvrl.run recipe=tiny_foresight output_dir={run}` or point "
+                f"eval.settings.{self.name}.run at a scorer.safetensors"
+            )
+        # a folder sealed by a SHA256SUMS (the shipped tiny_artefacts) vouches for its files
+        why = damage(path.parent, only=path.name) if (path.parent / SUMS).is_file() else None
+        if why is not None:
+            raise ValueError(
+                f"the ForesightKV scorer {path} is damaged: {why}; restore the file (shipped with "
+                f"kvrl: reinstall kvrl, or `git checkout -- {path}` in a clone) or regenerate it "
+                "with the run that wrote it (python -m kvrl.run recipe=tiny_foresight writes "
+                "rl/scorer.safetensors)"
+            )
+        return path
 
 
 def repeats(text: str) -> bool:
