@@ -23,9 +23,9 @@ at 50 % (``trained_acc``: Foresight-RL; ``baseline_acc``: the best rule-based po
 
 One scorer for every budget: ``--recipe tiny_multihop_foresight_general`` (foresight.budgets on) trains the
 general scorer into ``--out`` and, for each of ``--budgets`` (default 117, 176, 235, 352: 25 to 75 %), the
-budget-specific scorer (this recipe at that kv.budget, under ``--specific``: ``run`` at 235, ``budget-B``
-elsewhere; above 235 keeping the traces its eviction MDP can evict from, foresight.min_tokens = B + interval
-+ 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
+budget-specific scorer (this recipe at that kv.budget and the general recipe's seed S, in ``--specific``/bB-sS,
+where ``multihop_foresight_seeds.py`` trains its runs; above 235 keeping the traces its eviction MDP can evict
+from, foresight.min_tokens = B + interval + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
 ``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one, the zoo's best and
 every accuracy beside them, and the commits that trained the runs (``train_commits``) and judged them
 (``commit``). ``--set KEY=VALUE`` overrides every run trained and ``--no-record`` prints the lines only (a
@@ -77,7 +77,7 @@ def main():
         "--budgets", help="comma-separated token budgets to judge at (default 117,235; general 117,...,352)"
     )
     ap.add_argument("--out", default=None, help="the run (default outputs/multihop_foresight/run, or /general)")
-    ap.add_argument("--specific", default="outputs/multihop_foresight", help="where the budget-specific runs go")
+    ap.add_argument("--specific", default="outputs/multihop_foresight/seeds", help="where the budget-specific runs go")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of every run trained")
     ap.add_argument("--no-record", action="store_true", help="print the lines, write no results file")
     ap.add_argument("--picture", default="docs/img/multihop_foresight.png")
@@ -182,13 +182,14 @@ def judge_specific(args, cfg, out: Path, budgets: list[int], write) -> None:
         draw(line, Path(args.picture))
 
 
-def specific_run(args, budget: int) -> tuple:
+def specific_run(args, budget: int, seed: int) -> tuple:
     """(config, folder) of the budget-specific scorer at ``budget``: this recipe at that kv.budget, keeping the
     traces its eviction MDP evicts from where the budget is above the recipe's (long enough for all of it)."""
     base = load_config([f"recipe={RECIPE}"])
-    out = Path(args.specific) / ("run" if budget == base.kv.budget else f"budget-{budget}")
+    out = Path(args.specific) / f"b{budget}-s{seed}"
     longer = [f"foresight.min_tokens={budget + base.kv.interval + 1}"] if budget > base.kv.budget else []
-    overrides = [f"recipe={RECIPE}", f"kv.budget={budget}", *longer, f"output_dir={out}", "resume=auto", *args.set]
+    overrides = [f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", *longer, *args.set]
+    overrides += [f"output_dir={out}", "resume=auto"]
     return load_config(overrides), out
 
 
@@ -198,7 +199,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
     commits = {"general": trained(cfg, out)}
     specific = {}
     for budget in budgets:
-        scfg, specific[budget] = specific_run(args, budget)
+        scfg, specific[budget] = specific_run(args, budget, cfg.seed)
         commits[f"specific_{budget}"] = trained(scfg, specific[budget])
     model, _, engine = reasoner(cfg.model.path)
     model.requires_grad_(False)

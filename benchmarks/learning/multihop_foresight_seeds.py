@@ -1,0 +1,167 @@
+"""ForesightKV on the multihop reasoner over training seeds: what each stage buys, at 25 and 50 % of the sequence.
+
+For each training budget B of ``--trained`` (default 117 and 235: 25 and 50 % of the ~470-token sequences) and each
+seed S of ``--seeds``, trains ``python -m kvrl.run recipe=tiny_multihop_foresight kv.budget=B seed=S`` into
+``--runs``/bB-sS (a stopped run resumes when the command is given again; a finished one is judged as it is). The
+seed draws the traces, the scorer's initialisation, the SFT batches and the stage-2 episodes. No choice looked at
+any stream: the recipe's settings are tiny_foresight's.
+
+Every run's stage-1 (SFT) and stage-2 (RL) scorers are judged at every budget of ``--judged`` (default: those
+trained at): greedy exact accuracy on ``--tasks`` tasks of the test stream (seed 9001), HF engine, interval 16,
+window 8, sink 4 (the zoo's setting), beside every rule-based policy there. Prints one JSON line per training
+budget and records it in ``benchmarks/results/multihop_foresight_seeds_B.json``: ``trained_acc`` is the RL scorer's
+mean over seeds with Student's t interval over them (:func:`kvrl.bench.mean_interval`), ``baseline_acc`` the best
+rule-based policy at B; each seed's accuracy, SFT's beside RL's, and the scorers judged at the other budgets.
+
+``--rerun S`` also trains stage 2 of seed S at the first trained budget a second time from the same stage 1 (its
+traces, Golden replays and SFT scorer copied), and reports whether the two stage-2 scorers are bitwise equal and
+their accuracies: a run is reproducible from its seed on one machine (``tests/test_foresight_seeds.py``)::
+
+    python benchmarks/learning/multihop_foresight_seeds.py [--seeds 0,1,2] [--trained 117,235] [--rerun 0]
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from kvrl.bench import TEST_SEED, accuracy, draw_tasks, emit, mean_interval, reasoner, record, streams, train_commits
+from kvrl.config import load_config
+from kvrl.eval.budgets import evaluate
+from kvrl.eval.suite import PolicySpec
+from kvrl.policies import RULE_BASED, make_policy
+
+RECIPE = "tiny_multihop_foresight"
+RULES = ("window", *RULE_BASED)
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    ap.add_argument("--trained", type=ints, default=[117, 235], help="the budgets the scorers are trained at")
+    ap.add_argument("--judged", type=ints, default=None, help="the budgets they are judged at (default --trained)")
+    ap.add_argument("--runs", default="outputs/multihop_foresight/seeds")
+    ap.add_argument("--tasks", type=int, default=256)
+    ap.add_argument("--rerun", type=int, default=None, metavar="SEED", help="train stage 2 of SEED a second time")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of every run trained")
+    ap.add_argument("--no-record", action="store_true", help="print the lines, write no results file")
+    args = ap.parse_args()
+    runs = Path(args.runs)
+    judged = args.judged or args.trained
+
+    # ---- train every (budget, seed) not yet finished; a rerun of one seed's stage 2 from its stage 1
+    folders = {(b, s): train(runs, b, s, args.set) for s in args.seeds for b in args.trained}
+    rerun = None
+    if args.rerun is not None:
+        rerun = (args.trained[0], args.rerun)
+        folders["rerun"] = train(runs, *rerun, args.set, again=folders[rerun])
+
+    # ---- judge: the zoo once per budget, every run's two scorers at every judged budget
+    cfg = load_config([f"recipe={RECIPE}"])
+    kv, new_tokens = cfg.kv, cfg.sampling.max_new_tokens
+    model, _, engine = reasoner(cfg.model.path)
+    model.requires_grad_(False)
+    env, tasks = draw_tasks(cfg.env.id, args.tasks, TEST_SEED)
+    schedule = {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "budget_ratio": None}
+    full = accuracy(evaluate(engine, env, tasks, new_tokens))
+    zoo, scorers = {}, {}
+    for budget in judged:
+        for name in RULES:
+            policy = PolicySpec.of(name, {}).regime(model.config, budget, schedule)
+            zoo.setdefault(name, {})[budget] = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
+        for key, folder in folders.items():
+            for stage in ("sft", "rl"):
+                policy = make_policy("learned", model.config, budget=budget, **schedule_kv(kv))
+                policy.load_scorer(folder / stage / "scorer.safetensors")
+                r = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
+                scorers.setdefault(key, {}).setdefault(stage, {})[budget] = r
+
+    # ---- one line per training budget
+    write = emit if args.no_record else None
+    for trained_at in args.trained:
+        keys = [(trained_at, s) for s in args.seeds]
+        best = max(RULES, key=lambda n: zoo[n][trained_at]["acc"]) if trained_at in judged else None
+        stages = {
+            stage: {
+                budget: {
+                    "per_seed": [scorers[k][stage][budget]["acc"] for k in keys],
+                    **mean_interval([scorers[k][stage][budget]["acc"] for k in keys], len(tasks)),
+                }
+                for budget in judged
+            }
+            for stage in ("sft", "rl")
+        }
+        rl = stages["rl"][trained_at]
+        line = {
+            "benchmark": "multihop_foresight_seeds",
+            "formulation": "foresight",
+            "task": "multihop",
+            "model": cfg.model.path,
+            "recipe": RECIPE,
+            "kv": {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "trained_at_budget": trained_at},
+            "budget": trained_at,
+            "trained": "ForesightKV stage-2 (RL) scorer, mean over training seeds",
+            "trained_acc": rl["mean"],
+            "trained_ci95": rl["ci95"],
+            "baseline": f"best rule-based policy at {trained_at}: {best}",
+            "baseline_acc": zoo[best][trained_at]["acc"],
+            "baseline_ci95": zoo[best][trained_at]["ci95"],
+            "seeds": args.seeds,
+            "stages": stages,  # judged budget -> per-seed accuracies and their mean with interval
+            "stage2_gain_points_per_seed": [
+                round(100 * (a - b), 2) for a, b in zip(rl["per_seed"], stages["sft"][trained_at]["per_seed"])
+            ],
+            "per_seed": {s: scorers[(trained_at, s)] for s in args.seeds},
+            "zoo": {n: {b: zoo[n][b] for b in judged} for n in RULES},
+            "full": full,
+            "n": len(tasks),
+            **streams(TEST_SEED, args.seeds, {s: train_commits(folders[(trained_at, s)]) for s in args.seeds}, None),
+            "minutes_per_seed": [
+                round(json.loads((folders[k] / "results.json").read_text())["minutes"], 1) for k in keys
+            ],
+        }
+        if rerun and rerun[0] == trained_at:
+            line["rerun"] = rerun_line(folders[rerun], folders["rerun"], rerun[1], scorers[rerun], scorers["rerun"])
+        (write or (lambda x, b=trained_at: record(f"multihop_foresight_seeds_{b}", x)))(line)
+
+
+def schedule_kv(kv) -> dict:
+    return {"interval": kv.interval, "window": kv.window, "sink": kv.sink}
+
+
+def train(runs: Path, budget: int, seed: int, overrides: list[str], again: Path | None = None) -> Path:
+    """The finished run of ``budget`` and ``seed`` (trained here unless it is); ``again``: a second stage 2 of
+    that finished run, from a copy of its traces, Golden replays and stage-1 scorer."""
+    out = runs / (f"b{budget}-s{seed}" + ("-rerun" if again else ""))
+    if (out / "results.json").exists():
+        return out
+    for part in ("traces", "golden", "sft") if again else ():  # a rerun starts from the same stage 1
+        if not (out / part).exists():
+            shutil.copytree(again / part, out / part)
+    cmd = [sys.executable, "-m", "kvrl.run", f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}"]
+    subprocess.run([*cmd, *overrides, f"output_dir={out}", "resume=auto"], check=True)
+    return out
+
+
+def rerun_line(first: Path, second: Path, seed: int, judged_first: dict, judged_second: dict) -> dict:
+    """Whether a second stage 2 from the same stage 1 gave the same scorer, and both scorers' accuracies."""
+    a, b = (load_file(f / "rl" / "scorer.safetensors") for f in (first, second))
+    differ = [k for k in a if not a[k].equal(b[k])]
+    return {
+        "seed": seed,
+        "stage2_scorers_bitwise_equal": not differ,
+        "tensors_that_differ": len(differ),
+        "rl": {budget: [judged_first["rl"][budget]["acc"], r["acc"]] for budget, r in judged_second["rl"].items()},
+    }
+
+
+if __name__ == "__main__":
+    main()
