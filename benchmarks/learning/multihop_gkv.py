@@ -7,7 +7,9 @@ Training is the formulation's recipe (``recipes/tiny_multihop_sparse.yaml``,
 ``tiny_multihop_distill.yaml`` or ``tiny_multihop_full.yaml``) at ``--budget`` (RL-Full trains with
 the full cache at any budget, so its folder is named by the budget it is judged at), into ``--out/<formulation>_<budget>_lr<lr>`` with
 ``resume=auto``: a stopped run continues where it stopped when the command is given again, and
-a finished one is evaluated as it is. Training draws its tasks from seed 0's stream; the
+a finished one is evaluated as it is; a larger ``--steps`` continues it (the rate is constant after the warm-up,
+so that is the same run, longer), and each length's model is kept (``model-stepN``) for a smaller ``--steps`` to
+judge. Training draws its tasks from seed 0's stream; the
 judged tasks are ``--tasks`` tasks of the test stream (seed 9001), which no choice of
 reward or hyperparameter looked at; those were made on the validation stream (seed 7001:
 ``--stream validation``, and ``benchmarks/learning/multihop_signal.py``). Both models decode greedily under G-KV at the
@@ -25,6 +27,7 @@ step's mean wall seconds in rollout and learner (Ray actors' CPU is not this pro
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from kvrl.algos.rl_sparse import RLSparse
@@ -70,12 +73,20 @@ def main():
     )
     ap.add_argument("--tasks", type=int, default=256)
     ap.add_argument("--out", default="outputs/multihop_gkv")
+    ap.add_argument(
+        "--scorer",
+        default=None,
+        help="joint formulations: the ForesightKV run whose scorer is the cache (give each its own --out)",
+    )
     args = ap.parse_args()
     setup_process()
 
     recipe = load_config([f"recipe={RECIPES[args.formulation]}"])
     judge = RECIPES[args.formulation] if recipe.kv.policy == "learned" else JUDGE
-    kv = load_config([f"recipe={judge}"]).kv
+    scorer = [f"kv.kwargs.run={args.scorer}"] if args.scorer else []
+    if scorer and recipe.kv.policy != "learned":
+        raise SystemExit(f"--scorer is for the joint formulations; {args.formulation} evicts with {recipe.kv.policy}")
+    kv = load_config([f"recipe={judge}", *scorer]).kv
     budget = args.budget or kv.budget
     steps = args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
@@ -83,6 +94,7 @@ def main():
     out = Path(args.out) / f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
     overrides = [
         f"recipe={RECIPES[args.formulation]}",
+        *scorer,
         *([] if recipe.kv.policy == "full" else [f"kv.budget={budget}"]),
         f"trainer.steps={steps}",
         f"trainer.lr={lr}",
@@ -96,12 +108,22 @@ def main():
     done = (out / "model").is_dir() and metrics.exists() and len(metrics.read_text().splitlines()) >= steps
     _, train_wall, _ = timed(lambda: None if done else train(cfg))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # a run continued to more steps (constant rate after warm-up: the same run, longer) keeps each length's model
+    model_at = out / f"model-step{len(records)}"
+    if not model_at.exists():
+        shutil.copytree(out / "model", model_at)
+    model_at = out / f"model-step{steps}"
+    if not model_at.exists():
+        raise SystemExit(f"{out} has trained past step {steps} and kept no model at it; judge --steps {len(records)}")
+    records = records[:steps]
 
     # ---- judge both models greedily under the same cache (G-KV, or the joint recipe's scorer), on the test stream
     env, tasks = draw_tasks(cfg.env.id, args.tasks, seed)  # partial_credit 0: the exact answer
-    judging = RLSparse(load_config([f"recipe={judge}", f"kv.budget={budget}"]))  # its rollout policy is the cache
+    judging = RLSparse(
+        load_config([f"recipe={judge}", f"kv.budget={budget}", *scorer])
+    )  # its rollout policy is the cache
     judged = {}
-    for name, path in {"untrained": cfg.model.path, "trained": str(out / "model")}.items():
+    for name, path in {"untrained": cfg.model.path, "trained": str(model_at)}.items():
         model, _, engine = reasoner(path)
         policy = judging.rollout_policy(model)
         judged[name] = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
