@@ -1,0 +1,187 @@
+"""How well can a scorer learn Golden Eviction's choices on the multihop reasoner: capacity against features.
+
+Takes a finished ForesightKV run (``--run``): its Golden Eviction replays of the training traces
+(``golden/ranking.pt``, at the run's budget) and its held-out traces, replayed by Golden Eviction here at the same
+budget. Fits, with stage 1's ranking loss and schedule (``foresight.sft_*`` of ``tiny_multihop_foresight``, the
+run's seed), scorers that differ in one thing each:
+
+* ``foresight``: ForesightKV's per-KV-head MLP (hidden 16) on ``[k ‖ v ‖ 8·G attention features]``, as shipped;
+* ``wide``: the same inputs, hidden ``--wide`` (capacity);
+* ``attention_only`` / ``kv_only``: the shipped MLP with the keys and values, or the attention features, zeroed.
+
+For each, and for the run's own stage-1 scorer, reports the AUC of its score between the candidates Golden
+Eviction keeps and those it evicts at a step (per layer and KV head, pooled; 1 is the oracle's own choice) on the
+training replays it was fitted to and on the held-out replays, and the added NLL per generated token it causes
+when it evicts on its own over the held-out traces (teacher-forced; Golden's own beside it). A scorer that fits the
+training replays far better than the shipped one says capacity limits it; one that fits no better says the
+features do.
+
+    python benchmarks/learning/multihop_scorer_fit.py --run outputs/multihop_foresight/seeds/b117-s0 --budget 117
+"""
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvrl.algos.foresight import evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack, ranking_loss
+from kvrl.bench import emit, record, train_commits
+from kvrl.config import load_config
+from kvrl.data.traces import load_traces
+from kvrl.models.tiny import load_model
+from kvrl.policies.learned import N_FEATURES, ScorerMLP
+
+RECIPE = "tiny_multihop_foresight"
+SFT_WARMUP = 10  # kvrl.jobs.foresight's
+
+
+class Masked(nn.Module):
+    """A scorer MLP that sees ``x * mask`` (mask [F]): the input features left out are zeros."""
+
+    def __init__(self, inner: nn.Module, mask: torch.Tensor):
+        super().__init__()
+        self.inner, self.mask = inner, mask
+
+    @property
+    def w1(self) -> torch.Tensor:  # LearnedScorer.score reads the scorer's dtype and device from it
+        return self.inner.w1
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(layer, x * self.mask)
+
+
+class Wide(ScorerMLP):
+    """:class:`ScorerMLP` with ``hidden`` units instead of 16."""
+
+    def __init__(self, layers: int, kv_heads: int, in_features: int, generator: torch.Generator, hidden: int):
+        nn.Module.__init__(self)
+
+        def uniform(*shape, fan_in):
+            return nn.Parameter((torch.rand(*shape, generator=generator) * 2 - 1) / math.sqrt(fan_in))
+
+        self.w1 = uniform(layers, kv_heads, in_features, hidden, fan_in=in_features)
+        self.b1 = uniform(layers, kv_heads, hidden, fan_in=in_features)
+        self.w2 = uniform(layers, kv_heads, hidden, fan_in=hidden)
+        self.b2 = uniform(layers, kv_heads, fan_in=hidden)
+
+
+def fit(policy, data: list[dict], fs, seed: int) -> float:
+    """Stage 1 (kvrl.jobs.foresight.train_sft's loop) on ``data``; the last step's loss."""
+    opt = torch.optim.Adam(policy.scorer.parameters(), lr=fs.sft_lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: min(1.0, (s + 1) / SFT_WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, fs.sft_steps) / fs.sft_steps)),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(fs.sft_steps):
+        picks = torch.randint(len(data), (fs.sft_batch_size,), generator=gen).tolist()
+        steps = [s for i in picks for s in data[i]["steps"]]
+        x = pad_stack([s["x"] for s in steps], 0.0)
+        label, cand = pad_stack([s["label"] for s in steps], 0.0), pad_stack([s["candidates"] for s in steps], False)
+        loss = ranking_loss(evict_scores(policy, x), label, cand, fs.margin)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return loss.item()
+
+
+@torch.no_grad()
+def kept_vs_evicted(policy, replays: list[dict], keep: int) -> float:
+    """AUC of the scorer's keep score between Golden's ``keep`` best-labelled candidates of each (step, layer, KV
+    head) and the rest of its candidates."""
+    wins = pairs = 0.0
+    for replay in replays:
+        for step in replay["steps"]:
+            score = -evict_scores(policy, step["x"][None])[0]  # [layers, H, N]
+            for row_label, row_cand, row_score in zip(
+                step["label"].flatten(0, 1), step["candidates"].flatten(0, 1), score.flatten(0, 1)
+            ):
+                idx = row_cand.nonzero().flatten()
+                if len(idx) <= keep:
+                    continue
+                order = row_label[idx].argsort(descending=True)
+                d = row_score[idx[order[:keep]]][:, None] - row_score[idx[order[keep:]]][None, :]
+                wins += float((d > 0).sum() + 0.5 * (d == 0).sum())
+                pairs += d.numel()
+    return round(wins / max(pairs, 1), 4)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run", required=True, help="a finished ForesightKV run (its Golden replays and traces)")
+    ap.add_argument("--budget", type=int, required=True, help="the run's kv.budget (its replays' budget)")
+    ap.add_argument("--heldout", type=int, default=16, help="held-out traces replayed and judged")
+    ap.add_argument("--wide", type=int, default=64, help="the wide scorer's hidden units (ForesightKV's: 16)")
+    ap.add_argument("--auc-traces", type=int, default=64, help="training traces the training AUC is measured on")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override (foresight.sft_*)"
+    )
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    run = Path(args.run)
+    cfg = load_config([f"recipe={RECIPE}", f"kv.budget={args.budget}", *args.set])
+    kv, fs = cfg.kv, cfg.foresight
+    model, _ = load_model(cfg.model.path)
+    model.requires_grad_(False)
+    train = torch.load(run / "golden" / "ranking.pt")
+    if {d["budget"] for d in train} != {args.budget}:
+        raise SystemExit(f"{run}'s Golden replays are not at budget {args.budget}: pass the run's kv.budget")
+    heldout_traces = load_traces(run / "traces" / "heldout")[: args.heldout]
+    reference = make_scorer(model, kv)
+    heldout = [golden_replay(model, t, reference, args.budget) for t in heldout_traces]
+    keep = args.budget - kv.sink - kv.window
+
+    dim = reference.head_dim * 2  # [k ‖ v] come first, then N_FEATURES per query head of the group
+    width = dim + N_FEATURES * reference.group
+    attention = torch.cat([torch.zeros(dim), torch.ones(width - dim)])
+    variants = {"foresight_sft_of_the_run": None, "foresight": None, "wide": None, "attention_only": attention}
+    variants["kv_only"] = 1 - attention
+    setting = dict(budget=args.budget, interval=kv.interval, window=kv.window, sink=kv.sink)
+    lines = {}
+    for name, mask in variants.items():
+        policy = make_scorer(model, kv)
+        if name == "foresight_sft_of_the_run":
+            policy.load_scorer(run / "sft" / "scorer.safetensors")
+            last_loss = None
+        else:
+            if name == "wide":
+                gen = torch.Generator().manual_seed(cfg.seed)
+                policy.scorer = Wide(policy.layers, policy.kv_heads, width, gen, args.wide)
+            elif mask is not None:
+                policy.scorer = Masked(policy.scorer, mask)
+            last_loss = round(fit(policy, train, fs, cfg.seed), 5)
+        ratio = loss_ratios(model, heldout_traces, {name: policy}, **setting)[name]
+        full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
+        lines[name] = {
+            "sft_loss_last": last_loss,
+            "auc_train": kept_vs_evicted(policy, train[: args.auc_traces], keep),
+            "auc_heldout": kept_vs_evicted(policy, heldout, keep),
+            "added_nll_per_token": round((ratio - 1) * full, 5),
+        }
+        print(name, lines[name], flush=True)
+    golden = loss_ratios(model, heldout_traces, {"golden": "golden"}, **setting)["golden"]
+    full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
+    line = {
+        "benchmark": "multihop_scorer_fit",
+        "task": "multihop",
+        "formulation": "foresight",
+        "run": str(run),
+        "budget": args.budget,
+        "kv": setting,
+        "train_traces": len(train),
+        "heldout_traces": len(heldout_traces),
+        "sft": {"steps": fs.sft_steps, "batch_size": fs.sft_batch_size, "lr": fs.sft_lr, "margin": fs.margin},
+        "wide_hidden": args.wide,
+        "scorers": lines,
+        "golden_added_nll_per_token": round((golden - 1) * full, 5),
+        "full_cache_nll_per_token": round(full, 6),
+        "train_commits": train_commits(run),
+    }
+    (emit if args.no_record else lambda x: record(f"multihop_scorer_fit_{args.budget}", x))(line)
+
+
+if __name__ == "__main__":
+    main()
