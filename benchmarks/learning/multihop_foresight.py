@@ -27,9 +27,10 @@ budget-specific scorer (this recipe at that kv.budget and the general recipe's s
 where ``multihop_foresight_seeds.py`` trains its runs; above 235 keeping the traces its eviction MDP can evict
 from, foresight.min_tokens = B + interval + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
 ``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one, the zoo's best and
-every accuracy beside them, and the commits that trained the runs (``train_commits``) and judged them
-(``commit``). ``--set KEY=VALUE`` overrides every run trained and ``--no-record`` prints the lines only (a
-smoke run at tiny sizes)::
+every accuracy beside them, the added NLL per token of every policy (Golden Eviction's among them) over the
+general run's held-out traces, and the commits that trained the runs (``train_commits``) and judged them
+(``commit``); draws ``docs/img/multihop_foresight_general.png``. ``--set KEY=VALUE`` overrides every run trained
+and ``--no-record`` prints the lines only (a smoke run at tiny sizes)::
 
     python benchmarks/learning/multihop_foresight.py --recipe tiny_multihop_foresight_general
 """
@@ -206,6 +207,9 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
     env, tasks = draw_tasks(cfg.env.id, args.tasks, TEST_SEED)
     kv, new_tokens = cfg.kv, cfg.sampling.max_new_tokens
     full = accuracy(evaluate(engine, env, tasks, new_tokens))
+    heldout = load_traces(out / "traces" / "heldout")
+    full_per_token = sum(map(sum, (t.loss for t in heldout))) / sum(len(t.loss) for t in heldout)
+    picture = {"budgets": budgets, "accuracy": {"full": {"-": full}}, "added_nll_per_token": {}}
     for budget in budgets:
         setting = dict(budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink)
         scorers = {}
@@ -223,6 +227,15 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             acc[name] = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
         best = max(RULES, key=lambda n: acc[n]["acc"])
         general, specialist = acc["foresight_general_rl"], acc["foresight_specific_rl"]
+        policies = {"golden": "golden", **scorers, **{n: n for n in RULE_BASED}}
+        added = {
+            n: round((r - 1) * full_per_token, 5) for n, r in loss_ratios(model, heldout, policies, **setting).items()
+        }
+        for name, point in acc.items():
+            if name != "full":
+                picture["accuracy"].setdefault(name, {})[str(budget)] = point
+        for name, value in added.items():
+            picture["added_nll_per_token"].setdefault(name, {})[str(budget)] = value
         line = {
             "benchmark": "multihop_foresight_general",
             "formulation": "foresight_general",
@@ -242,6 +255,8 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "zoo_best_acc": acc[best]["acc"],
             "zoo_best_ci95": acc[best]["ci95"],
             "accuracy": acc,
+            "added_nll_per_token": added,  # over the general run's held-out traces, Golden Eviction's beside
+            "full_cache_nll_per_token": round(full_per_token, 6),
             "n": len(tasks),
             "tasks": len(tasks),
             **streams(
@@ -253,14 +268,24 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
         }
         (write or partial(record, f"multihop_foresight_general_{budget}"))(line)
+    if not write:
+        picture.update(tasks=len(tasks), heldout_traces=len(heldout))
+        draw(picture, Path(args.picture).with_name("multihop_foresight_general.png"), "one scorer for every budget")
 
 
-def draw(line: dict, path: Path) -> None:
+def draw(line: dict, path: Path, title: str | None = None) -> None:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     xs = line["budgets"]
     markers = iter("sv^<>dph")
-    colours = {"foresight_rl": "tab:red", "foresight_sft": "tab:pink", "golden": "black"}
+    colours = {
+        "foresight_rl": "tab:red",
+        "foresight_sft": "tab:pink",
+        "golden": "black",
+        "foresight_general_rl": "tab:blue",
+        "foresight_general_sft": "tab:cyan",
+        "foresight_specific_rl": "tab:red",
+    }
     for name, row in line["accuracy"].items():
         if name == "full":
             a.axhline(row["-"]["acc"], color="black", lw=0.8, ls=":", label=f"full cache ({row['-']['acc']:.3f})")
@@ -285,7 +310,8 @@ def draw(line: dict, path: Path) -> None:
     b.set_ylabel("added NLL per generated token (nats)")
     b.set_title(f"{line['heldout_traces']} held-out traces, teacher-forced", fontsize=9)
     b.legend(fontsize=7)
-    fig.suptitle(f"multihop reasoner: ForesightKV (trained at {line['budget']}) over the zoo", fontsize=10)
+    title = title or f"ForesightKV (trained at {line['budget']})"
+    fig.suptitle(f"multihop reasoner: {title} over the zoo", fontsize=10)
     save_figure(fig, path)
 
 
