@@ -34,6 +34,7 @@ from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.eval.suite import PolicySpec
 from kvrl.policies import RULE_BASED, make_policy
+from kvrl.runlog import setup_process
 
 RECIPE = "tiny_multihop_foresight"
 RULES = ("window", *RULE_BASED)
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of every run trained")
     ap.add_argument("--no-record", action="store_true", help="print the lines, write no results file")
     args = ap.parse_args()
+    setup_process()  # one torch thread, denormals flushed: as every kvrl process
     runs = Path(args.runs)
     judged = args.judged or args.trained
 

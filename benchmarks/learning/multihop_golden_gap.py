@@ -33,6 +33,7 @@ from kvrl.envs.eviction import ChunkedPass
 from kvrl.models.tiny import load_model
 from kvrl.policies import make_policy
 from kvrl.policies.golden import GoldenEviction, record_attention
+from kvrl.runlog import setup_process
 
 RECIPE = "tiny_multihop_foresight"
 STAGES = ("sft", "rl")
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--traces", type=int, default=16, help="held-out traces replayed (~20 s each)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    setup_process()  # one torch thread, denormals flushed: as every kvrl process
     run = Path(args.run)
     cfg = load_config([f"recipe={RECIPE}"])
     kv = cfg.kv

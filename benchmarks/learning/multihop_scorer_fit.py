@@ -32,6 +32,7 @@ from kvrl.config import load_config
 from kvrl.data.traces import load_traces
 from kvrl.models.tiny import load_model
 from kvrl.policies.learned import N_FEATURES, ScorerMLP
+from kvrl.runlog import setup_process
 
 RECIPE = "tiny_multihop_foresight"
 SFT_WARMUP = 10  # kvrl.jobs.foresight's
@@ -121,6 +122,7 @@ def main():
     )
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
+    setup_process()  # one torch thread, denormals flushed: as every kvrl process
     run = Path(args.run)
     cfg = load_config([f"recipe={RECIPE}", f"kv.budget={args.budget}", *args.set])
     kv, fs = cfg.kv, cfg.foresight
