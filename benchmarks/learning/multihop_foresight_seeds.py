@@ -125,6 +125,7 @@ def main():
             "zoo": {n: {b: zoo[n][b] for b in judged} for n in RULES},
             "full": full,
             "n": len(tasks),
+            "tasks": len(tasks),
             **streams(TEST_SEED, args.seeds, {s: train_commits(folders[(trained_at, s)]) for s in args.seeds}, None),
             "minutes_per_seed": [
                 round(json.loads((folders[k] / "results.json").read_text())["minutes"], 1) for k in keys
