@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvrl.algos.foresight import evict_scores, golden_replay, loss_ratios, make_scorer, pad_stack, ranking_loss
+from kvrl.algos.foresight import evict_scores, golden_replay, loss_ratios, make_scorer
 from kvrl.bench import emit, record, train_commits
 from kvrl.config import load_config
 from kvrl.data.traces import load_traces
+from kvrl.jobs.foresight import train_sft
 from kvrl.models.tiny import load_model
 from kvrl.policies.learned import N_FEATURES, ScorerMLP
 from kvrl.runlog import setup_process
 
 RECIPE = "tiny_multihop_foresight"
-SFT_WARMUP = 10  # kvrl.jobs.foresight's
 
 
 class Masked(nn.Module):
@@ -68,25 +68,9 @@ class Wide(ScorerMLP):
         self.b2 = uniform(layers, kv_heads, fan_in=hidden)
 
 
-def fit(policy, data: list[dict], fs, seed: int) -> float:
-    """Stage 1 (kvrl.jobs.foresight.train_sft's loop) on ``data``; the last step's loss."""
-    opt = torch.optim.Adam(policy.scorer.parameters(), lr=fs.sft_lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: min(1.0, (s + 1) / SFT_WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, fs.sft_steps) / fs.sft_steps)),
-    )
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(fs.sft_steps):
-        picks = torch.randint(len(data), (fs.sft_batch_size,), generator=gen).tolist()
-        steps = [s for i in picks for s in data[i]["steps"]]
-        x = pad_stack([s["x"] for s in steps], 0.0)
-        label, cand = pad_stack([s["label"] for s in steps], 0.0), pad_stack([s["candidates"] for s in steps], False)
-        loss = ranking_loss(evict_scores(policy, x), label, cand, fs.margin)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    return loss.item()
+def fit(policy, data: list[dict], cfg) -> float:
+    """Stage 1 as the pipeline trains it (:func:`kvrl.jobs.foresight.train_sft`) on ``data``; the last step's loss."""
+    return train_sft(policy, data, cfg, log=lambda row: None)[-1]["loss"]
 
 
 @torch.no_grad()
@@ -154,7 +138,7 @@ def main():
                 policy.scorer = Wide(policy.layers, policy.kv_heads, width, gen, args.wide)
             elif mask is not None:
                 policy.scorer = Masked(policy.scorer, mask)
-            last_loss = round(fit(policy, train, fs, cfg.seed), 5)
+            last_loss = round(fit(policy, train, cfg), 5)
         ratio = loss_ratios(model, heldout_traces, {name: policy}, **setting)[name]
         full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
         lines[name] = {
