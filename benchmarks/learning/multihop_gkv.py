@@ -14,7 +14,7 @@ judged tasks are ``--tasks`` tasks of the test stream (seed 9001), which no choi
 reward or hyperparameter looked at; those were made on the validation stream (seed 7001:
 ``--stream validation``, and ``benchmarks/learning/multihop_signal.py``). Both models decode greedily under G-KV at the
 RL-Sparse recipe's interval, window, sink and kwargs (the joint formulations: under their own recipe's
-scorer, ``kv.kwargs.run``, at ``--budget``: train it first with ``benchmarks/learning/multihop_foresight.py``);
+scorer, ``kv.kwargs.run``, at ``--budget``: train it first with ``benchmarks/learning/multihop_foresight_seeds.py``);
 accuracy is the exact answer with its 95 % Wilson interval, query accuracy beside it.
 
 Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation>[_<budget>].json``
@@ -22,7 +22,7 @@ Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation
 step's mean wall seconds in rollout and learner (Ray actors' CPU is not this process's).
 
     python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--tasks 256]
-    python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight.py
+    python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight_seeds.py
 """
 
 import argparse
