@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from kvrl.algos.distill import Distill
 from kvrl.algos.rl_sparse import RLSparse
@@ -118,3 +118,25 @@ def test_a_run_without_a_trained_scorer_is_refused_before_it_starts(tmp_path, ca
     err = capsys.readouterr().err
     assert f"kv.kwargs.run={str(run)!r}: {found}" in err and "train one with job=foresight" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("recipe", ["tiny_multihop_joint_sparse", "tiny_multihop_joint_distill"])
+def test_the_multihop_joint_recipes_run_through_their_loop(tmp_path, recipe):
+    """The shipped multihop recipes, shrunk to one step of 8 short samples, under a scorer of the multihop
+    reasoner's geometry (untrained: the loop does not care what it learned) at their budget 117."""
+    from kvrl.algos.foresight import scorer_state
+    from kvrl.jobs.rl import main as train
+    from kvrl.policies import make_policy
+
+    model, _ = load_model("tiny-multihop")
+    run = tmp_path / "foresight"
+    (run / "rl").mkdir(parents=True)
+    scorer = make_policy("learned", model.config, budget=117, interval=16, window=8, sink=4)
+    save_file(scorer_state(scorer), run / "rl" / "scorer.safetensors")
+    out = tmp_path / "run"
+    overrides = ["workers.address=inline", "workers.rollout=1", "workers.learners=1", "workers.backend=ddp"]
+    overrides += ["workers.engine=hf", "trainer.steps=1", "trainer.batch_size=8", "sampling.batch_size=8"]
+    overrides += ["sampling.max_new_tokens=48", "rl.checkpoint_every=0", f"kv.kwargs.run={run}", f"output_dir={out}"]
+    train(load_config([f"recipe={recipe}", *overrides]))
+    (record,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["kv_retention"] < 1.0 and record["mismatch_max"] <= 1e-3
