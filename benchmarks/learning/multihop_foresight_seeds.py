@@ -81,7 +81,9 @@ def main():
             zoo.setdefault(name, {})[budget] = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
         for key, folder in folders.items():
             for stage in ("sft", "rl"):
-                policy = make_policy("learned", model.config, budget=budget, **schedule_kv(kv))
+                policy = make_policy(
+                    "learned", model.config, budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink
+                )
                 policy.load_scorer(folder / stage / "scorer.safetensors")
                 r = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
                 scorers.setdefault(key, {}).setdefault(stage, {})[budget] = r
@@ -134,10 +136,6 @@ def main():
         if rerun and rerun[0] == trained_at:
             line["rerun"] = rerun_line(folders[rerun], folders["rerun"], rerun[1], scorers[rerun], scorers["rerun"])
         (write or (lambda x, b=trained_at: record(f"multihop_foresight_seeds_{b}", x)))(line)
-
-
-def schedule_kv(kv) -> dict:
-    return {"interval": kv.interval, "window": kv.window, "sink": kv.sink}
 
 
 def train(runs: Path, budget: int, seed: int, overrides: list[str], again: Path | None = None) -> Path:

@@ -126,6 +126,7 @@ def main():
     variants = {"foresight_sft_of_the_run": None, "foresight": None, "wide": None, "attention_only": attention}
     variants["kv_only"] = 1 - attention
     setting = dict(budget=args.budget, interval=kv.interval, window=kv.window, sink=kv.sink)
+    full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
     lines = {}
     for name, mask in variants.items():
         policy = make_scorer(model, kv)
@@ -140,7 +141,6 @@ def main():
                 policy.scorer = Masked(policy.scorer, mask)
             last_loss = round(fit(policy, train, cfg), 5)
         ratio = loss_ratios(model, heldout_traces, {name: policy}, **setting)[name]
-        full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
         lines[name] = {
             "sft_loss_last": last_loss,
             "auc_train": kept_vs_evicted(policy, train[: args.auc_traces], keep),
@@ -149,7 +149,6 @@ def main():
         }
         print(name, lines[name], flush=True)
     golden = loss_ratios(model, heldout_traces, {"golden": "golden"}, **setting)["golden"]
-    full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
     line = {
         "benchmark": "multihop_scorer_fit",
         "task": "multihop",
