@@ -13,6 +13,10 @@ budget and records it in ``benchmarks/results/multihop_foresight_seeds_B.json``:
 mean over seeds with Student's t interval over them (:func:`kvrl.bench.mean_interval`), ``baseline_acc`` the best
 rule-based policy at B; each seed's accuracy, SFT's beside RL's, and the scorers judged at the other budgets.
 
+A judged accuracy is kept in the run's (or, for the zoo, ``--runs``') ``judged.json`` under the judging commit,
+the number of tasks and the budget: given again at the same clean commit, the command judges only what is new (a
+seed added, a run finished since), so seeds can be judged as their runs finish.
+
 ``--rerun S`` also trains stage 2 of seed S at the first trained budget a second time from the same stage 1 (its
 traces, Golden replays and SFT scorer copied), and reports whether the two stage-2 scorers are bitwise equal and
 their accuracies: a run is reproducible from its seed on one machine (``tests/test_foresight_seeds.py``)::
@@ -29,7 +33,19 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from kvrl.bench import TEST_SEED, accuracy, draw_tasks, emit, mean_interval, reasoner, record, streams, train_commits
+from kvrl.bench import (
+    ROOT,
+    TEST_SEED,
+    accuracy,
+    dirty_files,
+    draw_tasks,
+    emit,
+    mean_interval,
+    reasoner,
+    record,
+    streams,
+    train_commits,
+)
 from kvrl.config import load_config
 from kvrl.eval.budgets import evaluate
 from kvrl.eval.suite import PolicySpec
@@ -73,19 +89,24 @@ def main():
     model.requires_grad_(False)
     env, tasks = draw_tasks(cfg.env.id, args.tasks, TEST_SEED)
     schedule = {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "budget_ratio": None}
-    full = accuracy(evaluate(engine, env, tasks, new_tokens))
+    cache = Judged(len(tasks))
+    full = cache.get(runs, "full", lambda: evaluate(engine, env, tasks, new_tokens))
     zoo, scorers = {}, {}
     for budget in judged:
         for name in RULES:
             policy = PolicySpec.of(name, {}).regime(model.config, budget, schedule)
-            zoo.setdefault(name, {})[budget] = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
+            zoo.setdefault(name, {})[budget] = cache.get(
+                runs, f"{name}@{budget}", lambda: evaluate(engine, env, tasks, new_tokens, policy=policy)
+            )
         for key, folder in folders.items():
             for stage in ("sft", "rl"):
                 policy = make_policy(
                     "learned", model.config, budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink
                 )
                 policy.load_scorer(folder / stage / "scorer.safetensors")
-                r = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
+                r = cache.get(
+                    folder, f"{stage}@{budget}", lambda: evaluate(engine, env, tasks, new_tokens, policy=policy)
+                )
                 scorers.setdefault(key, {}).setdefault(stage, {})[budget] = r
 
     # ---- one line per training budget
@@ -136,6 +157,25 @@ def main():
         if rerun and rerun[0] == trained_at:
             line["rerun"] = rerun_line(folders[rerun], folders["rerun"], rerun[1], scorers[rerun], scorers["rerun"])
         (write or (lambda x, b=trained_at: record(f"multihop_foresight_seeds_{b}", x)))(line)
+
+
+class Judged:
+    """Accuracies judged on ``tasks`` test tasks, kept in a folder's ``judged.json`` under the commit that judged
+    them; a dirty tree neither reads nor writes them (its line would name code that did not run)."""
+
+    def __init__(self, tasks: int):
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        self.prefix = None if dirty_files(ROOT) or not commit else f"{commit.strip()}/{TEST_SEED}/{tasks}/"
+
+    def get(self, folder: Path, key: str, judge) -> dict:
+        path = folder / "judged.json"
+        kept = json.loads(path.read_text()) if path.exists() else {}
+        if self.prefix and self.prefix + key in kept:
+            return kept[self.prefix + key]
+        result = accuracy(judge())
+        if self.prefix:
+            path.write_text(json.dumps({**kept, self.prefix + key: result}, indent=1) + "\n")
+        return result
 
 
 def train(runs: Path, budget: int, seed: int, overrides: list[str], again: Path | None = None) -> Path:
