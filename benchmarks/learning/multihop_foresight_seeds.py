@@ -19,7 +19,8 @@ seed added, a run finished since), so seeds can be judged as their runs finish.
 
 ``--rerun S`` also trains stage 2 of seed S at the first trained budget a second time from the same stage 1 (its
 traces, Golden replays and SFT scorer copied), and reports whether the two stage-2 scorers are bitwise equal and
-their accuracies: a run is reproducible from its seed on one machine (``tests/test_foresight_seeds.py``)::
+their accuracies: a run is reproducible from its seed on one machine (``tests/test_foresight_seeds.py``). Each seed's
+line also says what its stage 2 did (``stage2_per_seed``: :func:`stage2_line`)::
 
     python benchmarks/learning/multihop_foresight_seeds.py [--seeds 0,1,2] [--trained 117,235] [--rerun 0]
 """
@@ -37,6 +38,7 @@ from kvrl.bench import (
     ROOT,
     TEST_SEED,
     accuracy,
+    column_mean,
     dirty_files,
     draw_tasks,
     emit,
@@ -145,6 +147,7 @@ def main():
                 round(100 * (a - b), 2) for a, b in zip(rl["per_seed"], stages["sft"][trained_at]["per_seed"])
             ],
             "per_seed": {s: scorers[(trained_at, s)] for s in args.seeds},
+            "stage2_per_seed": {s: stage2_line(folders[(trained_at, s)]) for s in args.seeds},
             "zoo": {n: {b: zoo[n][b] for b in judged} for n in RULES},
             "full": full,
             "n": len(tasks),
@@ -190,6 +193,27 @@ def train(runs: Path, budget: int, seed: int, overrides: list[str], again: Path 
     cmd = [sys.executable, "-m", "kvrl.run", f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}"]
     subprocess.run([*cmd, *overrides, f"output_dir={out}", "resume=auto"], check=True)
     return out
+
+
+def stage2_line(run: Path) -> dict:
+    """What stage 2 did in ``run``, from its files: the mean share of GRPO groups with no reward spread, the mean
+    gradient norm before clipping (``trainer.max_grad_norm`` beside it), the mean KL to the stage-1 scorer, how
+    far the weights moved (the norm of the change over the stage-1 weights' norm), and the pipeline's own
+    held-out check (64 tasks of the training stream, not the test stream) of both stages."""
+    rows = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
+    sft, rl = (load_file(run / stage / "scorer.safetensors") for stage in ("sft", "rl"))
+    moved = sum(float((rl[k] - sft[k]).pow(2).sum()) for k in sft) ** 0.5
+    size = sum(float(sft[k].pow(2).sum()) for k in sft) ** 0.5
+    heldout = json.loads((run / "results.json").read_text())["accuracy"]
+    cfg = load_config([f"recipe={RECIPE}"])
+    return {
+        "zero_std_groups": column_mean(rows, "zero_std_groups"),
+        "grad_norm": column_mean(rows, "grad_norm", 1),
+        "max_grad_norm": cfg.trainer.max_grad_norm,
+        "kl_to_stage1": column_mean(rows, "kl", 8),
+        "relative_weight_change": round(moved / size, 4),
+        "heldout_acc": {stage: round(heldout[f"foresight_{stage}"]["accuracy"], 4) for stage in ("sft", "rl")},
+    }
 
 
 def rerun_line(first: Path, second: Path, seed: int, judged_first: dict, judged_second: dict) -> dict:
