@@ -244,15 +244,17 @@ def record(name: str, line: dict) -> None:
 def dirty_files(root: Path) -> list[str]:
     """The files of the git checkout ``root`` that differ from its commit: tracked files with changes,
     and files git does not know (and does not ignore) under ``kvrl/`` and ``benchmarks/``, which a
-    benchmark may have imported. Untracked results (``benchmarks/results/``) are outputs, not code."""
+    benchmark may have imported. Results (``benchmarks/results/``), tracked or not, are outputs, not code:
+    a checkout that judges one benchmark after another stays clean."""
 
     def rows(*args: str) -> list[str]:
         return subprocess.run(
             ["git", "status", "--porcelain", *args], cwd=root, capture_output=True, text=True
         ).stdout.splitlines()
 
-    tracked = [row[3:] for row in rows("--untracked-files=no")]
-    scope = ("--", "kvrl", "benchmarks", ":(exclude)benchmarks/results")
+    outputs = ":(exclude)benchmarks/results"
+    tracked = [row[3:] for row in rows("--untracked-files=no", "--", ".", outputs)]
+    scope = ("--", "kvrl", "benchmarks", outputs)
     return tracked + [row[3:] for row in rows("--untracked-files=all", *scope) if row.startswith("??")]
 
 

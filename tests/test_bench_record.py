@@ -45,7 +45,11 @@ def written(root, name):
 
 def test_an_untracked_module_makes_the_tree_dirty(checkout):
     """A module the benchmark may have imported, not yet added to git, is code the commit does not hold."""
+    (checkout / "benchmarks" / "results" / "kept.json").write_text("{}\n")
+    git(checkout, "add", ".")
+    git(checkout, "commit", "-q", "-m", "a recorded result")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
+    (checkout / "benchmarks" / "results" / "kept.json").write_text('{"acc": 1}\n')  # a tracked result, rewritten
     (checkout / "kvrl" / "__pycache__").mkdir()
     (checkout / "kvrl" / "__pycache__" / "x.pyc").write_text("")  # ignored: not code that differs
     (checkout / "benchmarks" / "results" / "new.json").write_text("{}\n")  # another run's output
