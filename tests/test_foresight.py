@@ -75,6 +75,24 @@ def test_set_logprob_edge_cases_and_gradients():
     assert torch.isfinite(evict.grad).all() and evict.grad[0].abs().sum() > 0
 
 
+def test_set_logprob_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """Rows are taken in groups of like set size (one large first eviction among the interval's small ones):
+    each row's log-probability and gradient are those of the row alone."""
+    g = torch.Generator().manual_seed(0)
+    evict = torch.randn(5, 3, 40, generator=g, requires_grad=True)
+    sizes = torch.tensor([[4, 4, 17], [0, 4, 3], [9, 4, 4], [4, 1, 4], [4, 4, 12]])
+    pool = torch.arange(40) < 2 * sizes[..., None]
+    drawn = torch.arange(40) < sizes[..., None]
+    lp = topk_set_logprob(evict, pool, drawn)
+    lp.sum().backward()
+    for i, j in itertools.product(range(5), range(3)):
+        row = evict.detach()[i, j].clone().requires_grad_(True)
+        alone = topk_set_logprob(row, pool[i, j], drawn[i, j])
+        alone.backward()
+        assert lp[i, j].item() == pytest.approx(alone.item(), abs=1e-6)
+        assert torch.allclose(evict.grad[i, j], row.grad, atol=1e-6)
+
+
 def key_positions(rows, n):
     return torch.arange(n).expand(rows, 1, n).clone()
 

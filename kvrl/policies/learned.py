@@ -272,7 +272,24 @@ def topk_set_logprob(evict: Tensor, pool: Tensor, drawn: Tensor) -> Tensor:
     pool is the set) P = 1; rows that draw nothing get 0.
 
     evict, pool, drawn: [..., N]; returns [...] float32.
+
+    The quadrature holds [rows, E, Q] float64 terms for backward, E the largest drawn set among the rows: rows
+    are taken in groups of like E (E up to each power of two), so one large set (an episode's first eviction
+    down to a tight budget: ~100 where the others draw the interval's 16) does not pad every row to its size.
     """
+    counts = drawn.sum(-1)
+    groups = counts.clamp(min=1).double().log2().ceil()
+    if counts.dim() == 0 or groups.unique().numel() == 1:
+        return _set_logprob(evict, pool, drawn)
+    logp = evict.new_zeros(counts.shape, dtype=torch.float32)
+    for group in groups.unique().tolist():
+        rows = (groups == group).nonzero(as_tuple=True)
+        logp = logp.index_put(rows, _set_logprob(evict[rows], pool[rows], drawn[rows]))
+    return logp
+
+
+def _set_logprob(evict: Tensor, pool: Tensor, drawn: Tensor) -> Tensor:
+    """:func:`topk_set_logprob` over rows padded to their largest drawn set."""
     x = torch.where(pool, evict.double(), float("-inf"))
     x = x - x.amax(-1, keepdim=True).detach().clamp(min=-1e300)  # φ_max = 1 on the pool
     rest = pool & ~drawn
