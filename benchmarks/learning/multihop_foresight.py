@@ -26,7 +26,7 @@ general scorer into ``--out`` and, for each of ``--budgets`` (default 117, 176, 
 budget-specific scorer (this recipe at that kv.budget and the general recipe's seed S, in ``--specific``/bB-sS,
 where ``multihop_foresight_seeds.py`` trains its runs; above 235 keeping the traces its eviction MDP can evict
 from, foresight.min_tokens = B + interval + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
-``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one, the zoo's best and
+``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one (both stages of each judged), the zoo's best and
 every accuracy beside them, the added NLL per token of every policy (Golden Eviction's among them) over the
 general run's held-out traces, and the commits that trained the runs (``train_commits``) and judged them
 (``commit``); draws ``docs/img/multihop_foresight_general.png``. ``--set KEY=VALUE`` overrides every run trained
@@ -216,6 +216,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
         for name, run, stage in (
             ("foresight_general_sft", out, "sft"),
             ("foresight_general_rl", out, "rl"),
+            ("foresight_specific_sft", specific[budget], "sft"),
             ("foresight_specific_rl", specific[budget], "rl"),
         ):
             scorers[name] = make_policy("learned", model.config, **setting)
@@ -285,6 +286,7 @@ def draw(line: dict, path: Path, title: str | None = None) -> None:
         "foresight_general_rl": "tab:blue",
         "foresight_general_sft": "tab:cyan",
         "foresight_specific_rl": "tab:red",
+        "foresight_specific_sft": "tab:pink",
     }
     for name, row in line["accuracy"].items():
         if name == "full":
