@@ -147,7 +147,7 @@ def main():
                 round(100 * (a - b), 2) for a, b in zip(rl["per_seed"], stages["sft"][trained_at]["per_seed"])
             ],
             "per_seed": {s: scorers[(trained_at, s)] for s in args.seeds},
-            "stage2_per_seed": {s: stage2_line(folders[(trained_at, s)]) for s in args.seeds},
+            "stage2_per_seed": {s: stage2_line(folders[(trained_at, s)], cfg) for s in args.seeds},
             "zoo": {n: {b: zoo[n][b] for b in judged} for n in RULES},
             "full": full,
             "n": len(tasks),
@@ -195,9 +195,9 @@ def train(runs: Path, budget: int, seed: int, overrides: list[str], again: Path 
     return out
 
 
-def stage2_line(run: Path) -> dict:
+def stage2_line(run: Path, cfg) -> dict:
     """What stage 2 did in ``run``, from its files: the mean share of GRPO groups with no reward spread, the mean
-    gradient norm before clipping (``trainer.max_grad_norm`` beside it), the mean KL to the stage-1 scorer, how
+    gradient norm before clipping (``cfg``'s ``trainer.max_grad_norm`` beside it), the mean KL to the stage-1 scorer, how
     far the weights moved (the norm of the change over the stage-1 weights' norm), and the pipeline's own
     held-out check (64 tasks of the training stream, not the test stream) of both stages."""
     rows = [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines()]
@@ -205,7 +205,6 @@ def stage2_line(run: Path) -> dict:
     moved = sum(float((rl[k] - sft[k]).pow(2).sum()) for k in sft) ** 0.5
     size = sum(float(sft[k].pow(2).sum()) for k in sft) ** 0.5
     heldout = json.loads((run / "results.json").read_text())["accuracy"]
-    cfg = load_config([f"recipe={RECIPE}"])
     return {
         "zero_std_groups": column_mean(rows, "zero_std_groups"),
         "grad_norm": column_mean(rows, "grad_norm", 1),

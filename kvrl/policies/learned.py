@@ -279,10 +279,11 @@ def topk_set_logprob(evict: Tensor, pool: Tensor, drawn: Tensor) -> Tensor:
     """
     counts = drawn.sum(-1)
     groups = counts.clamp(min=1).double().log2().ceil()
-    if counts.dim() == 0 or groups.unique().numel() == 1:
+    kinds = groups.unique().tolist()
+    if counts.dim() == 0 or len(kinds) == 1:
         return _set_logprob(evict, pool, drawn)
     logp = evict.new_zeros(counts.shape, dtype=torch.float32)
-    for group in groups.unique().tolist():
+    for group in kinds:
         rows = (groups == group).nonzero(as_tuple=True)
         logp = logp.index_put(rows, _set_logprob(evict[rows], pool[rows], drawn[rows]))
     return logp
