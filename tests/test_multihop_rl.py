@@ -12,6 +12,7 @@ Distill and RL-Full, RLKV and ForesightKV.
   through the whole pipeline.
 """
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -277,3 +278,40 @@ def test_multihop_results_files_say_what_they_measured(path):
     assert len(commit) == 40 and int(commit, 16) >= 0 and (line["commit"].endswith("-dirty") == bool(dirty))
     code = [f for f in dirty if f.endswith((".py", ".yaml", ".cpp", ".toml", ".cfg"))]
     assert not code, f"{path.name} was recorded with uncommitted code: {code}; rerun it from a clean tree"
+
+
+def test_multihop_gkv_over_seeds_averages_each_seeds_own_baseline():
+    """``multihop_gkv.py --seeds``: under a joint formulation each seed trains under its own scorer, so the
+    scorer path must name the seed, and the line's baseline is the mean of each seed's own untrained model."""
+    spec = importlib.util.spec_from_file_location(
+        "multihop_gkv", Path(__file__).resolve().parents[1] / "benchmarks/learning/multihop_gkv.py"
+    )
+    gkv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gkv)
+    with pytest.raises(SystemExit, match=r"\{seed\}"):
+        gkv.main(["--formulation", "joint_distill", "--seeds", "0,1", "--scorer", "runs/b117-s0"])
+
+    lines = [
+        {
+            "kv": {"policy": "learned", "budget": 117, "run": f"runs/b117-s{seed}"},
+            "tasks": 256,
+            "train_seed": seed,
+            "train_commits": ["c"],
+            "training": {},
+            "cpu_split": {},
+            "trained_acc": trained,
+            "baseline_acc": untrained,
+            "trained_query_acc": 0.7,
+            "baseline_query_acc": 0.5,
+            "gain_points": round(100 * (trained - untrained), 2),
+        }
+        for seed, trained, untrained in [(0, 0.305, 0.133), (1, 0.25, 0.10), (2, 0.20, 0.15)]
+    ]
+    over = gkv.over_seeds(lines)
+    assert over["trained_acc"] == pytest.approx(0.2517, abs=1e-4) and over["baseline_acc"] == pytest.approx(
+        0.1277, abs=1e-4
+    )
+    assert over["gain_points_per_seed"] == [17.2, 15.0, 5.0] and over["gain_points"] == pytest.approx(12.4, abs=0.01)
+    assert over["kv"]["run"] == ["runs/b117-s0", "runs/b117-s1", "runs/b117-s2"] and over["train_seed"] == [0, 1, 2]
+    lo, hi = over["trained_ci95"]
+    assert lo < 0.20 and hi > 0.305, "the interval is over seeds: wider than the spread of the three"

@@ -23,11 +23,20 @@ step's mean wall seconds in rollout and learner (Ray actors' CPU is not this pro
 
     python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--tasks 256]
     python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight_seeds.py
+
+``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
+but for the recipe's own seed; a joint formulation's ``--scorer`` then names each seed's scorer with ``{seed}``)
+and records one line, ``..._seeds.json``: both accuracies' means with Student's t intervals over the seeds
+(:func:`kvrl.bench.mean_interval`) and each seed's line in ``per_seed``::
+
+    python benchmarks/learning/multihop_gkv.py --formulation joint_distill --seeds 0,1,2 \
+        --scorer outputs/multihop_foresight/seeds/b117-s{seed}
 """
 
 import argparse
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 from kvrl.algos.rl_sparse import RLSparse
@@ -38,6 +47,7 @@ from kvrl.bench import (
     column_mean,
     draw_tasks,
     emit,
+    mean_interval,
     reasoner,
     record,
     streams,
@@ -59,7 +69,7 @@ RECIPES = {
 JUDGE = "tiny_multihop_sparse"  # whose G-KV cache the others are judged under; a learned-scorer recipe: its own
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--formulation", choices=sorted(RECIPES), required=True)
     ap.add_argument("--budget", type=int, default=None, help="kv.budget (default: the recipe's)")
@@ -76,28 +86,52 @@ def main():
     ap.add_argument(
         "--scorer",
         default=None,
-        help="joint formulations: the ForesightKV run whose scorer is the cache (give each its own --out)",
+        help="joint formulations: the ForesightKV run whose scorer is the cache (give each its own --out); "
+        "with --seeds, a path holding {seed}, each seed's scorer",
     )
-    args = ap.parse_args()
-    setup_process()
-
+    ap.add_argument(
+        "--seeds", default=None, help="comma-separated training seeds (default: the recipe's); several: one line"
+    )
+    args = ap.parse_args(argv)
     recipe = load_config([f"recipe={RECIPES[args.formulation]}"])
-    judge = RECIPES[args.formulation] if recipe.kv.policy == "learned" else JUDGE
-    scorer = [f"kv.kwargs.run={args.scorer}"] if args.scorer else []
-    if scorer and recipe.kv.policy != "learned":
+    seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [recipe.seed]
+    if args.scorer and recipe.kv.policy != "learned":
         raise SystemExit(f"--scorer is for the joint formulations; {args.formulation} evicts with {recipe.kv.policy}")
+    if len(seeds) > 1 and args.scorer and "{seed}" not in args.scorer:
+        raise SystemExit(
+            f"--seeds {args.seeds} trains under each seed's own scorer: give --scorer a path with {{seed}} in it, "
+            "e.g. --scorer outputs/multihop_foresight/seeds/b117-s{seed}"
+        )
+    setup_process()
+    judge = RECIPES[args.formulation] if recipe.kv.policy == "learned" else JUDGE
+    default_budget = load_config([f"recipe={judge}"]).kv.budget
+    budget = args.budget or default_budget
+    lines = [train_and_judge(args, recipe, judge, budget, seed) for seed in seeds]
+    line = lines[0] if len(lines) == 1 else over_seeds(lines)
+    name = f"multihop_{args.formulation}" + ("" if budget == default_budget else f"_{budget}")
+    name += "_seeds" if len(lines) > 1 else ""
+    record(name, line) if args.stream == "test" else emit(line)
+
+
+def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
+    """Trains (or continues, or reuses) the formulation at one training seed and judges it under ``judge``'s
+    cache at ``budget``: its results line."""
+    scorer = [f"kv.kwargs.run={args.scorer.format(seed=seed)}"] if args.scorer else []
     kv = load_config([f"recipe={judge}", *scorer]).kv
-    budget = args.budget or kv.budget
     steps = args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
-    seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
-    out = Path(args.out) / f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
+    stream_seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
+    folder = f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-") + (
+        "" if seed == recipe.seed else f"_s{seed}"
+    )
+    out = Path(args.out) / folder
     overrides = [
         f"recipe={RECIPES[args.formulation]}",
         *scorer,
         *([] if recipe.kv.policy == "full" else [f"kv.budget={budget}"]),
         f"trainer.steps={steps}",
         f"trainer.lr={lr}",
+        f"seed={seed}",
         f"output_dir={out}",
         "resume=auto",
     ]
@@ -118,7 +152,7 @@ def main():
     records = records[:steps]
 
     # ---- judge both models greedily under the same cache (G-KV, or the joint recipe's scorer), on the test stream
-    env, tasks = draw_tasks(cfg.env.id, args.tasks, seed)  # partial_credit 0: the exact answer
+    env, tasks = draw_tasks(cfg.env.id, args.tasks, stream_seed)  # partial_credit 0: the exact answer
     judging = RLSparse(
         load_config([f"recipe={judge}", f"kv.budget={budget}", *scorer])
     )  # its rollout policy is the cache
@@ -129,8 +163,7 @@ def main():
         judged[name] = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
 
     first, last = records[:5], records[-5:]
-    name = f"multihop_{args.formulation}" + ("" if budget == kv.budget else f"_{budget}")
-    line = {
+    return {
         "benchmark": "multihop_gkv",
         "formulation": args.formulation,
         "task": "multihop",
@@ -155,7 +188,7 @@ def main():
         "gain_points": round(100 * (judged["trained"]["acc"] - judged["untrained"]["acc"]), 2),
         "stream": args.stream,
         "tasks": args.tasks,
-        **streams(seed, cfg.seed, train_commits(out)),
+        **streams(stream_seed, cfg.seed, train_commits(out)),
         "training": {
             "steps": len(records),
             "samples": records[-1]["samples_total"],
@@ -179,7 +212,34 @@ def main():
             "gen_tokens_per_s": column_mean(records, "gen_tokens_per_s"),
         },
     }
-    record(name, line) if args.stream == "test" else emit(line)
+
+
+def over_seeds(lines: list[dict]) -> dict:
+    """One line for several training seeds: the trained and untrained accuracies' means with Student's t
+    interval over the seeds (under a joint formulation each seed has its own scorer, so its own baseline),
+    the gain's mean and each seed's line beside."""
+    tasks = lines[0]["tasks"]
+    trained = mean_interval([x["trained_acc"] for x in lines], tasks)
+    baseline = mean_interval([x["baseline_acc"] for x in lines], tasks)
+    gains = [x["gain_points"] for x in lines]
+    return {
+        **{k: v for k, v in lines[0].items() if k not in ("training", "cpu_split", "kv")},
+        "kv": {**lines[0]["kv"], **({"run": [x["kv"]["run"] for x in lines]} if "run" in lines[0]["kv"] else {})},
+        "trained": "mean over training seeds",
+        "trained_acc": trained["mean"],
+        "trained_ci95": trained["ci95"],
+        "trained_query_acc": round(statistics.fmean(x["trained_query_acc"] for x in lines), 4),
+        "baseline": "untrained"
+        + (", each seed's under its own scorer" if lines[0]["kv"]["policy"] == "learned" else ""),
+        "baseline_acc": baseline["mean"],
+        "baseline_ci95": baseline["ci95"],
+        "baseline_query_acc": round(statistics.fmean(x["baseline_query_acc"] for x in lines), 4),
+        "gain_points": round(statistics.fmean(gains), 2),
+        "gain_points_per_seed": gains,
+        "train_seed": [x["train_seed"] for x in lines],
+        "train_commits": {str(x["train_seed"]): x["train_commits"] for x in lines},
+        "per_seed": lines,
+    }
 
 
 if __name__ == "__main__":
