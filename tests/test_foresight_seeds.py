@@ -1,4 +1,4 @@
-"""ForesightKV's stage 2 repeats from its seed: the same steps whichever actors play its episodes."""
+"""ForesightKV's stage 2 repeats: from its seed, whichever actors play its episodes; in micro-batches, the whole share's step."""
 
 import json
 from dataclasses import replace
@@ -61,3 +61,25 @@ def test_stage2_repeats_from_its_seed_whichever_actors_play_it(tmp_path):
     assert ray_scorer.keys() == inline_scorer.keys()
     assert all((ray_scorer[k] == inline_scorer[k]).all() for k in ray_scorer)
     assert any((ray_scorer[k] != start[k]).any() for k in start)  # stage 2 moved the scorer
+
+
+def test_stage2_in_micro_batches_takes_the_whole_shares_step(tmp_path):
+    """``trainer.micro_batch_tokens`` splits a stage-2 share by its padded decisions x candidates (an episode
+    per micro-batch at 1): the same step as the whole share, up to float32 summation order."""
+    write_splits(load_config([*SHRUNK, f"output_dir={tmp_path}", "workers.address=inline"]))
+    model, _ = load_model("tiny")
+    start = scorer_state(make_scorer(model, load_config(SHRUNK).kv))
+    (tmp_path / "sft").mkdir()
+    save_file(start, tmp_path / "sft" / "scorer.safetensors")
+    inline = ("workers.rollout=1", "workers.address=inline", "trainer.steps=1")
+    whole, whole_scorer = stage2(tmp_path, "whole", *inline)
+    split, split_scorer = stage2(tmp_path, "split", *inline, "trainer.micro_batch_tokens=1")
+
+    assert whole[0]["micro_batches"] == 1 and split[0]["micro_batches"] == 8
+    assert split[0]["reward_mean"] == whole[0]["reward_mean"]  # the same episodes
+    assert split[0]["grad_norm"] == pytest.approx(whole[0]["grad_norm"], rel=1e-5)
+    # the loss is a sum of advantage-weighted ratios that cancels to ~0 at the first step: compared absolutely
+    assert split[0]["loss"] == pytest.approx(whole[0]["loss"], abs=1e-4)
+    for k in start:
+        step = (whole_scorer[k] - start[k]).abs().max()
+        assert step > 0 and (split_scorer[k] - whole_scorer[k]).abs().max() <= 1e-3 * step, k

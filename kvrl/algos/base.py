@@ -13,6 +13,7 @@ of the eviction MDP, not text.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -70,19 +71,21 @@ class Batch:
     first: bool = True
 
 
-def micro_batches(samples: list[Sample], tokens: int) -> list[list[Sample]]:
-    """Consecutive runs of ``samples`` whose padded size (count x longest prompt + completion)
-    stays within ``tokens`` (0: one run); a sample longer than that is a run of its own."""
+def micro_batches(samples: list[Sample], tokens: int, size) -> list[list[Sample]]:
+    """Consecutive runs of ``samples`` whose padded size stays within ``tokens`` (0: one run); a sample larger
+    than that is a run of its own. ``size(sample)`` gives the dimensions the sample is padded along
+    (:meth:`Algorithm.size`); a run's padded size is its count x the product of their maxima."""
     parts: list[list[Sample]] = []
-    longest = 0
+    longest: tuple[int, ...] = ()
     for s in samples:
-        n = len(s.prompt_ids) + len(s.tokens)
-        if parts and (tokens == 0 or (len(parts[-1]) + 1) * max(longest, n) <= tokens):
+        dims = size(s)
+        grown = tuple(map(max, longest, dims)) if parts else dims
+        if parts and (tokens == 0 or (len(parts[-1]) + 1) * math.prod(grown) <= tokens):
             parts[-1].append(s)
-            longest = max(longest, n)
+            longest = grown
         else:
             parts.append([s])
-            longest = n
+            longest = dims
     return parts
 
 
@@ -130,6 +133,11 @@ class Algorithm:
 
     def __init__(self, cfg):
         self.cfg = cfg
+
+    def size(self, sample: Sample) -> tuple[int, ...]:
+        """The dimensions along which the learner pads ``sample`` (:func:`micro_batches`, whose product
+        ``trainer.micro_batch_tokens`` bounds): its prompt and completion tokens."""
+        return (len(sample.prompt_ids) + len(sample.tokens),)
 
     def make_env(self, model=None):
         """The environment: the controller draws tasks from it (``model`` None), each rollout

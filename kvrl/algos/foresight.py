@@ -383,6 +383,10 @@ class ForesightRL(Algorithm):
             )
         return samples, {"tokens": 0, "seconds": time.perf_counter() - start}
 
+    def size(self, sample) -> tuple[int, ...]:
+        """An episode is padded along its decisions and each decision's candidates (:func:`collate`)."""
+        return (sample.data.x.shape[0], sample.data.x.shape[2])
+
     def collate(self, samples, num_items, device) -> Batch:
         decisions = {k: v.to(device) for k, v in collate([s.data for s in samples]).items()}
         return Batch(

@@ -165,8 +165,9 @@ class TrainerConfig:
     weight_decay: float = checked(0.0, ge=0)  # AdamW weight decay
     log_every: int = checked(50, ge=1)  # steps between metric log lines
     max_grad_norm: float = checked(1.0, ge=0)  # clip the global gradient norm to this (0 = no clipping)
-    # padded tokens (samples x longest prompt+completion) a learner scores and backpropagates at once; its
-    # share of a step is split into such micro-batches and their gradients summed; 0 = the whole share at once
+    # padded tokens (samples x longest prompt+completion; ForesightKV's stage 2: episodes x most decisions x
+    # most candidates) a learner scores and backpropagates at once; its share of a step is split into such
+    # micro-batches and their gradients summed; 0 = the whole share at once
     micro_batch_tokens: int = checked(0, ge=0)
     # recompute each decoder layer's activations in backward instead of keeping them (full-model training)
     gradient_checkpointing: bool = False

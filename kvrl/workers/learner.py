@@ -129,13 +129,13 @@ class Learner:
         """One optimizer step on this learner's samples; returns its metrics.
 
         The share is scored in micro-batches of at most ``trainer.micro_batch_tokens`` padded
-        tokens (:func:`kvrl.algos.base.micro_batches`); each loss is divided by the whole
+        tokens (ForesightKV: decisions x candidates; :func:`kvrl.algos.base.micro_batches`); each loss is divided by the whole
         step's ``num_items``, so the summed gradients are the whole share's. With ``update``
         False (a step without reward signal, ``rl.no_signal=skip``) the share is only scored,
         for its metrics: no backward, no optimizer step, the weights and the optimizer's state
         as they were (``no_signal`` 1)."""
         tr = self.cfg.trainer
-        parts = micro_batches(samples, tr.micro_batch_tokens)
+        parts = micro_batches(samples, tr.micro_batch_tokens, self.algo.size)
         rewards = torch.tensor([s.reward for s in samples], device=self.cfg.device)
         lr = tr.lr * min(1.0, (self.version + 1) / max(1, tr.warmup_steps))
         for group in self.opt.param_groups:
