@@ -1,5 +1,6 @@
 """A policy's NaN or ±inf keep-scores stop the engine that evicts with them, named
-(:func:`kvrl.policies.evict.check_scores`); the vLLM engine's case is in test_vllm_engine.py."""
+(:func:`kvrl.policies.evict.check_scores`), and ForesightKV's training draws (``LearnedScorer.act``);
+the vLLM engine's case is in test_vllm_engine.py."""
 
 from dataclasses import dataclass
 from typing import ClassVar
@@ -61,6 +62,22 @@ def test_a_learned_scorer_with_huge_finite_weights_is_stopped(engine):
     assert all(bool(p.isfinite().all()) for p in policy.scorer.parameters())
     with pytest.raises(ValueError, match=r"LearnedScorer\.score\(\) returned .* at layer 0.*check its weights"):
         engine.generate(PROMPTS, Sampling(max_new_tokens=8), policy=policy)
+
+
+@pytest.mark.parametrize("sample", [True, False], ids=["training_draw", "greedy"])
+def test_foresight_training_draws_stop_at_non_finite_scores(engine, sample):
+    """ForesightKV's eviction MDP draws through ``LearnedScorer.act``, not ``evict()``: the same check, there.
+    A NaN on the sink (never a candidate) is let through."""
+    policy = make_policy("learned", engine.model.config, budget=BUDGET, interval=INTERVAL, window=WINDOW, sink=SINK)
+    n, heads = BUDGET + INTERVAL, 2
+    key_pos = torch.arange(n).expand(1, heads, n)
+    scores = torch.randn(1, heads, n)
+    sink = scores.clone()
+    sink[0, 1, 0] = float("nan")
+    assert policy.act(key_pos, sink, sample=sample).drawn.sum() == 2 * INTERVAL
+    scores[0, 1, SINK + 3] = float("nan")
+    with pytest.raises(ValueError, match=rf"non-finite .* KV head 1, key position {SINK + 3}.*lower trainer\.lr"):
+        policy.act(key_pos, scores, sample=sample)
 
 
 def test_rows_of_several_layers_are_named_by_their_own_layer():

@@ -211,6 +211,15 @@ class LearnedScorer(KVPolicy):
         valid = key_pos >= 0
         k = min(self.budget, key_pos.shape[-1])
         candidates = valid & ~self.always_kept(key_pos)
+        bad = candidates & ~scores.isfinite()
+        if bool(bad.any()):  # as evict()'s check_scores: NaN cannot be ranked, and +inf to evict is NaN in the softmax
+            b, h, n = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"the ForesightKV scorer returned {int(bad.sum())} non-finite keep-score(s) of eviction candidates, "
+                f"first {float(scores[b, h, n])} at row {b}, KV head {h}, key position {int(key_pos[b, h, n])}: "
+                "they can be neither drawn nor ranked. Check the scorer's weights (a stage 2 that diverged: lower "
+                "trainer.lr) and the scale of its features"
+            )
         evict = -scores.float()
         n_evict = (valid.sum(-1) - k).clamp(min=0)  # [B, H]
         if sample:
