@@ -3,8 +3,9 @@
 An algorithm is a subclass of :class:`kvrl.algos.base.Algorithm` built from the typed
 config, ``Algo(cfg)``. The base gives the text rollout every algorithm but ForesightKV's
 shares (``make_env``: the environment, ``generate``: decode a shard and score it on the
-rollout worker, ``collate``: a learner's :class:`~kvrl.algos.base.Batch`, and
-``rollout_engine``: the engine the rollouts need); each algorithm defines the hooks the base
+rollout worker, ``collate``: a learner's :class:`~kvrl.algos.base.Batch`, ``size``: the dimensions
+``collate`` pads a sample along, which ``trainer.micro_batch_tokens`` bounds, and ``rollout_engine``: the
+engine the rollouts need); each algorithm defines the hooks the base
 declares (their signatures and contracts are on :class:`~kvrl.algos.base.Algorithm`):
 
 * ``rollout_policy(model)`` — the cache regime rollouts run under (:mod:`kvrl.policies.regime`:

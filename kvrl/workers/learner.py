@@ -129,8 +129,8 @@ class Learner:
         """One optimizer step on this learner's samples; returns its metrics.
 
         The share is scored in micro-batches of at most ``trainer.micro_batch_tokens`` padded
-        tokens (ForesightKV: decisions x candidates; :func:`kvrl.algos.base.micro_batches`); each loss is divided by the whole
-        step's ``num_items``, so the summed gradients are the whole share's. With ``update``
+        tokens (ForesightKV: decisions x candidates; :func:`kvrl.algos.base.micro_batches`); each
+        loss is divided by the whole step's ``num_items``, so the summed gradients are the whole share's. With ``update``
         False (a step without reward signal, ``rl.no_signal=skip``) the share is only scored,
         for its metrics: no backward, no optimizer step, the weights and the optimizer's state
         as they were (``no_signal`` 1)."""
