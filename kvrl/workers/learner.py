@@ -130,10 +130,10 @@ class Learner:
 
         The share is scored in micro-batches of at most ``trainer.micro_batch_tokens`` padded
         tokens (ForesightKV: decisions x candidates; :func:`kvrl.algos.base.micro_batches`); each
-        loss is divided by the whole step's ``num_items``, so the summed gradients are the whole share's. With ``update``
-        False (a step without reward signal, ``rl.no_signal=skip``) the share is only scored,
-        for its metrics: no backward, no optimizer step, the weights and the optimizer's state
-        as they were (``no_signal`` 1)."""
+        loss is divided by the whole step's ``num_items``, so the summed gradients are the whole
+        share's. With ``update`` False (a step without reward signal, ``rl.no_signal=skip``) the
+        share is only scored, for its metrics: no backward, no optimizer step, the weights and the
+        optimizer's state as they were (``no_signal`` 1)."""
         tr = self.cfg.trainer
         parts = micro_batches(samples, tr.micro_batch_tokens, self.algo.size)
         rewards = torch.tensor([s.reward for s in samples], device=self.cfg.device)
