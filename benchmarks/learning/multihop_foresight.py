@@ -26,7 +26,7 @@ general scorer into ``--out`` and, for each of ``--budgets`` (default 117, 176, 
 budget-specific scorer (this recipe at that kv.budget and the general recipe's seed S, in ``--specific``/bB-sS,
 where ``multihop_foresight_seeds.py`` trains its runs; above 235 keeping the traces its eviction MDP can evict
 from, foresight.min_tokens = B + interval + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
-``trained_acc`` the general scorer (stage 2), ``baseline_acc`` the budget-specific one (both stages of each
+``trained_acc`` the general scorer (stage 2, or ``--stage sft``), ``baseline_acc`` the budget-specific one (both stages of each
 judged), the zoo's best and every accuracy beside them, the added NLL per token of every policy (Golden Eviction's among them) over the
 general run's held-out traces, and the commits that trained the runs (``train_commits``) and judged them
 (``commit``); draws ``docs/img/multihop_foresight_general.png``. ``--set KEY=VALUE`` overrides every run trained
@@ -81,6 +81,9 @@ def main():
     ap.add_argument("--specific", default="outputs/multihop_foresight/seeds", help="where the budget-specific runs go")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override of every run trained")
     ap.add_argument("--no-record", action="store_true", help="print the lines, write no results file")
+    ap.add_argument(
+        "--stage", choices=["rl", "sft"], default="rl", help="the general scorer's stage each line's trained_acc is"
+    )
     ap.add_argument("--picture", default="docs/img/multihop_foresight.png")
     args = ap.parse_args()
     setup_process()
@@ -189,7 +192,8 @@ def specific_run(args, budget: int, seed: int) -> tuple:
     base = load_config([f"recipe={RECIPE}"])
     out = Path(args.specific) / f"b{budget}-s{seed}"
     longer = [f"foresight.min_tokens={budget + base.kv.interval + 1}"] if budget > base.kv.budget else []
-    overrides = [f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", *longer, *args.set]
+    own = [s for s in args.set if not s.startswith("foresight.budgets=")]  # the general run's range, not this one's
+    overrides = [f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", *longer, *own]
     overrides += [f"output_dir={out}", "resume=auto"]
     return load_config(overrides), out
 
@@ -227,7 +231,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
         for name, policy in {**zoo, **scorers}.items():
             acc[name] = accuracy(evaluate(engine, env, tasks, new_tokens, policy=policy))
         best = max(RULES, key=lambda n: acc[n]["acc"])
-        general, specialist = acc["foresight_general_rl"], acc["foresight_specific_rl"]
+        general, specialist = acc[f"foresight_general_{args.stage}"], acc["foresight_specific_rl"]
         policies = {"golden": "golden", **scorers, **{n: n for n in RULE_BASED}}
         added = {
             n: round((r - 1) * full_per_token, 5) for n, r in loss_ratios(model, heldout, policies, **setting).items()
@@ -245,6 +249,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "recipe": args.recipe,
             "kv": {"interval": kv.interval, "window": kv.window, "sink": kv.sink},
             "trained_budget_fractions": list(cfg.foresight.budgets),
+            "trained_stage": args.stage,
             "budget": budget,
             "trained_acc": general["acc"],
             "trained_ci95": general["ci95"],
