@@ -7,6 +7,7 @@ differs for stateful policies; see the report of issue 4). The parts that need n
 engine are in test_vllm_engine_parts.py.
 """
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import ClassVar
@@ -54,6 +55,7 @@ def engine(model_dir):
     try:
         eng = VLLMEngine(model_dir, max_model_len=256, block_size=BLOCK, kv_cache_gib=0.004)
         yield eng
+        eng.close()
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
@@ -622,12 +624,12 @@ def test_non_finite_scores_stop_the_engine_naming_the_policy_and_layer(engine):
     assert len(out.tokens) == 2
 
 
-# the last test on the shared engine: closing a second engine tears down vLLM's process-wide
-# parallel state, and the shared one cannot generate after it
 def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, hf, model_dir):
     """Inline rollout workers (``workers.address=inline``) are two engines in one process. Each
     keeps its own worker context (requests, traces, installed regime): decoding under
-    different policies in turn, each gives the HF engine's tokens and traces."""
+    different policies in turn, each gives the HF engine's tokens and traces. Closing one (and
+    collecting it) leaves the other running: vLLM's shutdown tore down the process-wide parallel
+    groups both share (``patches.keep_distributed_state_while_engines_live``)."""
     from kvrl.engines.vllm import VLLMEngine
 
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -650,3 +652,7 @@ def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, h
                 assert torch.equal(out.trace(b).death, trace.death), (name, b)
     finally:
         second.close()
+    del second
+    gc.collect()  # a dropped engine's finalizer shuts it down as close() does
+    policy = token_policy("h2o")
+    assert engine.generate(batch, sampling, policy=policy).tokens == hf_alone(hf, batch, sampling, policy)[0]

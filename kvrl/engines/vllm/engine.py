@@ -367,5 +367,8 @@ class VLLMEngine:
             raise RuntimeError(f"cache state push not verified: the workers hold checksum {held}, sent {sent}")
 
     def close(self) -> None:
-        """Drop the vLLM engine (frees its KV cache)."""
+        """Shut the vLLM engine down now (its KV cache freed), not whenever the garbage collector
+        reaches it; other engines of the process keep running. Closing twice is harmless."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
         self.llm = None

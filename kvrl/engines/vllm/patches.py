@@ -1,4 +1,4 @@
-"""Every monkeypatch kvrl applies, each a named function (there are three): two around vLLM,
+"""Every monkeypatch kvrl applies, each a named function (there are four): three around vLLM,
 one of transformers.
 
 kvrl's backends, KV-cache spec and worker extension go through vLLM's registries and
@@ -50,15 +50,21 @@ def restore_torch_set_num_threads():
 def rewind_cpu_generators() -> None:
     """Make vLLM's rewind of a discarded token's draw work for CPU generators (idempotent).
 
-    A request whose prompt is prefilled over several steps gets a token sampled at each
-    partial step, which the runner discards (``discard_request_mask``) and whose draw it
-    undoes so that the request's seeded stream is what it would be unchunked. vLLM 0.32
-    does that with the Philox offset (``GPUModelRunner._bookkeeping_sync``); a CPU
-    generator has none and raises ``RuntimeError: CPU Generator does not use offset``.
-    kvrl seeds every request, so any sampled rollout whose prompts overflow one step's token
-    budget crashed. Here ``_sample`` first saves the state of the CPU generators of the
-    requests it will discard, and ``_bookkeeping_sync`` restores those states and hides the
-    generators from vLLM's offset rewind: the same exact rewind, by state.
+        A request whose prompt is prefilled over several steps gets a token sampled at each
+        partial step, which the runner discards (``discard_request_mask``) and whose draw it
+        undoes so that the request's seeded stream is what it would be unchunked. vLLM 0.32
+        does that with the Philox offset (``GPUModelRunner._bookkeeping_sync``); a CPU
+        generator has none and raises ``RuntimeError: CPU Generator does not use offset``.
+        kvrl seeds every request, so any sampled rollout whose prompts overflow one step's token
+        budget crashed. Here ``_sample`` first saves the state of the CPU generators of the
+        requests it will discard, and ``_bookkeeping_sync`` restores those states and hides the
+        generators from vLLM's offset rewind: the same exact rewind, by state.
+    * :func:`keep_distributed_state_while_engines_live` — an in-process engine's shutdown (its
+      ``close()``, or the garbage collector's finalizer of a dropped one) tears down vLLM's
+      process-wide parallel groups (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``),
+      which every other in-process engine shares: the next ``generate`` of any of them failed
+      with "pipeline model parallel group is not initialized". kvrl lets the last engine alive
+      tear them down.
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -89,6 +95,40 @@ def rewind_cpu_generators() -> None:
 
     GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
     GPUModelRunner._kvrl_rewinds_cpu_generators = True
+
+
+def keep_distributed_state_while_engines_live() -> None:
+    """Skip the teardown of vLLM's process-wide parallel groups while another engine core of
+    this process is alive (idempotent).
+
+    An engine core counts from the start of its ``__init__`` (which collects garbage: a dropped
+    engine's finalizer may run there, after this engine's groups exist) to its ``shutdown``."""
+    from vllm.v1.engine import core
+
+    if getattr(core, "_kvrl_keeps_distributed_state", False):
+        return
+    init, shutdown, cleanup = core.EngineCore.__init__, core.EngineCore.shutdown, core.cleanup_dist_env_and_memory
+    live: set[int] = set()  # id() of this process's engine cores built or being built, not shut down
+
+    def __init__(self, *args, **kwargs):
+        live.add(id(self))
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            live.discard(id(self))
+            raise
+
+    def _shutdown(self):
+        live.discard(id(self))
+        return shutdown(self)
+
+    def cleanup_dist_env_and_memory(*args, **kwargs):
+        if not live:
+            cleanup(*args, **kwargs)
+
+    core.EngineCore.__init__, core.EngineCore.shutdown = __init__, _shutdown
+    core.cleanup_dist_env_and_memory = cleanup_dist_env_and_memory
+    core._kvrl_keeps_distributed_state = True
 
 
 def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -123,9 +163,16 @@ def keep_norms_in_float64(model) -> int:
 
 @contextlib.contextmanager
 def apply_patches():
-    """The patches around vLLM, for the duration of building an engine."""
+    """The patches around vLLM, for the duration of building an engine (and those that stay)."""
+    keep_distributed_state_while_engines_live()
     with restore_torch_set_num_threads():
         yield
 
 
-__all__ = ["apply_patches", "keep_norms_in_float64", "restore_torch_set_num_threads", "rewind_cpu_generators"]
+__all__ = [
+    "apply_patches",
+    "keep_distributed_state_while_engines_live",
+    "keep_norms_in_float64",
+    "restore_torch_set_num_threads",
+    "rewind_cpu_generators",
+]
