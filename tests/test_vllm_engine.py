@@ -652,6 +652,8 @@ def test_two_engines_in_one_process_keep_their_own_requests_and_traces(engine, h
                 assert torch.equal(out.trace(b).death, trace.death), (name, b)
     finally:
         second.close()
+    with pytest.raises(RuntimeError, match="VLLMEngine is closed"):
+        second.generate(batch, sampling)
     del second
     gc.collect()  # a dropped engine's finalizer shuts it down as close() does
     policy = token_policy("h2o")

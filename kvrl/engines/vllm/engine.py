@@ -173,6 +173,8 @@ class VLLMEngine:
     def _rpc(self, method: str, *args, **kwargs):
         """Call a worker-extension method; arguments and results travel pickled (bytes pass
         vLLM's multi-process serialisation where tensors do not). Returns worker 0's result."""
+        if self.llm is None:
+            raise RuntimeError("this VLLMEngine is closed (close() shut its vLLM engine down): build a new one")
         blob = pickle.dumps((args, kwargs))
         out = self.llm.collective_rpc("kvrl_call", args=(method, blob))
         return pickle.loads(out[0])
