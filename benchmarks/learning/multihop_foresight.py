@@ -26,7 +26,8 @@ general scorer into ``--out`` and, for each of ``--budgets`` (default 117, 176, 
 budget-specific scorer (this recipe at that kv.budget and the general recipe's seed S, in ``--specific``/bB-sS,
 where ``multihop_foresight_seeds.py`` trains its runs; above 235 keeping the traces its eviction MDP can evict
 from, foresight.min_tokens = B + interval + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
-``trained_acc`` the general scorer (stage 2, or ``--stage sft``), ``baseline_acc`` the budget-specific one (both stages of each
+``trained_acc`` the general scorer (stage 2, or ``--stage sft``; ``--chosen``: the lines say the range and stage
+were chosen on the validation stream, as ``multihop_foresight_general_choice.py`` does), ``baseline_acc`` the budget-specific one (both stages of each
 judged), the zoo's best and every accuracy beside them, the added NLL per token of every policy (Golden Eviction's among them) over the
 general run's held-out traces, and the commits that trained the runs (``train_commits``) and judged them
 (``commit``); draws ``docs/img/multihop_foresight_general.png``. ``--set KEY=VALUE`` overrides every run trained
@@ -45,6 +46,7 @@ import numpy as np
 from kvrl.algos.foresight import RULE_BASED, loss_ratios
 from kvrl.bench import (
     TEST_SEED,
+    VALIDATION_SEED,
     accuracy,
     column_mean,
     draw_tasks,
@@ -83,6 +85,11 @@ def main():
     ap.add_argument("--no-record", action="store_true", help="print the lines, write no results file")
     ap.add_argument(
         "--stage", choices=["rl", "sft"], default="rl", help="the general scorer's stage each line's trained_acc is"
+    )
+    ap.add_argument(
+        "--chosen",
+        action="store_true",
+        help="the general run's range and stage were chosen on the validation stream (its lines say so)",
     )
     ap.add_argument("--picture", default="docs/img/multihop_foresight.png")
     args = ap.parse_args()
@@ -269,7 +276,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
                 TEST_SEED,
                 cfg.seed,
                 {"general": commits["general"], "specific": commits[f"specific_{budget}"]},
-                validation_seed=None,
+                validation_seed=VALIDATION_SEED if args.chosen else None,
             ),
             "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
         }

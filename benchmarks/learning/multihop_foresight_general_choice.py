@@ -76,21 +76,8 @@ def main():
             print(json.dumps(row), file=sys.stderr, flush=True)
     chosen = max(table.values(), key=lambda r: r["mean_acc"])  # max keeps the first of equals: earlier range, rl
 
-    # ---- the chosen one, once, on the test stream (multihop_foresight.py records its lines)
+    # ---- the choice, recorded before any test task is looked at
     lo, hi = chosen["range"]
-    subprocess.run(
-        [
-            sys.executable,
-            str(JUDGE),
-            f"--recipe={RECIPE}",
-            f"--out={runs[(lo, hi)][1]}",
-            f"--specific={args.specific}",
-            f"--budgets={args.budgets}",
-            f"--stage={chosen['stage']}",
-            f"--set=foresight.budgets=[{lo},{hi}]",
-        ],
-        check=True,
-    )
     record(
         "multihop_foresight_general_choice",
         {
@@ -105,6 +92,22 @@ def main():
             "validation_seed": VALIDATION_SEED,
             "test_results": [f"benchmarks/results/multihop_foresight_general_{b}.json" for b in budgets],
         },
+    )
+
+    # ---- the chosen one, once, on the test stream (multihop_foresight.py records its lines)
+    subprocess.run(
+        [
+            sys.executable,
+            str(JUDGE),
+            f"--recipe={RECIPE}",
+            f"--out={runs[(lo, hi)][1]}",
+            f"--specific={args.specific}",
+            f"--budgets={args.budgets}",
+            f"--stage={chosen['stage']}",
+            "--chosen",
+            f"--set=foresight.budgets=[{lo},{hi}]",
+        ],
+        check=True,
     )
 
 
