@@ -122,7 +122,7 @@ def test_the_general_recipe_is_the_multihop_recipe_with_the_range_on():
     other difference than the range would be part of that comparison."""
     general = load_config(["recipe=tiny_multihop_foresight_general"])
     specific = load_config(["recipe=tiny_multihop_foresight"])
-    assert general.foresight.budgets == [0.2, 0.8] and specific.foresight.budgets is None
+    assert general.foresight.budgets == [0.15, 0.6] and specific.foresight.budgets is None
     general.foresight.budgets = None
     for section in ("seed", "model", "env", "kv", "sampling", "workers", "foresight", "trainer", "rl"):
         assert getattr(general, section) == getattr(specific, section), section
@@ -131,7 +131,7 @@ def test_the_general_recipe_is_the_multihop_recipe_with_the_range_on():
 @pytest.mark.slow
 def test_the_general_recipe_runs_through_the_pipeline(tmp_path):
     """tiny_multihop_foresight_general, shrunk to 8 traces, through the whole pipeline: the Golden replays
-    and stage 2's groups draw budgets within 20-80 % of their traces, not kv.budget."""
+    and stage 2's groups draw budgets within 15-60 % of their traces, not kv.budget."""
     from kvrl.data.traces import load_traces
     from kvrl.run import main
 
@@ -151,11 +151,11 @@ def test_the_general_recipe_runs_through_the_pipeline(tmp_path):
     assert main(args) == 0
     lengths = [len(t.ids) for t in load_traces(tmp_path / "traces" / "train")]
     budgets = [d["budget"] for d in torch.load(tmp_path / "golden" / "ranking.pt")]
-    assert len(set(budgets)) > 1 and all(0.2 * n - 1 <= b <= 0.8 * n + 1 for b, n in zip(budgets, lengths)), budgets
+    assert len(set(budgets)) > 1 and all(0.15 * n - 1 <= b <= 0.6 * n + 1 for b, n in zip(budgets, lengths)), budgets
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     means = [r["env/budget"] for r in rows]  # each step's mean over its two groups' budgets
     assert (
         len(means) == 2
         and means != [235.0, 235.0]
-        and all(0.2 * min(lengths) <= m <= 0.8 * max(lengths) for m in means)
+        and all(0.15 * min(lengths) <= m <= 0.6 * max(lengths) for m in means)
     )
