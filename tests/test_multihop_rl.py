@@ -268,6 +268,13 @@ def test_multihop_results_files_say_what_they_measured(path):
         assert line["heldout_traces"] >= 16, line
         return
     assert line["formulation"] in FORMULATIONS and line["task"] == "multihop", line
+    if line["benchmark"] == "multihop_foresight_general_choice":  # a choice: its test lines are files of their own
+        assert line["validation_seed"] not in (None, line.get("test_seed")) and line["validation_tasks"] > 0, line
+        assert line["chosen"]["mean_acc"] == max(row["mean_acc"] for row in line["validation"].values()), line
+        root = Path(__file__).resolve().parents[1]
+        assert line["test_results"] and all((root / f).exists() for f in line["test_results"]), line
+        assert len(line["commit"].removesuffix("-dirty")) == 40
+        return
     for key in ("budget", "baseline", "validation_seed", "test_seed", "train_seed"):
         assert key in line, f"{path.name} has no {key!r}"
     for side in ("trained", "baseline"):
