@@ -2,7 +2,7 @@
 one of transformers.
 
 kvrl's backends, KV-cache spec and worker extension go through vLLM's registries and
-extension points and need no patch. The exceptions fix vLLM 0.32 on the CPU:
+extension points and need no patch. The exceptions fix vLLM 0.32 (the first two on the CPU):
 
 * :func:`restore_torch_set_num_threads` — ``CPUWorker.init_device`` replaces
   ``torch.set_num_threads`` with a function that only logs a warning
@@ -13,6 +13,12 @@ extension points and need no patch. The exceptions fix vLLM 0.32 on the CPU:
   with ``gen.set_offset(gen.get_offset() - 4)``, which only CUDA generators support, so
   seeded sampling crashes on CPU as soon as a prompt is prefilled in chunks. Applied by
   the plugin (:func:`kvrl.engines.vllm.plugin.register`) in every vLLM process on CPU.
+* :func:`keep_distributed_state_while_engines_live` — an in-process engine's shutdown (its
+  ``close()``, or the garbage collector's finalizer of a dropped one) tears down vLLM's
+  process-wide parallel groups (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``),
+  which every other in-process engine shares: the next ``generate`` of any of them failed
+  with "pipeline model parallel group is not initialized". kvrl lets the last engine alive
+  tear them down.
 
 and one makes a float64 transformers model compute in float64 throughout:
 
@@ -50,21 +56,15 @@ def restore_torch_set_num_threads():
 def rewind_cpu_generators() -> None:
     """Make vLLM's rewind of a discarded token's draw work for CPU generators (idempotent).
 
-        A request whose prompt is prefilled over several steps gets a token sampled at each
-        partial step, which the runner discards (``discard_request_mask``) and whose draw it
-        undoes so that the request's seeded stream is what it would be unchunked. vLLM 0.32
-        does that with the Philox offset (``GPUModelRunner._bookkeeping_sync``); a CPU
-        generator has none and raises ``RuntimeError: CPU Generator does not use offset``.
-        kvrl seeds every request, so any sampled rollout whose prompts overflow one step's token
-        budget crashed. Here ``_sample`` first saves the state of the CPU generators of the
-        requests it will discard, and ``_bookkeeping_sync`` restores those states and hides the
-        generators from vLLM's offset rewind: the same exact rewind, by state.
-    * :func:`keep_distributed_state_while_engines_live` — an in-process engine's shutdown (its
-      ``close()``, or the garbage collector's finalizer of a dropped one) tears down vLLM's
-      process-wide parallel groups (``EngineCore.shutdown`` → ``cleanup_dist_env_and_memory``),
-      which every other in-process engine shares: the next ``generate`` of any of them failed
-      with "pipeline model parallel group is not initialized". kvrl lets the last engine alive
-      tear them down.
+    A request whose prompt is prefilled over several steps gets a token sampled at each
+    partial step, which the runner discards (``discard_request_mask``) and whose draw it
+    undoes so that the request's seeded stream is what it would be unchunked. vLLM 0.32
+    does that with the Philox offset (``GPUModelRunner._bookkeeping_sync``); a CPU
+    generator has none and raises ``RuntimeError: CPU Generator does not use offset``.
+    kvrl seeds every request, so any sampled rollout whose prompts overflow one step's token
+    budget crashed. Here ``_sample`` first saves the state of the CPU generators of the
+    requests it will discard, and ``_bookkeeping_sync`` restores those states and hides the
+    generators from vLLM's offset rewind: the same exact rewind, by state.
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
