@@ -27,8 +27,8 @@ budget-specific scorer (this recipe at that kv.budget and the general recipe's s
 where ``multihop_foresight_seeds.py`` trains its runs; above 235 keeping the traces its eviction MDP can evict
 from, foresight.min_tokens = B + interval + 1). Each budget gets one line, recorded in ``benchmarks/results/multihop_foresight_general_B.json``:
 ``trained_acc`` the general scorer (stage 2, or ``--stage sft``; ``--chosen``: the lines say the range and stage
-were chosen on the validation stream, as ``multihop_foresight_general_choice.py`` does), ``baseline_acc`` the budget-specific one (both stages of each
-judged), the zoo's best and every accuracy beside them, the added NLL per token of every policy (Golden Eviction's among them) over the
+were chosen on the validation stream, as ``multihop_foresight_general_choice.py`` does), ``baseline_acc`` the
+budget-specific one (both stages of each judged), the zoo's best and every accuracy beside them, the added NLL per token of every policy (Golden Eviction's among them) over the
 general run's held-out traces, and the commits that trained the runs (``train_commits``) and judged them
 (``commit``); draws ``docs/img/multihop_foresight_general.png``. ``--set KEY=VALUE`` overrides every run trained
 and ``--no-record`` prints the lines only (a smoke run at tiny sizes)::

@@ -1,8 +1,8 @@
 """ForesightKV's budget-general scorer on the multihop reasoner: its range of training budgets and its stage chosen
 on the validation stream.
 
-For each range ``lo-hi`` of ``--ranges`` (fractions of each trace's length; default the recipe's 0.2-0.8 and
-0.15-0.6, the range the budget-general mode was first sketched with) trains ``tiny_multihop_foresight_general``
+For each range ``lo-hi`` of ``--ranges`` (fractions of each trace's length; default 0.2-0.8 and 0.15-0.6, which
+reaches below the tightest budget judged) trains ``tiny_multihop_foresight_general``
 with ``foresight.budgets=[lo,hi]`` into ``--out/budgets<lo>-<hi>`` (resumable, by ``multihop_foresight.py``'s
 pipeline), and judges both of its stages greedily, unchanged, on ``--validation-tasks`` tasks of the validation
 stream (seed 7001) at every budget of ``--budgets``. The (range, stage) with the highest mean exact accuracy over
@@ -49,20 +49,18 @@ def main():
     # ---- train each range (or reuse its finished run)
     runs = {}
     for lo, hi in ranges:
-        out = Path(args.out) / f"budgets{lo:g}-{hi:g}"
+        out = runs[(lo, hi)] = Path(args.out) / f"budgets{lo:g}-{hi:g}"
         cfg = load_config([f"recipe={RECIPE}", f"foresight.budgets=[{lo},{hi}]", f"output_dir={out}", "resume=auto"])
         if not (out / "results.json").exists():
             train(cfg)
-        runs[(lo, hi)] = (cfg, out)
 
-    # ---- both stages of each on the validation stream, at every budget
-    cfg = runs[ranges[0]][0]
+    # ---- both stages of each on the validation stream, at every budget (the ranges share every other setting)
     model, _, engine = reasoner(cfg.model.path)
     model.requires_grad_(False)
     env, tasks = draw_tasks(cfg.env.id, args.validation_tasks, VALIDATION_SEED)
     kv = cfg.kv
     table = {}
-    for (lo, hi), (_, out) in runs.items():
+    for (lo, hi), out in runs.items():
         for stage in ("rl", "sft"):
             acc = {}
             for budget in budgets:
@@ -100,7 +98,7 @@ def main():
             sys.executable,
             str(JUDGE),
             f"--recipe={RECIPE}",
-            f"--out={runs[(lo, hi)][1]}",
+            f"--out={runs[(lo, hi)]}",
             f"--specific={args.specific}",
             f"--budgets={args.budgets}",
             f"--stage={chosen['stage']}",

@@ -8,8 +8,8 @@ keeps its model), and judges each (rate, length) greedily on ``--validation-task
 (seed 7001). The (rate, length) with the most exact answers there (ties: the shorter, then the lower rate) is
 judged once on the 256 test tasks (seed 9001) by ``multihop_gkv.py``, which records
 ``benchmarks/results/multihop_<formulation>.json``; this script records the choice beside it in
-``multihop_<formulation>_choice.json``: every validation accuracy, what was chosen, and the test line's figures. No test task is looked
-at before the choice is made.
+``multihop_<formulation>_choice.json``: every validation accuracy, what was chosen, and the test line's figures.
+No test task is looked at before the choice is made.
 
     python benchmarks/learning/multihop_gkv_choice.py [--lrs 1e-4,3e-4] [--lengths 40,80,120]
     python benchmarks/learning/multihop_gkv_choice.py --formulation joint_distill \
