@@ -2,8 +2,8 @@
 
 One vLLM engine serves the whole module (start-up ≈ 10–15 s). The HF reference decodes
 each prompt alone: a vLLM request's eviction schedule is its own, which is what the HF
-engine promises per row (its batched decoding of rows shorter than the budget currently
-differs for stateful policies; see the report of issue 4). The parts that need no shared
+engine promises per row (a row of its batches decodes as it would alone,
+test_hf_engine.py::test_batch_rows_are_independent). The parts that need no shared
 engine are in test_vllm_engine_parts.py.
 """
 
