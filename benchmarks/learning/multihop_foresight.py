@@ -34,6 +34,10 @@ general run's held-out traces, and the commits that trained the runs (``train_co
 and ``--no-record`` prints the lines only (a smoke run at tiny sizes)::
 
     python benchmarks/learning/multihop_foresight.py --recipe tiny_multihop_foresight_general
+
+``--redraw`` draws both pictures again from the recorded results files (no model is run)::
+
+    python benchmarks/learning/multihop_foresight.py --redraw
 """
 
 import argparse
@@ -67,6 +71,7 @@ from kvrl.policies import make_policy
 from kvrl.runlog import pyplot, setup_process
 
 RECIPE = "tiny_multihop_foresight"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 BUDGETS = (117, 235)  # 25 and 50 % of the full cache's mean sequence
 GENERAL_BUDGETS = (117, 176, 235, 352)  # 25, 37.5, 50 and 75 %
 RULES = ("window", *RULE_BASED)
@@ -92,7 +97,10 @@ def main():
         help="the general run's range and stage were chosen on the validation stream (its lines say so)",
     )
     ap.add_argument("--picture", default="docs/img/multihop_foresight.png")
+    ap.add_argument("--redraw", action="store_true", help="draw both pictures from benchmarks/results only")
     args = ap.parse_args()
+    if args.redraw:
+        return redraw(Path(args.picture))
     setup_process()
     cfg = load_config([f"recipe={args.recipe}", *args.set])
     general = cfg.foresight.budgets is not None
@@ -272,6 +280,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "full_cache_nll_per_token": round(full_per_token, 6),
             "n": len(tasks),
             "tasks": len(tasks),
+            "heldout_traces": len(heldout),
             **streams(
                 TEST_SEED,
                 cfg.seed,
@@ -286,9 +295,26 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
         draw(picture, Path(args.picture).with_name("multihop_foresight_general.png"), "one scorer for every budget")
 
 
+def redraw(path: Path) -> None:
+    """Both pictures again from the latest recorded lines: ``multihop_foresight.json`` and the general scorer's
+    ``multihop_foresight_general_B.json``, one per judged budget."""
+    draw(json.loads((RESULTS / "multihop_foresight.json").read_text()), path)
+    lines = [json.loads((RESULTS / f"multihop_foresight_general_{b}.json").read_text()) for b in GENERAL_BUDGETS]
+    full = lines[0]["accuracy"]["full"]
+    picture = {"budgets": list(GENERAL_BUDGETS), "accuracy": {"full": {"-": full}}, "added_nll_per_token": {}}
+    for line in lines:
+        for key in ("accuracy", "added_nll_per_token"):
+            for name, value in line[key].items():
+                if name != "full":
+                    picture[key].setdefault(name, {})[str(line["budget"])] = value
+    # lines recorded before they held their count of held-out traces: the title goes without it
+    picture.update(tasks=lines[0]["tasks"], heldout_traces=lines[0].get("heldout_traces"))
+    draw(picture, path.with_name("multihop_foresight_general.png"), "one scorer for every budget")
+
+
 def draw(line: dict, path: Path, title: str | None = None) -> None:
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 5.5))
     xs = line["budgets"]
     markers = iter("sv^<>dph")
     colours = {
@@ -313,7 +339,7 @@ def draw(line: dict, path: Path, title: str | None = None) -> None:
     a.set_xlabel("KV budget (tokens; the full cache's mean sequence is ~470)")
     a.set_ylabel("exact accuracy, 95 % interval")
     a.set_title(f"{line['tasks']} test tasks, greedy", fontsize=9)
-    a.legend(fontsize=7, loc="upper left", ncol=2)
+    a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)  # below: lines fill the axes
     markers = iter("sv^<>dph")
     for name, row in line["added_nll_per_token"].items():
         ys = [max(row[str(x)], 1e-6) for x in xs]
@@ -322,8 +348,9 @@ def draw(line: dict, path: Path, title: str | None = None) -> None:
     b.set_yscale("log")
     b.set_xlabel("KV budget (tokens)")
     b.set_ylabel("added NLL per generated token (nats)")
-    b.set_title(f"{line['heldout_traces']} held-out traces, teacher-forced", fontsize=9)
-    b.legend(fontsize=7)
+    traces = f"{line['heldout_traces']} held-out traces" if line.get("heldout_traces") else "held-out traces"
+    b.set_title(f"{traces}, teacher-forced", fontsize=9)
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)
     title = title or f"ForesightKV (trained at {line['budget']})"
     fig.suptitle(f"multihop reasoner: {title} over the zoo", fontsize=10)
     save_figure(fig, path)

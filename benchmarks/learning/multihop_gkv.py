@@ -187,6 +187,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         "baseline_query_acc": judged["untrained"].get("query_acc"),
         "gain_points": round(100 * (judged["trained"]["acc"] - judged["untrained"]["acc"]), 2),
         "stream": args.stream,
+        "n": args.tasks,
         "tasks": args.tasks,
         **streams(stream_seed, cfg.seed, train_commits(out)),
         "training": {

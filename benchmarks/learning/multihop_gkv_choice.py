@@ -83,6 +83,7 @@ def main():
             "baseline_ci95": test["baseline_ci95"],
             "gain_points": test["gain_points"],
             "n": test["tasks"],
+            "tasks": test["tasks"],
             "chosen": {"lr": chosen["lr"], "steps": chosen["steps"]},
             "validation": table,
             "validation_tasks": args.validation_tasks,
