@@ -228,7 +228,7 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
     full = accuracy(evaluate(engine, env, tasks, new_tokens))
     heldout = load_traces(out / "traces" / "heldout")
     full_per_token = sum(map(sum, (t.loss for t in heldout))) / sum(len(t.loss) for t in heldout)
-    picture = {"budgets": budgets, "accuracy": {"full": {"-": full}}, "added_nll_per_token": {}}
+    lines = []
     for budget in budgets:
         setting = dict(budget=budget, interval=kv.interval, window=kv.window, sink=kv.sink)
         scorers = {}
@@ -251,11 +251,6 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
         added = {
             n: round((r - 1) * full_per_token, 5) for n, r in loss_ratios(model, heldout, policies, **setting).items()
         }
-        for name, point in acc.items():
-            if name != "full":
-                picture["accuracy"].setdefault(name, {})[str(budget)] = point
-        for name, value in added.items():
-            picture["added_nll_per_token"].setdefault(name, {})[str(budget)] = value
         line = {
             "benchmark": "multihop_foresight_general",
             "formulation": "foresight_general",
@@ -290,18 +285,28 @@ def judge_general(args, cfg, out: Path, budgets: list[int], write) -> None:
             "heldout_trace_seed": cfg.seed + SPLIT_SEEDS["heldout"],
         }
         (write or partial(record, f"multihop_foresight_general_{budget}"))(line)
+        lines.append(line)
     if not write:
-        picture.update(tasks=len(tasks), heldout_traces=len(heldout))
-        draw(picture, Path(args.picture).with_name("multihop_foresight_general.png"), "one scorer for every budget")
+        draw_general(lines, Path(args.picture))
 
 
 def redraw(path: Path) -> None:
     """Both pictures again from the latest recorded lines: ``multihop_foresight.json`` and the general scorer's
     ``multihop_foresight_general_B.json``, one per judged budget."""
     draw(json.loads((RESULTS / "multihop_foresight.json").read_text()), path)
-    lines = [json.loads((RESULTS / f"multihop_foresight_general_{b}.json").read_text()) for b in GENERAL_BUDGETS]
+    draw_general(
+        [json.loads((RESULTS / f"multihop_foresight_general_{b}.json").read_text()) for b in GENERAL_BUDGETS], path
+    )
+
+
+def draw_general(lines: list[dict], path: Path) -> None:
+    """The general scorer's picture, beside ``path``, from its lines (one per judged budget)."""
     full = lines[0]["accuracy"]["full"]
-    picture = {"budgets": list(GENERAL_BUDGETS), "accuracy": {"full": {"-": full}}, "added_nll_per_token": {}}
+    picture = {
+        "budgets": [line["budget"] for line in lines],
+        "accuracy": {"full": {"-": full}},
+        "added_nll_per_token": {},
+    }
     for line in lines:
         for key in ("accuracy", "added_nll_per_token"):
             for name, value in line[key].items():
