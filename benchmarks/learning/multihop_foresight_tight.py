@@ -28,7 +28,6 @@ import json
 import sys
 from pathlib import Path
 
-import ray
 from safetensors.torch import save_file
 
 from kvrl.bench import (
@@ -48,7 +47,6 @@ from kvrl.eval.budgets import evaluate
 from kvrl.jobs.foresight import build_ranking_data, make_scorer, scorer_state, train_sft
 from kvrl.policies import make_policy
 from kvrl.runlog import RunLog, setup_process
-from kvrl.workers.controller import connect
 from kvrl.workers.traces import write_splits
 
 RECIPE = "tiny_multihop_foresight"
@@ -68,12 +66,7 @@ def stage1(model, out: Path, budget: int, seed: int) -> Path:
         return path
     cfg = load_config([f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", f"output_dir={out / f's{seed}'}"])
     setup_process(cfg.seed)
-    own_ray = connect(cfg)
-    try:
-        splits = write_splits(cfg)  # the seed's traces: the full cache's, whatever the budget
-    finally:
-        if own_ray:
-            ray.shutdown()
+    splits = write_splits(cfg)  # the seed's traces (the full cache's, whatever the budget), unless they are there
     policy = make_scorer(model, cfg.kv)
     data = build_ranking_data(model, load_traces(splits["train"]), policy, folder / "golden" / "ranking.pt", cfg)
     runlog = RunLog(folder, fresh=True)
