@@ -214,6 +214,13 @@ def test_ranking_loss_hand_computed():
     cand = torch.ones(1, 1, 1, 3, dtype=torch.bool)
     # pairs (0,1): 0.01 − 0.005; (0,2): 0; (1,2): 0 -> mean over 3 pairs
     assert fk.ranking_loss(evict, label, cand, 0.01).item() == pytest.approx(0.005 / 3)
+    # pairs="gap" weighs them by the label gaps 1, 2, 1: only (0,1) has a hinge -> 0.005 * 1 / 4
+    assert fk.ranking_loss(evict, label, cand, 0.01, "gap").item() == pytest.approx(0.005 / 4)
+    # two tokens no future query reads (labels 0 and 1e-9) decide nothing: their misorder costs ~nothing under "gap"
+    label = torch.tensor([3.0, 1e-9, 0.0]).view(1, 1, 1, 3)
+    evict = torch.tensor([0.0, 1.0, 0.0]).view(1, 1, 1, 3)  # hinges: (0,1) 0, (0,2) 0.01, (1,2) 1.01
+    assert fk.ranking_loss(evict, label, cand, 0.01).item() == pytest.approx(1.02 / 3)
+    assert fk.ranking_loss(evict, label, cand, 0.01, "gap").item() == pytest.approx(0.01 * 3 / 6, rel=1e-6)
 
 
 def test_sft_then_rl_stage(tiny, traces):

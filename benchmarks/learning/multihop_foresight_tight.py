@@ -54,22 +54,33 @@ SERVED = 117  # the budget every candidate is chosen for
 JUDGED = (117, 235)
 
 
+def folder(out: Path, candidate: str, seed: int) -> Path:
+    return out / f"s{seed}" / ("b" + candidate.replace(":", "-"))
+
+
+def names(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def stage1(model, out: Path, budget: int, seed: int) -> Path:
-    """Seed ``seed``'s stage-1 scorer trained at ``budget`` (trained here unless its file exists)."""
-    folder = out / f"s{seed}" / f"b{budget}"
-    path = folder / "sft" / "scorer.safetensors"
+def stage1(model, out: Path, candidate: str, seed: int) -> Path:
+    """Seed ``seed``'s stage-1 scorer of ``candidate`` ("B": trained at budget B; "B:gap": and with
+    ``foresight.pairs=gap``), trained here unless its file exists."""
+    budget, _, pairs = candidate.partition(":")
+    path = folder(out, candidate, seed) / "sft" / "scorer.safetensors"
     if path.exists():
         return path
-    cfg = load_config([f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", f"output_dir={out / f's{seed}'}"])
+    keys = [f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", f"output_dir={out / f's{seed}'}"]
+    cfg = load_config(keys + ([f"foresight.pairs={pairs}"] if pairs else []))
     setup_process(cfg.seed)
     splits = write_splits(cfg)  # the seed's traces (the full cache's, whatever the budget), unless they are there
     policy = make_scorer(model, cfg.kv)
-    data = build_ranking_data(model, load_traces(splits["train"]), policy, folder / "golden" / "ranking.pt", cfg)
-    runlog = RunLog(folder, fresh=True)
+    golden = folder(out, f"{budget}", seed) / "golden" / "ranking.pt"  # Golden's replays: the same whatever the loss
+    data = build_ranking_data(model, load_traces(splits["train"]), policy, golden, cfg)
+    runlog = RunLog(path.parent.parent, fresh=True)
     train_sft(policy, data, cfg, runlog.log)
     runlog.close()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,13 +90,18 @@ def stage1(model, out: Path, budget: int, seed: int) -> Path:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--candidates", type=ints, default=[59, 88, 117], help="the training budgets to choose from")
+    ap.add_argument(
+        "--candidates",
+        type=names,
+        default=["59", "88", "117", "117:gap"],
+        help="stage 1 trainings to choose from: B (at budget B), B:gap (and foresight.pairs=gap)",
+    )
     ap.add_argument("--seeds", type=ints, default=[0, 1, 2], help="the first one's candidates make the choice")
     ap.add_argument("--validation-tasks", type=int, default=128)
     ap.add_argument("--tasks", type=int, default=256)
     ap.add_argument("--out", default="outputs/multihop_foresight/tight")
     args = ap.parse_args()
-    if SERVED not in args.candidates:
+    if str(SERVED) not in args.candidates:
         sys.exit(f"--candidates must hold {SERVED}, the recipe's own budget, the baseline the choice is judged against")
     setup_process()
     out = Path(args.out)
@@ -105,25 +121,25 @@ def main():
     first = args.seeds[0]
     env, tasks = draw_tasks(cfg.env.id, args.validation_tasks, VALIDATION_SEED)
     validation = {}
-    for budget in args.candidates:
-        validation[str(budget)] = judge(stage1(model, out, budget, first), SERVED, env, tasks)
-        print(json.dumps({"trained_at": budget, "validation_at_117": validation[str(budget)]}), file=sys.stderr)
-    chosen = max(sorted(args.candidates, reverse=True), key=lambda b: validation[str(b)]["acc"])  # ties: larger
+    for candidate in args.candidates:
+        validation[candidate] = judge(stage1(model, out, candidate, first), SERVED, env, tasks)
+        print(json.dumps({"candidate": candidate, "validation_at_117": validation[candidate]}), file=sys.stderr)
+    chosen = max(args.candidates, key=lambda c: (validation[c]["acc"], c == str(SERVED)))  # ties: the recipe's
 
-    # ---- the chosen budget and the recipe's, every seed, once on the test stream
+    # ---- the chosen candidate and the recipe's, every seed, once on the test stream
     env, tasks = draw_tasks(cfg.env.id, args.tasks, TEST_SEED)
     test = {}
-    for budget in dict.fromkeys([chosen, SERVED]):
+    for candidate in dict.fromkeys([chosen, str(SERVED)]):
         for seed in args.seeds:
-            path = stage1(model, out, budget, seed)
-            test.setdefault(str(budget), {})[str(seed)] = {str(b): judge(path, b, env, tasks) for b in JUDGED}
+            path = stage1(model, out, candidate, seed)
+            test.setdefault(candidate, {})[str(seed)] = {str(b): judge(path, b, env, tasks) for b in JUDGED}
 
-    def over_seeds(budget: int, judged_at: int) -> dict:
-        values = [test[str(budget)][str(s)][str(judged_at)]["acc"] for s in args.seeds]
+    def over_seeds(candidate: str, judged_at: int) -> dict:
+        values = [test[candidate][str(s)][str(judged_at)]["acc"] for s in args.seeds]
         return {"per_seed": values, **mean_interval(values, len(tasks))}
 
-    ours, recipe = over_seeds(chosen, SERVED), over_seeds(SERVED, SERVED)
-    trained = [(b, first) for b in args.candidates] + [(int(b), s) for b in test for s in args.seeds[1:]]
+    ours, recipe = over_seeds(chosen, SERVED), over_seeds(str(SERVED), SERVED)
+    trained = dict.fromkeys([(c, first) for c in args.candidates] + [(c, s) for c in test for s in args.seeds])
     record(
         "multihop_foresight_tight",
         {
@@ -132,25 +148,28 @@ def main():
             "task": "multihop",
             "model": cfg.model.path,
             "recipe": RECIPE,
-            "kv": {"interval": kv.interval, "window": kv.window, "sink": kv.sink, "trained_at_budget": chosen},
+            "kv": {
+                "interval": kv.interval,
+                "window": kv.window,
+                "sink": kv.sink,
+                "trained_at_budget": int(chosen.split(":")[0]),
+            },
             "budget": SERVED,
-            "trained": f"ForesightKV stage 1 (SFT) trained at {chosen}, mean over training seeds",
+            "trained": f"ForesightKV stage 1 (SFT), candidate {chosen}, mean over training seeds",
             "trained_acc": ours["mean"],
             "trained_ci95": ours["ci95"],
             "baseline": f"ForesightKV stage 1 (SFT) trained at {SERVED} (the recipe's budget), mean over the same seeds",
             "baseline_acc": recipe["mean"],
             "baseline_ci95": recipe["ci95"],
             "seeds": args.seeds,
-            "chosen_training_budget": chosen,
-            "over_seeds": {str(b): {str(j): over_seeds(int(b), j) for j in JUDGED} for b in test},
+            "chosen": chosen,
+            "over_seeds": {c: {str(j): over_seeds(c, j) for j in JUDGED} for c in test},
             "per_seed": test,
             "validation": validation,  # the first seed's candidates at 117: the choice
             "validation_tasks": args.validation_tasks,
             "n": len(tasks),
             "tasks": len(tasks),
-            **streams(
-                TEST_SEED, args.seeds, {f"s{s}/b{b}": train_commits(out / f"s{s}" / f"b{b}") for b, s in trained}
-            ),
+            **streams(TEST_SEED, args.seeds, {f"{c}/s{s}": train_commits(folder(out, c, s)) for c, s in trained}),
         },
     )
 

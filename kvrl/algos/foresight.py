@@ -128,16 +128,24 @@ def golden_replay(model, trace: Trace, features: LearnedScorer, budget: int | No
 # ---- stage 1: SFT with the pairwise ranking loss -------------------------------------------------------------
 
 
-def ranking_loss(evict: Tensor, label: Tensor, candidates: Tensor, margin: float) -> Tensor:
+def ranking_loss(evict: Tensor, label: Tensor, candidates: Tensor, margin: float, pairs: str = "uniform") -> Tensor:
     """ForesightKV's pairwise hinge: for candidate pairs the oracle ranks i above j (keeps i
     rather than j), ``max(0, margin − (s_j − s_i))`` on eviction scores s; averaged over the
     pairs of each [..., N] row (a (step, layer, head)), then over rows, summed over layers.
+
+    ``pairs="uniform"`` weighs every ordered pair alike (ForesightKV's); ``"gap"`` weighs a pair by
+    the oracle's keep-score difference ``label_i − label_j``, so the pairs of two tokens no future
+    query reads (whose order decides nothing) weigh ~0 and a read token against an unread one weighs most.
 
     evict, label [S, layers, H, N]; candidates bool, same shape.
     """
     pair = candidates[..., :, None] & candidates[..., None, :] & (label[..., :, None] > label[..., None, :])
     hinge = torch.relu(margin - (evict[..., None, :] - evict[..., :, None]))  # [.., i, j]: s_j − s_i
-    per_row = (hinge * pair).sum((-1, -2)) / pair.sum((-1, -2)).clamp(min=1)
+    if pairs == "gap":
+        weight = (label[..., :, None] - label[..., None, :]) * pair
+        per_row = (hinge * weight).sum((-1, -2)) / weight.sum((-1, -2)).clamp(min=torch.finfo(weight.dtype).tiny)
+    else:
+        per_row = (hinge * pair).sum((-1, -2)) / pair.sum((-1, -2)).clamp(min=1)
     rows = pair.any(-1).any(-1)
     return ((per_row * rows).sum((0, 2)) / rows.sum((0, 2)).clamp(min=1)).sum()
 

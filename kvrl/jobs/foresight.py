@@ -94,7 +94,7 @@ def train_sft(policy: LearnedScorer, data: list[dict], cfg, log) -> list[dict]:
         steps = [s for i in picks for s in data[i]["steps"]]
         x = pad_stack([s["x"] for s in steps], 0.0)
         label, cand = pad_stack([s["label"] for s in steps], 0.0), pad_stack([s["candidates"] for s in steps], False)
-        loss = ranking_loss(evict_scores(policy, x), label, cand, fs.margin)
+        loss = ranking_loss(evict_scores(policy, x), label, cand, fs.margin, fs.pairs)
         opt.zero_grad()
         loss.backward()
         opt.step()

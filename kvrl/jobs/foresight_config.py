@@ -25,6 +25,9 @@ class ForesightConfig:
         1.0e-2, lambda v: 0 < v <= 1, "must be in (0, 1] (Adam moves each weight by about lr per step)"
     )  # stage 1 peak learning rate
     margin: float = checked(0.01, ge=0)  # stage 1 pairwise ranking hinge margin
+    # stage 1's pairs: "uniform" (ForesightKV's: every pair the oracle orders weighs alike) or "gap" (a pair weighs
+    # the oracle's keep-score difference: kvrl.algos.foresight.ranking_loss)
+    pairs: str = checked("uniform", lambda v: v in ("uniform", "gap"), "must be 'uniform' or 'gap'")
     eta: float = checked(1.5, ge=0)  # stage 2 reward: a token counts when its loss rose by more than eta
     # stage 2 reward: only this fraction of tokens, lowest full-cache entropy first
     low_entropy: float = checked(0.8, lambda v: 0 < v <= 1, "must be a fraction in (0, 1]")
