@@ -1,26 +1,29 @@
-"""ForesightKV at a quarter of the sequence: the budget its scorer is trained at, chosen on the validation stream.
+"""ForesightKV at a quarter of the sequence: how its stage-1 scorer is trained, chosen on the validation stream.
 
 Trained at 117 tokens (25 % of the multihop reasoner's ~470-token sequences), stage 1 serves 235 far better than
 stage 1 trained at 235 (0.95 against 0.61 over three seeds: ``multihop_foresight_seeds.py``): the replays of a tighter
 cache hold only the tokens Golden Eviction ranks high, so the pairs the ranking loss sees are the ones that decide a
-tight cache. This asks whether training below 117 serves 117 better in the same way.
+tight cache. This asks two things of a scorer for 117: does training below 117 serve 117 better in the same way,
+and does a ranking loss that weighs a pair by the oracle's keep-score gap (``foresight.pairs=gap``: the pairs of
+two tokens no future query reads weigh ~0) fit Golden's choices better than ForesightKV's uniform pairs.
 
-For each budget B of ``--candidates`` (default 59, 88 and 117: 12.5, 19 and 25 %; 117 is ``tiny_multihop_foresight``
-at ``kv.budget=117``) it trains stage 1 of that recipe at ``kv.budget=B`` with seed S: Golden Eviction's replays of
-seed S's 256 training traces at B and 300 ranking-SFT steps, the pipeline's own functions in the pipeline's order
-(at 117 the scorer is bitwise the pipeline's stage 1). The traces are generated once per seed into ``--out``/sS/traces,
-each candidate into ``--out``/sS/bB; a piece that exists is reused, so a stopped command resumes. Stage 2 is left
-out: at 117 it left exact accuracy where stage 1 put it in each of three seeds (0.0, −2.0 and +2.0 points).
+Each candidate of ``--candidates`` (default 59, 88, 117 and 117:gap; "B" is ``tiny_multihop_foresight`` at
+``kv.budget=B``, "B:gap" with ``foresight.pairs=gap`` too; 117 is the recipe's own) is stage 1 trained with seed S:
+Golden Eviction's replays of seed S's 256 training traces at B and 300 ranking-SFT steps, the pipeline's own
+functions in the pipeline's order (at 117 the scorer is bitwise the pipeline's stage 1). The traces are generated
+once per seed into ``--out``/sS/traces, each candidate into ``--out``/sS/bB (bB-gap; it shares bB's Golden
+replays); a piece that exists is reused, so a stopped command resumes. Stage 2 is left out: at 117 it left exact
+accuracy where stage 1 put it in each of three seeds (0.0, −2.0 and +2.0 points).
 
 Every candidate of the first seed is judged unchanged at 117 on ``--validation-tasks`` tasks of the validation
-stream (seed 7001); the one with the highest exact accuracy is chosen (ties: the larger budget). The chosen budget
-and 117 are then trained with every seed of ``--seeds`` and judged once each on the 256 test tasks (seed 9001) at
-117 and 235. Records ``benchmarks/results/multihop_foresight_tight.json``: the validation table and the choice,
-each seed's test accuracies, and at 117 the chosen budget's mean over seeds (``trained_acc``, Student's t over the
-seeds: :func:`kvrl.bench.mean_interval`) against the recipe's 117 (``baseline_acc``). No test task is looked at to
-make the choice::
+stream (seed 7001); the one with the highest exact accuracy is chosen (ties: the recipe's). The chosen candidate
+and the recipe's are then trained with every seed of ``--seeds`` and judged once each on the 256 test tasks (seed
+9001) at 117 and 235. Records ``benchmarks/results/multihop_foresight_tight.json``: the validation table and the
+choice, each seed's test accuracies, and at 117 the chosen candidate's mean over seeds (``trained_acc``,
+Student's t over the seeds: :func:`kvrl.bench.mean_interval`) against the recipe's (``baseline_acc``). No test task
+is looked at to make the choice::
 
-    python benchmarks/learning/multihop_foresight_tight.py [--candidates 59,88,117] [--seeds 0,1,2]
+    python benchmarks/learning/multihop_foresight_tight.py [--candidates 59,88,117,117:gap] [--seeds 0,1,2]
 """
 
 import argparse
