@@ -18,7 +18,8 @@ scorer, ``kv.kwargs.run``, at ``--budget``: train it first with ``benchmarks/lea
 accuracy is the exact answer with its 95 % Wilson interval, query accuracy beside it.
 
 Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation>[_<budget>].json``
-(no suffix at the recipe's budget) with the commit it ran at. ``cpu_split`` is each training
+(no suffix at the recipe's budget; ``--name`` names another, for a joint run under another scorer) with the
+commit it ran at. ``cpu_split`` is each training
 step's mean wall seconds in rollout and learner (Ray actors' CPU is not this process's).
 
     python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--tasks 256]
@@ -90,6 +91,12 @@ def main(argv=None):
         "with --seeds, a path holding {seed}, each seed's scorer",
     )
     ap.add_argument(
+        "--name",
+        default=None,
+        help="the results file's name (default multihop_<formulation>[_<budget>][_seeds]): a joint run under "
+        "another scorer keeps its own file",
+    )
+    ap.add_argument(
         "--seeds", default=None, help="comma-separated training seeds (default: the recipe's); several: one line"
     )
     args = ap.parse_args(argv)
@@ -110,6 +117,7 @@ def main(argv=None):
     line = lines[0] if len(lines) == 1 else over_seeds(lines)
     name = f"multihop_{args.formulation}" + ("" if budget == default_budget else f"_{budget}")
     name += "_seeds" if len(lines) > 1 else ""
+    name = args.name or name
     record(name, line) if args.stream == "test" else emit(line)
 
 
