@@ -7,7 +7,10 @@ run's seed), scorers that differ in one thing each:
 
 * ``foresight``: ForesightKV's per-KV-head MLP (hidden 16) on ``[k ‖ v ‖ 8·G attention features]``, as shipped;
 * ``wide``: the same inputs, hidden ``--wide`` (capacity);
-* ``attention_only`` / ``kv_only``: the shipped MLP with the keys and values, or the attention features, zeroed.
+* ``attention_only`` / ``kv_only``: the shipped MLP with the keys and values, or the attention features, zeroed;
+* ``gap_pairs``: the shipped MLP fitted with ``foresight.pairs=gap`` (a pair weighs the oracle's keep-score gap).
+
+``--variants`` fits some of them only; their line is then recorded as ``multihop_scorer_fit_<budget>_<variants>``.
 
 For each, and for the run's own stage-1 scorer, reports the AUC of its score between the candidates Golden
 Eviction keeps and those it evicts at a step (per layer and KV head, pooled; 1 is the oracle's own choice) on the
@@ -21,6 +24,7 @@ features do.
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -104,6 +108,7 @@ def main():
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override (foresight.sft_*)"
     )
+    ap.add_argument("--variants", default=None, help="comma-separated variants to fit (default: all)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     setup_process()  # one torch thread, denormals flushed: as every kvrl process
@@ -125,6 +130,13 @@ def main():
     attention = torch.cat([torch.zeros(dim), torch.ones(width - dim)])
     variants = {"foresight_sft_of_the_run": None, "foresight": None, "wide": None, "attention_only": attention}
     variants["kv_only"] = 1 - attention
+    variants["gap_pairs"] = None
+    chosen = args.variants.split(",") if args.variants else list(variants)
+    if unknown := set(chosen) - set(variants):
+        raise SystemExit(
+            f"--variants {args.variants}: no variant {sorted(unknown)}; the variants: {', '.join(variants)}"
+        )
+    variants = {name: variants[name] for name in chosen}
     setting = dict(budget=args.budget, interval=kv.interval, window=kv.window, sink=kv.sink)
     full = sum(map(sum, (t.loss for t in heldout_traces))) / sum(len(t.loss) for t in heldout_traces)
     lines = {}
@@ -139,7 +151,8 @@ def main():
                 policy.scorer = Wide(policy.layers, policy.kv_heads, width, gen, args.wide)
             elif mask is not None:
                 policy.scorer = Masked(policy.scorer, mask)
-            last_loss = round(fit(policy, train, cfg), 5)
+            pairs = "gap" if name == "gap_pairs" else fs.pairs
+            last_loss = round(fit(policy, train, replace(cfg, foresight=replace(fs, pairs=pairs))), 5)
         ratio = loss_ratios(model, heldout_traces, {name: policy}, **setting)[name]
         lines[name] = {
             "sft_loss_last": last_loss,
@@ -158,14 +171,21 @@ def main():
         "kv": setting,
         "train_traces": len(train),
         "heldout_traces": len(heldout_traces),
-        "sft": {"steps": fs.sft_steps, "batch_size": fs.sft_batch_size, "lr": fs.sft_lr, "margin": fs.margin},
+        "sft": {
+            "steps": fs.sft_steps,
+            "batch_size": fs.sft_batch_size,
+            "lr": fs.sft_lr,
+            "margin": fs.margin,
+            "pairs": fs.pairs,
+        },
         "wide_hidden": args.wide,
         "scorers": lines,
         "golden_added_nll_per_token": round((golden - 1) * full, 5),
         "full_cache_nll_per_token": round(full, 6),
         "train_commits": train_commits(run),
     }
-    (emit if args.no_record else lambda x: record(f"multihop_scorer_fit_{args.budget}", x))(line)
+    name = f"multihop_scorer_fit_{args.budget}" + ("_" + "_".join(chosen) if args.variants else "")
+    (emit if args.no_record else lambda x: record(name, x))(line)
 
 
 if __name__ == "__main__":
