@@ -12,7 +12,8 @@ run's seed), scorers that differ in one thing each:
 
 ``--variants`` fits some of them only; their line is then recorded as ``multihop_scorer_fit_<budget>_<variants>``.
 
-For each, and for the run's own stage-1 scorer, reports the AUC of its score between the candidates Golden
+Where the two weightings of stage 1's pairs put their weight (``pair_weight``: :func:`led_by_the_most_read`) is
+measured on the same training replays. For each variant, and for the run's own stage-1 scorer, reports the AUC of its score between the candidates Golden
 Eviction keeps and those it evicts at a step (per layer and KV head, pooled; 1 is the oracle's own choice) on the
 training replays it was fitted to and on the held-out replays, and the added NLL per generated token it causes
 when it evicts on its own over the held-out traces (teacher-forced; Golden's own beside it). A scorer that fits the
@@ -98,6 +99,33 @@ def kept_vs_evicted(policy, replays: list[dict], keep: int) -> float:
     return round(wins / max(pairs, 1), 4)
 
 
+def led_by_the_most_read(replays: list[dict]) -> dict:
+    """Where stage 1's pairs weigh, over the replays' (step, layer, KV head) rows of at least 20 candidates: the
+    share of the pair weight (uniform: every pair the oracle orders; gap: each by its label gap) on pairs whose
+    higher-labelled token is in the row's top tenth of labels, and the share of the label mass that tenth holds."""
+    led, total = {"uniform": 0.0, "gap": 0.0}, {"uniform": 0.0, "gap": 0.0}
+    mass = [0.0, 0.0]
+    for replay in replays:
+        for step in replay["steps"]:
+            for label, cand in zip(step["label"].flatten(0, 1), step["candidates"].flatten(0, 1)):
+                value = label[cand]
+                if len(value) < 20:
+                    continue
+                top = (value >= value.quantile(0.9))[:, None]
+                for kind, weight in (
+                    ("uniform", (value[:, None] > value[None, :]).double()),
+                    ("gap", (value[:, None] - value[None, :]).clamp(min=0).double()),
+                ):
+                    led[kind] += float((weight * top).sum())
+                    total[kind] += float(weight.sum())
+                mass[0] += float(value[top[:, 0]].sum())
+                mass[1] += float(value.sum())
+    return {
+        **{f"{kind}_pairs_led_by_top_tenth": round(led[kind] / total[kind], 4) for kind in led},
+        "label_mass_of_top_tenth": round(mass[0] / mass[1], 4),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True, help="a finished ForesightKV run (its Golden replays and traces)")
@@ -180,6 +208,7 @@ def main():
         },
         "wide_hidden": args.wide,
         "scorers": lines,
+        "pair_weight": led_by_the_most_read(train[: args.auc_traces]),
         "golden_added_nll_per_token": round((golden - 1) * full, 5),
         "full_cache_nll_per_token": round(full, 6),
         "train_commits": train_commits(run),
