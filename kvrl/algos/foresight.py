@@ -134,8 +134,8 @@ def ranking_loss(evict: Tensor, label: Tensor, candidates: Tensor, margin: float
     pairs of each [..., N] row (a (step, layer, head)), then over rows, summed over layers.
 
     ``pairs="uniform"`` weighs every ordered pair alike (ForesightKV's); ``"gap"`` weighs a pair by
-    the oracle's keep-score difference ``label_i − label_j``, so the pairs of two tokens no future
-    query reads (whose order decides nothing) weigh ~0 and a read token against an unread one weighs most.
+    the oracle's keep-score difference ``label_i − label_j``, so two tokens whose future attention
+    differs by noise weigh ~0 and the pairs the most-read tokens lead weigh most.
 
     evict, label [S, layers, H, N]; candidates bool, same shape.
     """
