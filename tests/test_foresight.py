@@ -249,6 +249,29 @@ def test_sft_then_rl_stage(tiny, traces):
     assert policy.scorer.w1.grad.abs().sum() > 0
 
 
+def test_sft_with_gap_pairs_lowers_the_gap_loss(tiny, traces):
+    """``foresight.pairs=gap`` reaches stage 1: its logged loss is the gap-weighted one (equal to
+    ranking_loss(..., "gap") of the untrained scorer on the first batch), and it falls; a value that is
+    neither weighting is refused naming both."""
+    model, _ = tiny
+    keys = ["recipe=tiny_foresight", "foresight.sft_steps=40", "foresight.sft_batch_size=4", "trainer.log_every=1000"]
+    cfg = load_config([*keys, "foresight.pairs=gap"])
+    policy = fk.make_scorer(model, cfg.kv)
+    data = [fk.golden_replay(model, t, policy) for t in traces]
+    picks = torch.randint(len(data), (4,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    steps = [s for i in picks for s in data[i]["steps"]]
+    x, label = fk.pad_stack([s["x"] for s in steps], 0.0), fk.pad_stack([s["label"] for s in steps], 0.0)
+    cand = fk.pad_stack([s["candidates"] for s in steps], False)
+    with torch.no_grad():
+        gap, uniform = (fk.ranking_loss(fk.evict_scores(policy, x), label, cand, 0.01, p) for p in ("gap", "uniform"))
+    history = fj.train_sft(policy, data, cfg, log=lambda row: None)
+    assert history[0]["loss"] == pytest.approx(gap.item(), rel=1e-5) and gap.item() != pytest.approx(uniform.item())
+    first, last = sum(h["loss"] for h in history[:5]) / 5, sum(h["loss"] for h in history[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    with pytest.raises(ValueError, match="'uniform' or 'gap'"):
+        load_config([*keys, "foresight.pairs=rank"])
+
+
 def test_traces_are_made_on_actors_and_a_lost_shard_again_alike(tmp_path, monkeypatch):
     """The data step's shards come from trace actors, none from this process; a deleted shard is
     made again, alone, by another actor (there is one missing shard, so one actor) with the
