@@ -4,8 +4,8 @@ Trained at 117 tokens (25 % of the multihop reasoner's ~470-token sequences), st
 stage 1 trained at 235 (0.95 against 0.61 over three seeds: ``multihop_foresight_seeds.py``): the replays of a tighter
 cache hold only the tokens Golden Eviction ranks high, so the pairs the ranking loss sees are the ones that decide a
 tight cache. This asks two things of a scorer for 117: does training below 117 serve 117 better in the same way,
-and does a ranking loss that weighs a pair by the oracle's keep-score gap (``foresight.pairs=gap``: the pairs of
-two tokens no future query reads weigh ~0) fit Golden's choices better than ForesightKV's uniform pairs.
+and does a ranking loss that weighs a pair by the oracle's keep-score gap (``foresight.pairs=gap``: a pair of
+tokens whose future attention differs by noise weighs ~0) serve 117 better than ForesightKV's uniform pairs.
 
 Each candidate of ``--candidates`` (default 59, 88, 117 and 117:gap; "B" is ``tiny_multihop_foresight`` at
 ``kv.budget=B``, "B:gap" with ``foresight.pairs=gap`` too; 117 is the recipe's own) is stage 1 trained with seed S:
@@ -73,7 +73,8 @@ def stage1(model, out: Path, candidate: str, seed: int) -> Path:
     """Seed ``seed``'s stage-1 scorer of ``candidate`` ("B": trained at budget B; "B:gap": and with
     ``foresight.pairs=gap``), trained here unless its file exists."""
     budget, _, pairs = candidate.partition(":")
-    path = folder(out, candidate, seed) / "sft" / "scorer.safetensors"
+    run = folder(out, candidate, seed)
+    path = run / "sft" / "scorer.safetensors"
     if path.exists():
         return path
     keys = [f"recipe={RECIPE}", f"kv.budget={budget}", f"seed={seed}", f"output_dir={out / f's{seed}'}"]
@@ -83,7 +84,7 @@ def stage1(model, out: Path, candidate: str, seed: int) -> Path:
     policy = make_scorer(model, cfg.kv)
     golden = folder(out, f"{budget}", seed) / "golden" / "ranking.pt"  # Golden's replays: the same whatever the loss
     data = build_ranking_data(model, load_traces(splits["train"]), policy, golden, cfg)
-    runlog = RunLog(path.parent.parent, fresh=True)
+    runlog = RunLog(run, fresh=True)
     train_sft(policy, data, cfg, runlog.log)
     runlog.close()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,12 @@ run's seed), scorers that differ in one thing each:
 ``--variants`` fits some of them only; their line is then recorded as ``multihop_scorer_fit_<budget>_<variants>``.
 
 Where the two weightings of stage 1's pairs put their weight (``pair_weight``: :func:`led_by_the_most_read`) is
-measured on the same training replays. For each variant, and for the run's own stage-1 scorer, reports the AUC of its score between the candidates Golden
-Eviction keeps and those it evicts at a step (per layer and KV head, pooled; 1 is the oracle's own choice) on the
-training replays it was fitted to and on the held-out replays, and the added NLL per generated token it causes
-when it evicts on its own over the held-out traces (teacher-forced; Golden's own beside it). A scorer that fits the
-training replays far better than the shipped one says capacity limits it; one that fits no better says the
-features do.
+measured on the same training replays. For each variant, and for the run's own stage-1 scorer, reports the AUC of
+its score between the candidates Golden Eviction keeps and those it evicts at a step (per layer and KV head,
+pooled; 1 is the oracle's own choice) on the training replays it was fitted to and on the held-out replays, and the
+added NLL per generated token it causes when it evicts on its own over the held-out traces (teacher-forced;
+Golden's own beside it). A scorer that fits the training replays far better than the shipped one says capacity
+limits it; one that fits no better says the features do.
 
     python benchmarks/learning/multihop_scorer_fit.py --run outputs/multihop_foresight/seeds/b117-s0 --budget 117
 """
@@ -213,8 +213,8 @@ def main():
         "full_cache_nll_per_token": round(full, 6),
         "train_commits": train_commits(run),
     }
-    name = f"multihop_scorer_fit_{args.budget}" + ("_" + "_".join(chosen) if args.variants else "")
-    (emit if args.no_record else lambda x: record(name, x))(line)
+    results = f"multihop_scorer_fit_{args.budget}" + ("_" + "_".join(chosen) if args.variants else "")
+    (emit if args.no_record else lambda x: record(results, x))(line)
 
 
 if __name__ == "__main__":

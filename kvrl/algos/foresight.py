@@ -141,11 +141,8 @@ def ranking_loss(evict: Tensor, label: Tensor, candidates: Tensor, margin: float
     """
     pair = candidates[..., :, None] & candidates[..., None, :] & (label[..., :, None] > label[..., None, :])
     hinge = torch.relu(margin - (evict[..., None, :] - evict[..., :, None]))  # [.., i, j]: s_j − s_i
-    if pairs == "gap":
-        weight = (label[..., :, None] - label[..., None, :]) * pair
-        per_row = (hinge * weight).sum((-1, -2)) / weight.sum((-1, -2)).clamp(min=torch.finfo(weight.dtype).tiny)
-    else:
-        per_row = (hinge * pair).sum((-1, -2)) / pair.sum((-1, -2)).clamp(min=1)
+    weight = (label[..., :, None] - label[..., None, :]) * pair if pairs == "gap" else pair.to(hinge.dtype)
+    per_row = (hinge * weight).sum((-1, -2)) / weight.sum((-1, -2)).clamp(min=torch.finfo(hinge.dtype).tiny)
     rows = pair.any(-1).any(-1)
     return ((per_row * rows).sum((0, 2)) / rows.sum((0, 2)).clamp(min=1)).sum()
 
