@@ -22,7 +22,7 @@ Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation
 commit it ran at. ``cpu_split`` is each training
 step's mean wall seconds in rollout and learner (Ray actors' CPU is not this process's).
 
-    python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--tasks 256]
+    python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--temperature 0.7] [--tasks 256]
     python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight_seeds.py
 
 ``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
@@ -77,6 +77,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="trainer.steps (default: the recipe's)")
     ap.add_argument("--lr", type=float, default=None, help="trainer.lr (default: the recipe's)")
     ap.add_argument(
+        "--temperature", type=float, default=None, help="sampling.temperature of the rollouts (default: the recipe's)"
+    )
+    ap.add_argument(
         "--stream",
         choices=["validation", "test"],
         default="test",
@@ -128,10 +131,11 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
     kv = load_config([f"recipe={judge}", *scorer]).kv
     steps = args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
+    temperature = args.temperature or recipe.sampling.temperature
     stream_seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
-    folder = f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-") + (
-        "" if seed == recipe.seed else f"_s{seed}"
-    )
+    folder = f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
+    folder += "" if temperature == recipe.sampling.temperature else f"_t{temperature:g}"
+    folder += "" if seed == recipe.seed else f"_s{seed}"
     out = Path(args.out) / folder
     overrides = [
         f"recipe={RECIPES[args.formulation]}",
@@ -139,6 +143,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         *([] if recipe.kv.policy == "full" else [f"kv.budget={budget}"]),
         f"trainer.steps={steps}",
         f"trainer.lr={lr}",
+        f"sampling.temperature={temperature}",
         f"seed={seed}",
         f"output_dir={out}",
         "resume=auto",
