@@ -276,7 +276,13 @@ def test_multihop_results_files_say_what_they_measured(path):
         assert len(line["commit"].removesuffix("-dirty")) == 40
         return
     if line["benchmark"] == "multihop_gkv_choice":  # a choice whose test line is this one: the max on validation
-        chosen = line["validation"][f"lr{line['chosen']['lr']:g}_steps{line['chosen']['steps']}"]
+        # the chosen (rate, length[, temperature]); lines recorded before temperature was a candidate lack it
+        c = line["chosen"]
+        (chosen,) = [
+            row
+            for row in line["validation"].values()
+            if (row["lr"], row["steps"], row.get("temperature")) == (c["lr"], c["steps"], c.get("temperature"))
+        ]
         assert chosen["acc"] == max(row["acc"] for row in line["validation"].values()), line
         assert line["validation_seed"] not in (None, line["test_seed"]) and line["validation_tasks"] > 0, line
     for key in ("budget", "baseline", "validation_seed", "test_seed", "train_seed"):
