@@ -82,14 +82,13 @@ def main():
                     "ci95": line["trained_ci95"],
                     "query_acc": line["trained_query_acc"],
                     "untrained_acc": line["baseline_acc"],
-                    "commit": line["commit"],
                 }
                 t = row["temperature"]
                 table[f"lr{lr:g}_steps{steps}" + ("" if t == recipe_temperature else f"_t{t:g}")] = row
                 print(json.dumps(row), file=sys.stderr, flush=True)
     for key, row in (earlier["validation"] if earlier else {}).items():
-        # a candidate judged again now keeps today's figures
-        table.setdefault(key, {"temperature": recipe_temperature, "commit": earlier["commit"], **row, "recorded": True})
+        # a candidate judged again now keeps today's figures; a recorded one names the commit that judged it
+        table.setdefault(key, {"temperature": recipe_temperature, **row, "recorded": earlier["commit"]})
     chosen = max(
         table.values(),
         key=lambda r: (r["acc"], -r["steps"], -r["lr"], r["temperature"] == recipe_temperature),
