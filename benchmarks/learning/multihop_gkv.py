@@ -5,8 +5,9 @@ same G-KV cache; or RL-Sparse and Distill under a trained ForesightKV scorer, fr
 
 Training is the formulation's recipe (``recipes/tiny_multihop_sparse.yaml``,
 ``tiny_multihop_distill.yaml`` or ``tiny_multihop_full.yaml``) at ``--budget`` (RL-Full trains with
-the full cache at any budget, so its folder is named by the budget it is judged at), into ``--out/<formulation>_<budget>_lr<lr>`` with
-``resume=auto``: a stopped run continues where it stopped when the command is given again, and
+the full cache at any budget, so its folder is named by the budget it is judged at), into
+``--out/<formulation>_<budget>_lr<lr>`` (``_t<T>`` added for rollouts at another ``--temperature`` than the
+recipe's) with ``resume=auto``: a stopped run continues where it stopped when the command is given again, and
 a finished one is evaluated as it is; a larger ``--steps`` continues it (the rate is constant after the warm-up,
 so that is the same run, longer), and each length's model is kept (``model-stepN``) for a smaller ``--steps`` to
 judge. Training draws its tasks from seed 0's stream; the
