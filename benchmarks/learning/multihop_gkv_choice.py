@@ -55,7 +55,6 @@ def main():
     args = ap.parse_args()
     lrs = [float(x) for x in args.lrs.split(",")]
     lengths = sorted(int(x) for x in args.lengths.split(","))
-    temperatures = [float(x) for x in args.temperatures.split(",")] if args.temperatures else [None]
     common = [f"--formulation={args.formulation}", f"--out={args.out}"]
     if args.scorer:
         common.append(f"--scorer={args.scorer}")
@@ -66,25 +65,26 @@ def main():
             f"give --formulation {earlier['formulation']} --validation-tasks {earlier['validation_tasks']}"
         )
     recipe_temperature = load_config([f"recipe={RECIPES[args.formulation]}"]).sampling.temperature
+    temperatures = [float(x) for x in args.temperatures.split(",")] if args.temperatures else [recipe_temperature]
 
     # ---- every (rate, temperature, length) on the validation stream
     table = {}
     for temperature in temperatures:
         for lr in lrs:
             for steps in lengths:
-                flags = [f"--lr={lr}", f"--steps={steps}"] + ([f"--temperature={temperature}"] if temperature else [])
+                flags = [f"--lr={lr}", f"--steps={steps}", f"--temperature={temperature}"]
                 line = judged(*common, *flags, "--stream=validation", f"--tasks={args.validation_tasks}")
                 row = {
                     "lr": lr,
                     "steps": steps,
-                    "temperature": line["training"]["temperature"],
+                    "temperature": temperature,
                     "acc": line["trained_acc"],
                     "ci95": line["trained_ci95"],
                     "query_acc": line["trained_query_acc"],
                     "untrained_acc": line["baseline_acc"],
                 }
-                t = row["temperature"]
-                table[f"lr{lr:g}_steps{steps}" + ("" if t == recipe_temperature else f"_t{t:g}")] = row
+                suffix = "" if temperature == recipe_temperature else f"_t{temperature:g}"
+                table[f"lr{lr:g}_steps{steps}{suffix}"] = row
                 print(json.dumps(row), file=sys.stderr, flush=True)
     for key, row in (earlier["validation"] if earlier else {}).items():
         # a candidate judged again now keeps today's figures; a recorded one names the commit that judged it
@@ -100,8 +100,7 @@ def main():
         print(f"{args.recorded}'s choice is still the best on validation: its test figures stand", file=sys.stderr)
         test = {**earlier, "tasks": earlier["n"]}
     else:
-        flags = [f"--lr={chosen['lr']}", f"--steps={chosen['steps']}"]
-        flags += [] if chosen["temperature"] == recipe_temperature else [f"--temperature={chosen['temperature']}"]
+        flags = [f"--lr={chosen['lr']}", f"--steps={chosen['steps']}", f"--temperature={chosen['temperature']}"]
         test = judged(*common, *flags, "--stream=test")
     record(
         f"multihop_{args.formulation}_choice",
