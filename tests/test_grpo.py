@@ -9,7 +9,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import nanstd
 
-from kvrl.algos.grpo import group_advantages, grpo_loss, mask_truncated
+from kvrl.algos.grpo import group_advantages, grpo_loss, mask_truncated, segment_advantages
 
 EPS = 1e-4  # TRL's advantage epsilon (grpo_trainer.py:2787)
 
@@ -63,6 +63,47 @@ def test_mask_truncated():
     assert mask_truncated(adv, trunc, "zero").tolist() == [0.0, 0.0, 0.5, -0.5]
     assert mask_truncated(adv, trunc, "clip").tolist() == [1.0, 0.0, 0.5, -0.5]  # G-KV: clamp(A, min=0)
     assert mask_truncated(adv, trunc, "keep").tolist() == adv.tolist()
+
+
+def test_segment_advantages_by_hand():
+    # one group of 3 samples with 2 segments: segment 0 right for samples 0 and 1, segment 1 for sample 2 only
+    sequence = torch.tensor([0.5, -0.25, 1.0])
+    segments = [[0, 0, 1, -1], [0, 1, 1], [-1, 0, 1, 1, -1]]
+    credits = [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]
+    per_token = segment_advantages(sequence, segments, credits, 3)
+    a0 = group_advantages(torch.tensor([1.0, 1.0, 0.0]), 3)  # segment 0's rewards over the group
+    a1 = group_advantages(torch.tensor([0.0, 0.0, 1.0]), 3)
+    want = [
+        [a0[0], a0[0], a1[0], 0.5],  # a token of no segment: its sample's sequence advantage
+        [a0[1], a1[1], a1[1]],
+        [1.0, a0[2], a1[2], a1[2], 1.0],
+    ]
+    assert [len(t) for t in per_token] == [len(w) for w in want]
+    for got, w in zip(per_token, want):
+        assert got.tolist() == pytest.approx([float(x) for x in w])
+    # a segment every sample gets right (or wrong) carries no signal: its tokens' advantages are exactly 0
+    same = segment_advantages(torch.zeros(2), [[0, 1], [0, 1]], [[1.0, 0.0], [1.0, 1.0]], 2)
+    assert same[0][0] == 0.0 and same[1][0] == 0.0 and same[0][1] < 0 < same[1][1]
+    with pytest.raises(ValueError, match="same segments"):
+        segment_advantages(torch.zeros(2), [[0], [0]], [[1.0], [1.0, 0.0]], 2)
+    with pytest.raises(ValueError, match="segment 2 of 2"):
+        segment_advantages(torch.zeros(2), [[2], [0]], [[1.0, 0.0], [0.0, 1.0]], 2)
+
+
+def test_loss_with_per_token_advantages_is_the_sequence_loss_when_they_agree():
+    old = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -1.5, -1.0]])
+    logp = (old + torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]]).log()).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    adv = torch.tensor([2.0, -1.0])
+    for aggregation in ("token", "sequence"):
+        seq, _ = grpo_loss(logp, old, adv, mask, aggregation=aggregation)
+        tok, _ = grpo_loss(logp, old, adv[:, None].expand(2, 3), mask, aggregation=aggregation)
+        assert tok.item() == pytest.approx(seq.item())
+    # a token's own advantage: only seq 1's last token is credited (A=3), the others 0
+    loss, _ = grpo_loss(logp, old, torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 3.0]]), mask)
+    loss.backward()
+    assert logp.grad[0].abs().sum() == 0 and logp.grad[1, :2].abs().sum() == 0
+    assert logp.grad[1, 2].item() == pytest.approx(-3.0 * 1.0 / 5)
 
 
 def test_loss_by_hand():

@@ -29,6 +29,7 @@ from kvrl.engines.base import Sampling
 from kvrl.engines.hf import HFEngine
 from kvrl.envs import make
 from kvrl.models.tiny import load_model
+from kvrl.section import ConfigError
 
 # tasks of the pretraining curriculum's middle sizes (~130-token sequences), under a budget that evicts
 SMALL_TASKS = [
@@ -60,6 +61,35 @@ def test_partial_credit_adds_the_share_of_queries_right():
     assert make("kvrl/multihop-v0").score(task, wrong)[0] == 0.0  # the default is the exact answer
     with pytest.raises(ValueError, match="partial_credit"):
         make("kvrl/multihop-v0", partial_credit=-1.0)
+
+
+def test_segments_credit_each_query_with_its_own_answer():
+    env = make("kvrl/multihop-v0")
+    env.reset(seed=0)
+    task = env.tasks(1)[0]
+    ref = task.meta["completion"]
+    words, queries = ref.split() + ["</s>"], task.meta["queries"]
+    seg, credit = env.segments(task, ref, words)
+    assert credit == [1.0] * len(queries) and len(seg) == len(words)
+    box = words.index("\\boxed{")
+    for i, (q, chain) in enumerate(zip(queries, task.meta["chains"])):
+        span = [k for k in range(box) if seg[k] == i]
+        assert span == list(range(span[0], span[0] + 7 * len(chain)))  # its whole segment, contiguous
+        assert words[span[0]] == q and words[span[-4] : span[-1] + 1][:2] == [q, "="]  # its walk, to its conclusion
+        assert seg[box + 1 + i] == i  # and its digit in the box
+    assert seg[box] == seg[-2] == seg[-1] == -1  # the brackets and the stop token: no query's
+    # a wrong digit takes that query's credit only; a chain of thought cut short leaves its query the rest
+    wrong = ref.replace("\\boxed{ " + task.answer, "\\boxed{ " + " ".join(["x"] + task.answer.split()[1:]))
+    assert env.segments(task, wrong, wrong.split())[1] == [0.0] + [1.0] * (len(queries) - 1)
+    cut = words[: 3 * 7 + 2]  # stops inside the first query's walk (chains are >= 6 statements long)
+    seg, credit = env.segments(task, " ".join(cut), cut)
+    assert seg == [0] * len(cut) and credit == [0.0] * len(queries)
+
+
+def test_segment_credit_is_refused_where_the_loss_ignores_token_advantages():
+    with pytest.raises(ConfigError, match="rl.credit=sequence"):
+        load_config(["recipe=tiny_multihop_distill", "rl.credit=segment"])
+    assert load_config(["recipe=tiny_multihop_sparse", "rl.credit=segment"]).rl.credit == "segment"
 
 
 def test_rl_full_differs_from_rl_sparse_only_in_the_cache():

@@ -7,7 +7,7 @@ Training is the formulation's recipe (``recipes/tiny_multihop_sparse.yaml``,
 ``tiny_multihop_distill.yaml`` or ``tiny_multihop_full.yaml``) at ``--budget`` (RL-Full trains with
 the full cache at any budget, so its folder is named by the budget it is judged at), into
 ``--out/<formulation>_<budget>_lr<lr>`` (``_t<T>`` added for rollouts at another ``--temperature`` than the
-recipe's) with ``resume=auto``: a stopped run continues where it stopped when the command is given again, and
+recipe's, ``_<credit>`` for another ``--credit``) with ``resume=auto``: a stopped run continues where it stopped when the command is given again, and
 a finished one is evaluated as it is; a larger ``--steps`` continues it (the rate is constant after the warm-up,
 so that is the same run, longer), and each length's model is kept (``model-stepN``) for a smaller ``--steps`` to
 judge. Training draws its tasks from seed 0's stream; the
@@ -23,7 +23,7 @@ Prints one JSON line and writes it to ``benchmarks/results/multihop_<formulation
 commit it ran at. ``cpu_split`` is each training
 step's mean wall seconds in rollout and learner (Ray actors' CPU is not this process's).
 
-    python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--temperature 0.7] [--tasks 256]
+    python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--temperature 0.7] [--credit segment] [--tasks 256]
     python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight_seeds.py
 
 ``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
@@ -81,6 +81,12 @@ def main(argv=None):
         "--temperature", type=float, default=None, help="sampling.temperature of the rollouts (default: the recipe's)"
     )
     ap.add_argument(
+        "--credit",
+        choices=["sequence", "segment"],
+        default=None,
+        help="rl.credit: what a token's advantage rewards (default: the recipe's)",
+    )
+    ap.add_argument(
         "--stream",
         choices=["validation", "test"],
         default="test",
@@ -133,9 +139,11 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
     steps = args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
     temperature = args.temperature or recipe.sampling.temperature
+    credit = args.credit or recipe.rl.credit
     stream_seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
     folder = f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
     folder += "" if temperature == recipe.sampling.temperature else f"_t{temperature:g}"
+    folder += "" if credit == recipe.rl.credit else f"_{credit}"
     folder += "" if seed == recipe.seed else f"_s{seed}"
     out = Path(args.out) / folder
     overrides = [
@@ -145,6 +153,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         f"trainer.steps={steps}",
         f"trainer.lr={lr}",
         f"sampling.temperature={temperature}",
+        f"rl.credit={credit}",
         f"seed={seed}",
         f"output_dir={out}",
         "resume=auto",
@@ -209,6 +218,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
             "samples": records[-1]["samples_total"],
             "lr": cfg.trainer.lr,
             "temperature": cfg.sampling.temperature,
+            "credit": cfg.rl.credit,
             "reward": dict(cfg.env.kwargs),
             "reward_first5": column_mean(first, "reward_mean"),
             "reward_last5": column_mean(last, "reward_mean"),

@@ -49,12 +49,14 @@ class Algo:
     entry: str  # "module:Class", imported only when the algorithm is built
     config: str = ""  # the light module that registers its section ("" = no keys or rules of its own)
     job: str = "rl"  # the job that runs it (kvrl.jobs.JOBS)
+    # its loss weighs each generated token by that token's advantage, so rl.credit=segment can apply
+    token_advantages: bool = False
 
 
 # rl.algo -> Algo
 ALGOS = {
-    "rl_full": Algo("kvrl.algos.rl_full:RLFull", "kvrl.algos.rl_full_config"),
-    "rl_sparse": Algo("kvrl.algos.rl_sparse:RLSparse", "kvrl.algos.rl_sparse_config"),
+    "rl_full": Algo("kvrl.algos.rl_full:RLFull", "kvrl.algos.rl_full_config", token_advantages=True),
+    "rl_sparse": Algo("kvrl.algos.rl_sparse:RLSparse", "kvrl.algos.rl_sparse_config", token_advantages=True),
     "distill": Algo("kvrl.algos.distill:Distill", "kvrl.algos.distill_config"),
     "rlkv": Algo("kvrl.algos.rlkv:RLKV", "kvrl.algos.rlkv_config", job="rlkv"),
     "foresight": Algo("kvrl.algos.foresight:ForesightRL", job="foresight"),  # stage 2; kvrl/jobs/foresight_config.py

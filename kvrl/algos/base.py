@@ -45,7 +45,10 @@ class Sample:
     trace: EvictionTrace | None = None  # this sample's eviction trace; None = full cache
     reward: float = 0.0  # the environment's reward, scored on the rollout worker
     info: dict = field(default_factory=dict)  # the environment's metrics of this sample
-    advantage: float = 0.0  # set by the controller (kvrl.algos.grpo)
+    # set by the controller (kvrl.algos.grpo): the sample's, or each generated token's (rl.credit=segment)
+    advantage: float | list[float] = 0.0
+    # rl.credit=segment: each generated token's segment (-1: none) and each segment's reward, from the environment
+    segments: tuple[list[int], list[float]] | None = None
     data: object = None  # what else the algorithm's learner needs (ForesightKV: the episode's decisions)
 
 
@@ -61,7 +64,7 @@ class Batch:
     prompt_lens: list[int]
     old_logprobs: torch.Tensor  # behaviour logprobs [B, T]
     mask: torch.Tensor  # [B, T] 1 on generated tokens
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, T] per token (rl.credit=segment)
     rewards: torch.Tensor  # raw rewards of the learner's whole share (RLKV's adaptive penalty reads their mean)
     trace: EvictionTrace | None  # the samples' traces batched; None = full cache
     num_items: float  # normaliser of the whole step (all learners): tokens or sequences
@@ -94,6 +97,11 @@ def collate(samples: list[Sample], num_items: float, device) -> Batch:
     T = max(len(s.tokens) for s in samples)
     old = torch.tensor([s.logprobs + [0.0] * (T - len(s.logprobs)) for s in samples], device=device)
     mask = torch.tensor([[1.0] * len(s.tokens) + [0.0] * (T - len(s.tokens)) for s in samples], device=device)
+    if any(isinstance(s.advantage, list) for s in samples):  # per token, 0 beyond each sample
+        adv = [s.advantage if isinstance(s.advantage, list) else [s.advantage] * len(s.tokens) for s in samples]
+        advantages = torch.tensor([a + [0.0] * (T - len(a)) for a in adv], device=device)
+    else:
+        advantages = torch.tensor([s.advantage for s in samples], device=device)
     trace = None
     if any(s.trace is not None for s in samples):
         # per-sample traces of different lengths -> one batch; padding keys are never seen
@@ -106,7 +114,7 @@ def collate(samples: list[Sample], num_items: float, device) -> Batch:
         prompt_lens=[len(s.prompt_ids) for s in samples],
         old_logprobs=old,
         mask=mask,
-        advantages=torch.tensor([s.advantage for s in samples], device=device),
+        advantages=advantages,
         rewards=torch.tensor([s.reward for s in samples], device=device),
         trace=trace,
         num_items=num_items,
@@ -177,7 +185,7 @@ class Algorithm:
     ) -> tuple[list[Sample], dict]:
         """A shard: a sample per (id, task), in order, decoded in chunks of sampling.batch_size
         with seeds seed, seed+1, ... (so a redone shard is identical) and scored by ``env``."""
-        sc = self.cfg.sampling
+        sc, by_segment = self.cfg.sampling, self.cfg.rl.credit == "segment"
         samples, tokens, start = [], 0, time.perf_counter()
         for c, lo in enumerate(range(0, len(tasks), sc.batch_size)):
             chunk = tasks[lo : lo + sc.batch_size]
@@ -185,6 +193,16 @@ class Algorithm:
             out = engine.generate([t.prompt for t in chunk], sampling, policy=regime)
             for b, (sid, task) in enumerate(zip(ids[lo : lo + sc.batch_size], chunk)):
                 reward, info = env.score(task, out.texts[b])
+                segments = None
+                if by_segment:  # the environment reads the tokens as text pieces: one per token
+                    pieces = [engine.tokenizer.decode([t]) for t in out.tokens[b]]
+                    segments = env.segments(task, out.texts[b], pieces)
+                    if segments is None:
+                        raise ValueError(
+                            f"rl.credit=segment needs an environment that splits a completion into segments with "
+                            f"their own rewards, but {type(env).__name__} defines no segments(); set "
+                            "rl.credit=sequence (kvrl/multihop-v0 defines them: a segment per query)"
+                        )
                 samples.append(
                     Sample(
                         id=sid,
@@ -197,6 +215,7 @@ class Algorithm:
                         trace=None if out.traces is None else out.trace(b),
                         reward=reward,
                         info=info,
+                        segments=segments,
                     )
                 )
                 tokens += len(out.tokens[b])

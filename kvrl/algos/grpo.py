@@ -52,6 +52,38 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
     return adv.view(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
+def segment_advantages(
+    sequence: Tensor, segments: list[list[int]], credits: list[list[float]], group_size: int, *, scale: str = "group"
+) -> list[Tensor]:
+    """Per-token advantages from per-segment rewards (``rl.credit=segment``).
+
+    ``sequence`` [N·G]: the samples' sequence advantages (:func:`group_advantages` of their rewards), task-major.
+    ``segments[i]`` [T_i]: the segment each of sample i's generated tokens belongs to (−1: none);
+    ``credits[i]`` [K]: the reward of each of its K segments (every sample of a group has the same K: the
+    segments are the task's, e.g. its queries). Segment k's rewards over a group are normalised as
+    :func:`group_advantages` normalises a group's rewards; a token of segment k gets its sample's segment-k
+    advantage, a token of no segment its sample's sequence advantage. Returns [T_i] float tensors.
+    """
+    out = []
+    for g in range(0, len(segments), group_size):
+        rows = credits[g : g + group_size]
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError(
+                f"the samples of one group must have the same segments, got counts {[len(r) for r in rows]}"
+            )
+        K = len(rows[0])
+        # [G, K] -> K groups of G (segment-major), normalised like a group's rewards
+        adv = group_advantages(torch.tensor(rows, dtype=torch.float64).T.reshape(-1), group_size, scale=scale)
+        adv = adv.view(K, group_size).T if K else torch.zeros(group_size, 1, dtype=torch.float64)
+        for j in range(group_size):
+            seg = torch.tensor(segments[g + j], dtype=torch.long)
+            if seg.numel() and int(seg.max()) >= K:
+                raise ValueError(f"sample {g + j} names segment {int(seg.max())} of {K}")
+            token = torch.where(seg >= 0, adv[j, seg.clamp(min=0)], sequence[g + j].double())
+            out.append(token.to(sequence.dtype))
+    return out
+
+
 def mask_truncated(advantages: Tensor, truncated: Tensor, mode: str = "zero") -> Tensor:
     """Advantages of samples cut off at max_new_tokens (finish reason "length").
 
@@ -86,7 +118,7 @@ def grpo_loss(
     """The clipped surrogate loss and its metrics.
 
     logprobs [B, T] (differentiable, the current policy), old_logprobs [B, T] (behaviour
-    policy, no grad), advantages [B], mask [B, T] (1 on the sample's tokens). ref_logprobs
+    policy, no grad), advantages [B] (or [B, T]: per token), mask [B, T] (1 on the sample's tokens). ref_logprobs
     [B, T] is needed when beta > 0. num_items: the normaliser (tokens for "token", sequences
     for "sequence") of the whole batch this part belongs to; default: this part's own.
 
@@ -99,7 +131,8 @@ def grpo_loss(
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     mask = mask.to(logprobs.dtype)
     old_logprobs = old_logprobs.to(logprobs.dtype).detach()
-    A = advantages.to(logprobs.dtype)[:, None]
+    A = advantages.to(logprobs.dtype)
+    A = A[:, None] if A.dim() == 1 else A  # a sample's advantage, or each token's (rl.credit=segment)
 
     ratio = torch.exp(logprobs - old_logprobs)
     clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)

@@ -187,6 +187,10 @@ class RLConfig:
     scale: str = checked("group", lambda v: v in ("group", "none"), "must be group | none")
     # advantage of samples cut at max_new_tokens: zero | clip (max(A, 0), G-KV's) | keep
     truncated: str = checked("zero", lambda v: v in ("zero", "clip", "keep"), "must be zero | clip | keep")
+    # what a token's advantage rewards: sequence (its sample's reward, GRPO) | segment (its segment's reward, for
+    # environments that split a completion into segments with their own rewards, e.g. kvrl/multihop-v0's queries:
+    # a query's chain of thought is credited with that query's answer, not with the others')
+    credit: str = checked("sequence", lambda v: v in ("sequence", "segment"), "must be sequence | segment")
     # loss: token (sum / all tokens, DAPO) | sequence (mean per sample, then mean)
     aggregation: str = checked("token", lambda v: v in ("token", "sequence"), "must be token | sequence")
     eps_low: float = checked(0.2, ge=0)  # PPO clip range below 1: ratio floor 1 - eps_low
@@ -246,6 +250,12 @@ class RLConfig:
             problems.append(
                 f"unknown rl.algo {self.algo!r}; set rl.algo={near[0] if near else next(iter(ALGOS))} "
                 f"(available: {', '.join(ALGOS)}, or pkg.module:Class of your own)"
+            )
+        if self.credit == "segment" and self.algo in ALGOS and not ALGOS[self.algo].token_advantages:
+            takes = ", ".join(name for name, a in ALGOS.items() if a.token_advantages)
+            problems.append(
+                f"rl.credit=segment gives each generated token its own advantage, but rl.algo={self.algo}'s loss "
+                f"does not weigh tokens by advantages; set rl.credit=sequence (segment credit: rl.algo={takes})"
             )
         if cfg.trainer.steps < 1:
             problems.append("trainer.steps must be >= 1 for RL (it is the number of RL steps); set trainer.steps=20")

@@ -304,6 +304,13 @@ class TextEnv(Env):
         info["reward"] = total
         return total, info
 
+    def segments(self, task: Task, completion: str, pieces: list[str]) -> tuple[list[int], list[float]] | None:
+        """Per-segment credit (``rl.credit=segment``): ``pieces`` are the completion's tokens, one string each
+        (decoded one at a time); return each piece's segment index (−1: none) and each segment's reward,
+        the same number of segments for every completion of a task. None (the default): the environment
+        has no segments, only the completion's reward."""
+        return None
+
     # ---- resume ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

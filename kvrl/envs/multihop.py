@@ -256,6 +256,35 @@ class MultiHopEnv(TextEnv):
             min_statements, max_statements, min_queries, max_queries, min_depth, max_depth, max_trees
         )
 
+    def segments(self, task: Task, completion: str, pieces: list[str]) -> tuple[list[int], list[float]]:
+        """A segment per query, rewarded 1 when the boxed answer gets that query's value right: query i's
+        chain of thought (from where the previous query's ends to its own conclusion ``q = v ;``) and its
+        digit in the box. Where a conclusion never comes, query i's segment runs to the box and the later
+        queries have only their digits. The box's brackets and what follows the last conclusion belong to
+        no segment."""
+        words = [p.strip() for p in pieces]
+        want = task.answer.split()
+        boxed = extract_boxed(completion)
+        got = boxed.split() if boxed is not None else []
+        credit = [float(i < len(got) and got[i] == w) for i, w in enumerate(want)]
+        box = next((k for k, w in enumerate(words) if w == "\\boxed{"), len(words))
+        seg, pos = [-1] * len(words), 0
+        for i, q in enumerate(task.meta["queries"]):
+            end = next(
+                (k + 4 for k in range(pos, box - 3) if words[k] == q and words[k + 1] == "=" and words[k + 3] == ";"),
+                None,
+            )
+            seg[pos : box if end is None else end] = [i] * ((box if end is None else end) - pos)
+            if end is None:
+                break
+            pos = end
+        for i in range(len(want)):
+            k = box + 1 + i
+            if k >= len(words) or words[k] == "}":
+                break
+            seg[k] = i
+        return seg, credit
+
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = make_multihop_task(rng, self.spec)
         uid = f"multihop-{int(rng.integers(2**62)):x}"

@@ -13,7 +13,7 @@ One step, top to bottom (:meth:`Controller.run`):
                is stamped with the policy version of the weights that generated it
 3. rewards     ``env.score(task, completion)``, scored on the rollout workers with the
                samples (``Algorithm.generate``): in parallel, within workers.timeout_s
-4. advantages  normalised within each task's group; truncated samples zeroed (grpo.py)
+4. advantages  normalised within each task's group (per segment under rl.credit=segment); truncated samples zeroed (grpo.py)
 5. update      the samples split across the learners, which recompute logprobs (the
                train/inference mismatch is measured before the update) and step
 6. push        the trainable state through the object store to every worker, which
@@ -52,7 +52,7 @@ from tqdm import tqdm
 
 from kvrl.algos import make_algo
 from kvrl.algos.base import Sample
-from kvrl.algos.grpo import group_advantages, mask_truncated
+from kvrl.algos.grpo import group_advantages, mask_truncated, segment_advantages
 from kvrl.budget import budget_evicts
 from kvrl.engines.base import check_prompts
 from kvrl.envs.base import RewardError
@@ -331,9 +331,19 @@ class Controller:
             # ---- 4. advantages
             rewards = torch.tensor([s.reward for s in samples])
             truncated = torch.tensor([s.finish_reason == "length" for s in samples])
-            adv = mask_truncated(group_advantages(rewards, G, scale=cfg.rl.scale), truncated, cfg.rl.truncated)
-            for s, a in zip(samples, adv.tolist()):
-                s.advantage = a
+            adv = group_advantages(rewards, G, scale=cfg.rl.scale)
+            if cfg.rl.credit == "segment":  # each token by its segment's reward within the group
+                per_token = segment_advantages(
+                    adv, [s.segments[0] for s in samples], [s.segments[1] for s in samples], G, scale=cfg.rl.scale
+                )
+                per_token = [mask_truncated(a, t, cfg.rl.truncated) for a, t in zip(per_token, truncated)]
+                for s, a in zip(samples, per_token):
+                    s.advantage = a.tolist()
+                adv = torch.cat(per_token)
+            else:
+                adv = mask_truncated(adv, truncated, cfg.rl.truncated)
+                for s, a in zip(samples, adv.tolist()):
+                    s.advantage = a
             # ---- 5. learner update, on samples at most rl.async_steps versions old
             staleness = self.version - min(s.version for s in samples)
             assert 0 <= staleness <= cfg.rl.async_steps, f"samples {staleness} versions old"
