@@ -9,11 +9,17 @@ a validation stream of tasks (``--seed``, never the test stream the RL benchmark
 Each group is scored by every reward design of :class:`kvrl.envs.multihop.MultiHopEnv`:
 
 * ``exact``: 1 when every query's value is right (the judged metric);
-* ``partial``: exact + the share of queries right (``partial_credit=1``).
+* ``partial``: exact + the share of queries right (``partial_credit=1``);
+* ``segment``: each query's own answer (``rl.credit=segment``), its groups counted per query.
+
+``errors`` says where the wrong queries went wrong, as shares of all queries: ``walk`` (the query's chain of
+thought reached no conclusion ``q = v ;`` or a wrong one) or ``copy`` (its conclusion was right and the box
+got its digit wrong: the answer lost the conclusion it reads back); ``copy_by_position`` is ``copy`` for the
+first, second, ... query of the task. ``--model`` samples another reasoner (a trained run's ``model`` folder).
 
 Prints one JSON line.
 
-    python benchmarks/learning/multihop_signal.py [--tasks 16] [--group 8] [--budgets 235 117]
+    python benchmarks/learning/multihop_signal.py [--tasks 16] [--group 8] [--budgets 235 117] [--model DIR]
 """
 
 import argparse
@@ -25,6 +31,7 @@ from kvrl.config import load_config
 from kvrl.engines.base import Sampling
 from kvrl.envs.base import correct
 from kvrl.envs.multihop import query_accuracy
+from kvrl.envs.verify import extract_boxed
 from kvrl.policies import make_policy
 from kvrl.runlog import setup_process
 
@@ -38,10 +45,11 @@ def main():
     ap.add_argument("--budgets", type=int, nargs="+", default=[235, 117])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
     ap.add_argument("--seed", type=int, default=VALIDATION_SEED)
+    ap.add_argument("--model", default=None, help="model.path (default: the RL-Sparse recipe's)")
     args = ap.parse_args()
     setup_process()
 
-    cfg = load_config(["recipe=tiny_multihop_sparse"])
+    cfg = load_config(["recipe=tiny_multihop_sparse", *([f"model.path={args.model}"] if args.model else [])])
     _, tok, engine = reasoner(cfg.model.path)
     env, tasks = draw_tasks(cfg.env.id, args.tasks, args.seed)
     prompts = [t.prompt for t in tasks for _ in range(args.group)]
@@ -70,6 +78,17 @@ def main():
                     "groups_with_signal": round(float((groups.std(1) > 0).mean()), 4),
                     "mean_group_std": round(float(groups.std(1).mean()), 4),
                 }
+            segments = [env.segments(tasks[i // args.group], text, text.split()) for i, text in enumerate(out.texts)]
+            per_query = [
+                np.array([c for _, c in segments[g * args.group : (g + 1) * args.group]]).T for g in range(args.tasks)
+            ]
+            spread = np.concatenate([q.std(1) for q in per_query])  # one row per (task, query): its G answers
+            line["segment"] = {
+                "mean": round(float(np.mean([c for _, cs in segments for c in cs])), 4),
+                "groups_with_signal": round(float((spread > 0).mean()), 4),
+                "mean_group_std": round(float(spread.mean()), 4),
+            }
+            line["errors"] = error_places([tasks[i // args.group] for i in range(len(prompts))], out.texts)
             lines.append(line)
     emit(
         {
@@ -83,6 +102,36 @@ def main():
             "cpu_s": round(cpu_total, 1),
         }
     )
+
+
+def error_places(tasks, texts) -> dict:
+    """Shares of all queries wrong in the box after a wrong walk and after a right one (a lost conclusion)."""
+    walk = copy = total = 0
+    by_position: dict[int, list[int]] = {}
+    for task, text in zip(tasks, texts):
+        words, want = text.split(), task.answer.split()
+        boxed = extract_boxed(text)
+        got = boxed.split() if boxed is not None else []
+        concluded, pos = {}, 0  # each query's conclusion "q = v ;", where its segment ends (as env.segments reads it)
+        for q in task.meta["queries"]:
+            k = next(
+                (k for k in range(pos, len(words) - 3) if words[k : k + 2] == [q, "="] and words[k + 3] == ";"), None
+            )
+            if k is None:
+                break
+            concluded[q], pos = words[k + 2], k + 4
+        for i, (q, v) in enumerate(zip(task.meta["queries"], want)):
+            total += 1
+            wrong = not (i < len(got) and got[i] == v)
+            lost = wrong and concluded.get(q) == v
+            walk += wrong and not lost
+            copy += lost
+            by_position.setdefault(i, []).append(int(lost))
+    return {
+        "walk": round(walk / total, 4),
+        "copy": round(copy / total, 4),
+        "copy_by_position": [round(float(np.mean(by_position[i])), 4) for i in sorted(by_position)],
+    }
 
 
 if __name__ == "__main__":
