@@ -15,18 +15,19 @@ Each group is scored by every reward design of :class:`kvrl.envs.multihop.MultiH
 ``errors`` says where the wrong queries went wrong, as shares of all queries: ``walk`` (the query's chain of
 thought reached no conclusion ``q = v ;`` or a wrong one) or ``copy`` (its conclusion was right and the box
 got its digit wrong: the answer lost the conclusion it reads back); ``copy_by_position`` is ``copy`` for the
-first, second, ... query of the task. ``--model`` samples another reasoner (a trained run's ``model`` folder).
+first, second, ... query of the task. ``--models`` samples other reasoners too (``untrained``: the recipe's; a
+trained run's ``model`` folder), a line each.
 
-Prints one JSON line.
+Prints one JSON line; ``--name`` also records it in ``benchmarks/results/<name>.json``.
 
-    python benchmarks/learning/multihop_signal.py [--tasks 16] [--group 8] [--budgets 235 117] [--model DIR]
+    python benchmarks/learning/multihop_signal.py [--tasks 16] [--group 8] [--budgets 235 117] [--models untrained DIR]
 """
 
 import argparse
 
 import numpy as np
 
-from kvrl.bench import VALIDATION_SEED, draw_tasks, emit, reasoner, timed
+from kvrl.bench import VALIDATION_SEED, draw_tasks, emit, reasoner, record, timed
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling
 from kvrl.envs.base import correct
@@ -45,16 +46,17 @@ def main():
     ap.add_argument("--budgets", type=int, nargs="+", default=[235, 117])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
     ap.add_argument("--seed", type=int, default=VALIDATION_SEED)
-    ap.add_argument("--model", default=None, help="model.path (default: the RL-Sparse recipe's)")
+    ap.add_argument("--models", nargs="+", default=["untrained"], help="untrained (the recipe's) or model folders")
+    ap.add_argument("--name", default=None, help="record the line in benchmarks/results/<name>.json")
     args = ap.parse_args()
     setup_process()
 
-    cfg = load_config(["recipe=tiny_multihop_sparse", *([f"model.path={args.model}"] if args.model else [])])
-    _, tok, engine = reasoner(cfg.model.path)
+    cfg = load_config(["recipe=tiny_multihop_sparse"])
     env, tasks = draw_tasks(cfg.env.id, args.tasks, args.seed)
     prompts = [t.prompt for t in tasks for _ in range(args.group)]
     lines, cpu_total = [], 0.0
-    for budget in args.budgets:
+    for model, budget in [(m, b) for m in args.models for b in args.budgets]:
+        _, _, engine = reasoner(cfg.model.path if model == "untrained" else model)
         kv = cfg.kv
         policy = make_policy(
             kv.policy,
@@ -69,7 +71,7 @@ def main():
             sampling = Sampling(cfg.sampling.max_new_tokens, temperature=temperature, seed=args.seed)
             cpu, _, out = timed(lambda: engine.generate(prompts, sampling, policy=policy))
             cpu_total += cpu
-            line = {"budget": budget, "temperature": temperature}
+            line = {"model": model, "budget": budget, "temperature": temperature}
             for name, fn in DESIGNS.items():
                 r = np.array([fn(tasks[i // args.group], text) for i, text in enumerate(out.texts)])
                 groups = r.reshape(args.tasks, args.group)
@@ -90,18 +92,17 @@ def main():
             }
             line["errors"] = error_places([tasks[i // args.group] for i in range(len(prompts))], out.texts)
             lines.append(line)
-    emit(
-        {
-            "benchmark": "multihop_signal",
-            "model": cfg.model.path,
-            "policy": cfg.kv.policy,
-            "tasks": args.tasks,
-            "group": args.group,
-            "validation_seed": args.seed,
-            "lines": lines,
-            "cpu_s": round(cpu_total, 1),
-        }
-    )
+    line = {
+        "benchmark": "multihop_signal",
+        "untrained": cfg.model.path,
+        "policy": cfg.kv.policy,
+        "tasks": args.tasks,
+        "group": args.group,
+        "validation_seed": args.seed,
+        "lines": lines,
+        "cpu_s": round(cpu_total, 1),
+    }
+    record(args.name, line) if args.name else emit(line)
 
 
 def error_places(tasks, texts) -> dict:
