@@ -290,17 +290,17 @@ def test_multihop_results_files_say_what_they_measured(path):
     the baseline, both accuracies inside their 95 % intervals, the held-out test stream (>= 256 tasks,
     another seed than training's), and the commit it ran at, with no uncommitted code."""
     line = json.loads(path.read_text())
+    if line["benchmark"] == "multihop_signal":  # where the samples go wrong, on the validation stream: no test accuracy
+        assert line["validation_seed"] != 9001 and line["tasks"] >= 32 and line["lines"], line
+        assert all(0 <= r["errors"]["walk"] + r["errors"]["copy"] <= 1 for r in line["lines"]), line
+        assert len(line["commit"]) == 40, line  # recorded from a clean tree
+        return
     if "formulation" not in line:  # the zoo's line, which the formulations' pictures draw
         assert line["benchmark"] == "multihop_zoo" and line["tasks"] >= 256
         return
     if line["benchmark"] in ("multihop_golden_gap", "multihop_scorer_fit"):  # why a scorer falls short: no accuracy
         assert line["budget"] and Path(line["run"]).name and line["train_commits"] and len(line["commit"]) == 40
         assert line["heldout_traces"] >= 16, line
-        return
-    if line["benchmark"] == "multihop_signal":  # where the samples go wrong, on the validation stream: no test accuracy
-        assert line["validation_seed"] != 9001 and line["tasks"] >= 32 and line["lines"], line
-        assert all(0 <= r["errors"]["walk"] + r["errors"]["copy"] <= 1 for r in line["lines"]), line
-        assert len(line["commit"]) == 40, line  # recorded from a clean tree
         return
     assert line["formulation"] in FORMULATIONS and line["task"] == "multihop", line
     if line["benchmark"] == "multihop_foresight_general_choice":  # a choice: its test lines are files of their own
