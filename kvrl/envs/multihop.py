@@ -274,7 +274,8 @@ class MultiHopEnv(TextEnv):
                 (k + 4 for k in range(pos, box - 3) if words[k] == q and words[k + 1] == "=" and words[k + 3] == ";"),
                 None,
             )
-            seg[pos : box if end is None else end] = [i] * ((box if end is None else end) - pos)
+            stop = box if end is None else end
+            seg[pos:stop] = [i] * (stop - pos)
             if end is None:
                 break
             pos = end
