@@ -176,9 +176,11 @@ def test_multihop_recipes_move_their_loss(engine, recipe, algo_cls, key):
 
 
 @pytest.mark.slow
-def test_multihop_sparse_recipe_runs_with_a_signal(tmp_path):
+@pytest.mark.parametrize("credit", ["sequence", "segment"])
+def test_multihop_sparse_recipe_runs_with_a_signal(tmp_path, credit):
     """tiny_multihop_sparse, shrunk, through the RL loop (one vLLM rollout worker, one learner,
-    in this process): every step has groups with a spread, and the learner replays the traces."""
+    in this process): every step has groups with a spread, and the learner replays the traces;
+    under rl.credit=segment too (the advantages per token, from the queries' own answers)."""
     from kvrl.jobs.rl import main as train
 
     out = tmp_path / "run"
@@ -195,11 +197,12 @@ def test_multihop_sparse_recipe_runs_with_a_signal(tmp_path):
                 "workers.rollout=1",
                 "workers.learners=1",
                 "workers.backend=ddp",
+                f"rl.credit={credit}",
             ]
         )
     )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) == 2
+    assert len(records) == 2 and all(r["no_signal"] == 0 and r["adv_abs_mean"] > 0 for r in records)
     for r in records:
         assert r["zero_std_groups"] < 1.0 and r["kv_retention"] < 1.0
         assert r["mismatch_max"] <= 1e-3  # float32 replay of the vLLM rollout
