@@ -31,8 +31,7 @@ from kvrl.bench import VALIDATION_SEED, draw_tasks, emit, reasoner, record, time
 from kvrl.config import load_config
 from kvrl.engines.base import Sampling
 from kvrl.envs.base import correct
-from kvrl.envs.multihop import query_accuracy
-from kvrl.envs.verify import extract_boxed
+from kvrl.envs.multihop import conclusion_ends, queries_right, query_accuracy
 from kvrl.policies import make_policy
 from kvrl.runlog import setup_process
 
@@ -54,9 +53,11 @@ def main():
     cfg = load_config(["recipe=tiny_multihop_sparse"])
     env, tasks = draw_tasks(cfg.env.id, args.tasks, args.seed)
     prompts = [t.prompt for t in tasks for _ in range(args.group)]
+    # each reasoner loaded once (tiny models: all of them fit), then sampled at every budget
+    engines = {m: reasoner(cfg.model.path if m == "untrained" else m)[2] for m in args.models}
     lines, cpu_total = [], 0.0
     for model, budget in [(m, b) for m in args.models for b in args.budgets]:
-        _, _, engine = reasoner(cfg.model.path if model == "untrained" else model)
+        engine = engines[model]
         kv = cfg.kv
         policy = make_policy(
             kv.policy,
@@ -110,22 +111,12 @@ def error_places(tasks, texts) -> dict:
     walk = copy = total = 0
     by_position: dict[int, list[int]] = {}
     for task, text in zip(tasks, texts):
-        words, want = text.split(), task.answer.split()
-        boxed = extract_boxed(text)
-        got = boxed.split() if boxed is not None else []
-        concluded, pos = {}, 0  # each query's conclusion "q = v ;", where its segment ends (as env.segments reads it)
-        for q in task.meta["queries"]:
-            k = next(
-                (k for k in range(pos, len(words) - 3) if words[k : k + 2] == [q, "="] and words[k + 3] == ";"), None
-            )
-            if k is None:
-                break
-            concluded[q], pos = words[k + 2], k + 4
-        for i, (q, v) in enumerate(zip(task.meta["queries"], want)):
+        words, queries = text.split(), task.meta["queries"]
+        concluded = {q: words[e - 2] for q, e in zip(queries, conclusion_ends(queries, words, len(words)))}
+        for i, (q, v, right) in enumerate(zip(queries, task.answer.split(), queries_right(task, text))):
             total += 1
-            wrong = not (i < len(got) and got[i] == v)
-            lost = wrong and concluded.get(q) == v
-            walk += wrong and not lost
+            lost = not right and concluded.get(q) == v
+            walk += not right and not lost
             copy += lost
             by_position.setdefault(i, []).append(int(lost))
     return {

@@ -197,13 +197,33 @@ def oracle_need(meta: dict) -> tuple[int, int]:
     return peak, prompt + sum(segments) + q + 3
 
 
+def queries_right(task: Task, completion: str) -> list[bool]:
+    """For each query, whether the boxed answer gets its value right (a missing value is wrong)."""
+    boxed = extract_boxed(completion)
+    got = boxed.split() if boxed is not None else []
+    return [i < len(got) and got[i] == v for i, v in enumerate(task.answer.split())]
+
+
+def conclusion_ends(queries: list[str], words: list[str], stop: int) -> list[int]:
+    """Where each query's conclusion ``q = v ;`` ends (the index after its ``;``), the queries in order,
+    each searched for after the previous one's and before ``stop``; the list stops at the first query
+    without one. Query i's value as concluded is ``words[ends[i] - 2]``."""
+    ends, pos = [], 0
+    for q in queries:
+        k = next(
+            (k for k in range(pos, stop - 3) if words[k] == q and words[k + 1] == "=" and words[k + 3] == ";"), None
+        )
+        if k is None:
+            break
+        ends.append(pos := k + 4)
+    return ends
+
+
 def query_accuracy(task: Task, completion: str) -> float:
     """The share of the queries whose value the boxed answer gets right (a metric: partial
     credit that moves before the exact answer does)."""
-    boxed = extract_boxed(completion)
-    want = task.answer.split()
-    got = boxed.split() if boxed is not None else []
-    return sum(a == b for a, b in zip(want, got)) / len(want)
+    right = queries_right(task, completion)
+    return sum(right) / len(right)
 
 
 class MultiHopEnv(TextEnv):
@@ -263,28 +283,21 @@ class MultiHopEnv(TextEnv):
         queries have only their digits. The box's brackets and what follows the last conclusion belong to
         no segment."""
         words = [p.strip() for p in pieces]
-        want = task.answer.split()
-        boxed = extract_boxed(completion)
-        got = boxed.split() if boxed is not None else []
-        credit = [float(i < len(got) and got[i] == w) for i, w in enumerate(want)]
+        queries = task.meta["queries"]
         box = next((k for k, w in enumerate(words) if w == "\\boxed{"), len(words))
         seg, pos = [-1] * len(words), 0
-        for i, q in enumerate(task.meta["queries"]):
-            end = next(
-                (k + 4 for k in range(pos, box - 3) if words[k] == q and words[k + 1] == "=" and words[k + 3] == ";"),
-                None,
-            )
-            stop = box if end is None else end
-            seg[pos:stop] = [i] * (stop - pos)
-            if end is None:
-                break
+        ends = conclusion_ends(queries, words, box)
+        for i, end in enumerate(ends):
+            seg[pos:end] = [i] * (end - pos)
             pos = end
-        for i in range(len(want)):
+        if len(ends) < len(queries):  # the first query without a conclusion runs to the box
+            seg[pos:box] = [len(ends)] * (box - pos)
+        for i in range(len(queries)):
             k = box + 1 + i
             if k >= len(words) or words[k] == "}":
                 break
             seg[k] = i
-        return seg, credit
+        return seg, [float(r) for r in queries_right(task, completion)]
 
     def sample_task(self, rng: np.random.Generator) -> Task:
         t = make_multihop_task(rng, self.spec)
