@@ -373,6 +373,26 @@ def test_multihop_gkv_over_seeds_averages_each_seeds_own_baseline():
     assert lo < 0.20 and hi > 0.305, "the interval is over seeds: wider than the spread of the three"
 
 
+def test_multihop_gkv_early_stopping_judges_a_kept_model_or_says_which(tmp_path):
+    """``--stop-on-validation`` judges the model a run held at each length: the one kept at a run's end, else the
+    checkpoint's; a length with neither is refused naming what can be judged, and so are --steps and --stream
+    beside it (the length is chosen, on the validation stream)."""
+    spec = importlib.util.spec_from_file_location(
+        "multihop_gkv", Path(__file__).resolve().parents[1] / "benchmarks/learning/multihop_gkv.py"
+    )
+    gkv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gkv)
+    for folder in ("model-step40", "checkpoints/step_000040/model", "checkpoints/step_000010/model"):
+        (tmp_path / folder).mkdir(parents=True)
+    assert gkv.kept_model(tmp_path, 40) == tmp_path / "model-step40"
+    assert gkv.kept_model(tmp_path, 10) == tmp_path / "checkpoints/step_000010/model"
+    with pytest.raises(SystemExit, match="checkpoint_every"):
+        gkv.kept_model(tmp_path, 15)
+    for extra in (["--steps", "40"], ["--stream", "validation"]):
+        with pytest.raises(SystemExit, match="drop --steps and --stream"):
+            gkv.main(["--formulation", "rl_sparse", "--stop-on-validation", "10,40", *extra])
+
+
 def test_multihop_foresight_pictures_redraw_from_the_recorded_files(tmp_path):
     """``multihop_foresight.py --redraw`` draws both pictures from benchmarks/results alone: the recorded lines hold
     every point the pictures draw (a line that lost a policy's accuracy or added loss fails here, not in a user's

@@ -26,6 +26,11 @@ step's mean wall seconds in rollout and learner (Ray actors' CPU is not this pro
     python benchmarks/learning/multihop_gkv.py --formulation rl_sparse [--steps 60] [--temperature 0.7] [--credit segment] [--tasks 256]
     python benchmarks/learning/multihop_gkv.py --formulation joint_rl_sparse   # after multihop_foresight_seeds.py
 
+``--stop-on-validation 10,20,30,40`` stops each run early: it trains to 40 steps and judges the model it held at
+each of those lengths (``model-stepN``, or the checkpoint at N) on ``--validation-tasks`` tasks of the validation
+stream; the length with the most exact answers (ties: the fewer steps) is the one judged on the test stream, the
+validation figures beside it in ``stopped_on_validation``. ``--kl`` sets ``rl.kl_coef`` (folder ``_kl<β>``).
+
 ``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
 but for the recipe's own seed; a joint formulation's ``--scorer`` then names each seed's scorer with ``{seed}``)
 and records one line, ``..._seeds.json``: both accuracies' means with Student's t intervals over the seeds
@@ -86,6 +91,16 @@ def main(argv=None):
         default=None,
         help="rl.credit: what a token's advantage rewards (default: the recipe's)",
     )
+    ap.add_argument("--kl", type=float, default=None, help="rl.kl_coef (default: the recipe's)")
+    ap.add_argument(
+        "--stop-on-validation",
+        default=None,
+        metavar="L1,L2,...",
+        help="early stopping: train to the largest of these steps, judge the model at each on --validation-tasks "
+        "tasks of the validation stream and judge the one with the most exact answers (ties: fewer steps) on the "
+        "test stream; per seed under --seeds",
+    )
+    ap.add_argument("--validation-tasks", type=int, default=128)
     ap.add_argument(
         "--stream",
         choices=["validation", "test"],
@@ -119,6 +134,11 @@ def main(argv=None):
             f"--seeds {args.seeds} trains under each seed's own scorer: give --scorer a path with {{seed}} in it, "
             "e.g. --scorer outputs/multihop_foresight/seeds/b117-s{seed}"
         )
+    if args.stop_on_validation and (args.steps or args.stream == "validation"):
+        raise SystemExit(
+            "--stop-on-validation chooses the length on the validation stream and judges it on the test stream: "
+            "drop --steps and --stream"
+        )
     setup_process()
     judge = RECIPES[args.formulation] if recipe.kv.policy == "learned" else JUDGE
     default_budget = load_config([f"recipe={judge}"]).kv.budget
@@ -136,14 +156,17 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
     cache at ``budget``: its results line."""
     scorer = [f"kv.kwargs.run={args.scorer.format(seed=seed)}"] if args.scorer else []
     kv = load_config([f"recipe={judge}", *scorer]).kv
-    steps = args.steps or recipe.trainer.steps
+    lengths = sorted(int(n) for n in args.stop_on_validation.split(",")) if args.stop_on_validation else []
+    steps = lengths[-1] if lengths else args.steps or recipe.trainer.steps
     lr = args.lr or recipe.trainer.lr
     temperature = args.temperature or recipe.sampling.temperature
     credit = args.credit or recipe.rl.credit
+    kl = recipe.rl.kl_coef if args.kl is None else args.kl
     stream_seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
     folder = f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
     folder += "" if temperature == recipe.sampling.temperature else f"_t{temperature:g}"
     folder += "" if credit == recipe.rl.credit else f"_{credit}"
+    folder += "" if kl == recipe.rl.kl_coef else f"_kl{kl:g}"
     folder += "" if seed == recipe.seed else f"_s{seed}"
     out = Path(args.out) / folder
     overrides = [
@@ -154,6 +177,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         f"trainer.lr={lr}",
         f"sampling.temperature={temperature}",
         f"rl.credit={credit}",
+        f"rl.kl_coef={kl}",
         f"seed={seed}",
         f"output_dir={out}",
         "resume=auto",
@@ -169,21 +193,27 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
     model_at = out / f"model-step{len(records)}"
     if not model_at.exists():
         shutil.copytree(out / "model", model_at)
-    model_at = out / f"model-step{steps}"
-    if not model_at.exists():
-        raise SystemExit(f"{out} has trained past step {steps} and kept no model at it; judge --steps {len(records)}")
-    records = records[:steps]
-
-    # ---- judge both models greedily under the same cache (G-KV, or the joint recipe's scorer), on the test stream
-    env, tasks = draw_tasks(cfg.env.id, args.tasks, stream_seed)  # partial_credit 0: the exact answer
     judging = RLSparse(
         load_config([f"recipe={judge}", f"kv.budget={budget}", *scorer])
     )  # its rollout policy is the cache
-    judged = {}
-    for name, path in {"untrained": cfg.model.path, "trained": str(model_at)}.items():
-        model, _, engine = reasoner(path)
-        policy = judging.rollout_policy(model)
-        judged[name] = accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=policy))
+
+    def judged_on(path, stream: int, n: int) -> dict:
+        """Greedy accuracy of the reasoner at ``path`` on ``n`` tasks of a stream, under the judging cache."""
+        env, tasks = draw_tasks(cfg.env.id, n, stream)  # partial_credit 0: the exact answer
+        model, _, engine = reasoner(str(path))
+        return accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=judging.rollout_policy(model)))
+
+    # ---- early stopping: the length with the most exact answers on the validation stream
+    validation = {n: judged_on(kept_model(out, n), VALIDATION_SEED, args.validation_tasks) for n in lengths}
+    if lengths:
+        steps = max(lengths, key=lambda n: (validation[n]["acc"], -n))
+    records = records[:steps]
+
+    # ---- judge both models greedily under the same cache (G-KV, or the joint recipe's scorer), on the test stream
+    judged = {
+        name: judged_on(path, stream_seed, args.tasks)
+        for name, path in {"untrained": cfg.model.path, "trained": kept_model(out, steps)}.items()
+    }
 
     first, last = records[:5], records[-5:]
     return {
@@ -219,6 +249,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
             "lr": cfg.trainer.lr,
             "temperature": cfg.sampling.temperature,
             "credit": cfg.rl.credit,
+            "kl_coef": cfg.rl.kl_coef,
             "reward": dict(cfg.env.kwargs),
             "reward_first5": column_mean(first, "reward_mean"),
             "reward_last5": column_mean(last, "reward_mean"),
@@ -230,6 +261,19 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
             "mismatch_max": max(r["mismatch_max"] for r in records),  # over every step's tokens
             "wall_s_this_call": round(train_wall, 1),
         },
+        **(
+            {
+                "stopped_on_validation": {
+                    "steps": steps,
+                    "validation_seed": VALIDATION_SEED,
+                    "validation_tasks": args.validation_tasks,
+                    "acc": {str(n): v["acc"] for n, v in validation.items()},
+                    "query_acc": {str(n): v.get("query_acc") for n, v in validation.items()},
+                }
+            }
+            if lengths
+            else {}
+        ),
         "cpu_split": {
             "rollout_s": column_mean(records, "rollout_s"),
             "learn_s": column_mean(records, "learn_s"),
@@ -237,6 +281,17 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
             "gen_tokens_per_s": column_mean(records, "gen_tokens_per_s"),
         },
     }
+
+
+def kept_model(out: Path, steps: int) -> Path:
+    """The model a run held after ``steps`` steps: the one kept at the end of a run of that length, or the
+    checkpoint's (every rl.checkpoint_every steps)."""
+    for path in (out / f"model-step{steps}", out / "checkpoints" / f"step_{steps:06d}" / "model"):
+        if path.is_dir():
+            return path
+    raise SystemExit(
+        f"{out} kept no model at step {steps}: judge a length it checkpointed (rl.checkpoint_every) or ended at"
+    )
 
 
 def over_seeds(lines: list[dict]) -> dict:
