@@ -323,6 +323,12 @@ def test_multihop_results_files_say_what_they_measured(path):
         ]
         assert chosen["acc"] == max(row["acc"] for row in line["validation"].values()), line
         assert line["validation_seed"] not in (None, line["test_seed"]) and line["validation_tasks"] > 0, line
+    gkv_runs = [line, *line.get("per_seed", [])] if line["benchmark"] == "multihop_gkv" else []
+    for run in gkv_runs:  # early stopping: the length judged is the validation's best
+        if stopped := run.get("stopped_on_validation"):
+            best = max(stopped["acc"].items(), key=lambda kv: (kv[1], -int(kv[0])))
+            assert int(best[0]) == stopped["steps"] == run["training"]["steps"], run
+            assert stopped["validation_seed"] != run["test_seed"] and stopped["validation_tasks"] > 0, run
     for key in ("budget", "baseline", "validation_seed", "test_seed", "train_seed"):
         assert key in line, f"{path.name} has no {key!r}"
     for side in ("trained", "baseline"):

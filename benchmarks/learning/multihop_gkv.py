@@ -303,7 +303,7 @@ def over_seeds(lines: list[dict]) -> dict:
     baseline = mean_interval([x["baseline_acc"] for x in lines], tasks)
     gains = [x["gain_points"] for x in lines]
     return {
-        **{k: v for k, v in lines[0].items() if k not in ("training", "cpu_split", "kv")},
+        **{k: v for k, v in lines[0].items() if k not in ("training", "cpu_split", "kv", "stopped_on_validation")},
         "kv": {**lines[0]["kv"], **({"run": [x["kv"]["run"] for x in lines]} if "run" in lines[0]["kv"] else {})},
         "trained": "mean over training seeds",
         "trained_acc": trained["mean"],

@@ -23,8 +23,10 @@ weight push it reuses unchanged):
 * the learner's ``engine.score(..., trace=batch.trace)`` replays the trace through the
   ``"kvrl_replay"`` attention (a flex-attention BlockMask built from the death times on
   GPU; never a stored per-head T×T mask, the reference's O(L·H·T²) memory problem);
-* GRPO without KL (``rl.kl_coef=0`` in the recipes); truncated samples' advantages are set
-  by ``rl.truncated`` in the controller (the paper: 0).
+* GRPO without KL (``rl.kl_coef=0`` in the recipes, the paper's). With ``rl.kl_coef > 0`` the reference is
+  RL-Full's, the initial weights, and it scores the samples with the full cache (no trace): the KL pulls the
+  compressed-cache policy toward what the initial model says with every token in view. Truncated samples'
+  advantages are set by ``rl.truncated`` in the controller (the paper: 0).
 """
 
 from __future__ import annotations
