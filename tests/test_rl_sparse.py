@@ -4,6 +4,7 @@
   from the full cache's: the trace is really applied);
 * the Distill loss equals T²·KL(teacher ‖ student) computed independently, is 0 when the
   student sees the full cache, and moves the student toward the teacher;
+* with rl.kl_coef > 0 the KL's reference is the initial model with the full cache;
 * bad settings fail with the key to fix; the cluster recipes pass the dry run;
 * (slow) the RL loop with vLLM rollouts under G-KV and DeepSpeed ZeRO-2 over 2 learners:
   mismatch <= 1e-4 on every step, and the same metrics as one plain learner.
@@ -77,6 +78,21 @@ def test_rl_sparse_refuses_samples_without_a_trace(engine):
     batch.trace = None
     with pytest.raises(ValueError, match="without an eviction trace"):
         RLSparse(cfg).loss(engine, batch)
+
+
+def test_rl_sparse_kl_reference_is_the_initial_model_with_the_full_cache(engine):
+    """rl.kl_coef > 0 under RL-Sparse: the reference scores the samples with every token in view, so at the initial
+    weights the KL is the compressed cache's own departure from the full one (k3, over the sampled tokens), not 0."""
+    cfg = load_config(["recipe=tiny_gkv_sparse", *SMALL, "rl.kl_coef=0.1"])
+    algo = RLSparse(cfg)
+    algo.setup(engine.model, engine.tokenizer)
+    batch = rollout_batch(engine, cfg, algo)
+    with torch.no_grad():
+        _, scores, metrics = algo.loss(engine, batch)
+        full = engine.score(batch.sequences, batch.prompt_lens, temperature=cfg.sampling.temperature).logprobs
+    on = batch.mask.bool()
+    d = (full - scores.logprobs)[on]
+    assert metrics["kl"] == pytest.approx(float((d.exp() - d - 1).mean()), rel=1e-4) and metrics["kl"] > 1e-4
 
 
 @pytest.mark.parametrize("T, policy", [(1.0, "gkv"), (2.0, "gkv"), (1.0, "rkv"), (1.0, "snapkv")])
