@@ -197,21 +197,31 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         load_config([f"recipe={judge}", f"kv.budget={budget}", *scorer])
     )  # its rollout policy is the cache
 
-    def judged_on(path, stream: int, n: int) -> dict:
-        """Greedy accuracy of the reasoner at ``path`` on ``n`` tasks of a stream, under the judging cache."""
-        env, tasks = draw_tasks(cfg.env.id, n, stream)  # partial_credit 0: the exact answer
+    def judged_on(path, drawn) -> dict:
+        """Greedy accuracy of the reasoner at ``path`` on ``drawn`` (an env and its tasks), under the judging cache."""
+        env, tasks = drawn
         model, _, engine = reasoner(str(path))
         return accuracy(evaluate(engine, env, tasks, cfg.sampling.max_new_tokens, policy=judging.rollout_policy(model)))
 
     # ---- early stopping: the length with the most exact answers on the validation stream
-    validation = {n: judged_on(kept_model(out, n), VALIDATION_SEED, args.validation_tasks) for n in lengths}
+    stopped = {}  # the line's "stopped_on_validation", under --stop-on-validation
     if lengths:
+        drawn = draw_tasks(cfg.env.id, args.validation_tasks, VALIDATION_SEED)  # partial_credit 0: the exact answer
+        validation = {n: judged_on(kept_model(out, n), drawn) for n in lengths}
         steps = max(lengths, key=lambda n: (validation[n]["acc"], -n))
+        stopped["stopped_on_validation"] = {
+            "steps": steps,
+            "validation_seed": VALIDATION_SEED,
+            "validation_tasks": args.validation_tasks,
+            "acc": {str(n): v["acc"] for n, v in validation.items()},
+            "query_acc": {str(n): v.get("query_acc") for n, v in validation.items()},
+        }
     records = records[:steps]
 
     # ---- judge both models greedily under the same cache (G-KV, or the joint recipe's scorer), on the test stream
+    drawn = draw_tasks(cfg.env.id, args.tasks, stream_seed)
     judged = {
-        name: judged_on(path, stream_seed, args.tasks)
+        name: judged_on(path, drawn)
         for name, path in {"untrained": cfg.model.path, "trained": kept_model(out, steps)}.items()
     }
 
@@ -261,19 +271,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
             "mismatch_max": max(r["mismatch_max"] for r in records),  # over every step's tokens
             "wall_s_this_call": round(train_wall, 1),
         },
-        **(
-            {
-                "stopped_on_validation": {
-                    "steps": steps,
-                    "validation_seed": VALIDATION_SEED,
-                    "validation_tasks": args.validation_tasks,
-                    "acc": {str(n): v["acc"] for n, v in validation.items()},
-                    "query_acc": {str(n): v.get("query_acc") for n, v in validation.items()},
-                }
-            }
-            if lengths
-            else {}
-        ),
+        **stopped,
         "cpu_split": {
             "rollout_s": column_mean(records, "rollout_s"),
             "learn_s": column_mean(records, "learn_s"),
