@@ -29,7 +29,8 @@ step's mean wall seconds in rollout and learner (Ray actors' CPU is not this pro
 ``--stop-on-validation 10,20,30,40`` stops each run early: it trains to 40 steps and judges the model it held at
 each of those lengths (``model-stepN``, or the checkpoint at N) on ``--validation-tasks`` tasks of the validation
 stream; the length with the most exact answers (ties: the fewer steps) is the one judged on the test stream, the
-validation figures beside it in ``stopped_on_validation``. ``--kl`` sets ``rl.kl_coef`` (folder ``_kl<β>``).
+validation figures beside it in ``stopped_on_validation``. ``--kl`` sets ``rl.kl_coef`` (folder ``_kl<β>``), ``--batch``
+the samples per step, ``trainer.batch_size`` (folder ``_b<N>``).
 
 ``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
 but for the recipe's own seed; a joint formulation's ``--scorer`` then names each seed's scorer with ``{seed}``)
@@ -92,6 +93,9 @@ def main(argv=None):
         help="rl.credit: what a token's advantage rewards (default: the recipe's)",
     )
     ap.add_argument("--kl", type=float, default=None, help="rl.kl_coef (default: the recipe's)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="trainer.batch_size, samples per step (default: the recipe's)"
+    )
     ap.add_argument(
         "--stop-on-validation",
         default=None,
@@ -162,11 +166,13 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
     temperature = args.temperature or recipe.sampling.temperature
     credit = args.credit or recipe.rl.credit
     kl = recipe.rl.kl_coef if args.kl is None else args.kl
+    batch = args.batch or recipe.trainer.batch_size
     stream_seed = {"validation": VALIDATION_SEED, "test": TEST_SEED}[args.stream]
     folder = f"{args.formulation}_{budget}_lr{lr:.0e}".replace("e-0", "e-")
     folder += "" if temperature == recipe.sampling.temperature else f"_t{temperature:g}"
     folder += "" if credit == recipe.rl.credit else f"_{credit}"
     folder += "" if kl == recipe.rl.kl_coef else f"_kl{kl:g}"
+    folder += "" if batch == recipe.trainer.batch_size else f"_b{batch}"
     folder += "" if seed == recipe.seed else f"_s{seed}"
     out = Path(args.out) / folder
     overrides = [
@@ -178,6 +184,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         f"sampling.temperature={temperature}",
         f"rl.credit={credit}",
         f"rl.kl_coef={kl}",
+        f"trainer.batch_size={batch}",
         f"seed={seed}",
         f"output_dir={out}",
         "resume=auto",
@@ -260,6 +267,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
             "temperature": cfg.sampling.temperature,
             "credit": cfg.rl.credit,
             "kl_coef": cfg.rl.kl_coef,
+            "batch_size": cfg.trainer.batch_size,
             "reward": dict(cfg.env.kwargs),
             "reward_first5": column_mean(first, "reward_mean"),
             "reward_last5": column_mean(last, "reward_mean"),
