@@ -30,7 +30,8 @@ step's mean wall seconds in rollout and learner (Ray actors' CPU is not this pro
 each of those lengths (``model-stepN``, or the checkpoint at N) on ``--validation-tasks`` tasks of the validation
 stream; the length with the most exact answers (ties: the fewer steps) is the one judged on the test stream, the
 validation figures beside it in ``stopped_on_validation``. ``--kl`` sets ``rl.kl_coef`` (folder ``_kl<β>``), ``--batch``
-the samples per step, ``trainer.batch_size`` (folder ``_b<N>``).
+the samples per step, ``trainer.batch_size`` (folder ``_b<N>``; ``--micro-batch-tokens`` bounds the learner's memory
+under it).
 
 ``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
 but for the recipe's own seed; a joint formulation's ``--scorer`` then names each seed's scorer with ``{seed}``)
@@ -95,6 +96,13 @@ def main(argv=None):
     ap.add_argument("--kl", type=float, default=None, help="rl.kl_coef (default: the recipe's)")
     ap.add_argument(
         "--batch", type=int, default=None, help="trainer.batch_size, samples per step (default: the recipe's)"
+    )
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="trainer.micro_batch_tokens: the learner's padded tokens per backward, to bound its memory under a "
+        "larger --batch (the same gradient: not in the folder's name)",
     )
     ap.add_argument(
         "--stop-on-validation",
@@ -185,6 +193,7 @@ def train_and_judge(args, recipe, judge: str, budget: int, seed: int) -> dict:
         f"rl.credit={credit}",
         f"rl.kl_coef={kl}",
         f"trainer.batch_size={batch}",
+        *([f"trainer.micro_batch_tokens={args.micro_batch_tokens}"] if args.micro_batch_tokens else []),
         f"seed={seed}",
         f"output_dir={out}",
         "resume=auto",
