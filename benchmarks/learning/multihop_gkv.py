@@ -29,9 +29,8 @@ step's mean wall seconds in rollout and learner (Ray actors' CPU is not this pro
 ``--stop-on-validation 10,20,30,40`` stops each run early: it trains to 40 steps and judges the model it held at
 each of those lengths (``model-stepN``, or the checkpoint at N) on ``--validation-tasks`` tasks of the validation
 stream; the length with the most exact answers (ties: the fewer steps) is the one judged on the test stream, the
-validation figures beside it in ``stopped_on_validation``. ``--kl`` sets ``rl.kl_coef`` (folder ``_kl<β>``), ``--batch``
-the samples per step, ``trainer.batch_size`` (folder ``_b<N>``; ``--micro-batch-tokens`` bounds the learner's memory
-under it).
+validation figures beside it in ``stopped_on_validation``. ``--kl``: ``rl.kl_coef`` (folder ``_kl<β>``); ``--batch``:
+``trainer.batch_size``, samples a step (folder ``_b<N>``; ``--micro-batch-tokens`` bounds the learner's memory).
 
 ``--seeds 0,1,2`` trains and judges the formulation once per training seed (each into its folder, ``_sN`` added
 but for the recipe's own seed; a joint formulation's ``--scorer`` then names each seed's scorer with ``{seed}``)
