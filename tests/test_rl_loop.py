@@ -393,6 +393,18 @@ def test_micro_batches_and_checkpointing_equal_the_whole_step(reference, random_
         same_params(params, ref_params, atol=1e-3, mean_atol=1e-5)
 
 
+def test_a_run_resumes_with_smaller_micro_batches(reference, random_model, tmp_path):
+    """A run stopped after its first step (out of memory, say) continues with micro-batches and activation
+    checkpointing: knobs that keep the gradient (the test above) may change on resume, and the 3 steps
+    equal the reference's."""
+    _, ref_records, _ = reference
+    train(config(tmp_path, random_model, "trainer.steps=1"))
+    memory = ("trainer.micro_batch_tokens=64", "trainer.gradient_checkpointing=true")
+    records, _ = train(config(tmp_path, random_model, *memory, "trainer.steps=3"))
+    assert records[0]["micro_batches"] == 1 and all(r["micro_batches"] >= 4 for r in records[1:])
+    same_metrics(records, ref_records[:3], tol=1e-4, skip=("micro_batches",))
+
+
 def test_deepspeed_zero2_learner_and_its_resume(reference, random_model, tmp_path):
     """ZeRO-2 in one learner process: 1 step, then a resume from DeepSpeed's own checkpoint
     and 2 more steps, equal the reference's first 3 steps (step 3's metrics see the weights

@@ -339,6 +339,9 @@ class Shared:
         "workers.max_restarts",
         "workers.kv_cache_gib",
         "trainer.max_nonfinite_steps",
+        # memory knobs with the same gradient (tests/test_rl_loop.py): a run out of memory resumes with smaller ones
+        "trainer.micro_batch_tokens",
+        "trainer.gradient_checkpointing",
         "workers.niceness",
         "recipe_file",
     )  # where the values came from: the values are compared
